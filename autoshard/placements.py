@@ -1,0 +1,65 @@
+"""Text form of DTensor placements, as written in sharding maps.
+
+One placement per mesh dim: ``R`` (Replicate), ``S(<tensor dim>)`` (Shard),
+``P(<reduce op>)`` (Partial, e.g. ``P(sum)``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autoshard.errors import AutoshardError
+
+_SHARD = re.compile(r"^S\((\d+)\)$")
+_PARTIAL = re.compile(r"^P\((\w+)\)$")
+
+
+def placement_to_str(p: Placement) -> str:
+    """``Replicate()`` -> ``"R"``, ``Shard(1)`` -> ``"S(1)"``, ``Partial("sum")`` -> ``"P(sum)"``.
+
+    Raises:
+        AutoshardError: for a placement kind autoshard does not write (e.g. strided shards).
+    """
+    if isinstance(p, Shard) and type(p) is Shard:
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    raise AutoshardError(f"placement {p!r} has no text form; autoshard writes only R, S(d), P(op)")
+
+
+def placement_from_str(text: str) -> Placement:
+    """Inverse of :func:`placement_to_str`.
+
+    Raises:
+        AutoshardError: when ``text`` is not ``R``, ``S(<int>)`` or ``P(<op>)``.
+    """
+    text = text.strip()
+    if text == "R":
+        return Replicate()
+    if m := _SHARD.match(text):
+        return Shard(int(m.group(1)))
+    if m := _PARTIAL.match(text):
+        return Partial(m.group(1))
+    raise AutoshardError(
+        f"bad placement {text!r}: write R, S(<tensor dim>) or P(<reduce op>), e.g. S(0)"
+    )
+
+
+def placements_to_str(ps: Sequence[Placement]) -> list[str]:
+    """One text placement per mesh dim."""
+    return [placement_to_str(p) for p in ps]
+
+
+def placements_from_str(texts: Sequence[str]) -> tuple[Placement, ...]:
+    """Parse one text placement per mesh dim."""
+    return tuple(placement_from_str(t) for t in texts)
+
+
+def short(ps: Sequence[Placement]) -> str:
+    """Compact display form, e.g. ``S(0)·R``."""
+    return "·".join(placement_to_str(p) for p in ps)
