@@ -1,0 +1,302 @@
+"""Load a user's model file and build its model and example inputs.
+
+A model file is a plain Python file that defines two functions::
+
+    def build_model() -> torch.nn.Module: ...
+    def example_inputs() -> tuple[torch.Tensor, ...]: ...  # GLOBAL shapes
+
+autoshard calls both under ``with torch.device("meta"):`` for planning (no weights are
+allocated) and under a real device in the launcher. See ``docs/model-file.md``.
+
+Every mistake in a model file raises :class:`~autoshard.errors.AutoshardError` with a
+one-line message that names the file (and the line, where there is one) and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+import types
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoshard.errors import AutoshardError
+
+__all__ = ["LoadedModel", "ModelFile", "instantiate", "load_model_file"]
+
+_BUILD_MODEL_EXAMPLE = "def build_model() -> torch.nn.Module: return MyModel()"
+_EXAMPLE_INPUTS_EXAMPLE = (
+    "def example_inputs() -> tuple[torch.Tensor, ...]: return (torch.randn(8, 1024),)"
+)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """An imported model file.
+
+    Attributes:
+        path: absolute path of the file.
+        name: the file stem (``"gpt2"`` for ``examples/gpt2.py``); names the outputs,
+            e.g. ``solutions/<name>_<mesh>.pkl``.
+        module: the imported module; it defines ``build_model`` and ``example_inputs``.
+    """
+
+    path: Path
+    name: str
+    module: types.ModuleType
+
+
+@dataclass
+class LoadedModel:
+    """A model built from a model file, with its example inputs.
+
+    Attributes:
+        module: the model, in ``eval()`` mode (dropout off).
+        inputs: example inputs with GLOBAL shapes, on the requested device.
+        input_names: names of ``module.forward``'s parameters, matched positionally to
+            ``inputs`` (same length).
+        name: the model file's stem.
+    """
+
+    module: torch.nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    input_names: tuple[str, ...]
+    name: str
+
+
+def _show(path: Path) -> str:
+    """The path as a user wants to read it: relative to the cwd when under it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # other drive on Windows
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def _user_line(exc: BaseException, path: Path) -> int | None:
+    """The line of ``path`` nearest to where ``exc`` was raised, if it passed through it."""
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename and Path(frame.filename).resolve() == path:
+            line = frame.lineno
+    return line
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line."""
+    msg = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _importable(path: Path, module_name: str, module: types.ModuleType) -> Iterator[None]:
+    """Make the file's directory importable and its module findable, for a while only.
+
+    The module is in ``sys.modules`` under its unique name while the file runs (classes
+    and dataclasses defined in it look themselves up there), and removed afterwards.
+    """
+    directory = str(path.parent)
+    added_path = directory not in sys.path
+    if added_path:
+        sys.path.insert(0, directory)
+    had_module = module_name in sys.modules
+    sys.modules[module_name] = module
+    try:
+        yield
+    finally:
+        if not had_module:
+            sys.modules.pop(module_name, None)
+        if added_path:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(directory)
+
+
+def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """Import a model file under a unique module name.
+
+    The file's directory is importable while it runs, so it may import helper modules
+    beside it. Nothing is built yet: call :func:`instantiate` for that.
+
+    Raises:
+        AutoshardError: the file is missing, a directory or not ``.py``; it fails to
+            import (syntax error or an exception; the message gives the line); or it
+            lacks a callable ``build_model`` or ``example_inputs``.
+    """
+    given = Path(path)
+    resolved = given.expanduser().resolve()
+    show = _show(resolved)
+    if not resolved.exists():
+        raise AutoshardError(
+            f"{show}: model file not found; pass the path of a .py file that defines "
+            "build_model() and example_inputs()"
+        )
+    if resolved.is_dir():
+        raise AutoshardError(
+            f"{show}: is a directory, not a model file; pass the path of a .py file that "
+            "defines build_model() and example_inputs()"
+        )
+    if resolved.suffix != ".py":
+        raise AutoshardError(
+            f"{show}: a model file must be a Python file ending in .py; pass a .py file "
+            "that defines build_model() and example_inputs()"
+        )
+
+    module_name = f"_autoshard_model_{resolved.stem}_{uuid.uuid4().hex[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:  # pragma: no cover - .py files always load
+        raise AutoshardError(f"{show}: cannot be imported as a Python file; check its name")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        with _importable(resolved, module_name, module):
+            spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        where = _show(Path(exc.filename).resolve()) if exc.filename else show
+        line = f":{exc.lineno}" if exc.lineno else ""
+        note = "" if where == show else f" (imported by {show})"
+        raise AutoshardError(
+            f"{where}{line}: {type(exc).__name__}: {exc.msg}{note}; fix the file"
+        ) from exc
+    except (Exception, SystemExit) as exc:
+        line = _user_line(exc, resolved)
+        at = f":{line}" if line is not None else ""
+        raise AutoshardError(
+            f"{show}{at}: {_one_line(exc)} (while importing the model file; fix the file)"
+        ) from exc
+
+    for fn, example in (
+        ("build_model", _BUILD_MODEL_EXAMPLE),
+        ("example_inputs", _EXAMPLE_INPUTS_EXAMPLE),
+    ):
+        value = getattr(module, fn, None)
+        if value is None:
+            raise AutoshardError(f"{show}: does not define {fn}(); add it, e.g. `{example}`")
+        if not callable(value):
+            raise AutoshardError(
+                f"{show}: {fn} is a {type(value).__name__}, not a function; "
+                f"define it as a function, e.g. `{example}`"
+            )
+    return ModelFile(path=resolved, name=resolved.stem, module=module)
+
+
+def _call(mf: ModelFile, fn: str, device: torch.device) -> Any:
+    """Call ``mf.module.<fn>()`` under ``device``; turn its exceptions into AutoshardError."""
+    func: Callable[[], Any] = getattr(mf.module, fn)
+    show = _show(mf.path)
+    try:
+        with _importable(mf.path, mf.module.__name__, mf.module), torch.device(device):
+            return func()
+    except (Exception, SystemExit) as exc:
+        line = _user_line(exc, mf.path)
+        at = f":{line}" if line is not None else ""
+        raise AutoshardError(
+            f"{show}{at}: {fn}() raised {_one_line(exc)} (on device {device}; fix {fn})"
+        ) from exc
+
+
+def _describe(value: object) -> str:
+    """A short description of a returned value, for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join(type(v).__name__ for v in value[:4])
+        more = ", ..." if len(value) > 4 else ""
+        return f"a {type(value).__name__} of ({kinds}{more})"
+    return f"a {type(value).__name__}"
+
+
+def _forward_inputs(module: torch.nn.Module) -> tuple[list[str], str | None, list[str]]:
+    """forward()'s positional parameter names, its ``*args`` name, and required names."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return [], "args", []
+    positional: list[str] = []
+    var: str | None = None
+    required: list[str] = []
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional.append(p.name)
+            if p.default is p.empty:
+                required.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            var = p.name
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            required.append(p.name)
+    return positional, var, required
+
+
+def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedModel:
+    """Build the model and its example inputs under ``with torch.device(device):``.
+
+    On ``"meta"`` (the default, for planning) no memory is allocated for weights. The
+    module is put in ``eval()`` mode (dropout off). Inputs keep their GLOBAL shapes.
+
+    Raises:
+        AutoshardError: ``build_model()`` or ``example_inputs()`` raises or returns the
+            wrong type (an ``nn.Module``; a non-empty tuple or list of tensors), or
+            ``forward()`` cannot take the inputs (too many, or a required one missing).
+    """
+    dev = torch.device(device)
+    show = _show(mf.path)
+
+    module = _call(mf, "build_model", dev)
+    if not isinstance(module, torch.nn.Module):
+        raise AutoshardError(
+            f"{show}: build_model() returned {_describe(module)}, not a torch.nn.Module; "
+            f"return the model, e.g. `{_BUILD_MODEL_EXAMPLE}`"
+        )
+    module.eval()
+
+    raw = _call(mf, "example_inputs", dev)
+    if isinstance(raw, torch.Tensor):
+        raise AutoshardError(
+            f"{show}: example_inputs() returned a single Tensor of shape "
+            f"{tuple(raw.shape)}; return a tuple of tensors, e.g. `return (x,)`"
+        )
+    if not isinstance(raw, (tuple, list)) or not raw:
+        what = "an empty " + type(raw).__name__ if isinstance(raw, (tuple, list)) else None
+        raise AutoshardError(
+            f"{show}: example_inputs() returned {what or _describe(raw)}; return a "
+            f"non-empty tuple of tensors, e.g. `{_EXAMPLE_INPUTS_EXAMPLE}`"
+        )
+    for i, item in enumerate(raw):
+        if not isinstance(item, torch.Tensor):
+            raise AutoshardError(
+                f"{show}: example_inputs() returned {_describe(raw)}: item {i} is a "
+                f"{type(item).__name__}, not a torch.Tensor; return only tensors, "
+                "positionally in forward()'s order"
+            )
+    try:
+        inputs = tuple(t if t.device == dev else t.to(dev) for t in raw)
+    except (RuntimeError, NotImplementedError) as exc:
+        raise AutoshardError(
+            f"{show}: example_inputs() made tensors on {raw[0].device} that cannot move to "
+            f"{dev} ({_one_line(exc)}); create them without an explicit device="
+        ) from exc
+
+    positional, var, required = _forward_inputs(module)
+    cls = type(module).__name__
+    if len(inputs) > len(positional) and var is None:
+        raise AutoshardError(
+            f"{show}: example_inputs() returned {len(inputs)} tensors but "
+            f"{cls}.forward() takes {len(positional)} positional input(s) "
+            f"({', '.join(positional) or 'none'}); return at most {len(positional)}"
+        )
+    missing = [n for n in required if n not in positional[: len(inputs)]]
+    if missing:
+        raise AutoshardError(
+            f"{show}: {cls}.forward() requires {', '.join(missing)} but example_inputs() "
+            f"returned only {len(inputs)} tensor(s); return one tensor per required input"
+        )
+    names = positional[: len(inputs)]
+    names += [f"{var}_{i}" for i in range(len(inputs) - len(names))]
+    return LoadedModel(module=module, inputs=inputs, input_names=tuple(names), name=mf.name)
