@@ -275,13 +275,16 @@ def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedMod
                 f"{type(item).__name__}, not a torch.Tensor; return only tensors, "
                 "positionally in forward()'s order"
             )
-    try:
-        inputs = tuple(t if t.device == dev else t.to(dev) for t in raw)
-    except (RuntimeError, NotImplementedError) as exc:
-        raise AutoshardError(
-            f"{show}: example_inputs() made tensors on {raw[0].device} that cannot move to "
-            f"{dev} ({_one_line(exc)}); create them without an explicit device="
-        ) from exc
+    moved = []
+    for i, t in enumerate(raw):
+        try:
+            moved.append(t if t.device == dev else t.to(dev))
+        except (RuntimeError, NotImplementedError) as exc:
+            raise AutoshardError(
+                f"{show}: example_inputs() made input {i} on {t.device}, which cannot move "
+                f"to {dev} ({_one_line(exc)}); create it without an explicit device="
+            ) from exc
+    inputs = tuple(moved)
 
     positional, var, required = _forward_inputs(module)
     cls = type(module).__name__

@@ -358,3 +358,19 @@ def test_message_uses_path_relative_to_cwd(tmp_path: Path, monkeypatch: pytest.M
         "examples/bad.py:3: NameError: name 'x' is not defined "
         "(while importing the model file; fix the file)"
     )
+
+
+def test_input_that_cannot_move_to_the_device(tmp_path: Path) -> None:
+    source = GOOD.replace("(torch.randn(3, 4),)", "(torch.randn(3, 4, device='meta'),)")
+    with pytest.raises(AutoshardError) as info:
+        instantiate(load_model_file(write(tmp_path, source)), "cpu")
+    assert "example_inputs() made input 0 on meta, which cannot move to cpu" in str(info.value)
+
+
+def test_bert_example_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    lm = instantiate(load_model_file(EXAMPLES / "bert.py"))
+    assert lm.name == "bert" and lm.input_names == ("input_ids",)
+    assert [(tuple(t.shape), t.dtype) for t in lm.inputs] == [((8, 512), torch.int64)]
+    assert len(lm.module.bert.encoder.layer) == 2
+    assert all(p.device.type == "meta" for p in lm.module.parameters())
