@@ -1,0 +1,236 @@
+"""Every private PyTorch API autoshard touches, in one place.
+
+PyTorch's DTensor keeps its per-op sharding rules in
+``DTensor._op_dispatcher.sharding_propagator``: ``op_strategy_funcs`` (rules that
+enumerate strategies from the strategies of their inputs: views, softmax, ...) and
+``op_single_dim_strategy_funcs`` (rules given for one mesh dim, expanded by torch to
+the whole mesh: mm, addmm, bmm, pointwise ops, layer norm, embedding, ...). Both
+are private and change between releases, so autoshard pins ``torch>=2.13,<2.14``
+and reaches them only through this module, which ``tests/test_torch_private.py``
+checks directly.
+
+Also here: the fake process group that gives a device mesh of any size in one
+process (``torch.testing._internal.distributed.fake_pg``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _expand_single_dim_strategy_to_mesh,
+)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_flatten
+
+Placements = tuple[Placement, ...]
+
+__all__ = [
+    "RuleStrategy",
+    "fake_mesh",
+    "has_rule",
+    "rule_strategies",
+    "tensor_meta",
+]
+
+
+@contextlib.contextmanager
+def fake_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> Iterator[DeviceMesh]:
+    """A ``DeviceMesh`` of ``shape`` on a fake process group, in this one process.
+
+    Nothing is communicated; DTensor's sharding rules only need the mesh's shape.
+    An existing default process group (e.g. under torchrun) is left alone and
+    must already have ``prod(shape)`` ranks.
+
+    Raises:
+        RuntimeError: from torch if an existing process group has the wrong size.
+    """
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=0, world_size=math.prod(shape)
+        )
+    try:
+        names = tuple(dim_names) if dim_names else None
+        yield init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    """DTensor's ``TensorMeta`` (shape, stride, dtype) of a (fake or meta) tensor."""
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_rule(op: Any) -> bool:
+    """Whether PyTorch has a DTensor sharding rule for ``op`` (an ``OpOverload``)."""
+    sp = _propagator()
+    return op in sp.op_single_dim_strategy_funcs or op in sp.op_strategy_funcs
+
+
+@dataclass(frozen=True)
+class RuleStrategy:
+    """One strategy from PyTorch's rule: output placements and tensor-input placements.
+
+    ``outputs`` has one entry per tensor output of the op (``None`` for a non-tensor
+    output); ``inputs`` one per tensor input, in the order of
+    :func:`rule_strategies`' ``tensor_args``.
+    """
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+
+def _plain(ps: Sequence[Placement]) -> bool:
+    """Only plain Shard / Replicate / Partial(sum); no strided shards, no other reductions."""
+    for p in ps:
+        if type(p) is Shard or isinstance(p, Replicate):
+            continue
+        if type(p) is Partial and p.reduce_op == "sum":
+            continue
+        return False
+    return True
+
+
+def rule_strategies(
+    op: Any,
+    args: tuple,
+    kwargs: dict,
+    mesh: DeviceMesh,
+    candidates: dict[int, Sequence[Placements]],
+    out_meta: Any,
+) -> list[RuleStrategy]:
+    """Enumerate the strategies PyTorch's own DTensor rule allows for one op.
+
+    Args:
+        op: the ``OpOverload`` (e.g. ``aten.mm.default``).
+        args, kwargs: the op's arguments, with every tensor argument replaced by its
+            ``TensorMeta`` (see :func:`tensor_meta`); other values as in the graph.
+        mesh: the device mesh (from :func:`fake_mesh`).
+        candidates: for the i-th tensor argument (flattened order), the placements
+            its producer can give it. Rules that follow their inputs (views,
+            softmax, ...) enumerate one strategy per candidate; rules given for a
+            single mesh dim enumerate every combination regardless.
+        out_meta: the op's output ``TensorMeta`` (or tuple of them).
+
+    Returns:
+        The strategies with only plain placements (``Shard``, ``Replicate``,
+        ``Partial("sum")``); strided shards and other reductions are dropped.
+
+    Raises:
+        KeyError: when PyTorch has no rule for ``op`` (check :func:`has_rule`).
+        Exception: whatever the rule raises for arguments it cannot handle.
+    """
+    sp = _propagator()
+    counter = iter(range(1 << 30))
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, TensorMeta):
+            i = next(counter)
+            cands = candidates.get(i) or [(Replicate(),) * mesh.ndim]
+            return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(c), x)) for c in cands])
+        return x
+
+    single = sp.op_single_dim_strategy_funcs.get(op)
+    if single is not None:
+        # The single-dim expansion wants one spec per input; it fills its sharding
+        # placeholders with the Shard kinds present there, so give it a Shard.
+        def wrap1(x: Any) -> Any:
+            if isinstance(x, TensorMeta):
+                ps = (Shard(0),) if len(x.shape) else (Replicate(),)
+                ps = ps + (Replicate(),) * (mesh.ndim - 1)
+                return OpStrategy([OpSpec(DTensorSpec(mesh, ps, x))])
+            return x
+
+        s_args = tuple(_map_tensor_list(wrap1, a) for a in args)
+        s_kwargs = {k: _map_tensor_list(wrap1, v) for k, v in kwargs.items()}
+        schema = OpSchema(op, s_args, s_kwargs, schema_info=_schema_info(op, single=True))
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
+        strategy = fn(op, schema.args_meta, schema.kwargs_meta)
+    else:
+        func = sp.op_strategy_funcs[op]
+        s_args = tuple(_map_tensor_list(wrap, a) for a in args)
+        s_kwargs = {k: _map_tensor_list(wrap, v) for k, v in kwargs.items()}
+        schema = OpSchema(op, s_args, s_kwargs, schema_info=_schema_info(op, single=False))
+        strategy = func(schema)
+    return _to_rule_strategies(strategy)
+
+
+def _schema_info(op: Any, single: bool):
+    sp = _propagator()
+    table = sp.op_to_schema_info_for_single_dim_strategy if single else sp.op_to_schema_info
+    return table.get(op) or sp.op_to_schema_info.get(op)
+
+
+def _map_tensor_list(fn, value: Any) -> Any:
+    """Apply ``fn`` to every leaf; lists of tensors become ``TupleStrategy`` as DTensor expects."""
+    if isinstance(value, TensorMeta):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, TensorMeta) for v in value):
+        return TupleStrategy([fn(v) for v in value])
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensor_list(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensor_list(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def _to_rule_strategies(strategy: Any) -> list[RuleStrategy]:
+    if isinstance(strategy, TupleStrategy):
+        # e.g. ops returning a list of tensors through a per-output strategy: combine
+        # the children index-wise only when they are aligned one strategy each.
+        children = [_to_rule_strategies(c) for c in strategy.children]
+        if not children or any(len(c) != len(children[0]) for c in children):
+            raise ValueError("unaligned tuple strategy")
+        out = []
+        for parts in zip(*children, strict=True):
+            out.append(
+                RuleStrategy(
+                    outputs=tuple(p.outputs[0] for p in parts),
+                    inputs=parts[0].inputs,
+                )
+            )
+        return out
+    result = []
+    for spec in strategy.strategies:
+        outs = spec.output_specs
+        if isinstance(outs, DTensorSpec):
+            outputs = (tuple(outs.placements),)
+        else:
+            outputs = tuple(tuple(o.placements) if o is not None else None for o in outs)
+        ins = spec.input_specs
+        if ins is None:  # "same as output" convention
+            first = next(o for o in outputs if o is not None)
+            n_in = len(strategy.strategies[0].input_specs or ()) or 1
+            inputs = (first,) * n_in
+        else:
+            inputs = tuple(tuple(s.placements) for s in ins)
+        if all(o is None or _plain(o) for o in outputs) and all(_plain(i) for i in inputs):
+            result.append(RuleStrategy(outputs=outputs, inputs=inputs))
+    return result
+
+
+def flatten_tensor_args(args: tuple, kwargs: dict, is_tensor) -> list[Any]:
+    """The tensor arguments of a call in the flattened order DTensor's rules use."""
+    leaves, _ = tree_flatten((list(args), kwargs))
+    return [x for x in leaves if is_tensor(x)]
+
+
+def is_single_dim(op: Any) -> bool:
+    """Whether ``op``'s rule is given per mesh dim (its strategies ignore input candidates)."""
+    return op in _propagator().op_single_dim_strategy_funcs

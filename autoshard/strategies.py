@@ -1,0 +1,556 @@
+"""Candidate strategies for every node, shrunk before the ILP sees them.
+
+A *strategy* of a node is one choice of placements (one per mesh dim) for each of
+its tensor inputs and outputs. They come from PyTorch's own DTensor sharding
+rules (through :mod:`autoshard._torch_private`), from autoshard's small table of
+rules where PyTorch has none or a broken one (:data:`OWN_RULES`), and otherwise
+from a replicate fallback (everything ``Replicate``) that is counted and
+reported, never silent.
+
+Shrinking, as Alpa does (Zheng et al., OSDI'22, section 4.1):
+
+* **free nodes**: factory ops (``arange``, ``full``, ...), buffers and every op
+  computed only from them (masks, position ids) cost nothing to produce in any
+  placement on every device, so they get no variable and no resharding edge;
+* **duplicates** are dropped (same input and output placements);
+* **follow nodes**: an op with one tensor input whose rule maps each placement its
+  producer can give to exactly one strategy, with no resharding (views,
+  transposes, elementwise ops, softmax), is merged into its producer: it gets no
+  variable, its strategy is a function of the producer's;
+* generation is **cached** by (op, argument shapes and values, input candidates), so
+  repeated layers cost one layer of rule calls.
+
+Variables belong to *representative* nodes; every other non-free node maps each
+strategy of its representative to one of its own (``choice``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autoshard import _torch_private as tp
+from autoshard.trace import TensorInfo, TracedGraph, op_flops
+
+Placements = tuple[Placement, ...]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of a node's tensor outputs and tensor inputs (one tuple per tensor)."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+
+@dataclass
+class NodeStrategies:
+    """The strategies of one node and how it is tied to its representative.
+
+    ``rep``: the node whose variable decides this node (itself for a
+    representative). ``choice[i]``: index into ``strategies`` when the
+    representative picks its strategy ``i``. ``compute_s[j]``: roofline time of
+    strategy ``j`` on one device, seconds.
+    """
+
+    name: str
+    strategies: list[Strategy]
+    compute_s: np.ndarray
+    rep: str
+    choice: np.ndarray
+    fallback: bool = False
+
+
+@dataclass
+class Edge:
+    """A tensor flowing from representative ``src`` to representative ``dst``.
+
+    ``src_groups[i]``: index of the distinct source placement produced when ``src``
+    picks strategy ``i``; ``dst_groups[j]`` likewise for the placement ``dst``'s
+    strategy ``j`` wants. ``cost[a, b]``: seconds to reshard source placement
+    ``a`` into wanted placement ``b`` (``inf`` when impossible).
+    """
+
+    src: str
+    dst: str
+    tensor: TensorInfo
+    src_placements: list[Placements]
+    dst_placements: list[Placements]
+    src_groups: np.ndarray
+    dst_groups: np.ndarray
+    cost: np.ndarray
+    producer: str = ""  # the node (maybe merged) that produces the tensor
+    consumer: str = ""  # the node (maybe merged) that reads it
+
+
+@dataclass
+class StrategyGraph:
+    """Everything the ILP needs: per representative a cost vector, edges between them."""
+
+    graph: TracedGraph
+    mesh_shape: tuple[int, ...]
+    nodes: dict[str, NodeStrategies]
+    free: set[str]
+    edges: list[Edge]
+    fallback_ops: Counter
+    seconds: float
+    rule_calls: int = 0
+    cache_hits: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reps(self) -> list[str]:
+        """Representative node names, topological order."""
+        return [n for n, s in self.nodes.items() if s.rep == n]
+
+    def rep_cost(self, rep: str) -> np.ndarray:
+        """Compute seconds of ``rep``'s strategies, with every node merged into it."""
+        return self._rep_costs()[rep]
+
+    def _rep_costs(self) -> dict[str, np.ndarray]:
+        if "_rep_cost_cache" not in self.__dict__:
+            costs = {r: np.zeros(len(self.nodes[r].strategies)) for r in self.reps}
+            for ns in self.nodes.values():
+                costs[ns.rep] += ns.compute_s[ns.choice]
+            self.__dict__["_rep_cost_cache"] = costs
+        return self.__dict__["_rep_cost_cache"]
+
+    def output_placements(self, node: str, rep_choice: int, index: int = 0) -> Placements | None:
+        """Placement of ``node``'s output ``index`` when its representative picks ``rep_choice``."""
+        ns = self.nodes[node]
+        return ns.strategies[ns.choice[rep_choice]].outputs[index]
+
+
+def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every Replicate/Shard placement of a tensor of ``shape`` that shards evenly.
+
+    A tensor dim may be sharded over several mesh dims (its size must divide by
+    their product). Partial is excluded: only ops produce partial values.
+    """
+    per_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    out = []
+    for combo in itertools.product(per_dim, repeat=len(mesh_shape)):
+        div = [1] * len(shape)
+        for p, n in zip(combo, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                div[p.dim] *= n
+        if all(s % d == 0 for s, d in zip(shape, div, strict=True)):
+            out.append(combo)
+    return out
+
+
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple:
+    """Shape of the shard one device holds (even sharding; ceil otherwise)."""
+    local = list(shape)
+    for p, n in zip(placements, mesh_shape, strict=True):
+        if isinstance(p, Shard) and p.dim < len(local):
+            local[p.dim] = -(-local[p.dim] // n)
+    return tuple(local)
+
+
+# --- autoshard's own rules: ops PyTorch has no (working) rule for ---------------------
+
+OwnRule = Callable[[Any, list[TensorInfo], list[TensorInfo | None], tuple[int, ...]], list[Strategy]]
+
+
+def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
+    """``nll_loss_forward(input[N, C], target[N], weight?, reduction, ignore_index)``.
+
+    PyTorch's rule indexes the target's strategy by the input's index and breaks
+    with several input strategies. Here: batch-sharded input and target give a
+    partial loss (sum reduction: partial sum; mean: partial of local means, which
+    is only exact for equal shards, as DTensor itself assumes), replicated gives
+    replicated. Outputs: (loss, total_weight).
+    """
+    rep = (Replicate(),) * len(mesh_shape)
+    n_in = len(args)
+    out = [Strategy((rep, rep), (rep,) * n_in)]
+    for combo in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
+        if all(isinstance(p, Replicate) for p in combo):
+            continue
+        if args[0].shape[0] % math.prod(
+            n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard)
+        ):
+            continue
+        partial = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
+        ins = (combo, combo) + (rep,) * (n_in - 2)
+        out.append(Strategy((partial, partial), ins))
+    return out
+
+
+OWN_RULES: dict[Any, OwnRule] = {
+    aten.nll_loss_forward.default: _nll_loss_forward_rule,
+}
+
+
+def _replicate_fallback(n_in: int, results: list[TensorInfo | None], ndim: int) -> list[Strategy]:
+    rep = (Replicate(),) * ndim
+    return [Strategy(tuple(rep if r is not None else None for r in results), (rep,) * n_in)]
+
+
+# --- generation --------------------------------------------------------------------
+
+
+def _static_key(value: Any, infos: dict[str, TensorInfo]) -> Any:
+    """Hashable form of a node argument: tensors become (shape, dtype)."""
+    if isinstance(value, torch.fx.Node):
+        t = infos.get(value.name)
+        return ("T", t.shape, str(t.dtype)) if t is not None else ("N", value.name)
+    if isinstance(value, (list, tuple)):
+        return tuple(_static_key(v, infos) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _static_key(v, infos)) for k, v in value.items()))
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(value)
+    return value
+
+
+def _to_meta_args(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        v = value.meta.get("val")
+        return tp.tensor_meta(v) if isinstance(v, torch.Tensor) else v
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta_args(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta_args(v) for k, v in value.items()}
+    return value
+
+
+def _out_meta(node: torch.fx.Node) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return tuple(tp.tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return tp.tensor_meta(val) if isinstance(val, torch.Tensor) else None
+
+
+def build_strategy_graph(
+    graph: TracedGraph,
+    mesh_shape: Sequence[int],
+    compute_time: Callable[[float, float, torch.dtype], float],
+    redistribute_cost: Callable[[Placements, Placements, tuple[int, ...], int], float],
+    fixed_inputs: Placements | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> StrategyGraph:
+    """Generate, cost and shrink the strategies of every node of ``graph``.
+
+    Args:
+        graph: the traced graph.
+        mesh_shape: devices per mesh dim, e.g. ``(2, 4)``.
+        compute_time: ``(flops, bytes, dtype) -> seconds`` on one device (roofline).
+        redistribute_cost: ``(src, dst, global shape, itemsize) -> seconds``.
+        fixed_inputs: when given, every user input must have these placements
+            (e.g. all ``Replicate``); ``None`` lets the ILP choose.
+        progress: called with (nodes done, nodes total).
+
+    Returns:
+        The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
+        replicate fallback.
+    """
+    t0 = time.perf_counter()
+    mesh_shape = tuple(mesh_shape)
+    ndim = len(mesh_shape)
+    rep_all = (Replicate(),) * ndim
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    infos = {
+        name: info.results[0]
+        for name, info in graph.nodes.items()
+        if info.results and info.results[0] is not None
+    }
+    nodes: dict[str, NodeStrategies] = {}
+    free: set[str] = set()
+    fallback: Counter = Counter()
+    cache: dict[Any, tuple[list[Strategy], bool]] = {}
+    cost_cache: dict[Any, np.ndarray] = {}
+    calls = hits = 0
+    # producer output placements available to consumers: node -> output index -> list
+    stats = Counter()
+    # every name of a tied parameter -> its canonical name; canonical -> first graph node
+    tied = {alias: owner for owner, names in graph.param_names.items() for alias in names}
+    param_node: dict[str, str] = {}
+
+    def out_cands(name: str, index: int) -> list[Placements]:
+        ns = nodes[name]
+        seen = dict.fromkeys(
+            ns.strategies[c].outputs[index] for c in ns.choice
+        )
+        return [p for p in seen if p is not None]
+
+    with tp.fake_mesh(mesh_shape) as mesh:
+        total = len(graph.nodes)
+        for done, (name, info) in enumerate(graph.nodes.items()):
+            if progress and done % 50 == 0:
+                progress(done, total)
+            if info.kind == "buffer":
+                free.add(name)
+                continue
+            if info.kind == "param" and tied.get(info.fqn) in param_node:
+                # a tied parameter appears once per name in the graph: one placement for all
+                first = nodes[param_node[tied[info.fqn]]]
+                nodes[name] = NodeStrategies(
+                    name, first.strategies, first.compute_s, first.rep, first.choice
+                )
+                continue
+            if info.kind == "param":
+                param_node.setdefault(tied.get(info.fqn, info.fqn), name)
+            if info.kind in ("param", "input"):
+                shape = info.results[0].shape
+                if info.kind == "input" and fixed_inputs is not None:
+                    cands = [tuple(fixed_inputs)]
+                else:
+                    cands = all_placements(shape, mesh_shape)
+                strategies = [Strategy((c,), ()) for c in cands]
+                nodes[name] = NodeStrategies(
+                    name, strategies, np.zeros(len(strategies)), name, np.arange(len(strategies))
+                )
+                continue
+            if info.kind == "output":
+                for k, (arg, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                    if arg in free or t is None:
+                        continue
+                    sink = f"{name}.{k}"
+                    cands = all_placements(t.shape, mesh_shape)
+                    strategies = [Strategy((), (c,)) for c in cands]
+                    nodes[sink] = NodeStrategies(
+                        sink, strategies, np.zeros(len(strategies)), sink, np.arange(len(strategies))
+                    )
+                continue
+
+            node = fx_nodes[name]
+            if all(r is None for r in info.results) or all(a in free for a in info.arg_nodes):
+                free.add(name)  # factory op, assertion, or computed from free nodes only
+                continue
+
+            if node.target is operator.getitem:
+                src, idx = node.args[0].name, node.args[1]
+                ps = nodes[src]
+                strategies = [
+                    Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies
+                ]
+                nodes[name] = NodeStrategies(
+                    name, strategies, np.zeros(len(strategies)), ps.rep, ps.choice.copy()
+                )
+                continue
+
+            # candidate placements of each tensor input
+            cand_lists: list[list[Placements]] = []
+            for a, t in zip(info.arg_nodes, info.args, strict=True):
+                if a in free:
+                    cand_lists.append(all_placements(t.shape, mesh_shape))
+                else:
+                    cand_lists.append(out_cands(a, 0))
+
+            target = node.target
+            own = OWN_RULES.get(target)
+            key = (
+                target,
+                _static_key(node.args, infos),
+                _static_key(dict(node.kwargs), infos),
+                None if own or target in _SINGLE_DIM_CACHE_SAFE else tuple(map(tuple, cand_lists)),
+            )
+            cached = cache.get(key)
+            if cached is None:
+                calls += 1
+                strategies = _generate(node, info, mesh, mesh_shape, cand_lists, own)
+                used_fallback = strategies is None
+                if used_fallback:
+                    strategies = _replicate_fallback(len(info.args), info.results, ndim)
+                cache[key] = (strategies, used_fallback)
+            else:
+                hits += 1
+                strategies, used_fallback = cached
+            if used_fallback:
+                fallback[str(target)] += 1
+
+            ckey = (key[0], key[1], key[2], len(strategies), id(strategies))
+            compute = cost_cache.get(ckey)
+            if compute is None:
+                compute = np.array(
+                    [_compute_cost(target, info, s, mesh_shape, compute_time) for s in strategies]
+                )
+                cost_cache[ckey] = compute
+
+            # follow node: one non-free tensor input, each producer placement maps to one
+            # strategy with no resharding
+            nonfree = [i for i, a in enumerate(info.arg_nodes) if a not in free]
+            merged = False
+            if len(nonfree) == 1 and len(info.arg_nodes) == 1:
+                src = info.arg_nodes[0]
+                ps = nodes[src]
+                by_input: dict[Placements, int] = {}
+                ambiguous = set()
+                for j, s in enumerate(strategies):
+                    p = s.inputs[0]
+                    if p in by_input and strategies[by_input[p]].outputs != s.outputs:
+                        ambiguous.add(p)
+                    by_input.setdefault(p, j)
+                produced = [ps.strategies[c].outputs[0] for c in ps.choice]
+                if all(p in by_input and p not in ambiguous for p in produced):
+                    choice = np.array([by_input[p] for p in produced], dtype=np.int64)
+                    nodes[name] = NodeStrategies(
+                        name, strategies, compute, ps.rep, choice, used_fallback
+                    )
+                    merged = True
+                    stats["merged"] += 1
+            if not merged:
+                nodes[name] = NodeStrategies(
+                    name, strategies, compute, name, np.arange(len(strategies)), used_fallback
+                )
+        if progress:
+            progress(total, total)
+
+    edges = _build_edges(graph, nodes, free, redistribute_cost)
+    sg = StrategyGraph(
+        graph=graph,
+        mesh_shape=mesh_shape,
+        nodes=nodes,
+        free=free,
+        edges=edges,
+        fallback_ops=fallback,
+        seconds=time.perf_counter() - t0,
+        rule_calls=calls,
+        cache_hits=hits,
+    )
+    sg.stats = {
+        "nodes": len(graph.nodes),
+        "free": len(free),
+        "merged": stats["merged"],
+        "variables_nodes": len(sg.reps),
+        "strategies": sum(len(nodes[r].strategies) for r in sg.reps),
+        "edges": len(edges),
+        "edge_pairs": int(sum(np.isfinite(e.cost).sum() for e in edges)),
+    }
+    return sg
+
+
+# single-dim rules enumerate every combination whatever the inputs: cache them without
+# the input candidates in the key
+_SINGLE_DIM_CACHE_SAFE: set = set()
+
+
+def has_rule_or_own(target: Any) -> bool:
+    return target in OWN_RULES or tp.has_rule(target)
+
+
+def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:
+    """Strategies for one op, deduplicated; ``None`` when no rule gives any."""
+    if own is not None:
+        found = own(node, info.args, info.results, mesh_shape)
+    elif tp.has_rule(node.target):
+        try:
+            rs = tp.rule_strategies(
+                node.target,
+                _to_meta_args(tuple(node.args)),
+                _to_meta_args(dict(node.kwargs)),
+                mesh,
+                dict(enumerate(cand_lists)),
+                _out_meta(node),
+            )
+        except Exception:  # a rule that cannot handle these arguments: fall back
+            return None
+        if tp.is_single_dim(node.target):
+            _SINGLE_DIM_CACHE_SAFE.add(node.target)
+        found = [Strategy(r.outputs, r.inputs) for r in rs]
+    else:
+        return None
+    n_in = len(info.args)
+    out = []
+    seen = set()
+    for s in found:
+        if len(s.inputs) != n_in or s in seen:
+            continue
+        if not _even(s, info, mesh_shape):
+            continue
+        seen.add(s)
+        out.append(s)
+    return out or None
+
+
+def _even(s: Strategy, info, mesh_shape) -> bool:
+    """Every sharded tensor dim divides evenly by the devices sharding it."""
+    tensors = list(zip(s.inputs, info.args, strict=True)) + [
+        (p, r) for p, r in zip(s.outputs, info.results, strict=False) if p is not None and r
+    ]
+    for ps, t in tensors:
+        if t is None:
+            continue
+        div = [1] * max(len(t.shape), 1)
+        for p, n in zip(ps, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                if p.dim >= len(t.shape):
+                    return False
+                div[p.dim] *= n
+        if any(sz % d for sz, d in zip(t.shape, div, strict=False)):
+            return False
+    return True
+
+
+def _compute_cost(target, info, s: Strategy, mesh_shape, compute_time) -> float:
+    """Roofline seconds of strategy ``s`` on one device: its local shard of the op."""
+    args = [
+        TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
+        for t, p in zip(info.args, s.inputs, strict=True)
+    ]
+    results = [
+        TensorInfo(local_shape(r.shape, p, mesh_shape), r.dtype) if r is not None and p else r
+        for r, p in zip(info.results, s.outputs + (None,) * len(info.results), strict=False)
+    ]
+    flops = op_flops(target, args, results)
+    nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
+    dtype = next((r.dtype for r in results if r is not None), torch.float32)
+    return compute_time(flops, nbytes, dtype)
+
+
+def _build_edges(graph, nodes, free, redistribute_cost) -> list[Edge]:
+    edges = []
+    consumers: list[tuple[str, int, str, TensorInfo]] = []
+    for name, info in graph.nodes.items():
+        if info.kind == "op" and name in nodes:
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                consumers.append((name, k, a, t))
+        elif info.kind == "output":
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                if f"{name}.{k}" in nodes:
+                    consumers.append((f"{name}.{k}", 0, a, t))
+    for dst_name, k, src_name, t in consumers:
+        if src_name in free:
+            continue
+        src, dst = nodes[src_name], nodes[dst_name]
+        if src.rep == dst.rep:
+            continue  # a follow node reads its producer's placement as is
+        s_rep, d_rep = nodes[src.rep], nodes[dst.rep]
+        produced = [src.strategies[src.choice[i]].outputs[0] for i in range(len(s_rep.strategies))]
+        wanted = [dst.strategies[dst.choice[j]].inputs[k] for j in range(len(d_rep.strategies))]
+        p_list = list(dict.fromkeys(produced))
+        q_list = list(dict.fromkeys(wanted))
+        p_index = {p: i for i, p in enumerate(p_list)}
+        q_index = {q: i for i, q in enumerate(q_list)}
+        cost = np.array(
+            [[redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
+        )
+        edges.append(
+            Edge(
+                src=src.rep,
+                dst=dst.rep,
+                tensor=t,
+                src_placements=p_list,
+                dst_placements=q_list,
+                src_groups=np.array([p_index[p] for p in produced], dtype=np.int64),
+                dst_groups=np.array([q_index[q] for q in wanted], dtype=np.int64),
+                cost=cost,
+                producer=src_name,
+                consumer=dst_name,
+            )
+        )
+    return edges

@@ -1,0 +1,290 @@
+"""Trace a model into a core-ATen graph on the meta device and annotate every node.
+
+``torch.export.export`` on the meta device (no weights allocated), then
+``run_decompositions()`` to core ATen (``addmm``, ``bmm``, ``view``,
+``native_layer_norm``, ...), which is what DTensor has sharding rules for.
+
+Each node gets MASE-style metadata (:class:`NodeInfo`): per tensor argument and
+result its shape, dtype and bytes; the FLOPs of the op; the module path (FQN) it
+came from; and the index of the repeated block (layer) it belongs to. Repeated
+blocks are found from the module tree (a container whose children are named
+``0, 1, 2, ...`` and share one class) and checked against the graph (each block
+must trace to the same op sequence); no model-specific names are used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+from torch.utils.flop_counter import flop_registry
+
+from autoshard.errors import AutoshardError
+from autoshard.model_file import LoadedModel
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape (global), dtype and size in bytes of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass
+class NodeInfo:
+    """MASE-style metadata of one graph node.
+
+    ``args``: one :class:`TensorInfo` per tensor argument (flattened order of
+    ``args`` then ``kwargs``); ``arg_nodes`` the producing node names, same order.
+    ``results``: one per output (``None`` for a non-tensor output).
+    ``flops``: floating-point operations of the whole (unsharded) op.
+    ``kind``: ``param``, ``buffer``, ``input``, ``op`` or ``output``.
+    """
+
+    name: str
+    kind: str
+    target: Any
+    args: list[TensorInfo] = field(default_factory=list)
+    arg_nodes: list[str] = field(default_factory=list)
+    results: list[TensorInfo | None] = field(default_factory=list)
+    flops: float = 0.0
+    module_path: str | None = None
+    layer: int | None = None
+    fqn: str | None = None  # parameter/buffer FQN or user-input name
+
+    @property
+    def op_name(self) -> str:
+        return str(self.target) if self.kind == "op" else self.kind
+
+
+@dataclass
+class TracedGraph:
+    """A traced, annotated graph.
+
+    ``nodes`` is in topological order. ``param_names``: parameter FQN -> every name
+    under which the model holds that tensor (tied weights appear once in the graph).
+    """
+
+    model_name: str
+    graph_module: torch.fx.GraphModule
+    nodes: dict[str, NodeInfo]
+    input_names: tuple[str, ...]
+    param_names: dict[str, list[str]]
+    block_prefixes: dict[str, int]
+    num_layers: int
+    trace_seconds: float
+
+    def users(self) -> dict[str, list[str]]:
+        """Node name -> names of the nodes that read it."""
+        out: dict[str, list[str]] = defaultdict(list)
+        for info in self.nodes.values():
+            for a in dict.fromkeys(info.arg_nodes):
+                out[a].append(info.name)
+        return out
+
+
+def _tensor_info(value: Any) -> TensorInfo | None:
+    if isinstance(value, torch.Tensor):
+        return TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
+    return None
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, torch.fx.Node)
+
+
+def tensor_arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor-valued argument nodes of ``node``, flattened (args then kwargs)."""
+    leaves, _ = torch.utils._pytree.tree_flatten((list(node.args), dict(node.kwargs)))
+    return [x for x in leaves if _is_node(x) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def op_flops(target: Any, args: list[TensorInfo], results: list[TensorInfo | None]) -> float:
+    """FLOPs of one op on the given (global or local) shapes.
+
+    Matmul-like ops (mm, addmm, bmm, baddbmm, convolution, attention) use
+    ``torch.utils.flop_counter``'s formulas (2 FLOPs per multiply-add). Every other op
+    counts one FLOP per output element, or per input element when that is larger
+    (reductions): a common approximation for memory-bound ops, whose roofline time
+    is set by their bytes anyway.
+    """
+    packet = getattr(target, "overloadpacket", None)
+    if packet in flop_registry and target in _MATMUL_SHAPE_ARGS:
+        shapes = [a.shape for a in args]
+        out = results[0].shape if results and results[0] is not None else None
+        try:
+            return float(flop_registry[packet](*_MATMUL_SHAPE_ARGS[target](shapes), out_shape=out))
+        except Exception:  # a formula that wants arguments we do not pass
+            pass
+    out_elems = sum(r.numel for r in results if r is not None)
+    in_elems = max((a.numel for a in args), default=0)
+    return float(max(out_elems, in_elems))
+
+
+_aten = torch.ops.aten
+_MATMUL_SHAPE_ARGS = {
+    _aten.mm.default: lambda s: (s[0], s[1]),
+    _aten.bmm.default: lambda s: (s[0], s[1]),
+    _aten.addmm.default: lambda s: (s[0], s[1], s[2]),
+    _aten.baddbmm.default: lambda s: (s[0], s[1], s[2]),
+}
+
+
+def _module_path(node: torch.fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    # export writes e.g. "L__self___transformer_h_0" in some modes; keep dotted FQNs only
+    return path if isinstance(path, str) else None
+
+
+def find_block_prefixes(module: torch.nn.Module) -> dict[str, int]:
+    """Module FQN of each repeated block -> its index.
+
+    A repeated block is a child named by an integer of a container with at least
+    two integer-named children of one class (``nn.ModuleList`` / ``nn.Sequential``
+    of layers). The container with the most such children wins.
+    """
+    best: dict[str, int] = {}
+    for name, mod in module.named_modules():
+        children = list(mod.named_children())
+        numbered = [(k, c) for k, c in children if k.isdigit()]
+        if len(numbered) < 2 or len({type(c) for _, c in numbered}) != 1:
+            continue
+        if len(numbered) > len(best):
+            prefix = f"{name}." if name else ""
+            best = {f"{prefix}{k}": int(k) for k, _ in numbered}
+    return best
+
+
+def _layer_of(path: str | None, blocks: dict[str, int], pattern: re.Pattern | None) -> int | None:
+    if not path or pattern is None:
+        return None
+    m = pattern.match(path)
+    return blocks.get(m.group(1)) if m else None
+
+
+def trace_model(loaded: LoadedModel) -> TracedGraph:
+    """Export ``loaded.module`` on its inputs (meta device) and annotate the core-ATen graph.
+
+    Raises:
+        AutoshardError: when ``torch.export`` cannot trace the model (the message
+            carries torch's first line and what to try).
+    """
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(loaded.module, loaded.inputs)
+            ep = ep.run_decompositions()
+    except Exception as exc:  # torch raises many types here
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AutoshardError(
+            f"torch.export could not trace {loaded.name}: {type(exc).__name__}: {first} "
+            "(make the model traceable: no data-dependent Python control flow; "
+            "see docs/model-file.md)"
+        ) from exc
+    gm = ep.graph_module
+    sig = ep.graph_signature
+
+    placeholder_kind: dict[str, tuple[str, str]] = {}
+    user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            placeholder_kind[name] = ("param", spec.target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            placeholder_kind[name] = ("buffer", spec.target)
+    for i, spec in enumerate(user_inputs):
+        label = loaded.input_names[i] if i < len(loaded.input_names) else spec.arg.name
+        placeholder_kind[spec.arg.name] = ("input", label)
+
+    blocks = find_block_prefixes(loaded.module)
+    pattern = (
+        re.compile("^(" + "|".join(re.escape(p) for p in sorted(blocks, key=len, reverse=True)) + r")(\.|$)")
+        if blocks
+        else None
+    )
+
+    nodes: dict[str, NodeInfo] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            kind, fqn = placeholder_kind.get(node.name, ("input", node.name))
+            res = [_tensor_info(node.meta.get("val"))]
+            layer = _layer_of(fqn, blocks, pattern) if kind != "input" else None
+            nodes[node.name] = NodeInfo(
+                node.name, kind, None, results=res, fqn=fqn, layer=layer,
+                module_path=fqn.rsplit(".", 1)[0] if kind != "input" and "." in fqn else None,
+            )
+        elif node.op == "call_function":
+            arg_nodes = tensor_arg_nodes(node)
+            args = [_tensor_info(a.meta["val"]) for a in arg_nodes]
+            val = node.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                results = [_tensor_info(v) for v in val]
+            else:
+                results = [_tensor_info(val)]
+            path = _module_path(node)
+            info = NodeInfo(
+                node.name, "op", node.target, args=args,
+                arg_nodes=[a.name for a in arg_nodes], results=results,
+                module_path=path, layer=_layer_of(path, blocks, pattern),
+            )
+            info.flops = op_flops(node.target, args, results)
+            nodes[node.name] = info
+        elif node.op == "output":
+            leaves, _ = torch.utils._pytree.tree_flatten(list(node.args))
+            outs = [x for x in leaves if _is_node(x)]
+            nodes[node.name] = NodeInfo(
+                node.name, "output", None,
+                args=[_tensor_info(x.meta.get("val")) for x in outs],
+                arg_nodes=[x.name for x in outs],
+            )
+
+    param_names: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for fqn, p in loaded.module.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(fqn)
+    for names in by_id.values():
+        param_names[names[0]] = names
+    # the graph names a tied parameter by one of its FQNs: index every alias
+    graph_params = {n.fqn for n in nodes.values() if n.kind == "param"}
+    for names in list(param_names.values()):
+        owner = next((n for n in names if n in graph_params), names[0])
+        for n in names:
+            param_names.pop(n, None)
+        param_names[owner] = names
+
+    layers = {n.layer for n in nodes.values() if n.layer is not None}
+    return TracedGraph(
+        model_name=loaded.name,
+        graph_module=gm,
+        nodes=nodes,
+        input_names=tuple(placeholder_kind[s.arg.name][1] for s in user_inputs),
+        param_names=param_names,
+        block_prefixes=blocks,
+        num_layers=len(layers),
+        trace_seconds=time.perf_counter() - t0,
+    )
