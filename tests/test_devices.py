@@ -1,0 +1,114 @@
+"""Device table and roofline compute time: exact values worked by hand from the datasheets."""
+
+import pytest
+import torch
+
+from autoshard.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
+from autoshard.errors import AutoshardError
+
+
+def test_table_holds_the_datasheet_numbers() -> None:
+    h100 = DEVICES["h100"]
+    # H100 SXM: 1,979 TFLOPS bf16 with sparsity -> 989.5 dense; TF32 989 sparse -> 494.5 dense.
+    assert h100.peak_flops[torch.bfloat16] == 989.5e12
+    assert h100.peak_flops[torch.float16] == 989.5e12
+    assert h100.peak_flops[torch.float32] == 494.5e12
+    assert h100.memory_bandwidth == 3.35e12
+    assert h100.memory_bytes == 80_000_000_000
+    assert DEVICES["h200"].memory_bandwidth == 4.8e12
+    assert DEVICES["h200"].memory_bytes == 141_000_000_000
+    assert DEVICES["a100"].peak_flops[torch.bfloat16] == 312e12
+    assert DEVICES["a100"].peak_flops[torch.float32] == 156e12
+    assert DEVICES["a100"].memory_bandwidth == 2.039e12
+    assert torch.float8_e4m3fn not in DEVICES["a100"].peak_flops  # Ampere has no FP8
+    assert DEVICES[DEFAULT_DEVICE].name == DEFAULT_DEVICE
+    for name, spec in DEVICES.items():
+        assert spec.name == name
+
+
+def test_compute_bound_matmul_on_h100() -> None:
+    # A 4096 x 4096 x 4096 bf16 matmul: 2 * 4096**3 = 137,438,953,472 FLOPs; it reads two
+    # 4096 x 4096 operands and writes one: 3 * 4096**2 * 2 B = 100,663,296 bytes.
+    # compute: 137438953472 / 989.5e12 = 1.3890e-4 s; memory: 100663296 / 3.35e12 = 3.005e-5 s.
+    t = DEVICES["h100"].compute_time(137_438_953_472, 100_663_296, torch.bfloat16)
+    assert t == 137_438_953_472 / 989.5e12
+    assert t == pytest.approx(1.38897e-4, rel=1e-5)
+
+
+def test_memory_bound_add_on_h100() -> None:
+    # Elementwise add of 2**24 bf16 values: 16,777,216 FLOPs, 3 * 2**24 * 2 = 100,663,296 bytes.
+    # compute: 1.696e-8 s; memory: 100663296 / 3.35e12 = 3.0049e-5 s, the larger.
+    t = DEVICES["h100"].compute_time(16_777_216, 100_663_296, torch.bfloat16)
+    assert t == 100_663_296 / 3.35e12
+    assert t == pytest.approx(3.00487e-5, rel=1e-5)
+
+
+def test_same_op_is_slower_on_a100() -> None:
+    # 312e12 FLOPs of bf16 is exactly one second on an A100 (312 TFLOPS dense) and
+    # 312 / 989.5 = 0.31531 s on an H100.
+    assert DEVICES["a100"].compute_time(312e12, 0, torch.bfloat16) == 1.0
+    assert DEVICES["h100"].compute_time(312e12, 0, torch.bfloat16) == 312 / 989.5
+
+
+def test_missing_dtype_falls_back_to_fp32_peak() -> None:
+    # float64 is in no table: 494.5e12 FLOPs at the H100's TF32 peak (494.5 TFLOPS) is 1 s.
+    h100 = DEVICES["h100"]
+    assert h100.compute_time(494.5e12, 0, torch.float64) == 1.0
+    assert h100.peak(torch.float64) == 494.5e12
+    # FP8 on an A100 also falls back to its TF32 peak: 156e12 FLOPs -> 1 s.
+    assert DEVICES["a100"].compute_time(156e12, 0, torch.float8_e4m3fn) == 1.0
+
+
+def test_zero_work_takes_zero_time() -> None:
+    assert DEVICES["h100"].compute_time(0, 0, torch.float32) == 0.0
+
+
+@pytest.mark.parametrize("flops, nbytes", [(-1.0, 0.0), (0.0, -8.0), (float("nan"), 0.0)])
+def test_compute_time_rejects_bad_counts(flops: float, nbytes: float) -> None:
+    with pytest.raises(AutoshardError, match="non-negative"):
+        DEVICES["h100"].compute_time(flops, nbytes, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["h100", "H100", " H200 ", "A100", "mi300x", "L40S"])
+def test_get_device_is_case_insensitive(name: str) -> None:
+    assert get_device(name) is DEVICES[name.strip().lower()]
+
+
+def test_get_device_unknown_lists_known_names() -> None:
+    with pytest.raises(AutoshardError) as info:
+        get_device("v100")
+    message = str(info.value)
+    assert "'v100'" in message
+    for known in ("h100", "h200", "a100"):
+        assert known in message
+
+
+def test_spec_validation_names_the_number() -> None:
+    fp32 = {torch.float32: 1e12}
+    with pytest.raises(AutoshardError, match=r"memory_bandwidth\(0\)"):
+        DeviceSpec("x", fp32, memory_bandwidth=0, memory_bytes=1)
+    with pytest.raises(AutoshardError, match=r"memory_bytes\(-5\)"):
+        DeviceSpec("x", fp32, memory_bandwidth=1e9, memory_bytes=-5)
+    with pytest.raises(AutoshardError, match=r"peak_flops\[torch.float16\]\(-1.0\)"):
+        DeviceSpec("x", {torch.float32: 1e12, torch.float16: -1.0}, 1e9, 1)
+    with pytest.raises(AutoshardError, match="needs torch.float32"):
+        DeviceSpec("x", {torch.bfloat16: 1e12}, 1e9, 1)
+
+
+def test_spec_keeps_its_own_copy_of_the_table() -> None:
+    table = {torch.float32: 1e12}
+    spec = DeviceSpec("x", table, 1e9, 1)
+    table[torch.float32] = 5.0
+    assert spec.peak(torch.float32) == 1e12
+
+
+def test_to_dict_round_trips() -> None:
+    h100 = DEVICES["h100"]
+    data = h100.to_dict()
+    assert data["peak_flops"]["bfloat16"] == 989.5e12
+    assert data["memory_bandwidth_Bps"] == 3.35e12
+    assert DeviceSpec.from_dict(data) == h100
+    with pytest.raises(AutoshardError, match="unknown dtype 'bfloat17'"):
+        DeviceSpec.from_dict({**data, "peak_flops": {"float32": 1.0, "bfloat17": 1.0}})
+    with pytest.raises(AutoshardError, match="memory_bytes"):
+        DeviceSpec.from_dict({"name": "x", "peak_flops": {}, "memory_bandwidth_Bps": 1.0})
