@@ -194,6 +194,21 @@ def test_clustering_cuts_where_the_least_crosses():
     assert layers == [range(0, 2), range(2, 4), range(4, 6)]
 
 
+def test_sum_of_crossings_breaks_ties_in_the_worst_cut():
+    """8 ops in a chain, FLOPs [1, 2, 2, 1, 1, 2, 1, 2] (cumulative 0 1 3 5 6 7 9 10 12), all
+    heavy but op 5; cut c crosses [3, 3, 3, 2, 2, 1, 1][c - 1] bytes. L = 3, eps = 1: cap 8
+    FLOPs per layer. Two 1-byte cuts {6, 7} would leave 9 FLOPs in layer 0, so the worst cut
+    is 2 B (cut 4 or 5) and the least sum 3 B: {4 or 5} x {6 or 7}. The FLOPs deviation from
+    the ideal cuts at 4 and 8 FLOPs is |6-4| + |9-8| = 3 for {4, 6}, 4 for {4, 7} and {5, 6},
+    5 for {5, 7}: the answer is {4, 6}. (A DP that keeps the least worst cut per prefix
+    instead of the least sum returns {4, 5}: worst 2 B, sum 4 B.)"""
+    flops = [1, 2, 2, 1, 1, 2, 1, 2]
+    ops = [OpCost(f"op{i}", float(f), i != 5) for i, f in enumerate(flops)]
+    edges = [(i, i + 1, nbytes) for i, nbytes in enumerate([3, 3, 3, 2, 2, 1, 1])]
+    layers = cluster_layers(ops, edges, num_layers=3, eps=1.0, min_heavy_ops=1)
+    assert layers == [range(0, 4), range(4, 6), range(6, 8)]
+
+
 def test_identical_ops_split_evenly():
     """A chain of 6 identical ops, each passing 8 B on: every cut crosses 8 B, so bytes tie
     everywhere and the FLOPs tie-break picks the even split (cumulative FLOPs at k / L)."""
@@ -219,22 +234,33 @@ def test_clustering_flops_cap_overrides_bytes():
     ]
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_clustering_dp_equals_brute_force(seed):
+def random_clustering_instance(seed: int):
+    """A small random op graph and clustering arguments. Odd seeds draw tensor sizes from
+    {1, 2, 3} so that many splits tie on the worst cut and the tie-breaks decide."""
     rng = random.Random(seed)
     n = rng.randint(4, 10)
     num_layers = rng.randint(1, min(4, n))
     ops = [
         OpCost(f"op{i}", float(rng.choice([0, 1, 2, 5, 8])), rng.random() < 0.5) for i in range(n)
     ]
+    sizes = [1, 2, 3] if seed % 2 else [1, 2, 4, 16, 64]
     edges = []
     for p in range(n - 1):
-        nbytes = rng.choice([1, 2, 4, 16, 64])
+        nbytes = rng.choice(sizes)
         for c in rng.sample(range(p + 1, n), k=rng.randint(0, min(3, n - p - 1))):
             edges.append((p, c, nbytes))
     eps = rng.choice([0.0, 0.25, 0.6, 1.5])
     min_heavy = rng.choice([0, 1, 2])
     allowed = sorted(rng.sample(range(1, n), k=rng.randint(0, n - 1))) if seed % 3 == 0 else None
+    return ops, edges, num_layers, eps, min_heavy, allowed
+
+
+CLUSTER_SEEDS = range(120)
+
+
+@pytest.mark.parametrize("seed", CLUSTER_SEEDS)
+def test_clustering_dp_equals_brute_force(seed):
+    ops, edges, num_layers, eps, min_heavy, allowed = random_clustering_instance(seed)
     expected = brute_force_clustering(ops, edges, num_layers, eps, min_heavy, allowed)
     kwargs = dict(num_layers=num_layers, eps=eps, min_heavy_ops=min_heavy, allowed_cuts=allowed)
     if expected is None:
@@ -243,36 +269,17 @@ def test_clustering_dp_equals_brute_force(seed):
         return
     layers = cluster_layers(ops, edges, **kwargs)
     assert len(layers) == num_layers
-    assert [i for r in layers for i in r] == list(range(n))
+    assert [i for r in layers for i in r] == list(range(len(ops)))
     got = key_of(ops, edges, layers, num_layers)
     assert got[:2] == expected[:2]
     assert got[2] == pytest.approx(expected[2], abs=1e-6)
 
 
 def test_brute_force_covers_both_outcomes():
-    """The random cases above must include both admissible and inadmissible instances."""
-    outcomes = set()
-    for seed in range(60):
-        rng = random.Random(seed)
-        n = rng.randint(4, 10)
-        num_layers = rng.randint(1, min(4, n))
-        ops = [
-            OpCost(f"op{i}", float(rng.choice([0, 1, 2, 5, 8])), rng.random() < 0.5)
-            for i in range(n)
-        ]
-        edges = []
-        for p in range(n - 1):
-            nbytes = rng.choice([1, 2, 4, 16, 64])
-            for c in rng.sample(range(p + 1, n), k=rng.randint(0, min(3, n - p - 1))):
-                edges.append((p, c, nbytes))
-        eps = rng.choice([0.0, 0.25, 0.6, 1.5])
-        min_heavy = rng.choice([0, 1, 2])
-        allowed = (
-            sorted(rng.sample(range(1, n), k=rng.randint(0, n - 1))) if seed % 3 == 0 else None
-        )
-        outcomes.add(
-            brute_force_clustering(ops, edges, num_layers, eps, min_heavy, allowed) is None
-        )
+    """The random cases above include both admissible and inadmissible instances."""
+    outcomes = {
+        brute_force_clustering(*random_clustering_instance(seed)) is None for seed in CLUSTER_SEEDS
+    }
     assert outcomes == {True, False}
 
 
