@@ -1,0 +1,215 @@
+"""The ``autoshard`` command line (click).
+
+Every user error is an :class:`~autoshard.errors.AutoshardError`: printed as one
+line ``error: ...`` with exit code 2; ``--debug`` shows the traceback as well.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from autoshard import __version__
+from autoshard.devices import DEFAULT_DEVICE, DEVICES, get_device
+from autoshard.errors import AutoshardError
+from autoshard.ilp import SolverOptions
+from autoshard.mesh import (
+    DEFAULT_INTER_NODE_BW,
+    DEFAULT_INTER_NODE_LATENCY,
+    DEFAULT_INTRA_NODE_BW,
+    DEFAULT_INTRA_NODE_LATENCY,
+    MeshSpec,
+)
+from autoshard.units import BandwidthType, DurationType, format_bandwidth, format_seconds
+
+
+class _Group(click.Group):
+    """Turns :class:`AutoshardError` into one line and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AutoshardError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autoshard")
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Find how to shard a PyTorch model across a mesh of GPUs.
+
+    \b
+    Workflows (docs/ has each in full):
+      autoshard solve examples/gpt2.py --mesh 2x4        plan, print, write solutions/
+      autoshard show solutions/gpt2_2x4.json             read a plan back
+      autoshard launch solutions/gpt2_2x4.json examples/gpt2.py --check
+                                                         run it sharded under torchrun
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def _mesh_options(f):
+    options = [
+        click.option(
+            "--mesh", "mesh_shape", required=True, metavar="SHAPE",
+            help="Devices per mesh dim, e.g. 8, 2x4, 2x2x2. Dim 0 is inter-node when there "
+            "are two or more dims (MASE's convention); the rest are intra-node.",
+        ),
+        click.option(
+            "--mesh-dim-names", default=None, metavar="NAMES",
+            help="Comma-separated names of the mesh dims, e.g. dp,tp (default: dp,tp for 2 "
+            "dims, d0,d1,... otherwise).",
+        ),
+        click.option(
+            "--intra-node-bw", type=BandwidthType(), default=DEFAULT_INTRA_NODE_BW,
+            show_default=format_bandwidth(DEFAULT_INTRA_NODE_BW),
+            help="Bandwidth of intra-node mesh dims, each way per device (H100 NVLink 4).",
+        ),
+        click.option(
+            "--inter-node-bw", type=BandwidthType(), default=DEFAULT_INTER_NODE_BW,
+            show_default=format_bandwidth(DEFAULT_INTER_NODE_BW),
+            help="Bandwidth of the inter-node mesh dim (one 400 Gb/s NIC per GPU).",
+        ),
+        click.option(
+            "--intra-node-latency", type=DurationType(), default=DEFAULT_INTRA_NODE_LATENCY,
+            show_default=format_seconds(DEFAULT_INTRA_NODE_LATENCY),
+            help="Latency (alpha) of one collective step on intra-node dims.",
+        ),
+        click.option(
+            "--inter-node-latency", type=DurationType(), default=DEFAULT_INTER_NODE_LATENCY,
+            show_default=format_seconds(DEFAULT_INTER_NODE_LATENCY),
+            help="Latency (alpha) of one collective step on the inter-node dim.",
+        ),
+        click.option(
+            "--device", "device_name", default=DEFAULT_DEVICE, show_default=True,
+            type=click.Choice(sorted(DEVICES), case_sensitive=False),
+            help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline).",
+        ),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def mesh_from_options(mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
+                      intra_node_latency, inter_node_latency) -> MeshSpec:
+    """Build the :class:`MeshSpec` from the CLI's mesh options."""
+    names = mesh_dim_names.split(",") if mesh_dim_names else None
+    return MeshSpec.from_options(
+        mesh_shape, names,
+        intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
+        intra_node_latency=intra_node_latency, inter_node_latency=inter_node_latency,
+    )
+
+
+class _Progress:
+    """rich progress for the long phases: trace, strategies, solve."""
+
+    LABELS = {"trace": "tracing (torch.export, meta device)",
+              "strategies": "generating strategies",
+              "solve": "solving the ILP (HiGHS)"}
+
+    def __init__(self, console: Console) -> None:
+        self.bar = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+            console=console, transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            self.tasks[phase] = self.bar.add_task(self.LABELS.get(phase, phase), total=total)
+        self.bar.update(self.tasks[phase], completed=done, total=total)
+
+
+@main.command()
+@click.argument("model_file", type=click.Path(path_type=Path))
+@_mesh_options
+@click.option(
+    "--inputs", "input_placement", type=click.Choice(["free", "replicate"]), default="free",
+    show_default=True,
+    help="free: the ILP chooses the inputs' placements; replicate: every input starts "
+    "replicated on every device.",
+)
+@click.option("--time-limit", type=float, default=600.0, show_default=True,
+              help="Seconds HiGHS may search; when hit, the best plan found is written with its gap.")
+@click.option("--mip-gap", type=float, default=0.0, show_default=True,
+              help="Relative optimality gap at which the solver may stop (0 = prove optimal).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("solutions"),
+              show_default=True, help="Folder for <model>_<mesh>.pkl and .json.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the files written.")
+def solve(model_file, mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
+          intra_node_latency, inter_node_latency, device_name, input_placement, time_limit,
+          mip_gap, out_dir, quiet) -> None:
+    """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
+
+    MODEL_FILE is a Python file defining build_model() and example_inputs() (global
+    shapes); see docs/model-file.md. autoshard traces it on the meta device (no
+    weights), gives every op its DTensor strategies, prices them with the mesh's
+    bandwidths and latencies and the device's roofline, and solves an ILP for the
+    fastest plan. It writes OUT/<model>_<mesh>.pkl (the solution, preloadable) and
+    OUT/<model>_<mesh>.json (the sharding map the launcher reads).
+
+    \b
+    Examples:
+      autoshard solve examples/gpt2.py --mesh 2x4
+      autoshard solve examples/llama.py --mesh 2x4 --inter-node-bw 25GB/s
+      autoshard solve examples/mlp.py --mesh 4 --inputs replicate
+    """
+    from autoshard.export import output_stem, write_outputs
+    from autoshard.report import print_report
+    from autoshard.solve import SolveConfig, plan_model
+
+    console = Console(stderr=False, quiet=quiet)
+    mesh = mesh_from_options(mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
+                             intra_node_latency, inter_node_latency)
+    config = SolveConfig(
+        model_path=model_file, mesh=mesh, device=get_device(device_name),
+        input_placement=input_placement,
+        solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
+    )
+    with _Progress(console) as progress:
+        result = plan_model(config, progress)
+    stem = output_stem(result.graph.model_name, mesh.shape)
+    files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
+    print_report(console, result, files)
+    if quiet:
+        click.echo("\n".join(str(f) for f in files))
+
+
+def _register_optional() -> None:
+    """Commands living in their own modules."""
+    import importlib
+
+    for module, attr, name in (("autoshard.show", "show_command", "show"),
+                               ("autoshard.launch", "launch_command", "launch")):
+        try:
+            main.add_command(getattr(importlib.import_module(module), attr), name)
+        except (ImportError, AttributeError):  # pragma: no cover - module not there yet
+            pass
+
+
+_register_optional()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

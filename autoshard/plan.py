@@ -1,0 +1,188 @@
+"""A sharding plan: the chosen strategy of every node, its predicted cost and memory.
+
+Built from a :class:`~autoshard.strategies.StrategyGraph` and one strategy index
+per representative node (from the ILP, a baseline, or a preloaded solution). The
+cost breakdown re-prices every chosen resharding with the mesh model
+(:meth:`autoshard.mesh.MeshSpec.redistribute_steps`), so the report's numbers add
+up to the ILP's objective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Shard
+
+from autoshard.mesh import MeshSpec
+from autoshard.strategies import Strategy, StrategyGraph
+from autoshard.trace import TensorInfo
+
+Placements = tuple[Placement, ...]
+
+# ops whose output aliases their input (no new memory)
+_VIEW_OPS = {
+    "aten.view.default", "aten._unsafe_view.default", "aten.permute.default", "aten.t.default",
+    "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+    "aten.slice.Tensor", "aten.alias.default", "aten.transpose.int", "aten.select.int",
+    "aten.split_with_sizes.default", "aten.split.Tensor", "<built-in function getitem>",
+}
+
+
+def shard_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """How many pieces the placements cut a tensor into (product of sharding mesh dims)."""
+    return math.prod(n for p, n in zip(placements, mesh_shape, strict=True) if isinstance(p, Shard))
+
+
+@dataclass
+class Plan:
+    """One strategy per node and what it costs.
+
+    Times in seconds, memory in bytes per device. ``comm_s`` and
+    ``collectives`` are keyed by collective kind (``all_gather``, ``all_reduce``,
+    ``reduce_scatter``, ``all_to_all``).
+    """
+
+    name: str
+    sg: StrategyGraph
+    mesh: MeshSpec
+    choice: dict[str, int]
+    node_strategy: dict[str, Strategy]
+    parameters: dict[str, Placements]
+    inputs: dict[str, Placements]
+    compute_s: float
+    comm_s: dict[str, float]
+    collectives: Counter
+    param_bytes: float
+    activation_bytes: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def comm_total_s(self) -> float:
+        return sum(self.comm_s.values())
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted time of one step: compute plus communication (no overlap assumed)."""
+        return self.compute_s + self.comm_total_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.param_bytes + self.activation_bytes + sum(self.extra.get("memory", {}).values())
+
+    def memory_by_kind(self) -> dict[str, float]:
+        out = {"parameters": self.param_bytes}
+        out.update(self.extra.get("memory", {}))
+        out["activations"] = self.activation_bytes
+        return out
+
+
+def build_plan(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec, name: str = "ilp") -> Plan:
+    """Expand a choice per representative into a full :class:`Plan` with its costs.
+
+    Raises:
+        KeyError: when ``choice`` lacks a representative of ``sg``.
+    """
+    graph = sg.graph
+    node_strategy = {
+        n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()
+    }
+    compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
+    comm: dict[str, float] = defaultdict(float)
+    collectives: Counter = Counter()
+    for e in sg.edges:
+        p = e.src_placements[e.src_groups[choice[e.src]]]
+        q = e.dst_placements[e.dst_groups[choice[e.dst]]]
+        if p == q:
+            continue
+        for step in mesh.redistribute_steps(p, q, e.tensor.shape, e.tensor.itemsize):
+            comm[step.kind] += step.seconds
+            collectives[step.kind] += 1
+
+    parameters: dict[str, Placements] = {}
+    inputs: dict[str, Placements] = {}
+    param_bytes = 0.0
+    for n, info in graph.nodes.items():
+        if info.kind == "param":
+            ps = node_strategy[n].outputs[0]
+            names = graph.param_names.get(info.fqn)
+            if names is None:  # a tied alias whose owner was indexed under another name
+                names = next((v for v in graph.param_names.values() if info.fqn in v), [info.fqn])
+            if not any(a in parameters for a in names):
+                param_bytes += info.results[0].nbytes / shard_factor(ps, mesh.shape)
+            for alias in names:
+                parameters[alias] = ps
+        elif info.kind == "input":
+            inputs[info.fqn] = node_strategy[n].outputs[0]
+    return Plan(
+        name=name,
+        sg=sg,
+        mesh=mesh,
+        choice=dict(choice),
+        node_strategy=node_strategy,
+        parameters=parameters,
+        inputs=inputs,
+        compute_s=compute,
+        comm_s=dict(comm),
+        collectives=collectives,
+        param_bytes=param_bytes,
+        activation_bytes=peak_activation_bytes(sg, node_strategy, mesh.shape),
+    )
+
+
+def local_bytes(t: TensorInfo, ps: Placements | None, mesh_shape: tuple[int, ...]) -> float:
+    """Bytes one device holds of tensor ``t`` under placements ``ps``."""
+    if ps is None:
+        return float(t.nbytes)
+    return t.nbytes / shard_factor(ps, mesh_shape)
+
+
+def peak_activation_bytes(
+    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
+) -> float:
+    """Peak bytes of live activations on one device, by liveness over the graph order.
+
+    Each op's outputs are allocated when it runs and freed after their last reader
+    runs; ops that only view their input allocate nothing; user inputs are live
+    from the start; parameters and free nodes (masks, position ids) are not
+    counted here.
+    """
+    graph = sg.graph
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    last_use: dict[str, int] = {}
+    for n, info in graph.nodes.items():
+        for a in info.arg_nodes:
+            last_use[a] = max(last_use.get(a, -1), pos[n])
+    live = 0.0
+    peak = 0.0
+    frees: dict[int, float] = defaultdict(float)
+    for i, n in enumerate(order):
+        info = graph.nodes[n]
+        if n in node_strategy and info.kind in ("op", "input") and info.op_name not in _VIEW_OPS:
+            strat = node_strategy[n]
+            size = 0.0
+            for r, ps in zip(info.results, strat.outputs, strict=False):
+                if r is not None:
+                    size += local_bytes(r, ps, mesh_shape)
+            live += size
+            end = last_use.get(n, i)
+            frees[end] += size
+        peak = max(peak, live)
+        live -= frees.pop(i, 0.0)
+    return peak
+
+
+def placement_counts(plan: Plan) -> Counter:
+    """How many parameters have each placement (for the summary)."""
+    return Counter(tuple(plan.parameters[p]) for p in plan.parameters)
+
+
+def has_partial(ps: Placements | None) -> bool:
+    return bool(ps) and any(isinstance(p, Partial) for p in ps)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return dtype.itemsize

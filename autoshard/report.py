@@ -1,0 +1,139 @@
+"""The terminal report of a plan (rich): per-layer placements, cost split, memory, solver."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autoshard.placements import short
+from autoshard.plan import Plan
+from autoshard.units import format_bandwidth, format_bytes, format_seconds
+
+
+def _ranges(layers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    xs = sorted(set(layers))
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def layer_table(plan: Plan) -> Table:
+    """Placements of every weight, repeated blocks folded: one row per weight of a block."""
+    graph = plan.sg.graph
+    blocks = graph.block_prefixes
+    dims = " · ".join(plan.mesh.dim_names)
+    table = Table(title=f"Plan: parameter placements (mesh dims {dims})", show_lines=False)
+    table.add_column("parameter")
+    table.add_column("layers")
+    table.add_column("placement", style="bold")
+    table.add_column("shape", style="dim")
+    shapes = {n.fqn: n.results[0].shape for n in graph.nodes.values() if n.kind == "param"}
+    for owner, names in graph.param_names.items():
+        for alias in names:
+            shapes.setdefault(alias, shapes.get(owner))
+    rows: dict[tuple[str, str], list[int]] = defaultdict(list)
+    singles: list[tuple[str, str]] = []
+    order: list[tuple[str, str]] = []
+    for fqn, ps in plan.parameters.items():
+        prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
+        if prefix is None:
+            singles.append((fqn, short(ps)))
+            continue
+        key = (fqn[len(prefix) + 1 :], short(ps))
+        if key not in rows:
+            order.append(key)
+        rows[key].append(blocks[prefix])
+    for fqn, ps in singles:
+        table.add_row(fqn, "", ps, str(shapes.get(fqn, "")))
+    for key in order:
+        sub, ps = key
+        table.add_row(f"<block>.{sub}", _ranges(rows[key]), ps, str(shapes.get(_example(plan, sub), "")))
+    return table
+
+
+def _example(plan: Plan, sub: str) -> str:
+    return next((f for f in plan.parameters if f.endswith("." + sub)), sub)
+
+
+def cost_table(plan: Plan) -> Table:
+    """Predicted step time split into compute and each collective kind."""
+    table = Table(title="Predicted time per step (one device)")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_column("count", justify="right")
+    table.add_row("compute (roofline)", format_seconds(plan.compute_s), "")
+    for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+        if kind in plan.comm_s or plan.collectives.get(kind):
+            table.add_row(
+                kind.replace("_", "-"),
+                format_seconds(plan.comm_s.get(kind, 0.0)),
+                str(plan.collectives.get(kind, 0)),
+            )
+    table.add_row("[bold]total[/bold]", f"[bold]{format_seconds(plan.step_time_s)}[/bold]", "")
+    return table
+
+
+def memory_table(plan: Plan, budget: float | None = None) -> Table:
+    """Predicted bytes per device, by kind."""
+    table = Table(title="Predicted memory per device")
+    table.add_column("kind")
+    table.add_column("bytes", justify="right")
+    for kind, b in plan.memory_by_kind().items():
+        table.add_row(kind.replace("_", " "), format_bytes(b))
+    total = f"[bold]{format_bytes(plan.memory_bytes)}[/bold]"
+    if budget is not None:
+        total += f" of {format_bytes(budget)}"
+    table.add_row("[bold]total[/bold]", total)
+    return table
+
+
+def print_report(console: Console, result, files: tuple | None = None) -> None:
+    """The full report of a solve (:class:`autoshard.solve.SolveResult`)."""
+    plan, cfg, ilp, sg = result.plan, result.config, result.ilp, result.sg
+    mesh = cfg.mesh
+    dims = ", ".join(
+        f"{n}={s} ({format_bandwidth(bw)}, {format_seconds(lat)})"
+        for n, s, bw, lat in zip(mesh.dim_names, mesh.shape, mesh.bandwidth, mesh.latency, strict=True)
+    )
+    console.print(
+        f"[bold]{sg.graph.model_name}[/bold] on mesh {mesh.shape_str} ({escape(dims)}), "
+        f"device {cfg.device.name}"
+    )
+    st = sg.stats
+    console.print(
+        f"graph: {st['nodes']} nodes, {sg.graph.num_layers} repeated layers; "
+        f"{st['variables_nodes']} decision nodes after merging {st['merged']} follow ops and "
+        f"{st['free']} free ops; {st['strategies']} strategies, {st['edges']} edges"
+    )
+    if sg.fallback_ops:
+        ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
+        console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
+    console.print(layer_table(plan))
+    console.print(cost_table(plan))
+    console.print(memory_table(plan))
+    gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
+    status = ilp.status
+    if status != "optimal":
+        status = f"[yellow]{status}: best plan found, not proven optimal[/yellow]"
+    console.print(
+        f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s)}, gap {gap}, "
+        f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
+        f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
+    )
+    secs = result.seconds
+    console.print(
+        "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
+        + f"; peak memory {format_bytes(result.peak_rss_bytes)}"
+    )
+    if files:
+        console.print("wrote " + " and ".join(str(f) for f in files))
