@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -465,11 +466,13 @@ class MeshSpec:
         itemsize: int,
     ) -> list[CommStep] | str:
         """The steps, or a message saying why the resharding is impossible."""
-        shape = tuple(shape)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-            raise AutoshardError(f"tensor shape {shape} must hold whole numbers >= 0")
-        if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
-            raise AutoshardError(f"itemsize {itemsize!r} must be a whole number of bytes >= 1")
+        shape = _whole_numbers(shape, "tensor shape")
+        (itemsize,) = _whole_numbers((itemsize,), "itemsize")
+        if any(n < 0 for n in shape) or itemsize < 1:
+            raise AutoshardError(
+                f"tensor shape {shape} and itemsize {itemsize}: sizes must be >= 0 and the "
+                "itemsize >= 1 byte"
+            )
         s = self._encode(src, len(shape), "source")
         d = self._encode(dst, len(shape), "destination")
         total = math.prod(shape) * itemsize
@@ -504,8 +507,8 @@ class MeshSpec:
         """Placements -> codes (Replicate -> -1, Shard(d) -> d >= 0, Partial(op) -> op)."""
         if len(placements) != self.ndim:
             raise AutoshardError(
-                f"{what} placements {tuple(placements)} give {len(placements)} entries but the "
-                f"{self.shape_str} mesh has {self.ndim} mesh dims: give one per mesh dim"
+                f"{what} placements {tuple(placements)} are {len(placements)} for the "
+                f"{self.ndim} mesh dims of the {self.shape_str} mesh: give one per mesh dim"
             )
         codes: list[_Code] = []
         for p in placements:
@@ -524,6 +527,14 @@ class MeshSpec:
             else:
                 raise AutoshardError(f"{what} placement {p!r} is not Shard, Replicate or Partial")
         return tuple(codes)
+
+
+def _whole_numbers(values: Sequence[Any], what: str) -> tuple[int, ...]:
+    """``values`` as Python ints (numpy and torch integers too), else AutoshardError."""
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise AutoshardError(f"{what} {tuple(values)} must hold whole numbers") from None
 
 
 def _is_shard(code: _Code) -> bool:

@@ -4,6 +4,7 @@ import math
 import pickle
 
 import dill
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -132,17 +133,20 @@ def test_redistribute_steps_refuse_the_impossible() -> None:
         MESH.redistribute_steps((R, R), (R, P), SHAPE, ITEMSIZE)
 
 
-def test_redistribute_cost_accepts_lists() -> None:
+def test_redistribute_cost_accepts_lists_and_numpy_sizes() -> None:
     assert MESH.redistribute_cost([S0, R], [R, R], [1024, 1024], 4) == approx(61.94304e-6)
+    shape = tuple(np.array(SHAPE))
+    assert MESH.redistribute_cost((S0, R), (R, R), shape, np.int64(4)) == approx(61.94304e-6)
 
 
 @pytest.mark.parametrize(
     "src, shape, itemsize, message",
     [
-        ((R,), SHAPE, 4, r"give 1 entries but the 2x4 mesh has 2 mesh dims"),
+        ((R,), SHAPE, 4, r"are 1 for the 2 mesh dims of the 2x4 mesh"),
         ((Shard(2), R), SHAPE, 4, r"shards tensor dim 2 of a 2-D tensor"),
         ((R, R), SHAPE, 0, r"itemsize 0"),
         ((R, R), (4, -1), 4, r"tensor shape \(4, -1\)"),
+        ((R, R), (4, 2.5), 4, r"tensor shape \(4, 2.5\) must hold whole numbers"),
         (("S(0)", R), SHAPE, 4, r"placement 'S\(0\)' is not Shard, Replicate or Partial"),
     ],
 )
