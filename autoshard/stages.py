@@ -139,51 +139,57 @@ def crossing_bytes(num_ops: int, edges: Sequence[tuple[int, int, int]]) -> np.nd
     return np.cumsum(diff[: num_ops + 1])
 
 
-class _RangeArgmin:
-    """Leftmost lexicographic argmin over index windows ``[lo, hi]``, by a sparse table.
+class _Windows:
+    """Range-minimum queries over a fixed set of index windows ``[lo_b, hi_b]``, by a sparse
+    table (Bender & Farach-Colton, "The LCA problem revisited", LATIN 2000).
 
-    Built in O(m log m) numpy work for m keys; answers a whole vector of window queries in
-    O(len(lo)). Ties go to the smaller index. Source: the sparse-table range-minimum query
-    (Bender & Farach-Colton, "The LCA problem revisited", LATIN 2000).
+    The windows are fixed for a whole DP while the keys change every round, so the query
+    geometry (level and the two covering blocks of each window) is computed once and only the
+    levels that the longest window needs are built: O(m log w) numpy work per round for m keys
+    and windows of length at most w. Ties go to the smaller index.
     """
 
-    def __init__(self, keys: Sequence[np.ndarray]) -> None:
-        self.keys = keys
-        m = len(keys[0])
-        levels = max(1, int(m).bit_length())
-        table = np.zeros((levels, m), dtype=np.int64)
-        table[0] = np.arange(m)
-        for k in range(1, levels):
-            half = 1 << (k - 1)
-            width = m - (1 << k) + 1
-            if width <= 0:
-                break
-            left = table[k - 1, :width]
-            right = table[k - 1, half : half + width]
-            table[k, :width] = np.where(self._le(left, right), left, right)
-        self.table = table
-
-    def _le(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """keys[a] <= keys[b] lexicographically, elementwise."""
-        k0 = self.keys[0]
-        if len(self.keys) == 1:
-            return k0[a] <= k0[b]
-        k1 = self.keys[1]
-        return (k0[a] < k0[b]) | ((k0[a] == k0[b]) & (k1[a] <= k1[b]))
-
-    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Index of the least key in each window; windows with lo > hi give -1."""
-        valid = lo <= hi
-        length = np.where(valid, hi - lo + 1, 1)
+    def __init__(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        self.valid = lo <= hi
+        length = np.where(self.valid, hi - lo + 1, 1)
         k = np.floor(np.log2(length)).astype(np.int64)
-        # log2 of exact powers of two can round down by one ulp: repair both directions.
+        # log2 of an exact power of two may round either way: repair both directions.
         k += (1 << (k + 1)) <= length
         k -= (1 << k) > length
-        lo_c = np.where(valid, lo, 0)
-        a = self.table[k, lo_c]
-        b = self.table[k, np.where(valid, hi - (1 << k) + 1, 0)]
-        best = np.where(self._le(a, b), a, b)
-        return np.where(valid, best, -1)
+        self.level = k
+        self.left = np.where(self.valid, lo, 0)
+        self.right = np.where(self.valid, hi - (1 << k) + 1, 0)
+        self.levels = int(k.max(initial=0)) + 1
+
+    def min(self, values: np.ndarray) -> np.ndarray:
+        """Least value in each window; inf for an empty window."""
+        table = np.full((self.levels, len(values)), math.inf)
+        table[0] = values
+        for k in range(1, self.levels):
+            half = 1 << (k - 1)
+            width = len(values) - (1 << k) + 1
+            table[k, :width] = np.minimum(table[k - 1, :width], table[k - 1, half : half + width])
+        best = np.minimum(table[self.level, self.left], table[self.level, self.right])
+        return np.where(self.valid, best, math.inf)
+
+    def argmin(self, key0: np.ndarray, key1: np.ndarray) -> np.ndarray:
+        """Index of the lexicographically least (key0, key1) in each window; -1 if empty."""
+
+        def le(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return (key0[a] < key0[b]) | ((key0[a] == key0[b]) & (key1[a] <= key1[b]))
+
+        m = len(key0)
+        table = np.zeros((self.levels, m), dtype=np.int64)
+        table[0] = np.arange(m)
+        for k in range(1, self.levels):
+            half = 1 << (k - 1)
+            width = m - (1 << k) + 1
+            left = table[k - 1, :width]
+            right = table[k - 1, half : half + width]
+            table[k, :width] = np.where(le(left, right), left, right)
+        a = table[self.level, self.left]
+        b = table[self.level, self.right]
+        return np.where(self.valid, np.where(le(a, b), a, b), -1)
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,7 @@ class _ClusterProblem:
     def total_heavy(self) -> int:
         return int(self.prefix_heavy[-1])
 
-    def windows(self, num_layers: int, eps: float, min_heavy: int) -> tuple[np.ndarray, ...]:
+    def windows(self, num_layers: int, eps: float, min_heavy: int) -> _Windows:
         """For each layer end b = 1..n, the interval [lo, hi] of admissible layer starts a.
 
         ``flops(a, b) <= cap`` holds for a >= lo and ``heavy(a, b) >= min_heavy`` for a <= hi;
@@ -215,30 +221,24 @@ class _ClusterProblem:
         lo = np.searchsorted(pf, pf[1:] - cap * (1.0 + _FLOPS_RTOL), side="left")
         hi = np.searchsorted(ph, ph[1:] - min_heavy, side="right") - 1
         hi = np.minimum(hi, np.arange(self.n))  # a <= b - 1: layers are nonempty
-        return lo, hi
+        return _Windows(lo, hi)
 
 
-def _min_max_cut(prob: _ClusterProblem, num_layers: int, lo: np.ndarray, hi: np.ndarray) -> float:
+def _min_max_cut(prob: _ClusterProblem, num_layers: int, win: _Windows) -> float:
     """Phase 1: the least achievable largest crossing over the L - 1 internal cuts (inf if none).
 
     dp_q(b) = min over a in [lo(b), hi(b)] of max(dp_{q-1}(a), w(a)), w(0) = 0.
     """
     n = prob.n
-    w = prob.cut_bytes
     dp = np.full(n + 1, math.inf)
     dp[0] = 0.0
     for _ in range(num_layers):
-        g = np.maximum(dp, w)
-        arg = _RangeArgmin([g]).query(lo, hi)
-        new = np.full(n + 1, math.inf)
-        ok = arg >= 0
-        new[1:][ok] = g[arg[ok]]
-        dp = new
+        dp = np.concatenate([[math.inf], win.min(np.maximum(dp, prob.cut_bytes))])
     return float(dp[n])
 
 
 def _min_sum_cuts(
-    prob: _ClusterProblem, num_layers: int, lo: np.ndarray, hi: np.ndarray, max_cut: float
+    prob: _ClusterProblem, num_layers: int, win: _Windows, max_cut: float
 ) -> list[int]:
     """Phase 2: layer boundaries [0, b_1, ..., n] with every cut <= max_cut, minimising
     (sum of crossing bytes, sum of |F(b_k) - k * F / L|) lexicographically.
@@ -260,7 +260,7 @@ def _min_sum_cuts(
         g_cost[0] = cost[0]
         g_dev[0] = dev[0]
         g_dev[~np.isfinite(g_cost)] = math.inf
-        arg = _RangeArgmin([g_cost, g_dev]).query(lo, hi)
+        arg = win.argmin(g_cost, g_dev)
         cost = np.full(n + 1, math.inf)
         dev = np.full(n + 1, math.inf)
         ok = arg >= 0
@@ -395,10 +395,11 @@ def cluster_layers(
         edges: (producer index, consumer index, bytes) per activation edge.
         num_layers: L; None chooses it like Alpa's ``search_layer_num``: the largest L in
             2..L_max whose least largest crossing is at most ``(1 + layer_eps)`` times that of
-            L = 2, found by binary search (exact when that cost grows with L, a heuristic
-            otherwise). L_max is the number of heavy ops divided by the heavy-op bound, capped
-            by ``max_layers``. When L = 2 is not admissible, or L_max < 2, one layer is
-            returned.
+            L = 2, found by doubling L from 2 and then bisecting (exact when that cost grows
+            with L, a heuristic otherwise, as in Alpa). L_max is the number of heavy ops
+            divided by the heavy-op bound (n when the bound is 0), capped by ``max_layers``.
+            When L = 2 is not admissible, or L_max < 2, one layer is returned. Each probe of L
+            costs O(L n log n): cap it with ``max_layers`` when heavy ops number thousands.
         eps: FLOPs imbalance tolerance (Alpa's default 0.6), >= 0.
         min_heavy_ops: heavy ops per layer, >= 0. None (default) is Alpa's rule: 3, lowered to
             ``heavy_ops // L`` when the graph has fewer than 3 per layer.
@@ -434,8 +435,7 @@ def cluster_layers(
         h = _heavy_bound(prob, num, min_heavy_ops)
         if num > n or prob.total_heavy < num * h:
             return math.inf
-        lo, hi = prob.windows(num, eps, h)
-        return _min_max_cut(prob, num, lo, hi)
+        return _min_max_cut(prob, num, prob.windows(num, eps, h))
 
     if num_layers is None:
         h3 = DEFAULT_MIN_HEAVY_OPS if min_heavy_ops is None else min_heavy_ops
@@ -445,7 +445,15 @@ def cluster_layers(
         if not math.isfinite(base):
             return [range(0, n)]
         limit = base * (1.0 + layer_eps)
+        # Exponential search then bisection: each probe of L costs O(L) DP rounds, so probing
+        # upwards from 2 keeps the work near the answer rather than near l_max.
         good, bad = 2, l_max + 1
+        while 2 * good < bad:
+            if best_max_cut(2 * good) <= limit:
+                good *= 2
+            else:
+                bad = 2 * good
+                break
         while bad - good > 1:
             mid = (good + bad) // 2
             if best_max_cut(mid) <= limit:
@@ -458,8 +466,7 @@ def cluster_layers(
     opt = best_max_cut(num_layers)
     if not math.isfinite(opt):
         raise AutoshardError(_why_infeasible(prob, num_layers, eps, h, allowed_cuts is not None))
-    lo, hi = prob.windows(num_layers, eps, h)
-    bounds = _min_sum_cuts(prob, num_layers, lo, hi, opt)
+    bounds = _min_sum_cuts(prob, num_layers, prob.windows(num_layers, eps, h), opt)
     return [range(a, b) for a, b in pairwise(bounds)]
 
 
