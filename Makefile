@@ -1,0 +1,42 @@
+# autoshard: set-up, run, test, benchmark, lint.  GNU make.
+#
+#   make run    solve the bundled GPT-2 example on a 2x4 mesh
+#   make test   run the test suite
+#   make bench  time each stage on the MLP, GPT-2 small and the Llama-7B shape
+#   make lint   ruff check + ruff format --check
+#
+# Each target first installs what it needs into .venv (once: the stamp .venv/.installed is
+# rebuilt only when pyproject.toml changes). torch is pinned and installed FIRST so that pip
+# takes the local CPU build instead of resolving torch>=2.13 to a CUDA build from the registry.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench lint
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install torch==$(TORCH_VERSION)
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+run: install
+	$(BIN)/autoshard solve examples/gpt2.py --mesh 2x4
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m autoshard.bench
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
