@@ -56,6 +56,8 @@ DEFAULT_MIN_HEAVY_OPS = 3
 _FLOPS_RTOL = 1e-9
 # Relative tolerance below which two step times count as equal (the smaller bottleneck wins).
 _TIME_RTOL = 1e-12
+# Float64 elements per batch of the stage DP (K thresholds x (L + 1)^2): 16 MiB.
+_BATCH_ELEMENTS = 2**21
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,29 +613,47 @@ def _fmt_bytes(nbytes: float) -> str:
 
 
 def _min_sum_under(
-    feasible_time: np.ndarray, threshold: float, num_stages: int
-) -> tuple[float, list[int]] | None:
-    """Least sum of stage times over splits whose every stage time <= threshold.
+    feasible_time: np.ndarray, thresholds: np.ndarray, num_stages: int
+) -> list[list[int] | None]:
+    """Per threshold T, the split with the least sum of stage times among those whose every
+    stage time <= T (its boundaries), or None if there is none.
 
-    dp_s(j) = min over i of dp_{s-1}(i) + t(i, j); O(S L^2) with numpy. None if no split.
+    dp_s(j) = min over i of dp_{s-1}(i) + t(i, j), for K thresholds at once: O(K S L^2) numpy
+    work in S vectorised steps.
     """
     L = feasible_time.shape[0] - 1
-    m = np.where(feasible_time <= threshold, feasible_time, math.inf)
-    dp = np.full(L + 1, math.inf)
-    dp[0] = 0.0
+    K = len(thresholds)
+    # Laid out [k, j, i] so that the minimum over the start i runs along contiguous memory.
+    t_ji = feasible_time.T[None]
+    m = np.where(t_ji <= thresholds[:, None, None], t_ji, math.inf)
+    dp = np.full((K, L + 1), math.inf)
+    dp[:, 0] = 0.0
     args = []
     for _ in range(num_stages):
-        cand = dp[:, None] + m
-        arg = np.argmin(cand, axis=0)
-        dp = cand[arg, np.arange(L + 1)]
+        cand = dp[:, None, :] + m
+        arg = np.argmin(cand, axis=2)
+        dp = np.take_along_axis(cand, arg[:, :, None], axis=2)[:, :, 0]
         args.append(arg)
-    if not math.isfinite(dp[L]):
-        return None
-    bounds = [L]
-    for s in range(num_stages - 1, -1, -1):
-        bounds.append(int(args[s][bounds[-1]]))
-    bounds.reverse()
-    return float(dp[L]), bounds
+    out: list[list[int] | None] = []
+    for k in range(K):
+        if not math.isfinite(dp[k, L]):
+            out.append(None)
+            continue
+        bounds = [L]
+        for s in range(num_stages - 1, -1, -1):
+            bounds.append(int(args[s][k, bounds[-1]]))
+        out.append(bounds[::-1])
+    return out
+
+
+def _least_bottleneck(cost: np.ndarray, num_stages: int) -> float:
+    """min over splits of the largest stage cost: dp_s(j) = min_i max(dp_{s-1}(i), c(i, j))."""
+    L = cost.shape[0] - 1
+    dp = np.full(L + 1, math.inf)
+    dp[0] = 0.0
+    for _ in range(num_stages):
+        dp = np.min(np.maximum(dp[:, None], cost), axis=0)
+    return float(dp[L])
 
 
 def assign_stages(
@@ -712,35 +732,51 @@ def assign_stages(
     runnable = np.isfinite(time)
     fits = runnable if memory_budget is None else runnable & (mem <= memory_budget)
     feasible_time = np.where(fits, time, math.inf)
-    if _min_sum_under(feasible_time, math.inf, S) is None:
-        if _min_sum_under(np.where(runnable, 0.0, math.inf), math.inf, S) is None:
+    least_time = _least_bottleneck(feasible_time, S)
+    if not math.isfinite(least_time):
+        if not math.isfinite(_least_bottleneck(np.where(runnable, 0.0, math.inf), S)):
             raise AutoshardError(
                 f"every split of {L} layers into {S} stages has a stage that cannot run "
                 f"(stage_cost gave an infinite time): try another number of stages or a "
                 f"larger submesh"
             )
-        least = _least_peak_memory(np.where(runnable, mem, math.inf), S)
+        least_mem = _least_bottleneck(np.where(runnable, mem, math.inf), S)
         raise AutoshardError(
             f"no split of {L} layers into {S} stages fits the memory budget of "
             f"{_fmt_bytes(memory_budget)} per device; the best split needs "
-            f"{_fmt_bytes(least)} on its fullest stage: raise the budget, use more stages "
+            f"{_fmt_bytes(least_mem)} on its fullest stage: raise the budget, use more stages "
             f"or more devices per stage"
         )
 
-    best: tuple[float, float, list[int]] | None = None  # (step, bottleneck, bounds)
-    for threshold in np.unique(feasible_time[np.isfinite(feasible_time)]):
-        if best is not None and B * threshold >= best[0] * (1 - _TIME_RTOL):
-            break
-        found = _min_sum_under(feasible_time, float(threshold), S)
-        if found is None:
-            continue
-        _, bounds = found
-        times = [float(time[a, b]) for a, b in pairwise(bounds)]
-        step = pipeline_step_time(times, B)
-        if best is None or step < best[0] * (1 - _TIME_RTOL):
-            best = (step, max(times), bounds)
+    # A split whose bottleneck is >= T takes at least lower(T) = max(B T, least_sum + (B - 1) T)
+    # (its sum is >= T and >= the least sum of any split), so thresholds are scanned upwards
+    # from least_time (below it no split exists) in growing batches until lower(T) reaches
+    # the best step time found.
+    (unconstrained,) = _min_sum_under(feasible_time, np.array([math.inf]), S)
+    assert unconstrained is not None
+    least_sum = sum(float(time[a, b]) for a, b in pairwise(unconstrained))
+    thresholds = np.unique(feasible_time[np.isfinite(feasible_time)])
+    thresholds = thresholds[thresholds >= least_time]
+    max_batch = max(1, _BATCH_ELEMENTS // (L + 1) ** 2)
+    best: tuple[float, list[int]] | None = None  # (step time, boundaries)
+    start, batch = 0, 8
+    while start < len(thresholds):
+        chunk = thresholds[start : start + batch]
+        start += len(chunk)
+        batch = min(2 * batch, max_batch)
+        if best is not None:
+            lower = np.maximum(B * chunk, least_sum + (B - 1) * chunk)
+            chunk = chunk[lower < best[0] * (1 - _TIME_RTOL)]
+            if len(chunk) == 0:
+                break
+        for bounds in _min_sum_under(feasible_time, chunk, S):
+            if bounds is None:
+                continue
+            step = pipeline_step_time([float(time[a, b]) for a, b in pairwise(bounds)], B)
+            if best is None or step < best[0] * (1 - _TIME_RTOL):
+                best = (step, bounds)
     assert best is not None
-    step, _, bounds = best
+    step, bounds = best
     return StagePlan(
         boundaries=tuple(bounds),
         balance=tuple(b - a for a, b in pairwise(bounds)),
@@ -750,16 +786,6 @@ def assign_stages(
         step_time_s=step,
         stage_cost_calls=len(pairs),
     )
-
-
-def _least_peak_memory(mem: np.ndarray, num_stages: int) -> float:
-    """min over splits of the largest stage memory: dp_s(j) = min_i max(dp_{s-1}(i), m(i, j))."""
-    L = mem.shape[0] - 1
-    dp = np.full(L + 1, math.inf)
-    dp[0] = 0.0
-    for _ in range(num_stages):
-        dp = np.min(np.maximum(dp[:, None], mem), axis=0)
-    return float(dp[L])
 
 
 # --------------------------------------------------------------------------------------------
