@@ -17,7 +17,9 @@ devices, for a tensor of ``B`` bytes in full (its size before sharding along tha
 All are zero on a mesh dim of size 1.
 
 Resharding a tensor from source to destination placements (one per mesh dim) is priced
-mesh dim by mesh dim, as DESIGN.md describes:
+mesh dim by mesh dim, as DESIGN.md describes, except that ``Replicate -> Partial`` is allowed
+and free: DTensor does it locally (``Partial._partition_value``), and PyTorch's own op
+strategies ask for it (a replicated bias added to a ``Partial`` matmul output):
 
 ==================  =====================  ==============================
 source              destination            collective on that mesh dim
@@ -27,7 +29,11 @@ source              destination            collective on that mesh dim
 ``Partial(op)``     ``Shard(d)``           reduce-scatter
 ``Shard(a)``        ``Shard(b)``, a != b   all-to-all
 ``Replicate()``     ``Shard(d)``           none (each device slices locally)
-anything else       ``Partial(op)``        impossible (``math.inf``)
+``Replicate()``     ``Partial(op)``        none (local: each device divides its copy
+                                           by n for ``sum`` and keeps it for ``avg``,
+                                           ``min``, ``max``, as DTensor does)
+``Shard(a)``        ``Partial(op)``        impossible (``math.inf``)
+``Partial(op1)``    ``Partial(op2)``       impossible (``math.inf``)
 ==================  =====================  ==============================
 
 The bytes ``B`` a collective on mesh dim ``i`` sees are the global tensor bytes divided by
@@ -398,8 +404,8 @@ class MeshSpec:
 
         Returns:
             The sum of the collectives of :meth:`redistribute_steps`; 0 when nothing moves;
-            ``math.inf`` when the change is impossible (into ``Partial``, or between two
-            ``Partial`` reduce ops).
+            ``math.inf`` when the change is impossible (``Shard`` into ``Partial``, or
+            between two ``Partial`` reduce ops).
 
         Memoised per mesh, since the ILP builder asks for every pair of strategies of every
         edge (10^5 to 10^6 calls). Hashing torch placements is slow (about 0.2 us each), so a
@@ -438,13 +444,13 @@ class MeshSpec:
         no step). Arguments as in :meth:`redistribute_cost`.
 
         Raises:
-            AutoshardError: the change is impossible (into ``Partial``, or between two
-                ``Partial`` reduce ops), or bad arguments as in :meth:`redistribute_cost`.
+            AutoshardError: the change is impossible (``Shard`` into ``Partial``, or between
+                two ``Partial`` reduce ops), or bad arguments as in :meth:`redistribute_cost`.
         """
-        steps = self._steps(src, dst, shape, itemsize)
-        if isinstance(steps, str):
-            raise AutoshardError(steps)
-        return steps
+        plan = self._plan(src, dst, shape, itemsize)
+        if isinstance(plan, str):
+            raise AutoshardError(plan)
+        return [CommStep(kind, i, b, self._collective(kind, b, i)) for kind, i, b in plan]
 
     def _redistribute_cost_uncached(
         self,
@@ -453,19 +459,19 @@ class MeshSpec:
         shape: Sequence[int],
         itemsize: int,
     ) -> float:
-        steps = self._steps(src, dst, shape, itemsize)
-        if isinstance(steps, str):
+        plan = self._plan(src, dst, shape, itemsize)
+        if isinstance(plan, str):
             return math.inf
-        return sum(step.seconds for step in steps)
+        return sum(self._collective(kind, b, i) for kind, i, b in plan)
 
-    def _steps(
+    def _plan(
         self,
         src: Sequence[Placement],
         dst: Sequence[Placement],
         shape: Sequence[int],
         itemsize: int,
-    ) -> list[CommStep] | str:
-        """The steps, or a message saying why the resharding is impossible."""
+    ) -> list[tuple[CollectiveKind, int, float]] | str:
+        """``(kind, mesh dim, bytes)`` per collective, or why the resharding is impossible."""
         shape = _whole_numbers(shape, "tensor shape")
         (itemsize,) = _whole_numbers((itemsize,), "itemsize")
         if any(n < 0 for n in shape) or itemsize < 1:
@@ -476,14 +482,18 @@ class MeshSpec:
         s = self._encode(src, len(shape), "source")
         d = self._encode(dst, len(shape), "destination")
         total = math.prod(shape) * itemsize
-        steps: list[CommStep] = []
+        plan: list[tuple[CollectiveKind, int, float]] = []
         for i, (a, b) in enumerate(zip(s, d, strict=True)):
             if a == b:
                 continue
-            if isinstance(b, str):  # into Partial, or Partial(op1) -> Partial(op2)
-                return (
+            kind: CollectiveKind
+            if isinstance(b, str):
+                if a == _R:
+                    continue  # Replicate -> Partial: each device rescales its copy locally
+                return (  # Shard -> Partial, or Partial(op1) -> Partial(op2)
                     f"cannot reshard mesh dim {i} ({self.dim_names[i]}) from "
-                    f"{_show(a)} to {_show(b)}: a Partial placement only comes out of an op"
+                    f"{_show(a)} to {_show(b)}: a Partial placement comes only out of an op "
+                    "or from Replicate"
                 )
             if b == _R:
                 kind = "all_reduce" if isinstance(a, str) else "all_gather"
@@ -494,14 +504,12 @@ class MeshSpec:
             if self.shape[i] == 1:
                 continue
             # Other mesh dims on which the source is sharded have already split the tensor.
-            split = math.prod(
-                n
-                for j, (n, c) in enumerate(zip(self.shape, s, strict=True))
-                if j != i and _is_shard(c)
-            )
-            nbytes = total / split
-            steps.append(CommStep(kind, i, nbytes, self._collective(kind, nbytes, i)))
-        return steps
+            split = 1
+            for j, (n, c) in enumerate(zip(self.shape, s, strict=True)):
+                if j != i and not isinstance(c, str) and c >= 0:
+                    split *= n
+            plan.append((kind, i, total / split))
+        return plan
 
     def _encode(self, placements: Sequence[Placement], tensor_ndim: int, what: str) -> tuple:
         """Placements -> codes (Replicate -> -1, Shard(d) -> d >= 0, Partial(op) -> op)."""
@@ -512,9 +520,14 @@ class MeshSpec:
             )
         codes: list[_Code] = []
         for p in placements:
-            if isinstance(p, Replicate):
+            # Exact type first: isinstance() on torch placements runs a Python-level
+            # __instancecheck__, the slowest part of this function.
+            kind = type(p)
+            if kind is not Replicate and kind is not Shard and kind is not Partial:
+                kind = next((k for k in (Shard, Replicate, Partial) if isinstance(p, k)), None)
+            if kind is Replicate:
                 codes.append(_R)
-            elif isinstance(p, Shard):
+            elif kind is Shard:
                 dim = p.dim + tensor_ndim if p.dim < 0 else p.dim
                 if not 0 <= dim < tensor_ndim:
                     raise AutoshardError(
@@ -522,7 +535,7 @@ class MeshSpec:
                         f"{tensor_ndim}-D tensor: use a dim in 0..{tensor_ndim - 1}"
                     )
                 codes.append(dim)
-            elif isinstance(p, Partial):
+            elif kind is Partial:
                 codes.append(str(p.reduce_op))
             else:
                 raise AutoshardError(f"{what} placement {p!r} is not Shard, Replicate or Partial")
@@ -535,10 +548,6 @@ def _whole_numbers(values: Sequence[Any], what: str) -> tuple[int, ...]:
         return tuple(operator.index(v) for v in values)
     except TypeError:
         raise AutoshardError(f"{what} {tuple(values)} must hold whole numbers") from None
-
-
-def _is_shard(code: _Code) -> bool:
-    return not isinstance(code, str) and code >= 0
 
 
 def _show(code: _Code) -> str:

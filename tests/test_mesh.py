@@ -101,9 +101,12 @@ def test_collective_argument_errors() -> None:
         ((S0, P), (S0, P), 0.0),
         # Shard(-1) of a 2-D tensor is Shard(1).
         ((R, Shard(-1)), (R, S1), 0.0),
-        # Into Partial, or between reduce ops: impossible.
-        ((R, R), (P, R), math.inf),
-        ((S0, R), (S0, P), math.inf),
+        # Replicate -> Partial is local (DTensor divides the copy by n for sum): free.
+        ((R, R), (P, R), 0.0),
+        ((S0, R), (S0, P), 0.0),
+        ((R, R), (R, Partial("avg")), 0.0),
+        # Shard into Partial, or between reduce ops: impossible.
+        ((R, S0), (R, P), math.inf),
         ((Partial("sum"), R), (Partial("avg"), R), math.inf),
     ],
 )
@@ -129,8 +132,8 @@ def test_redistribute_steps_name_each_collective() -> None:
 
 
 def test_redistribute_steps_refuse_the_impossible() -> None:
-    with pytest.raises(AutoshardError, match=r"mesh dim 1 \(tp\) from R to P\(sum\)"):
-        MESH.redistribute_steps((R, R), (R, P), SHAPE, ITEMSIZE)
+    with pytest.raises(AutoshardError, match=r"mesh dim 1 \(tp\) from S\(0\) to P\(sum\)"):
+        MESH.redistribute_steps((R, S0), (R, P), SHAPE, ITEMSIZE)
 
 
 def test_redistribute_cost_accepts_lists_and_numpy_sizes() -> None:
