@@ -818,9 +818,12 @@ def _check_predicted(predicted: object, source: str) -> None:
     if not isinstance(predicted, Mapping):
         raise AutoshardError(f"{source}: 'predicted' must be an object, not {predicted!r}")
     for key, value in predicted.items():
-        if isinstance(key, str) and key.endswith("_s") and not (_is_number(value) and value >= 0):
+        values = value.values() if isinstance(value, Mapping) else [value]
+        seconds = isinstance(key, str) and key.endswith("_s")
+        if seconds and not all(_is_number(v) and v >= 0 for v in values):
             raise AutoshardError(
-                f"{source}: predicted {key!r} is {value!r}; expected a number of seconds >= 0"
+                f"{source}: predicted {key!r} is {value!r}; expected seconds >= 0 (a number, "
+                "or an object of numbers)"
             )
     collectives = predicted.get("collectives", {})
     if not isinstance(collectives, Mapping) or not all(
