@@ -56,7 +56,9 @@ DEFAULT_MIN_HEAVY_OPS = 3
 _FLOPS_RTOL = 1e-9
 # Relative tolerance below which two step times count as equal (the smaller bottleneck wins).
 _TIME_RTOL = 1e-12
-# Float64 elements per batch of the stage DP (K thresholds x (L + 1)^2): 16 MiB.
+# Thresholds in the stage DP's first batch; later batches double, up to _BATCH_ELEMENTS
+# float64 elements (K thresholds x (L + 1)^2, 16 MiB).
+_FIRST_BATCH = 8
 _BATCH_ELEMENTS = 2**21
 
 
@@ -669,9 +671,11 @@ def assign_stages(
     ``t_s = stage_cost(b_s, b_{s+1}).time_s`` and every stage's ``memory_bytes <=
     memory_budget``. Exact: for each candidate bottleneck T (each distinct stage time, in
     increasing order) a DP finds the least ``sum t_s`` with every ``t_s <= T``; the best
-    ``sum + (B - 1) * max`` over all T is optimal, and the scan stops once ``B * T`` reaches
-    the best step time found (no split with bottleneck >= T can beat it). Ties go to the
-    smaller bottleneck. Time O(K S L^2) for K distinct stage times (K <= L^2 / 2).
+    ``sum + (B - 1) * max`` over all T is optimal. The scan starts at the least achievable
+    bottleneck (a min-max DP) and stops once ``max(B T, least_sum + (B - 1) T)`` reaches the
+    best step time found, ``least_sum`` being the least sum of any split: no split whose
+    bottleneck is >= T can beat it. Ties go to the smaller bottleneck. Time O(K S L^2) for the
+    K thresholds scanned (K <= L (L + 1) / 2; with additive stage times K is about 1).
     Source: Alpa (Zheng et al., OSDI 2022) Sec. 5.2 / Alg. 1, TeraPipe (Li et al., ICML 2021)
     Sec. 3.3; the step-time model is DAPPLE's 1F1B (Fan et al., PPoPP 2021).
 
@@ -759,7 +763,7 @@ def assign_stages(
     thresholds = thresholds[thresholds >= least_time]
     max_batch = max(1, _BATCH_ELEMENTS // (L + 1) ** 2)
     best: tuple[float, list[int]] | None = None  # (step time, boundaries)
-    start, batch = 0, 8
+    start, batch = 0, min(_FIRST_BATCH, max_batch)
     while start < len(thresholds):
         chunk = thresholds[start : start + batch]
         start += len(chunk)

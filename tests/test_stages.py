@@ -15,6 +15,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from autoshard import stages as stages_module
 from autoshard.errors import AutoshardError
 from autoshard.stages import (
     OpCost,
@@ -412,8 +413,32 @@ def test_one_microbatch_minimises_the_sum():
     assert plan.balance == (1, 3)
 
 
+@pytest.mark.parametrize("first_batch", [1, 8])
+def test_microbatches_trade_sum_against_bottleneck(first_batch, monkeypatch):
+    """3 layers on 2 stages with non-additive stage times: split [1, 2] runs (2, 2) s (sum 4,
+    bottleneck 2), split [2, 1] runs (1, 2.5) s (sum 3.5, bottleneck 2.5). B = 1: step = sum,
+    [2, 1] wins with 3.5 s against 4 s. B = 8: [1, 2] takes 4 + 7 x 2 = 18 s, [2, 1] takes
+    3.5 + 7 x 2.5 = 21 s: [1, 2] wins. Scanning one threshold at a time, the bound that skips
+    thresholds must not skip 2.5 s for B = 1 (least sum 3.5 + 0 x 2.5 < 4)."""
+    monkeypatch.setattr(stages_module, "_FIRST_BATCH", first_batch)
+    monkeypatch.setattr(stages_module, "_BATCH_ELEMENTS", first_batch)
+    times = {(0, 1): 2.0, (1, 3): 2.0, (0, 2): 1.0, (2, 3): 2.5}
+
+    def cost(i, j):
+        return StageCost(times[(i, j)], 0.0)
+
+    assert assign_stages(3, 2, 1, cost).balance == (2, 1)
+    assert assign_stages(3, 2, 1, cost).step_time_s == pytest.approx(3.5)
+    assert assign_stages(3, 2, 8, cost).balance == (1, 2)
+    assert assign_stages(3, 2, 8, cost).step_time_s == pytest.approx(18.0)
+
+
 @pytest.mark.parametrize("seed", range(80))
-def test_stage_dp_equals_brute_force(seed):
+def test_stage_dp_equals_brute_force(seed, monkeypatch):
+    if seed % 2:
+        # One threshold per batch, so that the pruning bound decides which are evaluated.
+        monkeypatch.setattr(stages_module, "_FIRST_BATCH", 1)
+        monkeypatch.setattr(stages_module, "_BATCH_ELEMENTS", 1)
     rng = random.Random(seed)
     num_layers = rng.randint(1, 8)
     num_stages = rng.randint(1, num_layers)
