@@ -541,7 +541,7 @@ def _normalise_solution(obj: object, source: str, prefix: str | None = None) -> 
             obj[section][key] = bad.placements(placements, f"{section[:-1]} {key!r}", ndim)
             ndim = len(obj[section][key])
     for number in ("objective_s",):
-        if number in obj and not _is_number(obj[number]):
+        if number in obj and type(obj[number]) not in (int, float):
             raise bad(f"{number!r} is {obj[number]!r}; expected a number of seconds")
     for section in ("cost_model", "solver"):
         if section in obj:
