@@ -57,9 +57,7 @@ def fake_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> I
     """
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group(
-            "fake", store=FakeStore(), rank=0, world_size=math.prod(shape)
-        )
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     try:
         names = tuple(dim_names) if dim_names else None
         yield init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)

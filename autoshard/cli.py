@@ -62,37 +62,53 @@ def main(ctx: click.Context, debug: bool) -> None:
 def _mesh_options(f):
     options = [
         click.option(
-            "--mesh", "mesh_shape", required=True, metavar="SHAPE",
+            "--mesh",
+            "mesh_shape",
+            required=True,
+            metavar="SHAPE",
             help="Devices per mesh dim, e.g. 8, 2x4, 2x2x2. Dim 0 is inter-node when there "
             "are two or more dims (MASE's convention); the rest are intra-node.",
         ),
         click.option(
-            "--mesh-dim-names", default=None, metavar="NAMES",
+            "--mesh-dim-names",
+            default=None,
+            metavar="NAMES",
             help="Comma-separated names of the mesh dims, e.g. dp,tp (default: dp,tp for 2 "
             "dims, d0,d1,... otherwise).",
         ),
         click.option(
-            "--intra-node-bw", type=BandwidthType(), default=DEFAULT_INTRA_NODE_BW,
+            "--intra-node-bw",
+            type=BandwidthType(),
+            default=DEFAULT_INTRA_NODE_BW,
             show_default=format_bandwidth(DEFAULT_INTRA_NODE_BW),
             help="Bandwidth of intra-node mesh dims, each way per device (H100 NVLink 4).",
         ),
         click.option(
-            "--inter-node-bw", type=BandwidthType(), default=DEFAULT_INTER_NODE_BW,
+            "--inter-node-bw",
+            type=BandwidthType(),
+            default=DEFAULT_INTER_NODE_BW,
             show_default=format_bandwidth(DEFAULT_INTER_NODE_BW),
             help="Bandwidth of the inter-node mesh dim (one 400 Gb/s NIC per GPU).",
         ),
         click.option(
-            "--intra-node-latency", type=DurationType(), default=DEFAULT_INTRA_NODE_LATENCY,
+            "--intra-node-latency",
+            type=DurationType(),
+            default=DEFAULT_INTRA_NODE_LATENCY,
             show_default=format_seconds(DEFAULT_INTRA_NODE_LATENCY),
             help="Latency (alpha) of one collective step on intra-node dims.",
         ),
         click.option(
-            "--inter-node-latency", type=DurationType(), default=DEFAULT_INTER_NODE_LATENCY,
+            "--inter-node-latency",
+            type=DurationType(),
+            default=DEFAULT_INTER_NODE_LATENCY,
             show_default=format_seconds(DEFAULT_INTER_NODE_LATENCY),
             help="Latency (alpha) of one collective step on the inter-node dim.",
         ),
         click.option(
-            "--device", "device_name", default=DEFAULT_DEVICE, show_default=True,
+            "--device",
+            "device_name",
+            default=DEFAULT_DEVICE,
+            show_default=True,
             type=click.Choice(sorted(DEVICES), case_sensitive=False),
             help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline).",
         ),
@@ -102,29 +118,39 @@ def _mesh_options(f):
     return f
 
 
-def mesh_from_options(mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
-                      intra_node_latency, inter_node_latency) -> MeshSpec:
+def mesh_from_options(
+    mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw, intra_node_latency, inter_node_latency
+) -> MeshSpec:
     """Build the :class:`MeshSpec` from the CLI's mesh options."""
     names = mesh_dim_names.split(",") if mesh_dim_names else None
     return MeshSpec.from_options(
-        mesh_shape, names,
-        intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
-        intra_node_latency=intra_node_latency, inter_node_latency=inter_node_latency,
+        mesh_shape,
+        names,
+        intra_node_bw=intra_node_bw,
+        inter_node_bw=inter_node_bw,
+        intra_node_latency=intra_node_latency,
+        inter_node_latency=inter_node_latency,
     )
 
 
 class _Progress:
     """rich progress for the long phases: trace, strategies, solve."""
 
-    LABELS = {"trace": "tracing (torch.export, meta device)",
-              "strategies": "generating strategies",
-              "solve": "solving the ILP (HiGHS)"}
+    LABELS = {
+        "trace": "tracing (torch.export, meta device)",
+        "strategies": "generating strategies",
+        "solve": "solving the ILP (HiGHS)",
+    }
 
     def __init__(self, console: Console) -> None:
         self.bar = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-            console=console, transient=False,
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
         )
         self.tasks: dict[str, int] = {}
 
@@ -145,21 +171,62 @@ class _Progress:
 @click.argument("model_file", type=click.Path(path_type=Path))
 @_mesh_options
 @click.option(
-    "--inputs", "input_placement", type=click.Choice(["free", "replicate"]), default="free",
+    "--inputs",
+    "input_placement",
+    type=click.Choice(["free", "replicate"]),
+    default="free",
     show_default=True,
     help="free: the ILP chooses the inputs' placements; replicate: every input starts "
     "replicated on every device.",
 )
-@click.option("--time-limit", type=float, default=600.0, show_default=True,
-              help="Seconds HiGHS may search; when hit, the best plan found is written with its gap.")
-@click.option("--mip-gap", type=float, default=0.0, show_default=True,
-              help="Relative optimality gap at which the solver may stop (0 = prove optimal).")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("solutions"),
-              show_default=True, help="Folder for <model>_<mesh>.pkl and .json.")
+@click.option(
+    "--outputs",
+    "output_placement",
+    type=click.Choice(["free", "replicate"]),
+    default="free",
+    show_default=True,
+    help="free: outputs may end sharded (never Partial: the plan pays to reduce them); "
+    "replicate: every device ends with the whole output.",
+)
+@click.option(
+    "--time-limit",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds HiGHS may search; when hit, the best plan found is written with its gap.",
+)
+@click.option(
+    "--mip-gap",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Relative optimality gap at which the solver may stop (0 = prove optimal).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("solutions"),
+    show_default=True,
+    help="Folder for <model>_<mesh>.pkl and .json.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Print only the files written.")
-def solve(model_file, mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
-          intra_node_latency, inter_node_latency, device_name, input_placement, time_limit,
-          mip_gap, out_dir, quiet) -> None:
+def solve(
+    model_file,
+    mesh_shape,
+    mesh_dim_names,
+    intra_node_bw,
+    inter_node_bw,
+    intra_node_latency,
+    inter_node_latency,
+    device_name,
+    input_placement,
+    output_placement,
+    time_limit,
+    mip_gap,
+    out_dir,
+    quiet,
+) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
 
     MODEL_FILE is a Python file defining build_model() and example_inputs() (global
@@ -180,14 +247,23 @@ def solve(model_file, mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
     from autoshard.solve import SolveConfig, plan_model
 
     console = Console(stderr=False, quiet=quiet)
-    mesh = mesh_from_options(mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw,
-                             intra_node_latency, inter_node_latency)
+    mesh = mesh_from_options(
+        mesh_shape,
+        mesh_dim_names,
+        intra_node_bw,
+        inter_node_bw,
+        intra_node_latency,
+        inter_node_latency,
+    )
     config = SolveConfig(
-        model_path=model_file, mesh=mesh, device=get_device(device_name),
+        model_path=model_file,
+        mesh=mesh,
+        device=get_device(device_name),
         input_placement=input_placement,
+        output_placement=output_placement,
         solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
     )
-    with _Progress(console) as progress:
+    with _Progress(Console(stderr=True, quiet=quiet)) as progress:
         result = plan_model(config, progress)
     stem = output_stem(result.graph.model_name, mesh.shape)
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
@@ -200,8 +276,10 @@ def _register_optional() -> None:
     """Commands living in their own modules."""
     import importlib
 
-    for module, attr, name in (("autoshard.show", "show_command", "show"),
-                               ("autoshard.launch", "launch_command", "launch")):
+    for module, attr, name in (
+        ("autoshard.show", "show_command", "show"),
+        ("autoshard.launch", "launch_command", "launch"),
+    ):
         try:
             main.add_command(getattr(importlib.import_module(module), attr), name)
         except (ImportError, AttributeError):  # pragma: no cover - module not there yet

@@ -24,10 +24,21 @@ Placements = tuple[Placement, ...]
 
 # ops whose output aliases their input (no new memory)
 _VIEW_OPS = {
-    "aten.view.default", "aten._unsafe_view.default", "aten.permute.default", "aten.t.default",
-    "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
-    "aten.slice.Tensor", "aten.alias.default", "aten.transpose.int", "aten.select.int",
-    "aten.split_with_sizes.default", "aten.split.Tensor", "<built-in function getitem>",
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.permute.default",
+    "aten.t.default",
+    "aten.expand.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.slice.Tensor",
+    "aten.alias.default",
+    "aten.transpose.int",
+    "aten.select.int",
+    "aten.split_with_sizes.default",
+    "aten.split.Tensor",
+    "<built-in function getitem>",
 }
 
 
@@ -79,16 +90,16 @@ class Plan:
         return out
 
 
-def build_plan(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec, name: str = "ilp") -> Plan:
+def build_plan(
+    sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec, name: str = "ilp"
+) -> Plan:
     """Expand a choice per representative into a full :class:`Plan` with its costs.
 
     Raises:
         KeyError: when ``choice`` lacks a representative of ``sg``.
     """
     graph = sg.graph
-    node_strategy = {
-        n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()
-    }
+    node_strategy = {n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()}
     compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()

@@ -57,7 +57,9 @@ def layer_table(plan: Plan) -> Table:
         table.add_row(fqn, "", ps, str(shapes.get(fqn, "")))
     for key in order:
         sub, ps = key
-        table.add_row(f"<block>.{sub}", _ranges(rows[key]), ps, str(shapes.get(_example(plan, sub), "")))
+        table.add_row(
+            f"<block>.{sub}", _ranges(rows[key]), ps, str(shapes.get(_example(plan, sub), ""))
+        )
     return table
 
 
@@ -103,7 +105,9 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     mesh = cfg.mesh
     dims = ", ".join(
         f"{n}={s} ({format_bandwidth(bw)}, {format_seconds(lat)})"
-        for n, s, bw, lat in zip(mesh.dim_names, mesh.shape, mesh.bandwidth, mesh.latency, strict=True)
+        for n, s, bw, lat in zip(
+            mesh.dim_names, mesh.shape, mesh.bandwidth, mesh.latency, strict=True
+        )
     )
     console.print(
         f"[bold]{sg.graph.model_name}[/bold] on mesh {mesh.shape_str} ({escape(dims)}), "
@@ -132,7 +136,8 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     )
     secs = result.seconds
     console.print(
-        "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
+        "time: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
         + f"; peak memory {format_bytes(result.peak_rss_bytes)}"
     )
     if files:

@@ -34,19 +34,23 @@ class SolveConfig:
 
     ``input_placement``: ``"free"`` lets the ILP choose the inputs' placements;
     ``"replicate"`` fixes every input to ``Replicate`` on every mesh dim.
+    ``output_placement``: likewise for the outputs (``"free"`` still forbids
+    ``Partial``: the plan always pays to reduce outputs).
     """
 
     model_path: Path
     mesh: MeshSpec
     device: DeviceSpec = field(default_factory=lambda: get_device(DEFAULT_DEVICE))
     input_placement: str = "free"
+    output_placement: str = "free"
     solver: SolverOptions = field(default_factory=SolverOptions)
 
     def __post_init__(self) -> None:
-        if self.input_placement not in ("free", "replicate"):
-            raise AutoshardError(
-                f"input placement must be 'free' or 'replicate', got {self.input_placement!r}"
-            )
+        for what, value in (("input", self.input_placement), ("output", self.output_placement)):
+            if value not in ("free", "replicate"):
+                raise AutoshardError(
+                    f"{what} placement must be 'free' or 'replicate', got {value!r}"
+                )
 
     def cost_model(self) -> dict[str, Any]:
         """The cost-model parameters, as plain builtins for the solution file."""
@@ -54,6 +58,7 @@ class SolveConfig:
             "device": self.device.to_dict(),
             "mode": "infer",
             "input_placement": self.input_placement,
+            "output_placement": self.output_placement,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -97,13 +102,14 @@ def strategies(
     config: SolveConfig, graph: TracedGraph, progress: Progress | None = None
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of ``graph`` for ``config``'s mesh and device."""
-    fixed = (Replicate(),) * config.mesh.ndim if config.input_placement == "replicate" else None
+    rep = (Replicate(),) * config.mesh.ndim
     return build_strategy_graph(
         graph,
         config.mesh.shape,
         compute_time=config.device.compute_time,
         redistribute_cost=config.mesh.redistribute_cost,
-        fixed_inputs=fixed,
+        fixed_inputs=rep if config.input_placement == "replicate" else None,
+        fixed_outputs=rep if config.output_placement == "replicate" else None,
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
     )
 

@@ -162,7 +162,9 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
 
 # --- autoshard's own rules: ops PyTorch has no (working) rule for ---------------------
 
-OwnRule = Callable[[Any, list[TensorInfo], list[TensorInfo | None], tuple[int, ...]], list[Strategy]]
+OwnRule = Callable[
+    [Any, list[TensorInfo], list[TensorInfo | None], tuple[int, ...]], list[Strategy]
+]
 
 
 def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
@@ -241,6 +243,7 @@ def build_strategy_graph(
     compute_time: Callable[[float, float, torch.dtype], float],
     redistribute_cost: Callable[[Placements, Placements, tuple[int, ...], int], float],
     fixed_inputs: Placements | None = None,
+    fixed_outputs: Placements | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
@@ -252,6 +255,8 @@ def build_strategy_graph(
         redistribute_cost: ``(src, dst, global shape, itemsize) -> seconds``.
         fixed_inputs: when given, every user input must have these placements
             (e.g. all ``Replicate``); ``None`` lets the ILP choose.
+        fixed_outputs: likewise for the model's outputs; ``None`` allows any
+            placement but ``Partial`` (outputs are always reduced).
         progress: called with (nodes done, nodes total).
 
     Returns:
@@ -261,7 +266,6 @@ def build_strategy_graph(
     t0 = time.perf_counter()
     mesh_shape = tuple(mesh_shape)
     ndim = len(mesh_shape)
-    rep_all = (Replicate(),) * ndim
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     infos = {
         name: info.results[0]
@@ -282,9 +286,7 @@ def build_strategy_graph(
 
     def out_cands(name: str, index: int) -> list[Placements]:
         ns = nodes[name]
-        seen = dict.fromkeys(
-            ns.strategies[c].outputs[index] for c in ns.choice
-        )
+        seen = dict.fromkeys(ns.strategies[c].outputs[index] for c in ns.choice)
         return [p for p in seen if p is not None]
 
     with tp.fake_mesh(mesh_shape) as mesh:
@@ -320,10 +322,17 @@ def build_strategy_graph(
                     if arg in free or t is None:
                         continue
                     sink = f"{name}.{k}"
-                    cands = all_placements(t.shape, mesh_shape)
+                    if fixed_outputs is not None:
+                        cands = [tuple(fixed_outputs)]
+                    else:
+                        cands = all_placements(t.shape, mesh_shape)
                     strategies = [Strategy((), (c,)) for c in cands]
                     nodes[sink] = NodeStrategies(
-                        sink, strategies, np.zeros(len(strategies)), sink, np.arange(len(strategies))
+                        sink,
+                        strategies,
+                        np.zeros(len(strategies)),
+                        sink,
+                        np.arange(len(strategies)),
                     )
                 continue
 
@@ -335,9 +344,7 @@ def build_strategy_graph(
             if node.target is operator.getitem:
                 src, idx = node.args[0].name, node.args[1]
                 ps = nodes[src]
-                strategies = [
-                    Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies
-                ]
+                strategies = [Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies]
                 nodes[name] = NodeStrategies(
                     name, strategies, np.zeros(len(strategies)), ps.rep, ps.choice.copy()
                 )

@@ -223,7 +223,11 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
 
     blocks = find_block_prefixes(loaded.module)
     pattern = (
-        re.compile("^(" + "|".join(re.escape(p) for p in sorted(blocks, key=len, reverse=True)) + r")(\.|$)")
+        re.compile(
+            "^("
+            + "|".join(re.escape(p) for p in sorted(blocks, key=len, reverse=True))
+            + r")(\.|$)"
+        )
         if blocks
         else None
     )
@@ -235,7 +239,12 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
             res = [_tensor_info(node.meta.get("val"))]
             layer = _layer_of(fqn, blocks, pattern) if kind != "input" else None
             nodes[node.name] = NodeInfo(
-                node.name, kind, None, results=res, fqn=fqn, layer=layer,
+                node.name,
+                kind,
+                None,
+                results=res,
+                fqn=fqn,
+                layer=layer,
                 module_path=fqn.rsplit(".", 1)[0] if kind != "input" and "." in fqn else None,
             )
         elif node.op == "call_function":
@@ -248,9 +257,14 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
                 results = [_tensor_info(val)]
             path = _module_path(node)
             info = NodeInfo(
-                node.name, "op", node.target, args=args,
-                arg_nodes=[a.name for a in arg_nodes], results=results,
-                module_path=path, layer=_layer_of(path, blocks, pattern),
+                node.name,
+                "op",
+                node.target,
+                args=args,
+                arg_nodes=[a.name for a in arg_nodes],
+                results=results,
+                module_path=path,
+                layer=_layer_of(path, blocks, pattern),
             )
             info.flops = op_flops(node.target, args, results)
             nodes[node.name] = info
@@ -258,7 +272,9 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
             leaves, _ = torch.utils._pytree.tree_flatten(list(node.args))
             outs = [x for x in leaves if _is_node(x)]
             nodes[node.name] = NodeInfo(
-                node.name, "output", None,
+                node.name,
+                "output",
+                None,
                 args=[_tensor_info(x.meta.get("val")) for x in outs],
                 arg_nodes=[x.name for x in outs],
             )

@@ -1,0 +1,104 @@
+"""The command line: one-line errors with exit code 2, and an end-to-end solve of GPT-2."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from autoshard.cli import main
+from autoshard.solution_io import load_sharding_map, load_solution
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, env=None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["solve", "nope.py", "--mesh", "2x4"], "nope.py"),
+        (["solve", "examples/mlp.py", "--mesh", "2x"], "2x"),
+        (["solve", "examples/mlp.py", "--mesh", "0x4"], "0x4"),
+        (["solve", "examples/mlp.py", "--mesh", "4", "--mesh-dim-names", "a,b"], "a"),
+        (["solve", "examples/mlp.py", "--mesh", "4", "--time-limit", "0"], "time-limit"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert any(message in ln for ln in lines), result.output
+    assert "Traceback" not in result.output
+
+
+def test_model_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n")
+    result = _run("solve", str(bad), "--mesh", "2")
+    assert result.exit_code == 2
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "bad.py" in last and "example_inputs" in last
+    assert "Traceback" not in result.output
+
+
+def test_bad_bandwidth_unit_is_a_usage_error():
+    result = _run("solve", "examples/mlp.py", "--mesh", "4", "--intra-node-bw", "450")
+    assert result.exit_code == 2
+    assert "450" in result.output
+
+
+def test_help_teaches():
+    result = _run("solve", "--help")
+    assert result.exit_code == 0
+    for word in ("--mesh", "--inter-node-bw", "build_model", "Examples"):
+        assert word in result.output
+
+
+def test_solve_gpt2_two_layers_end_to_end(tmp_path, monkeypatch):
+    """The real CLI path on HuggingFace GPT-2 with 2 layers: files written, every
+    parameter (tied ones under each name) in the map, one placement per mesh dim."""
+    monkeypatch.chdir(ROOT)
+    env = dict(os.environ, AUTOSHARD_LAYERS="2")
+    result = _run("solve", "examples/gpt2.py", "--mesh", "2x4", "--out", str(tmp_path), env=env)
+    assert result.exit_code == 0, result.output
+    assert "optimal" in result.output and "compute" in result.output
+    smap = load_sharding_map(tmp_path / "gpt2_2x4.json")
+    assert smap.mesh_shape == (2, 4)
+    raw = json.loads((tmp_path / "gpt2_2x4.json").read_text())
+    assert raw["format"] == "autoshard.sharding_map/1"
+    assert set(raw["inputs"]) == {"input_ids"}
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2))
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert set(smap.parameters) == names
+    assert "lm_head.weight" in names and "transformer.wte.weight" in names
+    assert smap.parameters["lm_head.weight"] == smap.parameters["transformer.wte.weight"]
+    assert all(len(ps) == 2 for ps in smap.parameters.values())
+    sol = load_solution(tmp_path / "gpt2_2x4.pkl")
+    assert sol["format"] == "autoshard.solution/1"
+    assert sol["mesh"]["shape"] == [2, 4]
+    assert sol["solver"]["status"] == "optimal"
+    assert sol["objective_s"] == pytest.approx(raw["predicted"]["step_time_s"])
+
+
+def test_a_failed_solve_keeps_the_previous_solution(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    good = _run("solve", "examples/mlp.py", "--mesh", "4", "--out", str(tmp_path))
+    assert good.exit_code == 0, good.output
+    before = (tmp_path / "mlp_4.json").read_bytes()
+    bad = _run(
+        "solve", "examples/mlp.py", "--mesh", "4", "--out", str(tmp_path), "--time-limit", "-1"
+    )
+    assert bad.exit_code == 2
+    assert (tmp_path / "mlp_4.json").read_bytes() == before

@@ -1,0 +1,97 @@
+"""The ILP's optimum equals brute force; the transportation form prices edges exactly."""
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from autoshard.errors import AutoshardError
+from autoshard.ilp import SolverOptions, brute_force, evaluate, solve
+from autoshard.strategies import Edge, NodeStrategies, Strategy, StrategyGraph
+from autoshard.trace import TensorInfo
+
+
+def _random_graph(seed: int) -> StrategyGraph:
+    """4-6 nodes, 2-4 strategies each, random DAG edges whose strategies group into
+    random produced/wanted placements; some resharding pairs impossible (inf)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 7))
+    nodes = {}
+    for i in range(n):
+        k = int(rng.integers(2, 5))
+        nodes[f"n{i}"] = NodeStrategies(
+            f"n{i}",
+            [Strategy((), ()) for _ in range(k)],
+            rng.uniform(0, 5, k),
+            f"n{i}",
+            np.arange(k),
+        )
+    edges = []
+    for j in range(1, n):
+        for i in range(j):
+            if rng.random() < 0.5:
+                ki, kj = len(nodes[f"n{i}"].strategies), len(nodes[f"n{j}"].strategies)
+                P, Q = int(rng.integers(1, ki + 1)), int(rng.integers(1, kj + 1))
+                cost = rng.uniform(0, 5, (P, Q))
+                cost[rng.random((P, Q)) < 0.2] = math.inf
+                cost[:, 0] = rng.uniform(0, 5, P)  # every source can reach wanted group 0
+                edges.append(
+                    Edge(
+                        f"n{i}",
+                        f"n{j}",
+                        TensorInfo((4,), np.float32),
+                        [None] * P,
+                        [None] * Q,
+                        rng.integers(0, P, ki),
+                        rng.integers(0, Q, kj),
+                        cost,
+                    )
+                )
+    return StrategyGraph(None, (2,), nodes, set(), edges, Counter(), 0.0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_optimum_equals_brute_force(seed):
+    sg = _random_graph(seed)
+    best_choice, best = brute_force(sg)
+    result = solve(sg, SolverOptions(time_limit_s=60))
+    assert result.status == "optimal"
+    assert result.objective_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert evaluate(sg, result.choice) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_impossible_pairs_are_never_chosen():
+    """Two nodes, the cheap strategies can only be joined through an impossible resharding."""
+    a = NodeStrategies("a", [Strategy((), ())] * 2, np.array([0.0, 10.0]), "a", np.arange(2))
+    b = NodeStrategies("b", [Strategy((), ())] * 2, np.array([0.0, 10.0]), "b", np.arange(2))
+    cost = np.array([[math.inf, 1.0], [2.0, 3.0]])
+    e = Edge(
+        "a",
+        "b",
+        TensorInfo((4,), np.float32),
+        [None] * 2,
+        [None] * 2,
+        np.arange(2),
+        np.arange(2),
+        cost,
+    )
+    sg = StrategyGraph(None, (2,), {"a": a, "b": b}, set(), [e], Counter(), 0.0)
+    result = solve(sg)
+    # (0, 0) is impossible; (0, 1) costs 0 + 10 + 1 = 11; (1, 0) costs 10 + 0 + 2 = 12
+    assert result.choice == {"a": 0, "b": 1}
+    assert result.objective_s == pytest.approx(11.0)
+
+
+def test_infeasible_memory_budget_is_a_clear_error():
+    a = NodeStrategies("a", [Strategy((), ())] * 2, np.array([1.0, 2.0]), "a", np.arange(2))
+    sg = StrategyGraph(None, (2,), {"a": a}, set(), [], Counter(), 0.0)
+    with pytest.raises(AutoshardError, match="infeasible"):
+        solve(sg, memory=(np.array([10.0, 20.0]), 5.0))
+
+
+def test_solver_options_validated():
+    with pytest.raises(AutoshardError, match="time-limit"):
+        SolverOptions(time_limit_s=0)
+    with pytest.raises(AutoshardError, match="mip-gap"):
+        SolverOptions(mip_gap=1.5)
