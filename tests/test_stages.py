@@ -314,13 +314,14 @@ def test_automatic_layer_count_with_too_few_heavy_ops_gives_one_layer():
 
 
 def test_synthetic_transformer_layers_are_its_blocks():
-    """4 Llama-like blocks with a tiny vocabulary (the head is cheap) into 4 layers. The least
-    worst cut is the residual stream (1024 x 4096 x 2 B): only it is alive after a residual
-    add. Among the residual-only cuts (block ends, after attention) the FLOPs tie-break picks
-    block ends: they sit at k / 4 of the FLOPs, an attention half away from mid-block cuts."""
-    ops, edges, act = synthetic_transformer(4, vocab=8)
-    layers = cluster_layers(ops, edges, num_layers=4)
-    assert [ops[r.start].name for r in layers[1:]] == ["b1_ln1_0", "b2_ln1_0", "b3_ln1_0"]
+    """32 Llama-like blocks with a tiny vocabulary (the head is cheap) into 32 layers. The
+    least worst cut is the residual stream (1024 x 4096 x 2 B): only it is alive after a
+    residual add. Among the residual-only cuts (block ends, after attention) the FLOPs
+    tie-break picks block ends: they sit at k / 32 of the FLOPs, while a cut after attention
+    lies an attention half away."""
+    ops, edges, act = synthetic_transformer(32, vocab=8)
+    layers = cluster_layers(ops, edges, num_layers=32)
+    assert [ops[r.start].name for r in layers[1:]] == [f"b{k}_ln1_0" for k in range(1, 32)]
     cut = crossing_bytes(len(ops), edges)
     assert all(cut[r.start] == act for r in layers[1:])
 
