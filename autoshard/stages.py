@@ -4,15 +4,16 @@ Two dynamic programs on plain data, independent of the tracer (docs/pipeline-sta
 the recurrences, their complexity and their sources):
 
 * :func:`cluster_layers` - Alpa's *layer construction* (Zheng et al., "Alpa: Automating
-  Inter- and Intra-Operator Parallelism for Distributed Deep Learning", OSDI 2022, App. B and
+  Inter- and Intra-Operator Parallelism for Distributed Deep Learning", OSDI 2022, and
   ``alpa/pipeline_parallel/layer_construction.py``): split a topologically ordered op
   sequence into ``L`` contiguous layers whose FLOPs are at most ``(1 + eps)`` times the mean
   and which hold at least a few heavy (matmul/conv) ops each, minimising the largest number of
   activation bytes that cross a layer boundary.
-* :func:`assign_stages` - the inter-operator pass of Alpa (Sec. 5.2) and TeraPipe (Li et al.,
-  ICML 2021, Sec. 3.3): split ``L`` layers into ``S`` contiguous pipeline stages minimising
-  the 1F1B step time ``sum(t_s) + (B - 1) * max(t_s)`` (DAPPLE, Fan et al., PPoPP 2021) by
-  enumerating the bottleneck stage time and solving a min-sum DP under each threshold.
+* :func:`assign_stages` - the inter-operator pass of Alpa (Sec. 5) and the slicing DP of
+  TeraPipe (Li et al., ICML 2021): split ``L`` layers into ``S`` contiguous pipeline stages
+  minimising the 1F1B step time ``sum(t_s) + (B - 1) * max(t_s)`` (DAPPLE, Fan et al.,
+  PPoPP 2021) by enumerating the bottleneck stage time and solving a min-sum DP under each
+  threshold.
 
 and the mesh arithmetic of a pipeline degree: :func:`pipeline_degrees`,
 :func:`submesh_shape`, :func:`stage_ranks`.
@@ -499,8 +500,8 @@ def pipeline_step_time(stage_times_s: Sequence[float], microbatches: int) -> flo
     """1F1B (and GPipe) step time ``sum(t_s) + (B - 1) * max(t_s)``, in seconds.
 
     The first micro-batch walks through all stages (``sum``); the other ``B - 1`` leave at the
-    pace of the slowest stage. Source: Alpa (OSDI 2022) Eq. 2, TeraPipe (ICML 2021) Eq. 3,
-    DAPPLE (PPoPP 2021).
+    pace of the slowest stage. Source: Alpa (OSDI 2022, Sec. 5), TeraPipe (ICML 2021), DAPPLE
+    (PPoPP 2021).
 
     Args:
         stage_times_s: per-stage time per micro-batch, seconds, >= 0.
@@ -676,8 +677,8 @@ def assign_stages(
     best step time found, ``least_sum`` being the least sum of any split: no split whose
     bottleneck is >= T can beat it. Ties go to the smaller bottleneck. Time O(K S L^2) for the
     K thresholds scanned (K <= L (L + 1) / 2; with additive stage times K is about 1).
-    Source: Alpa (Zheng et al., OSDI 2022) Sec. 5.2 / Alg. 1, TeraPipe (Li et al., ICML 2021)
-    Sec. 3.3; the step-time model is DAPPLE's 1F1B (Fan et al., PPoPP 2021).
+    Source: the inter-operator DP of Alpa (Zheng et al., OSDI 2022, Sec. 5) and TeraPipe (Li et
+    al., ICML 2021); the step-time model is DAPPLE's 1F1B (Fan et al., PPoPP 2021).
 
     ``stage_cost(i, j)`` (layers ``i .. j - 1``) is called once per stage that occurs in some
     split of L layers into S nonempty stages - ``2 (L - 1)`` pairs for S = 2, L for S = L, at
