@@ -1,0 +1,103 @@
+"""``make bench``: seconds per phase, problem sizes and peak memory of ``autoshard solve``.
+
+Each case runs in its own process (``python -m autoshard.bench --case NAME``) so that
+its peak resident memory is its own. Prints one rich table; ``--json`` prints the rows.
+
+Cases: the MLP, GPT-2 small (12 layers) and the Llama-2-7B shape (32 layers), each on
+a 2x4 mesh with the default H100 cost model, in inference mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES: dict[str, dict] = {
+    "mlp 2x4": {"file": "examples/mlp.py", "mesh": "2x4", "env": {}},
+    "gpt2-small 2x4": {"file": "examples/gpt2.py", "mesh": "2x4", "env": {}},
+    "llama-7b-shape 2x4": {"file": "examples/llama.py", "mesh": "2x4", "env": {}},
+}
+
+
+def run_case(name: str) -> dict:
+    """Solve one case in this process and return its measurements."""
+    from autoshard.mesh import MeshSpec
+    from autoshard.solve import SolveConfig, plan_model
+
+    case = CASES[name]
+    os.environ.update(case["env"])
+    config = SolveConfig(model_path=ROOT / case["file"], mesh=MeshSpec.from_options(case["mesh"]))
+    result = plan_model(config)
+    st = result.sg.stats
+    return {
+        "case": name,
+        **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()},
+        "nodes": st["nodes"],
+        "decision_nodes": st["variables_nodes"],
+        "strategies": st["strategies"],
+        "ilp_variables": result.ilp.num_variables,
+        "status": result.ilp.status,
+        "gap": result.ilp.gap,
+        "objective_s": result.ilp.objective_s,
+        "peak_rss_bytes": result.peak_rss_bytes,
+    }
+
+
+@click.command()
+@click.option("--case", "case", default=None, help="Run one case in this process (internal).")
+@click.option("--only", default=None, help="Comma-separated case names to run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def main(case: str | None, only: str | None, as_json: bool) -> None:
+    """Benchmark autoshard solve on the bundled models (see docs/performance.md)."""
+    if case:
+        click.echo(json.dumps(run_case(case)))
+        return
+    names = only.split(",") if only else list(CASES)
+    rows = []
+    console = Console(width=220)
+    for name in names:
+        console.print(f"[dim]running {name} ...[/dim]")
+        proc = subprocess.run(
+            [sys.executable, "-m", "autoshard.bench", "--case", name],
+            capture_output=True, text=True, cwd=ROOT,
+        )
+        if proc.returncode != 0:
+            console.print(f"[red]{name} failed[/red]\n{proc.stderr[-2000:]}")
+            continue
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="autoshard solve (inference, H100 cost model)")
+    cols = [("case", "case"), ("trace s", "trace_s"), ("strategies s", "strategies_s"),
+            ("ILP build s", "ilp_build_s"), ("solve s", "solve_s"), ("total s", "total_s"),
+            ("nodes", "nodes"), ("decision nodes", "decision_nodes"),
+            ("strategies", "strategies"), ("ILP variables", "ilp_variables"),
+            ("status", "status"), ("gap", "gap"), ("peak memory", "peak_rss_bytes")]
+    for title, _ in cols:
+        table.add_column(title, justify="left" if title in ("case", "status") else "right")
+    for row in rows:
+        cells = []
+        for _, key in cols:
+            v = row.get(key)
+            if key == "peak_rss_bytes":
+                cells.append(f"{v / 2**30:.2f} GiB")
+            elif isinstance(v, float):
+                cells.append(f"{v:.2f}" if key.endswith("_s") else f"{v:.3g}")
+            else:
+                cells.append(str(v))
+        table.add_row(*cells)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
