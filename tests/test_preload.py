@@ -1,0 +1,260 @@
+"""Preloading a stored solution onto a freshly traced graph (autoshard.preload).
+
+One 2-layer GPT-2 is solved on a 2x4 mesh and written with the export functions, as
+`autoshard solve` writes it; every test maps that file (or a tampered copy) onto the
+same model or onto a 4-layer GPT-2 traced afresh.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import dill
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard.errors import AutoshardError
+from autoshard.export import write_outputs
+from autoshard.ilp import evaluate
+from autoshard.mesh import MeshSpec
+from autoshard.plan import build_plan
+from autoshard.preload import MAX_LISTED, choice_from_solution, plan_preloaded
+from autoshard.solution_io import load_solution
+from autoshard.solve import SolveConfig, plan_model, strategies, trace
+
+GPT2 = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
+MESH = MeshSpec.from_options("2x4")
+
+
+def _config() -> SolveConfig:
+    return SolveConfig(model_path=GPT2, mesh=MESH)
+
+
+@pytest.fixture(scope="module")
+def solved(tmp_path_factory):
+    """(SolveResult of a 2-layer GPT-2 on 2x4, path of its solution pickle, loaded solution)."""
+    out = tmp_path_factory.mktemp("solutions")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSHARD_LAYERS", "2")
+        config = _config()
+        result = plan_model(config)
+    pkl, _ = write_outputs(result.plan, out, "gpt2_2x4", config.cost_model(), result.solver_stats())
+    return result, pkl, load_solution(pkl)
+
+
+@pytest.fixture(scope="module")
+def sg4():
+    """The strategy graph of a 4-layer GPT-2 on 2x4, traced afresh."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSHARD_LAYERS", "4")
+        config = _config()
+        return strategies(config, trace(config))
+
+
+def _layer_nodes(sg, layers) -> int:
+    return sum(1 for n in sg.nodes if n in sg.graph.nodes and sg.graph.nodes[n].layer in layers)
+
+
+def _relative_params(graph, params: dict, layer: int) -> dict:
+    """Parameters of block ``layer``, keyed by FQN relative to the block prefix."""
+    prefix = next(p for p, i in graph.block_prefixes.items() if i == layer) + "."
+    return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def _stored_with_placements(sg, solution, pred):
+    """First stored node (graph order) that has placements and satisfies ``pred(name)``."""
+    return next(
+        n
+        for n, e in solution["nodes"].items()
+        if (e["args"] or e["results"]) and n in sg.nodes and pred(n)
+    )
+
+
+# -- same model -----------------------------------------------------------------------
+
+
+def test_same_model_gives_the_solved_choice_and_objective(solved):
+    result, _, solution = solved
+    sg = result.sg
+    pre = choice_from_solution(sg, solution, MESH)
+    assert pre.choice == result.ilp.choice
+    assert pre.filled == 0 and pre.dropped == 0 and pre.sources == {}
+    assert pre.matched == len(sg.nodes)
+    assert evaluate(sg, pre.choice) == pytest.approx(result.ilp.objective_s, rel=1e-12)
+    assert evaluate(sg, pre.choice) == pytest.approx(solution["objective_s"], rel=1e-12)
+    plan = build_plan(sg, pre.choice, MESH)
+    assert plan.parameters == solution["parameters"]
+    assert plan.inputs == solution["inputs"]
+
+
+def test_plan_preloaded_traces_and_reports_the_stored_plan(solved, monkeypatch):
+    result, pkl, solution = solved
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    res, pre = plan_preloaded(_config(), pkl)
+    assert res.ilp.status == "preloaded"
+    assert res.ilp.choice == result.ilp.choice == pre.choice
+    assert res.plan.step_time_s == pytest.approx(solution["objective_s"], rel=1e-9)
+    assert res.ilp.objective_s == pytest.approx(solution["objective_s"], rel=1e-12)
+    assert set(res.seconds) >= {"trace", "strategies", "preload", "total"}
+
+
+# -- more and fewer layers --------------------------------------------------------------
+
+
+def test_four_layers_fill_blocks_2_and_3_from_an_identical_block(solved, sg4):
+    _, _, solution = solved
+    pre = choice_from_solution(sg4, solution, MESH)
+    assert set(pre.choice) == set(sg4.reps)
+    assert pre.filled == _layer_nodes(sg4, {2, 3}) > 0
+    assert pre.matched == len(sg4.nodes) - pre.filled
+    assert pre.sources == {2: 1, 3: 1}
+    assert any(
+        f"{pre.filled} nodes filled" in n and "blocks 2-3 from block 1" in n for n in pre.notes
+    )
+    plan = build_plan(sg4, pre.choice, MESH)
+    assert plan.step_time_s == pytest.approx(evaluate(sg4, pre.choice), rel=1e-9)
+    assert plan.step_time_s > solution["objective_s"]  # two more blocks cost more
+    graph = sg4.graph
+    # blocks 0-1 and everything outside the blocks (renamed in the bigger graph) as stored
+    for fqn, ps in solution["parameters"].items():
+        assert plan.parameters[fqn] == ps, fqn
+    assert plan.inputs == solution["inputs"]
+    out4 = [n for n in sg4.nodes if n.startswith("output.")]
+    assert [plan.node_strategy[n].inputs[0] for n in out4] == [
+        solution["nodes"]["output"]["args"][f"data_in_{n.rsplit('.', 1)[1]}"] for n in out4
+    ]
+    # every filled block's parameters are placed as its source block's
+    for layer, src in pre.sources.items():
+        got = _relative_params(graph, plan.parameters, layer)
+        assert got == _relative_params(graph, plan.parameters, src) and got
+
+
+def test_fewer_layers_drop_the_blocks_the_model_lacks(solved, sg4):
+    """A 4-layer solution (exported from the preloaded plan) maps back onto 2 layers."""
+    from autoshard.export import solution_dict
+
+    result, _, solution = solved
+    plan4 = build_plan(sg4, choice_from_solution(sg4, solution, MESH).choice, MESH)
+    stored4 = solution_dict(plan4, {}, {})
+    pre = choice_from_solution(result.sg, stored4, MESH)
+    assert pre.choice == result.ilp.choice
+    dropped = sum(1 for e in stored4["nodes"].values() if e.get("layer") in (2, 3))
+    assert pre.dropped == dropped > 0
+    assert pre.filled == 0
+    assert any(f"{dropped} stored nodes of blocks the model does not have" in n for n in pre.notes)
+
+
+# -- what does not fit ------------------------------------------------------------------
+
+
+def test_mesh_shape_mismatch_names_both_shapes(solved):
+    result, _, solution = solved
+    tampered = copy.deepcopy(solution)
+    tampered["mesh"]["shape"] = [4, 2]
+    with pytest.raises(AutoshardError, match=r"made for a 4x2 mesh.*mesh is 2x4"):
+        choice_from_solution(result.sg, tampered, MESH)
+
+
+def test_other_links_are_a_note_not_an_error(solved):
+    result, _, solution = solved
+    slow = MeshSpec.from_options("2x4", inter_node_bw=1e9)
+    pre = choice_from_solution(result.sg, solution, slow)
+    assert pre.choice == result.ilp.choice
+    assert any("solving again may find a faster plan" in n for n in pre.notes)
+
+
+def test_tampered_shape_names_the_node(solved):
+    result, _, solution = solved
+    tampered = copy.deepcopy(solution)
+    name = next(n for n, e in tampered["nodes"].items() if e["op"] == "aten.addmm.default")
+    tampered["nodes"][name]["shapes"]["data_out_0"] = [1, 2, 3]
+    with pytest.raises(AutoshardError) as err:
+        choice_from_solution(result.sg, tampered, MESH)
+    msg = str(err.value)
+    assert "shapes that differ (1)" in msg
+    assert f"'{name}': data_out_0 [1, 2, 3] in the solution" in msg
+
+
+def test_placements_that_are_no_strategy_are_named(solved):
+    result, _, solution = solved
+    tampered = copy.deepcopy(solution)
+    name = next(
+        n
+        for n, e in tampered["nodes"].items()
+        if e["op"] == "param" and len(e["shapes"]["data_out_0"]) == 1
+    )
+    tampered["nodes"][name]["results"]["data_out_0"] = (Shard(3), Replicate())
+    with pytest.raises(AutoshardError, match=rf"(?s)not a strategy of their node.*'{name}'"):
+        choice_from_solution(result.sg, tampered, MESH)
+
+
+def test_merged_node_that_disagrees_with_its_representative(solved):
+    result, _, solution = solved
+    sg = result.sg
+    name = _stored_with_placements(
+        sg,
+        solution,
+        lambda n: sg.nodes[n].rep != n and len(set(map(str, sg.nodes[n].strategies))) > 1,
+    )
+    ns = sg.nodes[name]
+    current = ns.strategies[ns.choice[result.ilp.choice[ns.rep]]]
+    other = next(s for s in ns.strategies if s != current)
+    tampered = copy.deepcopy(solution)
+    entry = tampered["nodes"][name]
+    entry["args"] = {f"data_in_{k}": p for k, p in enumerate(other.inputs)}
+    entry["results"] = {f"data_out_{k}": p for k, p in enumerate(other.outputs) if p is not None}
+    with pytest.raises(AutoshardError, match=rf"(?s)disagree with their representative.*'{name}'"):
+        choice_from_solution(sg, tampered, MESH)
+
+
+def test_unknown_nodes_are_listed_and_capped(solved):
+    result, _, solution = solved
+    tampered = copy.deepcopy(solution)
+    for i in range(MAX_LISTED + 5):
+        tampered["nodes"][f"extra_{i}"] = {"op": "aten.relu.default", "args": {}, "results": {}}
+    with pytest.raises(AutoshardError) as err:
+        choice_from_solution(result.sg, tampered, MESH)
+    msg = str(err.value)
+    assert "nodes unknown to the graph (15)" in msg
+    assert "'extra_0'" in msg and "'extra_14'" not in msg
+    assert re.search(r"\.\.\. and \d+ more", msg)
+
+
+def test_a_node_missing_outside_the_blocks_is_an_error(solved, sg4):
+    """Blocks can be filled from identical blocks; nodes outside them cannot."""
+    _, _, solution = solved
+    tampered = copy.deepcopy(solution)
+    out = tampered["nodes"]["output"]
+    out["args"], out["results"] = {}, {}  # stored as if free: the output sinks lack placements
+    with pytest.raises(AutoshardError, match=r"(?s)nodes the solution lacks.*'output\.0'"):
+        choice_from_solution(sg4, tampered, MESH)
+
+
+# -- bare MASE dicts ----------------------------------------------------------------------
+
+
+def test_bare_mase_dict_loads_with_a_note(solved, tmp_path):
+    result, _, solution = solved
+    bare = {n: {"args": e["args"], "results": e["results"]} for n, e in solution["nodes"].items()}
+    path = tmp_path / "mase.pkl"
+    path.write_bytes(dill.dumps(bare))
+    loaded = load_solution(path)
+    assert loaded["format"] == "mase"
+    pre = choice_from_solution(result.sg, loaded, MESH)
+    assert pre.choice == result.ilp.choice
+    assert any("no mesh" in n and "2x4" in n for n in pre.notes)
+
+
+def test_bare_mase_dict_for_another_mesh_rank_is_refused(solved):
+    result, _, solution = solved
+    bare = {
+        n: {
+            "args": {k: p[:1] for k, p in e["args"].items()},
+            "results": {k: p[:1] for k, p in e["results"].items()},
+        }
+        for n, e in solution["nodes"].items()
+    }
+    with pytest.raises(AutoshardError, match=r"1-D meshes.*2x4 has 2 dims"):
+        choice_from_solution(result.sg, {"format": "mase", "nodes": bare}, MESH)
