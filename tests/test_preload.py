@@ -258,3 +258,72 @@ def test_bare_mase_dict_for_another_mesh_rank_is_refused(solved):
     }
     with pytest.raises(AutoshardError, match=r"1-D meshes.*2x4 has 2 dims"):
         choice_from_solution(result.sg, {"format": "mase", "nodes": bare}, MESH)
+
+
+# -- any model with repeated blocks ---------------------------------------------------------
+
+STACK = """
+import os
+import torch
+from torch import nn
+
+N = int(os.environ["TEST_BLOCKS"])
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(32, 64)
+        self.stages = nn.ModuleList([Block() for _ in range(N)])
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.stages:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(16, 32),)
+"""
+
+
+def test_blocks_are_found_without_model_specific_names(tmp_path, monkeypatch):
+    """A residual stack under `stages.<i>` on a 1-D mesh: 2 blocks solved, 3 preloaded."""
+    path = tmp_path / "stack.py"
+    path.write_text(STACK)
+    mesh = MeshSpec.from_options("4")
+    config = SolveConfig(model_path=path, mesh=mesh)
+    monkeypatch.setenv("TEST_BLOCKS", "2")
+    small = plan_model(config)
+    monkeypatch.setenv("TEST_BLOCKS", "3")
+    sg3 = strategies(config, trace(config))
+    assert set(sg3.graph.block_prefixes) == {"stages.0", "stages.1", "stages.2"}
+    from autoshard.export import solution_dict
+
+    stored = solution_dict(small.plan, {}, {})
+    pre = choice_from_solution(sg3, stored, mesh)
+    assert pre.filled == _layer_nodes(sg3, {2}) > 0
+    assert pre.sources == {2: 1}
+    plan = build_plan(sg3, pre.choice, mesh)
+    assert plan.step_time_s == pytest.approx(evaluate(sg3, pre.choice), rel=1e-9)
+    assert _relative_params(sg3.graph, plan.parameters, 2) == _relative_params(
+        sg3.graph, small.plan.parameters, 1
+    )
+    for fqn in ("stem.weight", "head.weight", "head.bias"):
+        assert plan.parameters[fqn] == small.plan.parameters[fqn]
