@@ -1,0 +1,658 @@
+"""``autoshard stages``: split a model into pipeline stages, each with its intra-op plan.
+
+The model is traced once. Its layers are the repeated blocks the tracer found
+(``NodeInfo.layer``), or, for a model without repeated blocks, the layers that
+:func:`autoshard.stages.cluster_layers` builds from the ops. For each pipeline degree ``pp``
+one intra-op ILP plans the whole model on the stage submesh
+(:func:`autoshard.stages.submesh_shape`); its cost is split per layer (each node's compute and
+each resharding go to the layer of the node that runs them), so that the time of a stage
+holding layers ``i..j-1`` is the sum of its layers' costs plus the send/receive of the
+activations that cross its boundaries. :func:`autoshard.stages.assign_stages` then picks the
+contiguous split with the least 1F1B step time. docs/pipeline-stages.md ("The stages
+command") gives the cost model and what it leaves out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from autoshard.errors import AutoshardError
+
+STAGE_PLAN_FORMAT = "autoshard.stage_plan/1"
+
+# Ops counted as heavy by the layer clustering (matmul / convolution families).
+_HEAVY_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product")
+
+
+# --------------------------------------------------------------------------------------------
+# Layers of a traced graph
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerMap:
+    """Which layer each graph node belongs to.
+
+    Attributes:
+        num_layers: L.
+        source: ``"blocks"`` (the model's repeated blocks) or ``"clustering"``
+            (:func:`autoshard.stages.cluster_layers` over the ops).
+        layer_of: node name -> layer index, for every node of the graph. Inputs are in layer 0
+            (the first stage receives them); parameters and buffers in the first layer that
+            reads them.
+        modules: per layer, the module FQNs it holds (the block FQN for blocks; the distinct
+            module paths of its ops, in order, for clustered layers).
+        first_module: per layer, the FQN where it starts (a split point), or None.
+        param_layers: parameter node name -> every layer whose ops read it.
+    """
+
+    num_layers: int
+    source: str
+    layer_of: dict[str, int]
+    modules: list[list[str]]
+    first_module: list[str | None]
+    param_layers: dict[str, set[int]]
+
+
+def _is_heavy(target: Any) -> bool:
+    name = str(getattr(target, "__name__", target)).split(".")[0]
+    return name in _HEAVY_OPS or any(str(target).startswith(f"aten.{h}.") for h in _HEAVY_OPS)
+
+
+def layer_map(graph) -> LayerMap:
+    """Assign every node of ``graph`` (a :class:`~autoshard.trace.TracedGraph`) to a layer.
+
+    With repeated blocks, an op takes its block's index; an op outside every block goes with
+    the nearest block before it (ops before the first block go with layer 0, after the last
+    block with the last layer). Without blocks, the ops are clustered by
+    :func:`autoshard.stages.cluster_layers` (number of layers chosen automatically).
+
+    Raises:
+        AutoshardError: from the clustering, when the graph has no ops.
+    """
+    from autoshard.stages import OpCost, cluster_layers
+
+    nodes = graph.nodes
+    ops = [n for n, info in nodes.items() if info.kind == "op"]
+    layer_of: dict[str, int] = {}
+    if graph.block_prefixes and any(nodes[n].layer is not None for n in ops):
+        source = "blocks"
+        ids = sorted(set(graph.block_prefixes.values()))
+        index = {b: k for k, b in enumerate(ids)}  # block number -> layer (dense)
+        num_layers = len(ids)
+        current = 0
+        for n in ops:
+            if nodes[n].layer is not None:
+                current = index[nodes[n].layer]
+            layer_of[n] = current
+        by_layer = {index[i]: p for p, i in graph.block_prefixes.items()}
+        modules = [[by_layer[k]] for k in range(num_layers)]
+        first_module: list[str | None] = [by_layer[k] for k in range(num_layers)]
+    else:
+        source = "clustering"
+        if not ops:
+            raise AutoshardError(f"{graph.model_name} has no ops to split into pipeline stages")
+        pos = {n: k for k, n in enumerate(ops)}
+        costs = [
+            OpCost(n, nodes[n].flops, _is_heavy(nodes[n].target), nodes[n].module_path) for n in ops
+        ]
+        edges = []
+        for n in ops:
+            for a in dict.fromkeys(nodes[n].arg_nodes):
+                if a in pos:
+                    size = max((r.nbytes for r in nodes[a].results if r is not None), default=0)
+                    edges.append((pos[a], pos[n], size))
+        ranges = cluster_layers(costs, edges)
+        num_layers = len(ranges)
+        modules, first_module = [], []
+        for k, r in enumerate(ranges):
+            for i in r:
+                layer_of[ops[i]] = k
+            paths = [nodes[ops[i]].module_path for i in r]
+            modules.append(list(dict.fromkeys(p for p in paths if p)))
+            first_module.append(paths[0])
+
+    users = graph.users()
+    param_layers: dict[str, set[int]] = {}
+    for n, info in nodes.items():
+        if info.kind == "output":
+            layer_of[n] = num_layers - 1
+        elif info.kind == "input":
+            layer_of[n] = 0
+        elif info.kind in ("param", "buffer"):
+            used = {layer_of[u] for u in users.get(n, []) if u in layer_of}
+            used |= {num_layers - 1 for u in users.get(n, []) if nodes[u].kind == "output"}
+            layer_of[n] = min(used) if used else 0
+            if info.kind == "param":
+                param_layers[n] = used or {0}
+    return LayerMap(num_layers, source, layer_of, modules, first_module, param_layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer costs of one intra-op plan on the stage submesh
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PipelineCosts:
+    """One pipeline degree priced: per-layer times, per-cut transfers, per-parameter bytes.
+
+    Attributes:
+        pp: the pipeline degree.
+        submesh: the stage submesh (:func:`autoshard.stages.submesh_shape`).
+        plan: the intra-op :class:`~autoshard.plan.Plan` of the whole model on the submesh.
+        layer_s: (L,) seconds per layer (compute + resharding) under ``plan``.
+        cut_bytes: (L + 1,) bytes per device crossing the cut before layer k (0 at both ends).
+        cut_s: (L + 1,) seconds of one send (or receive) of those bytes over mesh dim 0.
+        params: (parameter node, bytes per device, layers reading it).
+    """
+
+    pp: int
+    submesh: tuple[int, ...]
+    plan: Any
+    layer_s: np.ndarray
+    cut_bytes: np.ndarray
+    cut_s: np.ndarray
+    params: list[tuple[str, float, set[int]]]
+
+    def stage_time(self, i: int, j: int) -> float:
+        """Seconds per micro-batch of a stage holding layers i..j-1: its layers, plus the
+        receive of its input activations (i > 0) and the send of its outputs (j < L)."""
+        return float(self.layer_s[i:j].sum() + self.cut_s[i] + self.cut_s[j])
+
+    def p2p_time(self, i: int, j: int) -> float:
+        return float(self.cut_s[i] + self.cut_s[j])
+
+    def stage_memory(self, i: int, j: int) -> float:
+        """Bytes per device of the parameters the stage reads (a parameter read by several
+        stages is held by each)."""
+        return float(sum(b for _, b, ls in self.params if any(i <= k < j for k in ls)))
+
+
+def _base(name: str, nodes: dict) -> str:
+    """Graph node of a strategy-graph node name (``output.0`` -> ``output``)."""
+    return name if name in nodes else name.rsplit(".", 1)[0]
+
+
+def price_pipeline(config, graph, layers: LayerMap, pp: int) -> PipelineCosts:
+    """Solve the intra-op ILP of the whole model on the stage submesh of ``pp`` and split
+    its cost by layer.
+
+    Raises:
+        AutoshardError: a pp that does not split the mesh; an infeasible ILP.
+    """
+    from dataclasses import replace
+
+    from autoshard.ilp import solve
+    from autoshard.mesh import MeshSpec
+    from autoshard.plan import build_plan, local_bytes, shard_factor
+    from autoshard.solve import strategies
+    from autoshard.stages import submesh_shape
+
+    mesh = config.mesh
+    sub = submesh_shape(mesh.shape, pp)
+    sub_mesh = MeshSpec(sub, mesh.dim_names, mesh.bandwidth, mesh.latency)
+    sub_config = replace(config, mesh=sub_mesh)
+    sg = strategies(sub_config, graph)
+    result = solve(sg, sub_config.solver)
+    choice = result.choice
+    plan = build_plan(sg, choice, sub_mesh, name=f"pp{pp}")
+    nodes = graph.nodes
+    L = layers.num_layers
+
+    layer_s = np.zeros(L)
+    for name, ns in sg.nodes.items():
+        layer_s[layers.layer_of[_base(name, nodes)]] += float(
+            ns.compute_s[ns.choice[choice[ns.rep]]]
+        )
+    for e in sg.edges:
+        c = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
+        if c:
+            layer_s[layers.layer_of[_base(e.consumer or e.dst, nodes)]] += c
+
+    # Activations crossing each cut: made by an op (or an input) in layer p, read in a layer
+    # after p. Parameters, buffers, ops on them only (weight views) and free nodes (computed
+    # by every device) are not sent: each stage has or makes its own.
+    local = set(sg.free)
+    for n, info in nodes.items():
+        if info.kind in ("param", "buffer"):
+            local.add(n)
+        elif info.kind == "op" and info.arg_nodes and all(a in local for a in info.arg_nodes):
+            local.add(n)
+    users = graph.users()
+    diff = np.zeros(L + 2)
+    for n, info in nodes.items():
+        if info.kind not in ("op", "input") or n in local:
+            continue
+        p = layers.layer_of[n]
+        last = max((layers.layer_of[u] for u in users.get(n, [])), default=p)
+        if last <= p:
+            continue
+        strat = plan.node_strategy.get(n)
+        size = 0.0
+        for k, r in enumerate(info.results):
+            if r is None:
+                continue
+            ps = strat.outputs[k] if strat is not None and k < len(strat.outputs) else None
+            size += local_bytes(r, ps, sub)
+        diff[p + 1] += size
+        diff[last + 1] -= size
+    cut_bytes = np.cumsum(diff)[: L + 1]
+    cut_bytes[0] = cut_bytes[L] = 0.0
+    cut_s = np.where(cut_bytes > 0, cut_bytes / mesh.bandwidth[0] + mesh.latency[0], 0.0)
+
+    params = []
+    for n, used in layers.param_layers.items():
+        ps = plan.node_strategy[n].outputs[0] if n in plan.node_strategy else None
+        nbytes = nodes[n].results[0].nbytes
+        params.append((n, nbytes / shard_factor(ps, sub) if ps else float(nbytes), used))
+    return PipelineCosts(pp, sub, plan, layer_s, cut_bytes, cut_s, params)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage plans
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StagesResult:
+    """The chosen stage plan of one pipeline degree and how it was priced."""
+
+    costs: PipelineCosts
+    stage_plan: Any  # autoshard.stages.StagePlan
+
+
+def plan_pipeline(
+    config,
+    graph,
+    layers: LayerMap,
+    pp: int,
+    microbatches: int,
+    memory_budget: float | None = None,
+) -> StagesResult:
+    """Price degree ``pp`` (:func:`price_pipeline`) and split the layers into ``pp`` stages.
+
+    Raises:
+        AutoshardError: a pp that does not split the mesh, more stages than layers, an
+            infeasible ILP, no split within the memory budget.
+    """
+    from autoshard.stages import StageCost, assign_stages, submesh_shape
+
+    submesh_shape(config.mesh.shape, pp)  # a bad pp fails before any ILP
+    _check_stages(pp, layers)
+    costs = price_pipeline(config, graph, layers, pp)
+    sp = assign_stages(
+        layers.num_layers,
+        pp,
+        microbatches,
+        lambda i, j: StageCost(costs.stage_time(i, j), costs.stage_memory(i, j)),
+        memory_budget=memory_budget,
+    )
+    return StagesResult(costs, sp)
+
+
+def _check_stages(pp: int, layers: LayerMap) -> None:
+    if pp > layers.num_layers:
+        what = "repeated blocks" if layers.source == "blocks" else "layers (clustered)"
+        raise AutoshardError(
+            f"cannot split {layers.num_layers} layers into {pp} pipeline stages: the model has "
+            f"{layers.num_layers} {what}; use --pp {layers.num_layers} or fewer"
+        )
+
+
+def tied_across_stages(graph, layers: LayerMap, boundaries) -> list[str]:
+    """Parameter FQNs (keys of ``graph.param_names``) read by more than one stage."""
+    bounds = list(boundaries)
+
+    def stage(layer: int) -> int:
+        return max(s for s in range(len(bounds) - 1) if bounds[s] <= layer)
+
+    out = []
+    for n, used in layers.param_layers.items():
+        if len({stage(k) for k in used}) > 1:
+            fqn = graph.nodes[n].fqn
+            owner = (
+                fqn
+                if fqn in graph.param_names
+                else next((k for k, v in graph.param_names.items() if fqn in v), fqn)
+            )
+            out.append(owner)
+    return sorted(set(out))
+
+
+def stage_plan_dict(
+    graph, layers: LayerMap, result: StagesResult, mesh, tried: dict[int, Any] | None = None
+) -> dict[str, Any]:
+    """The stage plan file's content (format ``autoshard.stage_plan/1``, docs/formats.md)."""
+    from autoshard import __version__
+    from autoshard.placements import placements_to_str
+    from autoshard.stages import stage_ranks
+
+    sp, costs = result.stage_plan, result.costs
+    plan = costs.plan
+    bounds = list(sp.boundaries)
+    stages = []
+    for s, (i, j) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        params: dict[str, list[str]] = {}
+        for n, _, used in costs.params:
+            if any(i <= k < j for k in used):
+                fqn = graph.nodes[n].fqn
+                ps = plan.parameters.get(fqn)
+                for alias in graph.param_names.get(fqn, [fqn]):
+                    if ps is not None:
+                        params[alias] = placements_to_str(ps)
+        stages.append(
+            {
+                "layers": [i, j],
+                "module_paths": [m for k in range(i, j) for m in layers.modules[k]],
+                "split_points": [layers.first_module[j]]
+                if j < layers.num_layers and layers.first_module[j]
+                else [],
+                "predicted": {
+                    "time_s": costs.stage_time(i, j),
+                    "p2p_s": costs.p2p_time(i, j),
+                    "memory_bytes": costs.stage_memory(i, j),
+                },
+                "submesh": list(costs.submesh),
+                "ranks": list(stage_ranks(mesh.shape, costs.pp, s)),
+                "parameters": dict(sorted(params.items())),
+            }
+        )
+    out: dict[str, Any] = {
+        "format": STAGE_PLAN_FORMAT,
+        "autoshard_version": __version__,
+        "model": graph.model_name,
+        "mesh": mesh.to_dict(),
+        "pp": costs.pp,
+        "microbatches": sp.microbatches,
+        "layers": {"count": layers.num_layers, "source": layers.source},
+        "balance": list(sp.balance),
+        "stages": stages,
+        "tied_weights_across_stages": tied_across_stages(graph, layers, bounds),
+        "step_time_s": sp.step_time_s,
+    }
+    if tried:
+        out["degrees"] = {
+            str(k): (v.stage_plan.step_time_s if isinstance(v, StagesResult) else str(v))
+            for k, v in sorted(tried.items())
+        }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def _span(paths: list[str]) -> str:
+    if not paths:
+        return "-"
+    return paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]}"
+
+
+def print_stages(console: Console, data: dict[str, Any], path: Path | None = None) -> None:
+    """Stages side by side: one column per stage."""
+    from autoshard.units import format_bytes, format_seconds
+
+    stages = data["stages"]
+    table = Table(
+        title=f"{data['model']} on {'x'.join(map(str, data['mesh']['shape']))}: "
+        f"pp={data['pp']}, {data['microbatches']} micro-batches, "
+        f"{data['layers']['count']} layers ({data['layers']['source']})"
+    )
+    table.add_column("", style="bold")
+    for s in range(len(stages)):
+        table.add_column(f"stage {s}", justify="right")
+    rows = [
+        ("layers", [f"{a}..{b - 1} ({b - a})" for a, b in (st["layers"] for st in stages)]),
+        ("modules", [_span(st["module_paths"]) for st in stages]),
+        ("split point", [", ".join(st["split_points"]) or "-" for st in stages]),
+        ("submesh", ["x".join(map(str, st["submesh"])) for st in stages]),
+        ("ranks", [f"{st['ranks'][0]}..{st['ranks'][-1]}" for st in stages]),
+        ("time / micro-batch", [format_seconds(st["predicted"]["time_s"]) for st in stages]),
+        ("  of which send/recv", [format_seconds(st["predicted"]["p2p_s"]) for st in stages]),
+        ("parameters / device", [format_bytes(st["predicted"]["memory_bytes"]) for st in stages]),
+    ]
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    console.print(table)
+    if "degrees" in data:
+        tried = ", ".join(
+            f"pp={k}: " + (format_seconds(v) if isinstance(v, float) else v)
+            for k, v in data["degrees"].items()
+        )
+        console.print(f"pipeline degrees tried: {tried}")
+    console.print(
+        f"balance {data['balance']}, predicted step time {format_seconds(data['step_time_s'])}"
+    )
+    if data["tied_weights_across_stages"]:
+        console.print(
+            "parameters held by several stages: " + ", ".join(data["tied_weights_across_stages"])
+        )
+    if path is not None:
+        console.print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_pp(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        pp = int(text)
+    except ValueError:
+        raise AutoshardError(f"--pp {text!r}: give a pipeline degree (an integer) or auto") from (
+            None
+        )
+    if pp < 1:
+        raise AutoshardError(f"--pp {pp}: a pipeline needs at least 1 stage")
+    return pp
+
+
+def run_stages(
+    config,
+    pp_text: str,
+    microbatches: int,
+    memory_budget: float | None,
+    out_dir: Path,
+    console: Console,
+    log: Console,
+) -> tuple[Path, dict[str, Any]]:
+    """Trace, price each candidate degree, pick the fastest, write and print the stage plan."""
+    from autoshard.export import output_stem
+    from autoshard.solution_io import atomic_write_text
+    from autoshard.solve import trace
+    from autoshard.stages import pipeline_degrees, submesh_shape
+
+    if microbatches < 1:
+        raise AutoshardError(f"--microbatches {microbatches}: give an integer >= 1")
+    mesh = config.mesh
+    pp = _parse_pp(pp_text)
+    if pp is not None:
+        submesh_shape(mesh.shape, pp)  # fail fast, before tracing
+    log.print(f"tracing {config.model_path} (meta device)")
+    graph = trace(config)
+    layers = layer_map(graph)
+    log.print(f"{layers.num_layers} layers ({layers.source})")
+    tried: dict[int, Any] = {}
+    if pp is not None:
+        best = plan_pipeline(config, graph, layers, pp, microbatches, memory_budget)
+    else:
+        best = None
+        degrees = [d for d in pipeline_degrees(mesh.shape) if d <= layers.num_layers]
+        for d in degrees:
+            log.print(f"pp={d}: solving the intra-op ILP on submesh {submesh_shape(mesh.shape, d)}")
+            try:
+                r = plan_pipeline(config, graph, layers, d, microbatches, memory_budget)
+            except AutoshardError as exc:
+                tried[d] = f"infeasible ({exc})"
+                continue
+            tried[d] = r
+            if best is None or r.stage_plan.step_time_s < best.stage_plan.step_time_s * (1 - 1e-12):
+                best = r
+        if best is None:
+            raise AutoshardError(
+                "no pipeline degree of mesh "
+                f"{mesh.shape_str} gives a feasible stage plan: "
+                + "; ".join(f"pp={k}: {v}" for k, v in tried.items())
+            )
+    data = stage_plan_dict(graph, layers, best, mesh, tried or None)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AutoshardError(f"cannot create the output folder {out}: {exc.strerror}") from exc
+    path = out / f"{output_stem(graph.model_name, mesh.shape)}_pp{best.costs.pp}.stages.json"
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    print_stages(console, data, path)
+    return path, data
+
+
+def _stages_options(f):
+    from autoshard.cli import _mesh_options
+    from autoshard.units import BytesType
+
+    f = click.option("-q", "--quiet", is_flag=True, help="Print only the file written.")(f)
+    f = click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(path_type=Path),
+        default=Path("solutions"),
+        show_default=True,
+        help="Folder for <model>_<mesh>_pp<k>.stages.json.",
+    )(f)
+    f = click.option(
+        "--time-limit",
+        type=float,
+        default=600.0,
+        show_default=True,
+        help="Seconds HiGHS may search per intra-op ILP (one per pipeline degree).",
+    )(f)
+    f = click.option(
+        "--memory-budget",
+        type=BytesType(),
+        default=None,
+        help="Bytes per device a stage's parameters may take, e.g. 40GiB "
+        "(default: the device's memory).",
+    )(f)
+    f = click.option(
+        "--microbatches",
+        type=int,
+        default=8,
+        show_default=True,
+        help="Micro-batches per step (B in the 1F1B step time sum(t) + (B - 1) max(t)); "
+        "example_inputs() gives the shape of one micro-batch.",
+    )(f)
+    f = click.option(
+        "--pp",
+        "pp_text",
+        default="auto",
+        show_default=True,
+        metavar="N|auto",
+        help="Pipeline degree (stages); auto tries every degree the mesh admits.",
+    )(f)
+    f = _mesh_options(f)
+    return click.argument("model_file", type=click.Path(path_type=Path))(f)
+
+
+@click.command("stages")
+@_stages_options
+@click.pass_context
+def stages_command(
+    ctx: click.Context,
+    model_file,
+    mesh_shape,
+    mesh_dim_names,
+    intra_node_bw,
+    inter_node_bw,
+    intra_node_latency,
+    inter_node_latency,
+    device_name,
+    pp_text,
+    microbatches,
+    memory_budget,
+    time_limit,
+    out_dir,
+    quiet,
+) -> None:
+    """Split MODEL_FILE into pipeline stages over the mesh, each with its intra-op plan.
+
+    The layers are the model's repeated blocks (or, without them, clusters of ops). For a
+    pipeline degree PP each stage gets a submesh of MESH / PP devices (split along the
+    leading mesh dims); one intra-op ILP on that submesh prices every layer, and the
+    contiguous split of layers with the least 1F1B step time sum(t) + (B - 1) max(t) wins.
+    Writes OUT/<model>_<mesh>_pp<k>.stages.json (docs/pipeline-stages.md).
+
+    \b
+    Examples:
+      autoshard stages examples/gpt2.py --mesh 2x2x2 --pp 2 --microbatches 8
+      autoshard stages examples/gpt2.py --mesh 2x4 --pp auto
+    """
+    from autoshard.cli import mesh_from_options
+    from autoshard.devices import get_device
+    from autoshard.ilp import SolverOptions
+    from autoshard.solve import SolveConfig
+
+    try:
+        mesh = mesh_from_options(
+            mesh_shape,
+            mesh_dim_names,
+            intra_node_bw,
+            inter_node_bw,
+            intra_node_latency,
+            inter_node_latency,
+        )
+        device = get_device(device_name)
+        config = SolveConfig(
+            model_path=model_file,
+            mesh=mesh,
+            device=device,
+            solver=SolverOptions(time_limit_s=time_limit),
+        )
+        budget = memory_budget if memory_budget is not None else device.memory_bytes
+        path, _ = run_stages(
+            config,
+            pp_text,
+            microbatches,
+            budget,
+            out_dir,
+            Console(quiet=quiet),
+            Console(stderr=True, quiet=quiet),
+        )
+    except AutoshardError as exc:
+        root = ctx.find_root()
+        if root.obj and root.obj.get("debug"):
+            import traceback
+
+            traceback.print_exc()
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if quiet:
+        click.echo(str(path))
+
+
+__all__ = [
+    "STAGE_PLAN_FORMAT",
+    "LayerMap",
+    "PipelineCosts",
+    "StagesResult",
+    "layer_map",
+    "plan_pipeline",
+    "price_pipeline",
+    "print_stages",
+    "stage_plan_dict",
+    "stages_command",
+    "tied_across_stages",
+]

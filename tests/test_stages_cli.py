@@ -1,0 +1,189 @@
+"""``autoshard stages``: layers from repeated blocks, per-layer ILP costs, the stage plan file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from autoshard.mesh import MeshSpec
+from autoshard.solve import SolveConfig, trace
+from autoshard.stages import pipeline_step_time
+from autoshard.stages_cli import (
+    STAGE_PLAN_FORMAT,
+    layer_map,
+    plan_pipeline,
+    price_pipeline,
+    stage_plan_dict,
+    stages_command,
+)
+
+BLOCKS = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(8))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def build_model():
+    return Net()
+
+def example_inputs():
+    return (torch.randn(64, 256),)
+"""
+
+# No repeated blocks: six differently named layers (the clustering path).
+PLAIN = """
+import torch
+from torch import nn
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(128, 256)
+        self.b = nn.Linear(256, 256)
+        self.c = nn.Linear(256, 256)
+        self.d = nn.Linear(256, 256)
+        self.e = nn.Linear(256, 256)
+        self.f = nn.Linear(256, 128)
+
+    def forward(self, x):
+        return self.f(self.e(self.d(self.c(self.b(self.a(x))))))
+
+def build_model():
+    return Plain()
+
+def example_inputs():
+    return (torch.randn(32, 128),)
+"""
+
+# Links so fast that the boundary transfers are negligible next to the layers.
+FAST = ["--inter-node-bw", "1000TB/s", "--inter-node-latency", "0s"]
+
+
+@pytest.fixture(scope="module")
+def blocks_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "blocks8.py"
+    path.write_text(BLOCKS)
+    return path
+
+
+def _run(*args):
+    return CliRunner().invoke(stages_command, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("pp, balance", [(2, [4, 4]), (4, [2, 2, 2, 2])])
+def test_identical_blocks_split_evenly(blocks_file, tmp_path, pp, balance):
+    result = _run(
+        blocks_file, "--mesh", "2x2", "--pp", pp, "--microbatches", 8, *FAST, "--out", tmp_path
+    )
+    assert result.exit_code == 0, result.output
+    path = tmp_path / f"blocks8_2x2_pp{pp}.stages.json"
+    data = json.loads(path.read_text())
+    assert data["format"] == STAGE_PLAN_FORMAT
+    assert data["balance"] == balance
+    assert data["pp"] == pp and data["microbatches"] == 8
+    stages = data["stages"]
+    assert len(stages) == pp
+    step = balance[0]
+    for s, st in enumerate(stages):
+        assert st["layers"] == [s * step, (s + 1) * step]
+        assert st["module_paths"] == [f"blocks.{k}" for k in range(s * step, (s + 1) * step)]
+        want_split = [f"blocks.{(s + 1) * step}"] if s < pp - 1 else []
+        assert st["split_points"] == want_split
+        assert st["submesh"] == [1, 4 // pp]
+        assert len(st["ranks"]) == 4 // pp
+        assert set(st["parameters"]) == {
+            f"blocks.{k}.{w}" for k in range(s * step, (s + 1) * step) for w in ("weight", "bias")
+        }
+        assert st["predicted"]["time_s"] > 0 and st["predicted"]["memory_bytes"] > 0
+    assert data["tied_weights_across_stages"] == []
+    times = [st["predicted"]["time_s"] for st in stages]
+    assert data["step_time_s"] == pytest.approx(pipeline_step_time(times, 8))
+    # the table shows every stage side by side
+    assert all(f"stage {s}" in result.output for s in range(pp))
+    assert str(path) in result.output.replace("\n", "")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mesh", "2x2", "--pp", "3"], "pp=3"),
+        (["--mesh", "16", "--pp", "16"], "8 layers into 16 pipeline stages"),
+        (["--mesh", "2x2", "--pp", "two"], "--pp"),
+        (["--mesh", "2x2", "--pp", "2", "--microbatches", "0"], "microbatches"),
+    ],
+)
+def test_bad_degree_is_one_line_error(blocks_file, tmp_path, args, message):
+    result = _run(blocks_file, *args, "--out", tmp_path)
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.output
+    assert "Traceback" not in result.output
+    assert not list(tmp_path.glob("*.stages.json"))
+
+
+def test_auto_picks_the_fastest_degree(blocks_file, tmp_path):
+    result = _run(blocks_file, "--mesh", "2x2", "--pp", "auto", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.glob("*.stages.json")
+    data = json.loads(path.read_text())
+    tried = data["degrees"]
+    assert set(tried) == {"1", "2", "4"}
+    best = min(tried, key=lambda k: tried[k])
+    assert path.name == f"blocks8_2x2_pp{best}.stages.json"
+    assert data["step_time_s"] == pytest.approx(tried[best])
+
+
+@pytest.fixture(scope="module")
+def blocks_graph(blocks_file):
+    config = SolveConfig(blocks_file, MeshSpec.from_options("2x2"))
+    return config, trace(config)
+
+
+def test_layer_costs_add_up_to_the_ilp_plan(blocks_graph):
+    config, graph = blocks_graph
+    layers = layer_map(graph)
+    assert layers.source == "blocks" and layers.num_layers == 8
+    costs = price_pipeline(config, graph, layers, 2)
+    assert costs.submesh == (1, 2)
+    assert costs.layer_s.sum() == pytest.approx(costs.plan.step_time_s)
+    # each internal cut carries the (64, 256) float32 activation, sharded or not
+    assert all(0 < b <= 64 * 256 * 4 for b in costs.cut_bytes[1:-1])
+    assert costs.cut_bytes[0] == costs.cut_bytes[-1] == 0
+    # the parameters of all stages add up to the plan's parameter bytes
+    assert costs.stage_memory(0, 8) == pytest.approx(costs.plan.param_bytes)
+
+
+def test_chosen_split_is_no_slower_than_the_even_one(blocks_graph):
+    """With real (slow, 20 us) inter-node links the transfers dominate these tiny blocks and
+    the DP may move layers off the middle stages; it must never lose to the even split."""
+    config, graph = blocks_graph
+    layers = layer_map(graph)
+    result = plan_pipeline(config, graph, layers, 4, 8)
+    even = [result.costs.stage_time(2 * s, 2 * s + 2) for s in range(4)]
+    assert result.stage_plan.step_time_s <= pipeline_step_time(even, 8) * (1 + 1e-12)
+    data = stage_plan_dict(graph, layers, result, config.mesh)
+    assert sum(data["balance"]) == 8
+
+
+def test_model_without_blocks_is_clustered(tmp_path):
+    path = tmp_path / "plain.py"
+    path.write_text(PLAIN)
+    result = _run(path, "--mesh", "2x2", "--pp", "2", *FAST, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "plain_2x2_pp2.stages.json").read_text())
+    assert data["layers"]["source"] == "clustering"
+    assert sum(data["balance"]) == data["layers"]["count"] >= 2
+    paths = [p for st in data["stages"] for p in st["module_paths"]]
+    assert paths[0] == "a" and paths[-1] == "f"
+    assert data["stages"][0]["split_points"] and data["stages"][1]["split_points"] == []
