@@ -187,3 +187,49 @@ def test_model_without_blocks_is_clustered(tmp_path):
     paths = [p for st in data["stages"] for p in st["module_paths"]]
     assert paths[0] == "a" and paths[-1] == "f"
     assert data["stages"][0]["split_points"] and data["stages"][1]["split_points"] == []
+
+
+# Five blocks of one class; block 2 has a 6x wider hidden layer (about 6x the FLOPs).
+HEAVY_MIDDLE = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.up = nn.Linear(1024, hidden)
+        self.down = nn.Linear(hidden, 1024)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(6144 if k == 2 else 1024) for k in range(5))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def build_model():
+    return Net()
+
+def example_inputs():
+    return (torch.randn(2048, 1024),)
+"""
+
+
+def test_heavy_block_gets_a_stage_of_its_own(tmp_path):
+    """Layer times about [1, 1, 6, 1, 1] on 3 stages: [2, 1, 2] is the only split whose
+    bottleneck is the heavy block alone."""
+    path = tmp_path / "heavy.py"
+    path.write_text(HEAVY_MIDDLE)
+    fast = ["--intra-node-bw", "1000TB/s", "--intra-node-latency", "0s"]
+    result = _run(path, "--mesh", "3", "--pp", "3", "--microbatches", 4, *fast, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "heavy_3_pp3.stages.json").read_text())
+    assert data["balance"] == [2, 1, 2]
+    assert data["stages"][1]["module_paths"] == ["blocks.2"]
+    assert data["stages"][0]["split_points"] == ["blocks.2"]
