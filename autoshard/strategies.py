@@ -337,17 +337,19 @@ def build_strategy_graph(
                 continue
 
             node = fx_nodes[name]
-            if all(r is None for r in info.results) or all(a in free for a in info.arg_nodes):
-                free.add(name)  # factory op, assertion, or computed from free nodes only
-                continue
-
             if node.target is operator.getitem:
                 src, idx = node.args[0].name, node.args[1]
+                if src in free:
+                    free.add(name)
+                    continue
                 ps = nodes[src]
                 strategies = [Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies]
                 nodes[name] = NodeStrategies(
                     name, strategies, np.zeros(len(strategies)), ps.rep, ps.choice.copy()
                 )
+                continue
+            if all(r is None for r in info.results) or all(a in free for a in info.arg_nodes):
+                free.add(name)  # factory op, assertion, or computed from free nodes only
                 continue
 
             # candidate placements of each tensor input
