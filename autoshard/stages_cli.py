@@ -64,8 +64,8 @@ class LayerMap:
 
 
 def _is_heavy(target: Any) -> bool:
-    name = str(getattr(target, "__name__", target)).split(".")[0]
-    return name in _HEAVY_OPS or any(str(target).startswith(f"aten.{h}.") for h in _HEAVY_OPS)
+    name = str(target).removeprefix("aten.").split(".")[0]
+    return name in _HEAVY_OPS or name.startswith("_scaled_dot_product")
 
 
 def layer_map(graph) -> LayerMap:
