@@ -210,6 +210,14 @@ class _Progress:
     show_default=True,
     help="Folder for <model>_<mesh>.pkl and .json.",
 )
+@click.option(
+    "--preload",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="Skip the ILP: take the plan from a solution pickle (autoshard's or MASE's), "
+    "filling missing layers from an identical block. Loading never runs code from FILE.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Print only the files written.")
 def solve(
     model_file,
@@ -225,6 +233,7 @@ def solve(
     time_limit,
     mip_gap,
     out_dir,
+    preload,
     quiet,
 ) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
@@ -241,6 +250,7 @@ def solve(
       autoshard solve examples/gpt2.py --mesh 2x4
       autoshard solve examples/llama.py --mesh 2x4 --inter-node-bw 25GB/s
       autoshard solve examples/mlp.py --mesh 4 --inputs replicate
+      autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
     """
     from autoshard.export import output_stem, write_outputs
     from autoshard.report import print_report
@@ -263,11 +273,20 @@ def solve(
         output_placement=output_placement,
         solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
     )
+    notes: list[str] = []
     with _Progress(Console(stderr=True, quiet=quiet)) as progress:
-        result = plan_model(config, progress)
+        if preload is not None:
+            from autoshard.preload import plan_preloaded
+
+            result, pre = plan_preloaded(config, preload, progress)
+            notes = list(pre.notes)
+        else:
+            result = plan_model(config, progress)
     stem = output_stem(result.graph.model_name, mesh.shape)
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
     print_report(console, result, files)
+    for note in notes:
+        console.print(f"note: {note}")
     if quiet:
         click.echo("\n".join(str(f) for f in files))
 
@@ -279,6 +298,7 @@ def _register_optional() -> None:
     for module, attr, name in (
         ("autoshard.show", "show_command", "show"),
         ("autoshard.launch", "launch_command", "launch"),
+        ("autoshard.stages_cli", "stages_command", "stages"),
     ):
         try:
             main.add_command(getattr(importlib.import_module(module), attr), name)

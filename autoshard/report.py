@@ -127,14 +127,14 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     console.print(memory_table(plan))
     gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
     status = ilp.status
-    if status != "optimal":
-        status = f"[yellow]{status}: best plan found, not proven optimal[/yellow]"
-    console.print(
-        f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s)}, gap {gap}, "
-        f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
-        f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
-    )
+    if status == "preloaded":
+        console.print(f"solver: none, plan preloaded; objective {format_seconds(ilp.objective_s)}")
+    else:
+        if status != "optimal":
+            status = f"[yellow]{status}: best plan found, not proven optimal[/yellow]"
+        _solver_line(console, ilp, status, gap)
     secs = result.seconds
+
     console.print(
         "time: "
         + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
@@ -142,3 +142,11 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     )
     if files:
         console.print("wrote " + " and ".join(str(f) for f in files))
+
+
+def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
+    console.print(
+        f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s)}, gap {gap}, "
+        f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
+        f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
+    )

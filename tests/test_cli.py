@@ -102,3 +102,37 @@ def test_a_failed_solve_keeps_the_previous_solution(tmp_path, monkeypatch):
     )
     assert bad.exit_code == 2
     assert (tmp_path / "mlp_4.json").read_bytes() == before
+
+
+def test_preload_through_the_cli_reproduces_the_plan(tmp_path, monkeypatch):
+    """solve, then solve --preload the written pickle: same sharding map, no ILP."""
+    monkeypatch.chdir(ROOT)
+    first = _run("solve", "examples/mlp.py", "--mesh", "2x2", "--out", str(tmp_path / "a"))
+    assert first.exit_code == 0, first.output
+    again = _run(
+        "solve",
+        "examples/mlp.py",
+        "--mesh",
+        "2x2",
+        "--out",
+        str(tmp_path / "b"),
+        "--preload",
+        str(tmp_path / "a" / "mlp_2x2.pkl"),
+    )
+    assert again.exit_code == 0, again.output
+    assert "preloaded" in again.output
+    a = json.loads((tmp_path / "a" / "mlp_2x2.json").read_text())
+    b = json.loads((tmp_path / "b" / "mlp_2x2.json").read_text())
+    assert a["parameters"] == b["parameters"] and a["inputs"] == b["inputs"]
+    assert a["predicted"]["step_time_s"] == pytest.approx(b["predicted"]["step_time_s"])
+    wrong_mesh = _run(
+        "solve",
+        "examples/mlp.py",
+        "--mesh",
+        "4",
+        "--out",
+        str(tmp_path / "c"),
+        "--preload",
+        str(tmp_path / "a" / "mlp_2x2.pkl"),
+    )
+    assert wrong_mesh.exit_code == 2 and "2x2" in wrong_mesh.output
