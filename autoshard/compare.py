@@ -1,0 +1,323 @@
+"""``autoshard compare``: the ILP's plan beside the hand-written baselines, on one graph.
+
+The model is traced and its strategies generated ONCE; the ILP and every baseline
+(:mod:`autoshard.baselines`) are then solved on the same
+:class:`~autoshard.strategies.StrategyGraph` with the same cost model, so their numbers
+are comparable and the ILP's step time is never above a baseline's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autoshard.baselines import ALGOS, plan_for_algo
+from autoshard.cli import _mesh_options, _Progress, mesh_from_options
+from autoshard.devices import get_device
+from autoshard.errors import AutoshardError
+from autoshard.ilp import SolverOptions
+from autoshard.mesh import COLLECTIVE_KINDS
+from autoshard.plan import Plan
+from autoshard.units import BytesType, format_bytes, format_seconds
+
+# Plans whose step times differ by less than this (relative) tie: the ILP and a baseline
+# that reach the same optimum are both marked best.
+TIE_REL_TOL = 1e-6
+
+
+@dataclass
+class ComparedPlan:
+    """One row of the comparison: a plan, or the error that kept it from existing."""
+
+    name: str
+    plan: Plan | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    fits: bool = False
+    best: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain builtins for ``--json`` (seconds and bytes)."""
+        if self.plan is None:
+            return {
+                "name": self.name,
+                "error": self.error,
+                "step_time_s": None,
+                "memory_bytes": None,
+                "fits": False,
+                "best": False,
+            }
+        p = self.plan
+        return {
+            "name": self.name,
+            "step_time_s": float(p.step_time_s),
+            "compute_s": float(p.compute_s),
+            "comm_s": {k: float(p.comm_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
+            "collectives": {k: int(p.collectives.get(k, 0)) for k in COLLECTIVE_KINDS},
+            "memory_bytes": float(p.memory_bytes),
+            "memory_by_kind": {k: float(v) for k, v in p.memory_by_kind().items()},
+            "fits": self.fits,
+            "best": self.best,
+            "solver_status": self.stats.get("status"),
+            "notes": list(self.stats.get("notes", [])),
+        }
+
+
+def compare_plans(
+    sg,
+    mesh,
+    algos: tuple[str, ...] = ALGOS,
+    solver: SolverOptions | None = None,
+    memory_budget: float | None = None,
+    progress=None,
+) -> list[ComparedPlan]:
+    """Solve each of ``algos`` on the strategy graph ``sg``; mark which fit and which are best.
+
+    A baseline that has no plan (its family is infeasible) becomes a row with its error;
+    the ILP's failure raises. ``fits``: predicted memory per device <= ``memory_budget``
+    (bytes; ``None``: everything fits). ``best``: the fastest plan among those that fit
+    (among all when none fits), ties within :data:`TIE_REL_TOL` all marked.
+
+    Raises:
+        AutoshardError: an unknown algo, or the ILP has no plan.
+    """
+    for a in algos:
+        if a not in ALGOS:
+            raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(ALGOS)}")
+    rows = []
+    for i, algo in enumerate(algos):
+        if progress:
+            progress("solve", i, len(algos))
+        try:
+            plan, stats = plan_for_algo(sg, algo, mesh, solver)
+        except AutoshardError as exc:
+            if algo == "ilp":
+                raise
+            rows.append(ComparedPlan(algo, error=str(exc)))
+            continue
+        fits = memory_budget is None or plan.memory_bytes <= memory_budget
+        rows.append(ComparedPlan(algo, plan, stats, fits=fits))
+    if progress:
+        progress("solve", len(algos), len(algos))
+    done = [r for r in rows if r.plan is not None]
+    pool = [r for r in done if r.fits] or done
+    if pool:
+        fastest = min(r.plan.step_time_s for r in pool)
+        for r in pool:
+            r.best = math.isclose(r.plan.step_time_s, fastest, rel_tol=TIE_REL_TOL, abs_tol=1e-15)
+    return rows
+
+
+_LABEL = {
+    "all_gather": "all-gather",
+    "all_reduce": "all-reduce",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+}
+
+
+def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None) -> Table:
+    """One column per plan; rows: step time, ratio to the best, compute, each collective's
+    time, memory per device by kind and in total, and whether it fits ``budget``.
+
+    Plans are columns so that the table stays readable in 80 columns.
+    """
+    done = [r for r in rows if r.plan is not None]
+    kinds = [k for k in COLLECTIVE_KINDS if any(r.plan.comm_s.get(k) for r in done)]
+    mem_kinds: list[str] = []
+    for r in done:
+        for k in r.plan.memory_by_kind():
+            if k not in mem_kinds:
+                mem_kinds.append(k)
+    best = min((r.plan.step_time_s for r in done if r.best), default=None)
+    table = Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        caption="* fastest plan that fits"
+        + (f" in {format_bytes(budget)}" if budget is not None else "")
+        + "; step = compute + communication (no overlap)",
+    )
+    table.add_column("", no_wrap=True)
+    for r in rows:
+        header = r.name.replace("_", "\n_") + (" *" if r.best else "")
+        table.add_column(
+            f"[bold green]{header}[/bold green]" if r.best else header,
+            justify="right",
+            width=max(9, *(len(x) for x in header.split("\n"))),
+        )
+
+    def row(label: str, cell, style: str = "") -> None:
+        cells = [cell(r.plan, r) if r.plan is not None else "" for r in rows]
+        if style:
+            label, cells = f"[{style}]{label}[/{style}]", [f"[{style}]{c}[/{style}]" for c in cells]
+        table.add_row(label, *cells)
+
+    row("step time", lambda p, r: format_seconds(p.step_time_s), "bold")
+    row("vs best", lambda p, r: f"{p.step_time_s / best:.2f}x" if best else "")
+    row("compute", lambda p, r: format_seconds(p.compute_s))
+    for k in kinds:
+        row(_LABEL[k], lambda p, r, k=k: format_seconds(p.comm_s[k]) if p.comm_s.get(k) else "-")
+    table.add_section()
+    for k in mem_kinds:
+        row(
+            k.replace("_", " "),
+            lambda p, r, k=k: (
+                format_bytes(p.memory_by_kind()[k]) if k in p.memory_by_kind() else "-"
+            ),
+        )
+    row("memory", lambda p, r: format_bytes(p.memory_bytes), "bold")
+    row("fits", lambda p, r: "yes" if r.fits else "[red]no[/red]")
+    if any(r.plan is None for r in rows):
+        table.add_row("error", *["" if r.plan is not None else "[red]no plan[/red]" for r in rows])
+    return table
+
+
+@click.command("compare")
+@click.argument("model_file", type=click.Path(path_type=Path))
+@_mesh_options
+@click.option(
+    "--inputs",
+    "input_placement",
+    type=click.Choice(["free", "replicate"]),
+    default="free",
+    show_default=True,
+    help="free: the ILP chooses the inputs' placements; replicate: every input starts "
+    "replicated on every device (the baselines then cannot batch-shard them).",
+)
+@click.option(
+    "--outputs",
+    "output_placement",
+    type=click.Choice(["free", "replicate"]),
+    default="free",
+    show_default=True,
+    help="free: outputs may end sharded (never Partial); replicate: every device ends with "
+    "the whole output.",
+)
+@click.option(
+    "--plans",
+    "plans",
+    default=",".join(ALGOS),
+    show_default=True,
+    help="Comma-separated plans to compare.",
+)
+@click.option(
+    "--memory-budget",
+    type=BytesType(),
+    default=None,
+    metavar="SIZE",
+    help="Bytes per device a plan must fit in, e.g. 40GiB (default: the device's memory).",
+)
+@click.option(
+    "--time-limit",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds HiGHS may search, per plan.",
+)
+@click.option(
+    "--mip-gap",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Relative optimality gap at which the solver may stop (0 = prove optimal).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print {"plans": [{"name", "step_time_s", "memory_bytes", "fits", ...}]} '
+    "instead of the table.",
+)
+def compare_command(
+    model_file,
+    mesh_shape,
+    mesh_dim_names,
+    intra_node_bw,
+    inter_node_bw,
+    intra_node_latency,
+    inter_node_latency,
+    device_name,
+    input_placement,
+    output_placement,
+    plans,
+    memory_budget,
+    time_limit,
+    mip_gap,
+    as_json,
+) -> None:
+    """Compare the ILP's plan with replicate, DDP, FSDP and Megatron(-SP) on MODEL_FILE.
+
+    Traces the model once, generates its strategies once, then solves the ILP and each
+    baseline (the same ILP restricted to that style of parallelism, see
+    docs/cost-model.md) on the same graph and cost model. The fastest plan that fits is
+    marked with *.
+
+    \b
+    Examples:
+      autoshard compare examples/gpt2.py --mesh 2x4
+      autoshard compare examples/mlp.py --mesh 4 --json
+    """
+    from autoshard.solve import SolveConfig, strategies, trace
+
+    mesh = mesh_from_options(
+        mesh_shape,
+        mesh_dim_names,
+        intra_node_bw,
+        inter_node_bw,
+        intra_node_latency,
+        inter_node_latency,
+    )
+    device = get_device(device_name)
+    config = SolveConfig(
+        model_path=model_file,
+        mesh=mesh,
+        device=device,
+        input_placement=input_placement,
+        output_placement=output_placement,
+        solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
+    )
+    algos = tuple(a.strip() for a in plans.split(",") if a.strip())
+    budget = float(memory_budget) if memory_budget is not None else float(device.memory_bytes)
+    err = Console(stderr=True)
+    with _Progress(err) as progress:
+        graph = trace(config, progress)
+        sg = strategies(config, graph, progress)
+        rows = compare_plans(sg, mesh, algos, config.solver, budget, progress)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "model": graph.model_name,
+                    "mesh": mesh.to_dict(),
+                    "device": device.name,
+                    "cost_model": config.cost_model(),
+                    "memory_budget_bytes": budget,
+                    "best": [r.name for r in rows if r.best],
+                    "plans": [r.to_dict() for r in rows],
+                },
+                indent=2,
+            )
+        )
+        return
+    console = Console()
+    title = (
+        f"{graph.model_name} on mesh {mesh.shape_str} ({', '.join(mesh.dim_names)}), "
+        f"device {device.name}: predicted time and memory per device"
+    )
+    console.print(comparison_table(rows, title, budget))
+    for r in rows:
+        if r.error:
+            console.print(f"[red]{r.name}[/red]: {escape(r.error)}")
+        for note in r.stats.get("notes", []):
+            console.print(f"[yellow]{r.name}[/yellow]: {escape(note)}")
