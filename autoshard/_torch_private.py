@@ -232,3 +232,45 @@ def flatten_tensor_args(args: tuple, kwargs: dict, is_tensor) -> list[Any]:
 def is_single_dim(op: Any) -> bool:
     """Whether ``op``'s rule is given per mesh dim (its strategies ignore input candidates)."""
     return op in _propagator().op_single_dim_strategy_funcs
+
+
+
+def export_joint(stack, module: torch.nn.Module, inputs: tuple) -> Any:
+    """The joint forward+backward graph of ``module`` (a scalar-loss module) on ``inputs``.
+
+    ``aot_export_joint_with_descriptors`` (private in torch 2.13). ``stack`` is a
+    ``contextlib.ExitStack`` the caller closes once it is done with the graph.
+    """
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    return aot_export_joint_with_descriptors(stack, module, inputs)
+
+
+def describe_input(node: torch.fx.Node) -> tuple[str, str]:
+    """A joint-graph placeholder's role: (``param`` | ``buffer`` | ``input`` | ``tangent``, target).
+
+    For ``input`` the target is the index of the user input, as text.
+    """
+    from torch._functorch._aot_autograd import descriptors as d
+
+    desc = node.meta.get("desc")
+    if isinstance(desc, d.ParamAOTInput):
+        return "param", desc.target
+    if isinstance(desc, d.BufferAOTInput):
+        return "buffer", desc.target
+    if isinstance(desc, d.PlainAOTInput):
+        return "input", str(desc.idx)
+    return "tangent", node.name
+
+
+def describe_outputs(node: torch.fx.Node) -> list[str | None]:
+    """Per output of the joint graph, the parameter FQN it is the gradient of (else None)."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    out = []
+    for desc in node.meta.get("desc") or []:
+        if isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.ParamAOTInput):
+            out.append(desc.grad_of.target)
+        else:
+            out.append(None)
+    return out

@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import click
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -25,7 +26,13 @@ from autoshard.mesh import (
     DEFAULT_INTRA_NODE_LATENCY,
     MeshSpec,
 )
-from autoshard.units import BandwidthType, DurationType, format_bandwidth, format_seconds
+from autoshard.units import (
+    BandwidthType,
+    BytesType,
+    DurationType,
+    format_bandwidth,
+    format_seconds,
+)
 
 
 class _Group(click.Group):
@@ -211,6 +218,28 @@ class _Progress:
     help="Folder for <model>_<mesh>.pkl and .json.",
 )
 @click.option(
+    "--mode",
+    type=click.Choice(["train", "infer"]),
+    default="train",
+    show_default=True,
+    help="train: cost a training step (forward + backward from the joint graph, gradient "
+    "reductions, AdamW memory); infer: the forward pass only.",
+)
+@click.option(
+    "--dtype",
+    "dtype_name",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="Cast parameters and floating inputs to this dtype (default: the model's).",
+)
+@click.option(
+    "--memory-budget",
+    type=BytesType(),
+    default=None,
+    metavar="BYTES",
+    help="Memory per device the plan must fit, e.g. 40GiB (default: the device's capacity).",
+)
+@click.option(
     "--preload",
     type=click.Path(path_type=Path),
     default=None,
@@ -233,6 +262,9 @@ def solve(
     time_limit,
     mip_gap,
     out_dir,
+    mode,
+    dtype_name,
+    memory_budget,
     preload,
     quiet,
 ) -> None:
@@ -272,6 +304,9 @@ def solve(
         input_placement=input_placement,
         output_placement=output_placement,
         solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
+        mode=mode,
+        dtype=getattr(torch, dtype_name) if dtype_name else None,
+        memory_budget=memory_budget,
     )
     notes: list[str] = []
     with _Progress(Console(stderr=True, quiet=quiet)) as progress:

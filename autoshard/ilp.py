@@ -18,7 +18,8 @@ Mathematics (the method that builds each part is named in brackets):
   ``k_u x k_v`` strategy pairs. Pairs that cannot be resharded (anything into
   ``Partial``) get no variable at all.
 * Optional memory budget: ``m . x <= budget`` with ``m`` the bytes a strategy
-  keeps on one device [``_memory_row``].
+  keeps on one device (:func:`autoshard.memory.memory_rows`); when infeasible, the
+  least ``m . x`` any plan reaches is reported [``_least_memory``].
 * Minimise ``c . x + r . y``: ``c`` the compute seconds of each strategy
   (roofline of its local shard, plus every node merged into it), ``r`` the
   resharding seconds of each (produced, wanted) pair (alpha-beta ring model,
@@ -216,10 +217,16 @@ def solve(
     solve_s = time.perf_counter() - t1
     status = problem.status
     if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
-        raise AutoshardError(
-            "no sharding plan satisfies the constraints (ILP infeasible); "
-            "raise --memory-budget or use a larger mesh"
-        )
+        if memory is not None:
+            from autoshard.units import format_bytes
+
+            least = _least_memory(prob, memory[0], options)
+            raise AutoshardError(
+                f"no plan fits the memory budget of {format_bytes(memory[1])} per device: the "
+                f"smallest any plan in the search space reaches is {format_bytes(least)}; "
+                "raise --memory-budget, use more devices, or a smaller --dtype"
+            )
+        raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")
     if x.value is None:
         raise AutoshardError(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
@@ -247,6 +254,16 @@ def solve(
         solve_seconds=solve_s,
         bound_s=bound,
     )
+
+
+def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
+    """The least ``m . x`` over every plan (the same ILP, memory as the objective)."""
+    x = cp.Variable(prob.n_x, boolean=True)
+    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
+    z = cp.hstack([x, y]) if y is not None else x
+    problem = cp.Problem(cp.Minimize(m @ x), [prob.A @ z == prob.b])
+    problem.solve(solver=cp.HIGHS, time_limit=float(options.time_limit_s))
+    return float(problem.value)
 
 
 def _bound_and_gap(problem: cp.Problem) -> tuple[float | None, float | None]:

@@ -86,15 +86,18 @@ def cost_table(plan: Plan) -> Table:
 
 
 def memory_table(plan: Plan, budget: float | None = None) -> Table:
-    """Predicted bytes per device, by kind."""
+    """Predicted bytes per device, by kind, against the budget."""
+    budget = plan.extra.get("budget", budget)
     table = Table(title="Predicted memory per device")
     table.add_column("kind")
     table.add_column("bytes", justify="right")
     for kind, b in plan.memory_by_kind().items():
-        table.add_row(kind.replace("_", " "), format_bytes(b))
+        label = "activations (peak, liveness)" if kind == "activations" else kind
+        table.add_row(label.replace("_", " "), format_bytes(b))
     total = f"[bold]{format_bytes(plan.memory_bytes)}[/bold]"
     if budget is not None:
-        total += f" of {format_bytes(budget)}"
+        fits = plan.memory_bytes <= budget
+        total += f" of {format_bytes(budget)}" + ("" if fits else " [red](over budget)[/red]")
     table.add_row("[bold]total[/bold]", total)
     return table
 
@@ -111,7 +114,7 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     )
     console.print(
         f"[bold]{sg.graph.model_name}[/bold] on mesh {mesh.shape_str} ({escape(dims)}), "
-        f"device {cfg.device.name}"
+        f"device {cfg.device.name}, mode {cfg.mode}"
     )
     st = sg.stats
     console.print(

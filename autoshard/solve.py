@@ -14,11 +14,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Replicate
 
 from autoshard.devices import DEFAULT_DEVICE, DeviceSpec, get_device
 from autoshard.errors import AutoshardError
 from autoshard.ilp import ILPResult, SolverOptions, solve
+from autoshard.memory import MemoryModel, ilp_row, memory_by_kind, memory_rows
 from autoshard.mesh import MeshSpec
 from autoshard.model_file import instantiate, load_model_file
 from autoshard.plan import Plan, build_plan
@@ -44,19 +46,35 @@ class SolveConfig:
     input_placement: str = "free"
     output_placement: str = "free"
     solver: SolverOptions = field(default_factory=SolverOptions)
+    mode: str = "train"
+    dtype: torch.dtype | None = None
+    memory_budget: float | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in ("train", "infer"):
+            raise AutoshardError(f"--mode must be train or infer, got {self.mode!r}")
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise AutoshardError(f"--memory-budget must be positive, got {self.memory_budget}")
         for what, value in (("input", self.input_placement), ("output", self.output_placement)):
             if value not in ("free", "replicate"):
                 raise AutoshardError(
                     f"{what} placement must be 'free' or 'replicate', got {value!r}"
                 )
 
+    def budget(self) -> float:
+        """Memory budget per device (bytes): ``memory_budget`` or the device's capacity."""
+        return float(self.memory_budget or self.device.memory_bytes)
+
+    def memory_model(self) -> MemoryModel:
+        return MemoryModel(self.mode)
+
     def cost_model(self) -> dict[str, Any]:
         """The cost-model parameters, as plain builtins for the solution file."""
         return {
             "device": self.device.to_dict(),
-            "mode": "infer",
+            "mode": self.mode,
+            "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else "model",
+            "memory_budget_bytes": self.budget(),
             "input_placement": self.input_placement,
             "output_placement": self.output_placement,
             "mesh": self.mesh.to_dict(),
@@ -92,7 +110,12 @@ def trace(config: SolveConfig, progress: Progress | None = None) -> TracedGraph:
     if progress:
         progress("trace", 0, 1)
     loaded = instantiate(load_model_file(config.model_path), device="meta")
-    graph = trace_model(loaded)
+    if config.dtype is not None:
+        loaded.module.to(config.dtype)
+        loaded.inputs = tuple(
+            x.to(config.dtype) if x.is_floating_point() else x for x in loaded.inputs
+        )
+    graph = trace_model(loaded, config.mode)
     if progress:
         progress("trace", 1, 1)
     return graph
@@ -114,6 +137,16 @@ def strategies(
     )
 
 
+def finish_plan(config: SolveConfig, sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
+    """:func:`build_plan` plus the training memory kinds and the budget check."""
+    plan = build_plan(sg, choice, config.mesh, name=name)
+    mem = memory_by_kind(sg, choice, config.memory_model())
+    plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
+    plan.extra["saved_activations"] = mem.get("saved_activations")
+    plan.extra["budget"] = config.budget()
+    return plan
+
+
 def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveResult:
     """Run the whole pipeline and return the optimal plan with its statistics.
 
@@ -129,11 +162,12 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
     seconds["strategies"] = time.perf_counter() - t
     if progress:
         progress("solve", 0, 1)
-    result = solve(sg, config.solver)
+    row = ilp_row(sg, memory_rows(sg, config.memory_model()))
+    result = solve(sg, config.solver, memory=(row, config.budget()))
     if progress:
         progress("solve", 1, 1)
     seconds["ilp_build"] = result.build_seconds
     seconds["solve"] = result.solve_seconds
-    plan = build_plan(sg, result.choice, config.mesh, name="ilp")
+    plan = finish_plan(config, sg, result.choice, "ilp")
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes())

@@ -322,6 +322,17 @@ def build_strategy_graph(
                     if arg in free or t is None:
                         continue
                     sink = f"{name}.{k}"
+                    grad_of = info.grad_of[k] if k < len(info.grad_of) else None
+                    if grad_of is not None:
+                        # a gradient must end with its parameter's placement: the sink
+                        # follows the parameter, and the edge into it prices the gradient
+                        # reduction (Partial -> Replicate all-reduce, -> Shard reduce-scatter)
+                        pn = nodes[param_node[tied.get(grad_of, grad_of)]]
+                        strategies = [Strategy((), (s.outputs[0],)) for s in pn.strategies]
+                        nodes[sink] = NodeStrategies(
+                            sink, strategies, np.zeros(len(strategies)), pn.rep, pn.choice.copy()
+                        )
+                        continue
                     if fixed_outputs is not None:
                         cands = [tuple(fixed_outputs)]
                     else:

@@ -72,6 +72,8 @@ class NodeInfo:
     module_path: str | None = None
     layer: int | None = None
     fqn: str | None = None  # parameter/buffer FQN or user-input name
+    backward: bool = False  # part of the backward pass (joint graph)
+    grad_of: list[str | None] = field(default_factory=list)  # output node: per arg
 
     @property
     def op_name(self) -> str:
@@ -94,6 +96,7 @@ class TracedGraph:
     block_prefixes: dict[str, int]
     num_layers: int
     trace_seconds: float
+    mode: str = "infer"
 
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read it."""
@@ -151,13 +154,29 @@ _MATMUL_SHAPE_ARGS = {
 }
 
 
-def _module_path(node: torch.fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
+def _module_path(node: torch.fx.Node, strip: str = "") -> str | None:
+    """FQN of the innermost module the node came from (backward nodes: their forward's)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
     path = list(stack.values())[-1][0]
-    # export writes e.g. "L__self___transformer_h_0" in some modes; keep dotted FQNs only
-    return path if isinstance(path, str) else None
+    if not isinstance(path, str):
+        return None
+    if strip and (path == strip or path.startswith(strip + ".")):
+        path = path[len(strip) + 1 :]
+    return path or None
+
+
+def _grad_of_outputs(node: torch.fx.Node, grad_of: list[str | None] | None) -> list[str | None]:
+    """Per tensor argument of the output node, the parameter it is the gradient of."""
+    if grad_of is None:
+        return []
+    leaves, _ = torch.utils._pytree.tree_flatten(list(node.args))
+    out = []
+    for i, x in enumerate(leaves):
+        if _is_node(x):
+            out.append(grad_of[i] if i < len(grad_of) else None)
+    return out
 
 
 def find_block_prefixes(module: torch.nn.Module) -> dict[str, int]:
@@ -186,41 +205,128 @@ def _layer_of(path: str | None, blocks: dict[str, int], pattern: re.Pattern | No
     return blocks.get(m.group(1)) if m else None
 
 
-def trace_model(loaded: LoadedModel) -> TracedGraph:
-    """Export ``loaded.module`` on its inputs (meta device) and annotate the core-ATen graph.
+class _LossWrapper(torch.nn.Module):
+    """The model plus a scalar loss for the joint graph: the mean of its first output.
 
-    Raises:
-        AutoshardError: when ``torch.export`` cannot trace the model (the message
-            carries torch's first line and what to try).
+    A model returning a scalar (e.g. a HuggingFace model given labels) keeps it. The
+    mean stands in for the user's loss: it costs one cheap reduction and gives every
+    output element a gradient, which is what the backward pass's cost depends on.
     """
-    t0 = time.perf_counter()
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        out = self.model(*args)
+        leaves, _ = torch.utils._pytree.tree_flatten(out)
+        t = next((x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+        if t is None:
+            raise TypeError("the model returns no floating-point tensor to train on")
+        return t if t.dim() == 0 else t.float().mean()
+
+
+def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return AutoshardError(
+        f"{what} could not trace {loaded.name}: {type(exc).__name__}: {first} "
+        "(make the model traceable: no data-dependent Python control flow; "
+        "see docs/model-file.md)"
+    )
+
+
+def _export_inference(loaded: LoadedModel):
+    """Forward graph: ``torch.export`` + core-ATen decompositions."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ep = torch.export.export(loaded.module, loaded.inputs)
             ep = ep.run_decompositions()
     except Exception as exc:  # torch raises many types here
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AutoshardError(
-            f"torch.export could not trace {loaded.name}: {type(exc).__name__}: {first} "
-            "(make the model traceable: no data-dependent Python control flow; "
-            "see docs/model-file.md)"
-        ) from exc
-    gm = ep.graph_module
+        raise _export_error(loaded, exc, "torch.export") from exc
     sig = ep.graph_signature
-
-    placeholder_kind: dict[str, tuple[str, str]] = {}
+    kinds: dict[str, tuple[str, str]] = {}
     user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     for spec in sig.input_specs:
-        name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
-            placeholder_kind[name] = ("param", spec.target)
+            kinds[spec.arg.name] = ("param", spec.target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            placeholder_kind[name] = ("buffer", spec.target)
+            kinds[spec.arg.name] = ("buffer", spec.target)
+    labels = []
     for i, spec in enumerate(user_inputs):
         label = loaded.input_names[i] if i < len(loaded.input_names) else spec.arg.name
-        placeholder_kind[spec.arg.name] = ("input", label)
+        kinds[spec.arg.name] = ("input", label)
+        labels.append(label)
+    return ep.graph_module, kinds, tuple(labels), None, lambda: None
 
+
+def _export_joint(loaded: LoadedModel):
+    """Joint forward+backward graph of one training step (see DESIGN.md).
+
+    ``torch.export`` first (HF models fail in the joint export directly), then
+    ``aot_export_joint_with_descriptors`` on ``ep.module()``; its placeholders and
+    outputs carry descriptors pairing parameters with their gradients. Returns a
+    closer for the joint export's context, to call once annotation is done.
+    """
+    import contextlib
+
+    from autoshard import _torch_private as tp
+
+    stack = contextlib.ExitStack()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(_LossWrapper(loaded.module), loaded.inputs)
+            joint = tp.export_joint(stack, ep.module(), loaded.inputs)
+    except Exception as exc:
+        stack.close()
+        raise _export_error(loaded, exc, "the joint forward/backward export") from exc
+    gm = joint.graph_module
+    kinds: dict[str, tuple[str, str]] = {}
+    labels = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        kind, target = tp.describe_input(node)
+        if kind == "param" or kind == "buffer":
+            kinds[node.name] = (kind, target.removeprefix("model."))
+        elif kind == "input":
+            i = int(target)
+            label = loaded.input_names[i] if i < len(loaded.input_names) else node.name
+            kinds[node.name] = ("input", label)
+            labels.append(label)
+        else:  # tangents of the loss and anything else: computed locally, free
+            kinds[node.name] = ("buffer", node.name)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grad_of = [
+        (g.removeprefix("model.") if g is not None else None) for g in tp.describe_outputs(out)
+    ]
+    return gm, kinds, tuple(labels), grad_of, stack.close
+
+
+def trace_model(loaded: LoadedModel, mode: str = "infer") -> TracedGraph:
+    """Trace ``loaded.module`` on its inputs (meta device) and annotate the graph.
+
+    ``mode="infer"``: the forward graph in core ATen. ``mode="train"``: the joint
+    forward+backward graph of one step, loss = mean of the first output; its
+    output node's ``grad_of`` names the parameter each gradient output belongs to.
+
+    Raises:
+        AutoshardError: when the model cannot be traced (torch's first line and what
+            to try), or ``mode`` is unknown.
+    """
+    if mode not in ("infer", "train"):
+        raise AutoshardError(f"mode must be 'train' or 'infer', got {mode!r}")
+    t0 = time.perf_counter()
+    export = _export_joint if mode == "train" else _export_inference
+    gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
+    try:
+        return _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
+    finally:
+        close()
+
+
+def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> TracedGraph:
     blocks = find_block_prefixes(loaded.module)
     pattern = (
         re.compile(
@@ -255,7 +361,8 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
                 results = [_tensor_info(v) for v in val]
             else:
                 results = [_tensor_info(val)]
-            path = _module_path(node)
+            path = _module_path(node, strip="model" if mode == "train" else "")
+            phase = node.meta.get("partitioner_tag")
             info = NodeInfo(
                 node.name,
                 "op",
@@ -265,6 +372,7 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
                 results=results,
                 module_path=path,
                 layer=_layer_of(path, blocks, pattern),
+                backward=phase == "is_backward",
             )
             info.flops = op_flops(node.target, args, results)
             nodes[node.name] = info
@@ -277,6 +385,7 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
                 None,
                 args=[_tensor_info(x.meta.get("val")) for x in outs],
                 arg_nodes=[x.name for x in outs],
+                grad_of=_grad_of_outputs(node, grad_of),
             )
 
     param_names: dict[str, list[str]] = {}
@@ -298,9 +407,10 @@ def trace_model(loaded: LoadedModel) -> TracedGraph:
         model_name=loaded.name,
         graph_module=gm,
         nodes=nodes,
-        input_names=tuple(placeholder_kind[s.arg.name][1] for s in user_inputs),
+        input_names=input_labels,
         param_names=param_names,
         block_prefixes=blocks,
         num_layers=len(layers),
         trace_seconds=time.perf_counter() - t0,
+        mode=mode,
     )

@@ -20,7 +20,10 @@ R = Replicate()
 
 def _solve(path, mesh, inputs="free", outputs="free"):
     return plan_model(
-        SolveConfig(model_path=path, mesh=mesh, input_placement=inputs, output_placement=outputs)
+        SolveConfig(
+            model_path=path, mesh=mesh, input_placement=inputs, output_placement=outputs,
+            mode="infer",
+        )
     )
 
 
