@@ -105,6 +105,23 @@ def _plain(ps: Sequence[Placement]) -> bool:
     return True
 
 
+def _reduction_to_avg(outputs, inputs) -> bool:
+    """A reduction (``mean``) of sharded, non-partial inputs into ``Partial("avg")``.
+
+    Other ``avg`` partials (passed through linear ops) are dropped to keep the search
+    small; this one is kept because a loss is a mean over the sharded batch.
+    """
+    if any(type(p) is Partial for ps in inputs for p in ps):
+        return False
+    if not all(type(p) is Shard or isinstance(p, Replicate) for ps in inputs for p in ps):
+        return False
+    return all(
+        o is None or all(type(p) is Shard or isinstance(p, Replicate) or
+                         (type(p) is Partial and p.reduce_op in ("sum", "avg")) for p in o)
+        for o in outputs
+    )
+
+
 def rule_strategies(
     op: Any,
     args: tuple,
@@ -128,7 +145,8 @@ def rule_strategies(
 
     Returns:
         The strategies with only plain placements (``Shard``, ``Replicate``,
-        ``Partial("sum")``); strided shards and other reductions are dropped.
+        ``Partial("sum")``, and ``Partial("avg")`` out of a reduction of non-partial
+        inputs); strided shards and other reductions are dropped.
 
     Raises:
         KeyError: when PyTorch has no rule for ``op`` (check :func:`has_rule`).
@@ -219,6 +237,8 @@ def _to_rule_strategies(strategy: Any) -> list[RuleStrategy]:
         else:
             inputs = tuple(tuple(s.placements) for s in ins)
         if all(o is None or _plain(o) for o in outputs) and all(_plain(i) for i in inputs):
+            result.append(RuleStrategy(outputs=outputs, inputs=inputs))
+        elif _reduction_to_avg(outputs, inputs):
             result.append(RuleStrategy(outputs=outputs, inputs=inputs))
     return result
 
