@@ -1,14 +1,21 @@
-"""Hand-written parallelism plans (baselines), each a family of points of the ILP's search space.
+"""Hand-written parallelism plans (baselines), each a point of the ILP's search space.
 
-A baseline fixes what a user of that style of parallelism fixes by hand, and nothing more:
-where each parameter and input is stored, how each parameter is *used* (as stored, or
-gathered first), and for tensor parallelism which matmuls are column- and row-parallel.
-Everything else (the placement of every other activation, where to reshard) is chosen by
-the same ILP on the same :class:`~autoshard.strategies.StrategyGraph`, restricted to the
-family. So every baseline is the best plan of its family under the cost model, and its
-choice is a point of the unrestricted ILP's search space: the ILP's objective is never
-above a baseline's :func:`~autoshard.ilp.evaluate` cost (the invariant
-``tests/test_baselines.py`` checks).
+A baseline fixes what a user of that style of parallelism fixes by hand: where each
+parameter and input is stored, how each parameter is *used* (as stored, or gathered
+first), for tensor parallelism which matmuls are column- and row-parallel and where the
+activations between them live. These pins restrict the strategies of the same
+:class:`~autoshard.strategies.StrategyGraph` the ILP solves (:func:`restrict`). Every
+other op then does what DTensor's sharding propagation does when the model runs with
+those placements (:func:`propagate`): in graph order, each op takes its cheapest allowed
+strategy given the placements its inputs already have (its compute plus the resharding
+of its inputs; no look-ahead). Gradients (training graphs) end in their parameter's
+placement, so a data-parallel gradient pays its all-reduce (or reduce-scatter) there.
+``run_baseline(..., method="ilp")`` instead solves the ILP restricted to the pins: the
+best plan of the family, which may trade a textbook collective for a cleverer one.
+
+Either way the choice is a point of the unrestricted ILP's search space, priced by the
+same cost model, so the ILP's objective is never above a baseline's
+:func:`~autoshard.ilp.evaluate` cost (the invariant ``tests/test_baselines.py`` checks).
 
 Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the others):
 
@@ -17,11 +24,14 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
     the whole batch, with no communication.
 ``ddp``
     Parameters ``R`` on every mesh dim, used as stored; inputs batch-sharded: ``S(0)`` on
-    every mesh dim whose size (times the earlier sharding dims) divides the batch.
+    every mesh dim whose size (times the earlier sharding dims) divides the batch. Every
+    op then runs on its shard of the batch; each weight gradient comes out ``Partial``
+    and is all-reduced into its ``R`` parameter.
 ``fsdp``
     ZeRO-3: parameters stored ``S(0)`` on every mesh dim whose size (cumulatively) divides
-    their dim 0, ``R`` elsewhere; before each use a parameter is gathered to ``R`` (the
-    all-gather is the resharding the ILP prices); inputs batch-sharded as in ``ddp``.
+    their dim 0, ``R`` elsewhere; before each use (forward and backward) a parameter is
+    gathered to ``R`` (the all-gather is the resharding the cost model prices); inputs
+    batch-sharded as in ``ddp``; gradients reduce-scattered into the parameter's shards.
 ``megatron``
     Tensor parallel on the TP dim, data parallel on the DP dims (Shoeybi et al. 2019,
     "Megatron-LM", section 3). Column/row pairs come from the graph's structure (see
@@ -30,7 +40,7 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
     output sharded on features; a row matmul takes both sharded on the reduction dim and
     gives a ``Partial`` output. The ops between a column and its row (activation
     functions, attention: the ``bmm`` s then run head-parallel where the graph allows)
-    are left to the ILP; every op outside those regions is replicated on the TP dim, so
+    are not pinned; every op outside those regions is replicated on the TP dim, so
     each row's ``Partial`` output is all-reduced where the next op reads it. A matmul
     whose output reaches the graph's output through such ops only (an LM head) is a
     standalone column (vocab-parallel), where the shapes divide. Parameters: ``R`` on the
@@ -39,7 +49,7 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
 ``megatron_sp``
     ``megatron`` plus sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models"): ops outside the tensor-parallel regions
-    must produce outputs sharded on the TP dim (on whichever tensor dim the ILP picks,
+    must produce outputs sharded on the TP dim (on whichever tensor dim is cheapest,
     usually the sequence), so each row's ``Partial`` output is reduce-scattered and each
     column's input all-gathered.
 
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -88,8 +99,9 @@ class BaselineResult:
     """A baseline's choice and how it was found.
 
     ``choice``: representative -> strategy index of the *unrestricted* graph.
-    ``objective_s``: :func:`~autoshard.ilp.evaluate` of ``choice`` (s). ``ilp``: the solve
-    of the restricted ILP (its ``choice`` indexes the restricted graph). ``notes``: every
+    ``objective_s``: :func:`~autoshard.ilp.evaluate` of ``choice`` (s). ``method``:
+    ``propagate`` or ``ilp``; ``ilp``: the restricted ILP's result when one was solved
+    (its ``choice`` indexes the restricted graph). ``notes``: every
     pin that could not be applied. ``roles``: for tensor parallelism, matmul node ->
     ``"column"`` or ``"row"``. ``pinned``: how many representatives each kind of pin
     restricted.
@@ -98,19 +110,25 @@ class BaselineResult:
     name: str
     choice: dict[str, int]
     objective_s: float
-    ilp: ILPResult
+    method: str = "propagate"
+    ilp: ILPResult | None = None
+    seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     roles: dict[str, str] = field(default_factory=dict)
     pinned: dict[str, int] = field(default_factory=dict)
 
     def solver_stats(self) -> dict[str, Any]:
-        """Solver statistics as plain builtins (for the solution file and reports)."""
-        d = asdict(self.ilp)
-        d.pop("choice")
+        """Statistics as plain builtins (for the solution file and reports)."""
+        d: dict[str, Any] = {}
+        if self.ilp is not None:
+            d = asdict(self.ilp)
+            d.pop("choice")
+        else:
+            d = {"status": "propagated", "gap": math.nan, "solve_seconds": self.seconds}
         d.update(
             algo=self.name,
+            method=self.method,
             objective_s=float(self.objective_s),
-            restricted_objective_s=float(self.ilp.objective_s),
             notes=list(self.notes),
             roles=dict(sorted(self.roles.items())),
             pinned=dict(self.pinned),
@@ -361,6 +379,31 @@ def _data_parallel(sg: StrategyGraph, mesh: MeshSpec, fsdp: bool) -> Restriction
     return r
 
 
+def gradient_producers(sg: StrategyGraph) -> set[str]:
+    """Nodes that compute parameter gradients (training graphs; empty otherwise).
+
+    From each gradient output of the graph back through layout ops (views, transposes,
+    ``getitem``) to the first other op, inclusive: the weight-gradient ``mm``, the
+    bias-gradient ``sum``, a norm's backward.
+    """
+    graph = sg.graph
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    out: set[str] = set()
+    for info in graph.nodes.values():
+        if info.kind != "output":
+            continue
+        for a, g in zip(info.arg_nodes, getattr(info, "grad_of", None) or [], strict=False):
+            if g is None:
+                continue
+            n = fx_nodes[a]
+            while n.op == "call_function":
+                out.add(n.name)
+                if _op_name(n) not in _GRAD_CHAIN_OPS or len(n.all_input_nodes) != 1:
+                    break
+                n = n.all_input_nodes[0]
+    return out
+
+
 # --- tensor parallelism: roles from the graph's structure ------------------------------
 
 # ops that only move or relabel elements (no reduction across a dim they keep)
@@ -403,6 +446,7 @@ _WEIGHT_CHAIN_OPS = {
     "unsqueeze",
     "squeeze",
 }
+_GRAD_CHAIN_OPS = _WEIGHT_CHAIN_OPS | {"getitem"}
 _PARAM_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 
 
@@ -446,11 +490,15 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
     on the way (a norm, an embedding, a reduction, a graph input) means it is not. Rows
     are taken in graph order; a matmul already a row cannot be a column (three linears
     in a row give one pair and one unpaired). A parameter matmul left over whose output
-    reaches the graph's output through such ops only is a standalone column.
+    reaches the graph's output, or the ops computing parameter gradients
+    (:func:`gradient_producers`), through such ops only is a standalone column (an LM
+    head; in a training graph also the backward matmul ``dY @ W`` of a row-parallel
+    linear whose input needs no gradient).
     """
     graph = sg.graph
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     tp = TensorParallel()
+    grads = gradient_producers(sg)
 
     purely_free: dict[str, bool] = {}
 
@@ -534,7 +582,7 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
             if n.name in seen:
                 continue
             seen.add(n.name)
-            if n.op == "output":
+            if n.op == "output" or n.name in grads:
                 reached_output = True
                 continue
             if n.op != "call_function" or n.name in tp.weight or not transparent(n):
@@ -597,58 +645,74 @@ def _megatron(
     t = ndim - 1
     dp = range(ndim - 1)
     tp = find_tensor_parallel(sg)
-    roles: dict[str, str] = {}
-    region_reps: set[str] = set()
-    head_reps: set[str] = set()  # standalone columns and the ops after them
+    grads = {sg.nodes[n].rep for n in gradient_producers(sg) if n in sg.nodes}
     param_uses: dict[str, set[str]] = {}
     for e in sg.edges:
         if _kind(sg, e.src) == "param":
             param_uses.setdefault(e.src, set()).add(e.dst)
+
+    def members_of(key) -> list[str]:
+        return list(key[0]) + ([key[1]] if key[1] is not None else [])
+
+    def inside_of(key) -> set[str]:
+        return set(members_of(key)) | {sg.nodes[n].rep for n in tp.region[key] if n in sg.nodes}
+
+    # 1. groups whose matmuls have the role's strategy (the shapes divide)
+    groups = []
     for key in tp.pairs:
-        members = list(key[0]) + ([key[1]] if key[1] is not None else [])
-        inside = set(members) | {sg.nodes[n].rep for n in tp.region[key] if n in sg.nodes}
-        shared = sorted(
-            sg.graph.nodes[p].fqn or p
-            for p, uses in param_uses.items()
-            if uses & set(members) and not uses <= inside
+        members = members_of(key)
+        checks = {m: _role_ok(tp.roles[m], tp.weight[m], t) for m in members}
+        if all(
+            sg.nodes[m].rep == m and any(checks[m](s) for s in sg.nodes[m].strategies)
+            for m in members
+        ):
+            groups.append(key)
+            continue
+        what = (
+            f"standalone column {key[0][0]}"
+            if key[1] is None
+            else f"pair {', '.join(key[0])} -> {key[1]}"
         )
-        if shared:
-            # e.g. an LM head tied to the embedding: one placement cannot serve both
-            r.notes.append(
-                f"tensor parallel {'/'.join(members)}: weight {', '.join(shared)} is also read "
-                "outside the tensor-parallel region (tied weights?); left replicated on the TP dim"
+        shapes = ", ".join(f"{m} {[a.shape for a in sg.graph.nodes[m].args]}" for m in members)
+        r.notes.append(
+            f"tensor parallel {what}: no strategy plays the role on mesh dim {t} "
+            f"(shapes {shapes} do not divide by {mesh.shape[t]}?); left to the ILP"
+        )
+    # 2. drop groups whose weights are also read outside every group (e.g. an LM head tied
+    # to the embedding: one placement cannot serve both), until none is left to drop
+    while True:
+        covered = set(grads).union(*(inside_of(k) for k in groups))
+        bad = []
+        for key in groups:
+            members = set(members_of(key))
+            shared = sorted(
+                sg.graph.nodes[p].fqn or p
+                for p, uses in param_uses.items()
+                if uses & members and not uses <= covered
             )
-            continue
-        trial = Restriction(allowed=dict(r.allowed), pinned=dict(r.pinned))
-        ok = True
-        for m in members:
+            if shared:
+                bad.append(key)
+                r.notes.append(
+                    f"tensor parallel {'/'.join(members_of(key))}: weight {', '.join(shared)} "
+                    "is also read outside the tensor-parallel regions (tied weights?); left "
+                    "replicated on the TP dim"
+                )
+        if not bad:
+            break
+        groups = [k for k in groups if k not in bad]
+    # 3. pin the roles
+    roles: dict[str, str] = {}
+    region_reps: set[str] = set()
+    head_reps: set[str] = set()  # standalone columns and the ops after them
+    for key in groups:
+        for m in members_of(key):
+            check = _role_ok(tp.roles[m], tp.weight[m], t)
             ns = sg.nodes[m]
-            role = tp.roles[m]
-            check = _role_ok(role, tp.weight[m], t)
-            if ns.rep != m or not trial.allow(
-                sg, m, lambda i, ns=ns, c=check: c(ns.strategies[i]), "matmuls"
-            ):
-                ok = False
-                break
-        if not ok:
-            what = (
-                f"standalone column {key[0][0]}"
-                if key[1] is None
-                else f"pair {', '.join(key[0])} -> {key[1]}"
-            )
-            shapes = ", ".join(f"{m} {[a.shape for a in sg.graph.nodes[m].args]}" for m in members)
-            r.notes.append(
-                f"tensor parallel {what}: no strategy plays the role on mesh dim {t} "
-                f"(shapes {shapes} do not divide by {mesh.shape[t]}?); left to the ILP"
-            )
-            continue
-        r.allowed, r.pinned = trial.allowed, trial.pinned
-        reps = inside
-        for m in members:
+            r.allow(sg, m, lambda i, ns=ns, c=check: c(ns.strategies[i]), "matmuls")
             roles[m] = tp.roles[m]
-        region_reps |= reps
+        region_reps |= inside_of(key)
         if key[1] is None:
-            head_reps |= reps
+            head_reps |= inside_of(key)
 
     for rep in _placeholders(sg, "input"):
         shape = sg.graph.nodes[rep].results[0].shape
@@ -673,7 +737,9 @@ def _megatron(
         e.dst for e in sg.edges if e.src in head_reps and _kind(sg, e.dst) == "output"
     )
     outside = [
-        rep for rep in sg.reps if _kind(sg, rep) in ("op", "output") and rep not in region_reps
+        rep
+        for rep in sg.reps
+        if _kind(sg, rep) in ("op", "output") and rep not in region_reps and rep not in grads
     ]
     if not pin_outside:
         outside = []
@@ -736,45 +802,120 @@ def _restriction(
     raise AutoshardError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
 
 
+def propagate(sg: StrategyGraph) -> dict[str, int]:
+    """DTensor-style propagation: each representative, in graph order, its cheapest strategy.
+
+    As DTensor's sharding propagation does, a node takes the strategy that needs the least
+    resharding (seconds) of the inputs whose producers have already chosen; among equals,
+    the least compute; then the earliest. Edges from later nodes (a gradient into its
+    parameter) are not looked ahead to. A source (parameter or input) left with several
+    strategies by the pins is decided by its first consumer: the pair of their strategies
+    with the least resharding.
+
+    Raises:
+        AutoshardError: some node has no strategy its inputs can be resharded into
+            (e.g. every allowed strategy wants a ``Partial`` input that is not produced).
+    """
+    into: dict[str, list[Edge]] = {}
+    for e in sg.edges:
+        into.setdefault(e.dst, []).append(e)
+    order = {r: i for i, r in enumerate(sg.reps)}
+    # sources: read nothing earlier (a parameter's only inputs are its gradient, later on)
+    lazy = {
+        r
+        for r in sg.reps
+        if len(sg.nodes[r].strategies) > 1 and all(order[e.src] > order[r] for e in into.get(r, []))
+    }
+    choice: dict[str, int] = {}
+    for rep in sg.reps:
+        if rep in lazy:
+            continue
+        compute = sg.rep_cost(rep).astype(float)
+        reshard = np.zeros_like(compute)
+        open_sources = []
+        for e in into.get(rep, []):
+            if e.src in choice:
+                reshard = reshard + e.cost[e.src_groups[choice[e.src]], e.dst_groups]
+            elif e.src in lazy:
+                # cost[i, j] over the source's strategies i and ours j: best i for each j
+                pair = e.cost[e.src_groups][:, e.dst_groups]
+                reshard = reshard + pair.min(axis=0)
+                open_sources.append((e.src, pair))
+        least = reshard.min()
+        if not np.isfinite(least):
+            raise AutoshardError(f"no strategy of {rep} accepts its inputs' placements")
+        near = np.isclose(reshard, least, rtol=1e-9, atol=1e-15)
+        j = int(np.argmin(np.where(near, compute, np.inf)))
+        choice[rep] = j
+        for src, pair in open_sources:
+            if src not in choice:  # the first consumer decides
+                choice[src] = int(np.argmin(pair[:, j]))
+    for rep in lazy:
+        choice.setdefault(rep, 0)
+    return choice
+
+
+METHODS = ("propagate", "ilp")
+
+
 def run_baseline(
     sg: StrategyGraph,
     name: str,
     mesh: MeshSpec,
     options: SolverOptions | None = None,
     memory: tuple[np.ndarray, float] | None = None,
+    method: str = "propagate",
 ) -> BaselineResult:
-    """The best plan of baseline family ``name`` on ``sg``: the ILP restricted to the family.
+    """Baseline ``name`` on ``sg``: its pins, then :func:`propagate` (or the restricted ILP).
 
     Args:
         sg: the strategy graph (the same one the ILP solves).
         name: one of :data:`BASELINES`.
         mesh: the mesh ``sg`` was built for (its last dim is the TP dim).
-        options: the ILP's time limit and gap.
-        memory: optional ``(bytes per strategy over the full graph's x, budget bytes)``.
+        options: the ILP's time limit and gap (``method="ilp"``, or the fallback).
+        memory: optional ``(bytes per strategy over the full graph's x, budget bytes)``;
+            only ``method="ilp"`` honours it.
+        method: ``propagate`` (DTensor's rule, the default) or ``ilp`` (the best plan of
+            the family). When propagation meets a node its inputs cannot reach, the
+            restricted ILP decides instead (and a note says so).
 
     Raises:
-        AutoshardError: an unknown name, a mesh that is not ``sg``'s, or no plan of the
-            family satisfies the constraints (then the message names the family).
+        AutoshardError: an unknown name or method, a mesh that is not ``sg``'s, or no plan
+            of the family satisfies the constraints (the message names the family).
     """
+    if method not in METHODS:
+        raise AutoshardError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    t0 = time.perf_counter()
     r, roles = _restriction(sg, name, mesh)
     sub = restrict(sg, r)
-    try:
-        result = solve(sub, options, restrict_memory(sg, r, memory))
-    except AutoshardError as exc:
-        if not name.startswith("megatron"):
-            raise AutoshardError(f"baseline {name}: {exc}") from exc
-        # a graph where the TP-dim pins of the ops between regions conflict: relax them
-        r, roles = _restriction(sg, name, mesh, relax=True)
-        sub = restrict(sg, r)
+    result = None
+    if method == "propagate":
+        try:
+            sub_choice = propagate(sub)
+        except AutoshardError as exc:
+            r.notes.append(f"propagation stopped ({exc}); the restricted ILP decided instead")
+            method = "ilp"
+    if method == "ilp":
         try:
             result = solve(sub, options, restrict_memory(sg, r, memory))
-        except AutoshardError as exc2:
-            raise AutoshardError(f"baseline {name}: {exc2}") from exc2
-    choice = unrestrict_choice(r, result.choice)
+        except AutoshardError as exc:
+            if not name.startswith("megatron"):
+                raise AutoshardError(f"baseline {name}: {exc}") from exc
+            # the TP-dim pins of the ops between regions conflict: relax them
+            r, roles = _restriction(sg, name, mesh, relax=True)
+            sub = restrict(sg, r)
+            try:
+                result = solve(sub, options, restrict_memory(sg, r, memory))
+            except AutoshardError as exc2:
+                raise AutoshardError(f"baseline {name}: {exc2}") from exc2
+        sub_choice = result.choice
+    choice = unrestrict_choice(r, sub_choice)
     cost = evaluate(sg, choice)
-    if not math.isclose(cost, evaluate(sub, result.choice), rel_tol=1e-9, abs_tol=1e-12):
+    if not math.isclose(cost, evaluate(sub, sub_choice), rel_tol=1e-9, abs_tol=1e-15):
         raise AssertionError(f"baseline {name}: restricted and full costs differ")  # a bug
-    return BaselineResult(name, choice, cost, result, r.notes, roles, r.pinned)
+    return BaselineResult(
+        name, choice, cost, method, result, time.perf_counter() - t0, r.notes, roles, r.pinned
+    )
 
 
 def baseline_choice(sg: StrategyGraph, name: str, mesh: MeshSpec) -> dict[str, int]:
@@ -797,23 +938,32 @@ def plan_for_algo(
     mesh: MeshSpec,
     solver_options: SolverOptions | None = None,
     memory: tuple[np.ndarray, float] | None = None,
+    finish: Callable[[StrategyGraph, dict[str, int], str], Plan] | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """The plan of ``algo`` (``ilp`` or a baseline) on ``sg``, and its solver statistics.
 
-    What ``autoshard solve --algo`` exports. The statistics are plain builtins: the ILP's
-    (status, objective, gap, sizes, seconds), plus for a baseline ``algo``, ``notes``,
-    ``roles`` and ``pinned``.
+    What ``autoshard solve --algo`` exports. ``memory``: the ILP's budget row (the ILP
+    honours it; a baseline is what it is, and its plan says whether it fits). ``finish``:
+    ``(sg, choice, name) -> Plan`` (e.g. :func:`autoshard.solve.finish_plan` with the
+    training memory kinds); default :func:`~autoshard.plan.build_plan`. The statistics are
+    plain builtins: the ILP's (status, objective, gap, sizes, seconds), plus for a
+    baseline ``method``, ``notes``, ``roles`` and ``pinned``.
 
     Raises:
         AutoshardError: an unknown ``algo`` (the message lists them), or an infeasible ILP.
     """
+    if finish is None:
+
+        def finish(sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
+            return build_plan(sg, choice, mesh, name=name)
+
     if algo == "ilp":
         result = solve(sg, solver_options, memory)
         stats = asdict(result)
         stats.pop("choice")
         stats["algo"] = "ilp"
-        return build_plan(sg, result.choice, mesh, name="ilp"), stats
+        return finish(sg, result.choice, "ilp"), stats
     if algo not in BASELINES:
         raise AutoshardError(f"unknown --algo {algo!r}; choose one of {', '.join(ALGOS)}")
-    b = run_baseline(sg, algo, mesh, solver_options, memory)
-    return build_plan(sg, b.choice, mesh, name=algo), b.solver_stats()
+    b = run_baseline(sg, algo, mesh, solver_options)
+    return finish(sg, b.choice, algo), b.solver_stats()

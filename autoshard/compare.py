@@ -8,6 +8,7 @@ are comparable and the ILP's step time is never above a baseline's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -73,39 +75,40 @@ class ComparedPlan:
 
 
 def compare_plans(
+    config,
     sg,
-    mesh,
     algos: tuple[str, ...] = ALGOS,
-    solver: SolverOptions | None = None,
-    memory_budget: float | None = None,
     progress=None,
 ) -> list[ComparedPlan]:
     """Solve each of ``algos`` on the strategy graph ``sg``; mark which fit and which are best.
 
-    A baseline that has no plan (its family is infeasible) becomes a row with its error;
-    the ILP's failure raises. ``fits``: predicted memory per device <= ``memory_budget``
-    (bytes; ``None``: everything fits). ``best``: the fastest plan among those that fit
-    (among all when none fits), ties within :data:`TIE_REL_TOL` all marked.
+    ``config``: the :class:`~autoshard.solve.SolveConfig` ``sg`` was built for (mesh,
+    solver options, mode and memory budget). The ILP honours the memory budget as
+    ``solve`` does; a baseline is what it is, and ``fits`` says whether its predicted
+    memory per device is within the budget. A plan that cannot be made (the ILP when no
+    plan fits the budget) becomes a row with its error. ``best``: the fastest plan among
+    those that fit (among all when none fits), ties within :data:`TIE_REL_TOL` all marked.
 
     Raises:
-        AutoshardError: an unknown algo, or the ILP has no plan.
+        AutoshardError: an unknown algo.
     """
     for a in algos:
         if a not in ALGOS:
             raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(ALGOS)}")
+    budget = _budget(config)
+    memory, finish = _memory_model(config, sg, budget)
     rows = []
     for i, algo in enumerate(algos):
         if progress:
             progress("solve", i, len(algos))
         try:
-            plan, stats = plan_for_algo(sg, algo, mesh, solver)
-        except AutoshardError as exc:
-            if algo == "ilp":
-                raise
+            plan, stats = plan_for_algo(
+                sg, algo, config.mesh, config.solver, memory if algo == "ilp" else None, finish
+            )
+        except AutoshardError as exc:  # e.g. no plan fits the budget: say so in its row
             rows.append(ComparedPlan(algo, error=str(exc)))
             continue
-        fits = memory_budget is None or plan.memory_bytes <= memory_budget
-        rows.append(ComparedPlan(algo, plan, stats, fits=fits))
+        rows.append(ComparedPlan(algo, plan, stats, fits=plan.memory_bytes <= budget))
     if progress:
         progress("solve", len(algos), len(algos))
     done = [r for r in rows if r.plan is not None]
@@ -117,11 +120,35 @@ def compare_plans(
     return rows
 
 
+def _budget(config) -> float:
+    """Bytes per device a plan must fit in: the configured budget or the device's memory."""
+    if hasattr(config, "budget"):
+        return float(config.budget())
+    return float(config.device.memory_bytes)
+
+
+def _memory_model(config, sg, budget: float):
+    """The ILP's memory row and the plan builder ``solve`` uses (training memory kinds).
+
+    Falls back to no memory row and :func:`~autoshard.plan.build_plan` where the tree has
+    no training memory model.
+    """
+    try:
+        from autoshard.memory import ilp_row, memory_rows
+        from autoshard.solve import finish_plan
+    except ImportError:
+        return None, None
+    memory = (ilp_row(sg, memory_rows(sg, config.memory_model())), budget)
+    return memory, lambda sg, choice, name: finish_plan(config, sg, choice, name)
+
+
 _LABEL = {
     "all_gather": "all-gather",
     "all_reduce": "all-reduce",
     "reduce_scatter": "reduce-scatter",
     "all_to_all": "all-to-all",
+    "optimizer_state": "optimizer",
+    "saved_activations": "saved activ.",
 }
 
 
@@ -150,7 +177,7 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
     )
     table.add_column("", no_wrap=True)
     for r in rows:
-        header = r.name.replace("_", "\n_") + (" *" if r.best else "")
+        header = r.name.replace("_", "\n_") + ("\n*" if r.best else "")
         table.add_column(
             f"[bold green]{header}[/bold green]" if r.best else header,
             justify="right",
@@ -171,7 +198,7 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
     table.add_section()
     for k in mem_kinds:
         row(
-            k.replace("_", " "),
+            _LABEL.get(k, k.replace("_", " ")),
             lambda p, r, k=k: (
                 format_bytes(p.memory_by_kind()[k]) if k in p.memory_by_kind() else "-"
             ),
@@ -203,6 +230,20 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
     show_default=True,
     help="free: outputs may end sharded (never Partial); replicate: every device ends with "
     "the whole output.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["train", "infer"]),
+    default="train",
+    show_default=True,
+    help="train: a training step (forward, backward, gradient reductions, optimizer "
+    "state); infer: the forward pass only.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="Cast parameters and floating-point inputs to this dtype (default: the model's).",
 )
 @click.option(
     "--plans",
@@ -250,6 +291,8 @@ def compare_command(
     device_name,
     input_placement,
     output_placement,
+    mode,
+    dtype,
     plans,
     memory_budget,
     time_limit,
@@ -279,6 +322,10 @@ def compare_command(
         inter_node_latency,
     )
     device = get_device(device_name)
+    extra = {"mode": mode, "memory_budget": memory_budget}
+    if dtype is not None:
+        extra["dtype"] = getattr(torch, dtype)
+    fields = {f.name for f in dataclasses.fields(SolveConfig)}
     config = SolveConfig(
         model_path=model_file,
         mesh=mesh,
@@ -286,14 +333,15 @@ def compare_command(
         input_placement=input_placement,
         output_placement=output_placement,
         solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
+        **{k: v for k, v in extra.items() if k in fields},
     )
     algos = tuple(a.strip() for a in plans.split(",") if a.strip())
-    budget = float(memory_budget) if memory_budget is not None else float(device.memory_bytes)
+    budget = _budget(config)
     err = Console(stderr=True)
     with _Progress(err) as progress:
         graph = trace(config, progress)
         sg = strategies(config, graph, progress)
-        rows = compare_plans(sg, mesh, algos, config.solver, budget, progress)
+        rows = compare_plans(config, sg, algos, progress)
     if as_json:
         click.echo(
             json.dumps(

@@ -18,6 +18,8 @@ Known answers (hand analysis, MLP ``fc2(gelu(fc1(x)))``, nn.Linear weights are
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import textwrap
@@ -108,39 +110,48 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
 
 
 _graphs: dict = {}
+HAS_MODES = "mode" in {f.name for f in dataclasses.fields(SolveConfig)}
 
 
-def _sg(model_files, model: str, mesh_text: str):
-    """(mesh, strategy graph); each model traced once, strategies built once per mesh."""
-    key = (model, mesh_text)
+def _sg(model_files, model: str, mesh_text: str, mode: str = "infer"):
+    """(mesh, strategy graph); each model traced once per mode, strategies once per mesh."""
+    key = (model, mesh_text, mode)
     if key not in _graphs:
         mesh = MeshSpec.from_options(mesh_text, None)
-        config = SolveConfig(model_path=model_files[model], mesh=mesh)
-        if (model, "graph") not in _graphs:
-            _graphs[(model, "graph")] = trace(config)
-        _graphs[key] = (mesh, strategies(config, _graphs[(model, "graph")]))
+        kwargs = {"mode": mode} if HAS_MODES else {}
+        config = SolveConfig(model_path=model_files[model], mesh=mesh, **kwargs)
+        if (model, mode) not in _graphs:
+            _graphs[(model, mode)] = trace(config)
+        _graphs[key] = (mesh, strategies(config, _graphs[(model, mode)]))
     return _graphs[key]
 
 
 CASES = [
-    ("mlp", "4"),
-    ("mlp", "2x2"),
-    ("gpt2_tiny", "4"),
-    ("gpt2_tiny", "2x4"),
-    ("llama_tiny", "4"),
-    ("llama_tiny", "2x2"),
+    ("mlp", "4", "infer"),
+    ("mlp", "2x2", "infer"),
+    ("mlp", "4", "train"),
+    ("mlp", "2x2", "train"),
+    ("gpt2_tiny", "4", "infer"),
+    ("gpt2_tiny", "2x4", "infer"),
+    ("gpt2_tiny", "2x2", "train"),
+    ("llama_tiny", "4", "infer"),
+    ("llama_tiny", "2x2", "infer"),
+    ("llama_tiny", "4", "train"),
 ]
 
 
-@pytest.mark.parametrize(("model", "mesh_text"), CASES)
-def test_ilp_never_worse_than_any_baseline(model_files, model, mesh_text):
-    mesh, sg = _sg(model_files, model, mesh_text)
+@pytest.mark.parametrize(("model", "mesh_text", "mode"), CASES)
+def test_ilp_never_worse_than_any_baseline(model_files, model, mesh_text, mode):
+    if mode == "train" and not HAS_MODES:
+        pytest.skip("no training mode in this tree")
+    mesh, sg = _sg(model_files, model, mesh_text, mode)
     ilp = solve(sg)
     ilp_cost = evaluate(sg, ilp.choice)
     assert math.isclose(ilp_cost, ilp.objective_s, rel_tol=1e-6)
     reps = set(sg.reps)
-    for name in BASELINES:
-        b = run_baseline(sg, name, mesh)
+    methods = ("propagate", "ilp") if model == "mlp" else ("propagate",)
+    for name, method in itertools.product(BASELINES, methods):
+        b = run_baseline(sg, name, mesh, method=method)
         # a complete point of the search space: one valid strategy per representative
         assert set(b.choice) == reps
         assert all(0 <= i < len(sg.nodes[r].strategies) for r, i in b.choice.items())
@@ -185,6 +196,26 @@ def test_mlp_1d_known_answers(model_files):
     for s in rep.node_strategy.values():
         for ps in list(s.inputs) + [p for p in s.outputs if p is not None]:
             assert ps == (R,)
+
+
+@pytest.mark.skipif(not HAS_MODES, reason="no training mode in this tree")
+def test_mlp_1d_train_known_answers(model_files):
+    """Training step, 1-D mesh of 4: Megatron is the ILP's optimum (Alpa's golden case);
+    DDP all-reduces every weight gradient; FSDP gathers and reduce-scatters."""
+    mesh, sg = _sg(model_files, "mlp", "4", "train")
+    ilp = solve(sg)
+    meg, _ = plan_for_algo(sg, "megatron", mesh)
+    assert meg.parameters["fc1.weight"] == (S0,) and meg.parameters["fc2.weight"] == (S1,)
+    assert meg.step_time_s == pytest.approx(evaluate(sg, ilp.choice), rel=1e-6)
+    assert set(meg.comm_s) == {"all_reduce"} and meg.collectives["all_reduce"] == 1
+
+    ddp, _ = plan_for_algo(sg, "ddp", mesh)
+    assert set(ddp.parameters.values()) == {(R,)}
+    # the weight gradients fc1.weight, fc1.bias, fc2.weight (and the loss) are all-reduced
+    assert set(ddp.comm_s) == {"all_reduce"} and ddp.collectives["all_reduce"] >= 3
+    fsdp, _ = plan_for_algo(sg, "fsdp", mesh)
+    assert fsdp.collectives["all_gather"] >= 4  # each weight, forward and backward
+    assert fsdp.collectives["reduce_scatter"] >= 2  # gradients into their shards
 
 
 def test_mlp_2d_megatron_is_tp_on_last_dim_dp_on_first(model_files):
@@ -310,11 +341,20 @@ def test_compare_json(model_files):
 def test_compare_table_and_budget(model_files):
     from autoshard.compare import compare_command
 
-    result = CliRunner().invoke(
-        compare_command, [str(model_files["mlp"]), "--mesh", "4", "--memory-budget", "10MiB"]
-    )
+    args = [str(model_files["mlp"]), "--mesh", "4"]
+    mode = ["--mode", "train"] if HAS_MODES else []
+    result = CliRunner().invoke(compare_command, args + mode + ["--memory-budget", "40MiB"])
     assert result.exit_code == 0, result.output
     text = result.stdout
     for name in ("ilp", "replicate", "ddp", "fsdp", "megatron"):
         assert name in text
-    assert "no" in text  # replicate and ddp hold 32 MiB of weights: they do not fit
+    # replicated weights (32 MiB, plus gradients and optimizer state in training) do not fit
+    assert "no" in text.split("fits")[-1]
+
+    # a budget no plan meets: the ILP's row says so, the baselines are still compared
+    result = CliRunner().invoke(compare_command, args + ["--memory-budget", "1KiB", "--json"])
+    assert result.exit_code == 0, result.output
+    by = {p["name"]: p for p in json.loads(result.stdout)["plans"]}
+    if HAS_MODES:
+        assert by["ilp"]["error"] and "memory budget" in by["ilp"]["error"]
+    assert not any(p["fits"] for p in by.values())
