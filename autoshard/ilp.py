@@ -45,6 +45,9 @@ from autoshard.errors import AutoshardError
 from autoshard.strategies import StrategyGraph
 
 
+SCALE = 1e6  # the ILP's objective is in microseconds
+
+
 @dataclass(frozen=True)
 class SolverOptions:
     """Options of the ILP solve, validated once.
@@ -202,7 +205,9 @@ def solve(
     if memory is not None:
         m, budget = memory
         constraints.append(m @ x <= budget)
-    objective = prob.c @ x + (prob.r @ y if y is not None else 0)
+    # in microseconds: HiGHS's absolute tolerances (mip_abs_gap 1e-6) would otherwise
+    # stop it at plans a whole microsecond-scale objective away from the optimum
+    objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
     problem = cp.Problem(cp.Minimize(objective), constraints)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -211,6 +216,7 @@ def solve(
             solver=cp.HIGHS,
             time_limit=float(options.time_limit_s),
             mip_rel_gap=float(options.mip_gap),
+            mip_abs_gap=0.0,
         )
     except cp.error.SolverError as exc:
         raise AutoshardError(f"the ILP solver failed: {exc}") from exc
@@ -239,7 +245,8 @@ def solve(
         block = xv[prob.offsets[rname] : prob.offsets[rname] + k]
         choice[rname] = int(np.argmax(block))
     bound, gap = _bound_and_gap(problem)
-    objective = float(problem.value)
+    bound = bound / SCALE if bound is not None else None
+    objective = float(problem.value) / SCALE
     status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
     if status_text == "optimal" and gap is None:
         gap = 0.0
