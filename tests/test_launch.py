@@ -1,0 +1,433 @@
+"""The launcher: seeded materialisation, plan validation, torchrun command lines, and real
+8-process gloo runs on a 2x4 mesh that must match a single-device run.
+
+The multi-process tests start ``torchrun`` (never a hand-made spawner) with the venv's
+python from the repo root, ``OMP_NUM_THREADS=1`` (8 processes share 2 cores) and
+``--standalone`` (rendezvous on a free port).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from autoshard.errors import AutoshardError
+from autoshard.launch import (
+    RunOptions,
+    check_plan,
+    check_world_size,
+    compare_runs,
+    launch_command,
+    torchrun_argv,
+)
+from autoshard.materialize import build_skeleton, make_inputs, materialize
+from autoshard.model_file import instantiate, load_model_file
+from autoshard.placements import placements_from_str
+from autoshard.solution_io import ShardingMap
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = ROOT / "examples" / "mlp.py"
+GPT2 = ROOT / "examples" / "gpt2.py"
+TIMEOUT_S = 300
+
+# Megatron on tp (fc1 by output features, fc2 by input features) times data parallel on
+# dp: the batch is split on dp, the weights are replicated there.
+MLP_DP_TP = {
+    "fc1.weight": ["R", "S(0)"],
+    "fc1.bias": ["R", "S(0)"],
+    "fc2.weight": ["R", "S(1)"],
+    "fc2.bias": ["R", "R"],
+}
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _write_map(path: Path, parameters: dict, inputs: dict, predicted: dict | None = None) -> Path:
+    data = {
+        "format": "autoshard.sharding_map/1",
+        "mesh": {"shape": [2, 4], "dim_names": ["dp", "tp"]},
+        "parameters": parameters,
+        "inputs": inputs,
+    }
+    if predicted is not None:
+        data["predicted"] = predicted
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def _smap(parameters: dict, inputs: dict) -> ShardingMap:
+    return ShardingMap(
+        mesh_shape=(2, 4),
+        dim_names=("dp", "tp"),
+        parameters={k: placements_from_str(v) for k, v in parameters.items()},
+        inputs={k: placements_from_str(v) for k, v in inputs.items()},
+    )
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def _torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def _number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in output:\n{text}"
+    return float(m.group(1))
+
+
+def _gpt2_short(tmp_path: Path) -> Path:
+    """examples/gpt2.py's model (AUTOSHARD_LAYERS layers) with a short batch: 8 x 32."""
+    path = tmp_path / "gpt2_short.py"
+    path.write_text(
+        textwrap.dedent(
+            f'''
+            """examples/gpt2.py's GPT-2 with input_ids of global shape (8, 32)."""
+            import importlib.util
+
+            import torch
+
+            _spec = importlib.util.spec_from_file_location("_gpt2_example", {str(GPT2)!r})
+            _gpt2 = importlib.util.module_from_spec(_spec)
+            _spec.loader.exec_module(_gpt2)
+            build_model = _gpt2.build_model
+
+
+            def example_inputs():
+                return (torch.randint(0, 50257, (8, 32)),)
+            '''
+        )
+    )
+    return path
+
+
+# ----------------------------------------------------------------------- materialise
+
+
+LLAMA_FILE = '''
+"""A small Llama-2 (2 layers) with llama3 rope scaling: inv_freq is computed in __init__."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_model():
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=256, max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
+
+
+def example_inputs():
+    return (torch.randint(0, 256, (2, 16)),)
+'''
+
+
+def test_materialised_llama_has_the_inv_freq_of_a_cpu_build(tmp_path: Path) -> None:
+    path = tmp_path / "llama_small.py"
+    path.write_text(LLAMA_FILE)
+    mf = load_model_file(path)
+    on_meta = instantiate(mf, device="meta").module
+    assert on_meta.model.rotary_emb.inv_freq.is_meta  # what a plain meta build loses
+
+    mat = materialize(mf, seed=0)
+    direct = instantiate(mf, device="cpu").module  # built straight on the CPU
+    rot, ref = mat.loaded.module.model.rotary_emb, direct.model.rotary_emb
+    assert torch.equal(rot.inv_freq, ref.inv_freq)
+    assert torch.equal(rot.original_inv_freq, ref.original_inv_freq)
+    assert not torch.allclose(ref.inv_freq, 1.0 / 500000.0 ** (torch.arange(0, 16, 2) / 16))
+    assert mat.fallback_init == ()
+    # HF's own init ran: normal(0, initializer_range) weights, RMSNorm weights 1.
+    m = mat.loaded.module
+    assert abs(float(m.model.layers[0].mlp.up_proj.weight.detach().std()) - 0.02) < 2e-3
+    assert torch.equal(m.model.norm.weight, torch.ones(64))
+    # Same output as the CPU-built model given the same weights.
+    direct.load_state_dict(m.state_dict())
+    x = mat.loaded.inputs[0]
+    assert torch.equal(m(x).logits, direct(x).logits)
+
+
+def test_materialise_is_deterministic_and_keeps_ties(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "1")
+    mf = load_model_file(GPT2)
+    a, b = materialize(mf, seed=3), materialize(mf, seed=3)
+    c = materialize(mf, seed=4)
+    sa, sb = a.loaded.module.state_dict(), b.loaded.module.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    w = "transformer.h.0.attn.c_attn.weight"
+    assert not torch.equal(sa[w], c.loaded.module.state_dict()[w])
+    model = a.loaded.module
+    assert model.lm_head.weight is model.transformer.wte.weight
+    # GPT-2's scaled init of residual projections: std 0.02 / sqrt(2 * n_layer).
+    assert (
+        abs(float(model.transformer.h[0].mlp.c_proj.weight.detach().std()) - 0.02 / 2**0.5) < 1e-3
+    )
+    assert all(not p.isnan().any() for p in model.parameters())
+    (ids,) = a.loaded.inputs
+    assert ids.shape == (8, 1024) and ids.dtype == torch.int64
+    assert 0 <= int(ids.min()) and int(ids.max()) < 50257
+    assert torch.equal(ids, b.loaded.inputs[0])
+
+
+PLAIN_FILE = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))  # no module initialises it
+        pos = torch.arange(16).float()
+        self.register_buffer("table", torch.sin(pos[:, None] / 10000 ** (torch.arange(8) / 8)),
+                             persistent=False)
+
+    def forward(self, x, mask):
+        return self.proj(x + self.table[: x.shape[1]]) * self.scale
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(4, 16, 8), torch.ones(4, 16, dtype=torch.long))
+"""
+
+
+def test_materialise_plain_module(tmp_path: Path) -> None:
+    path = tmp_path / "plain.py"
+    path.write_text(PLAIN_FILE)
+    mf = load_model_file(path)
+    mat = materialize(mf, seed=0)
+    net = mat.loaded.module
+    pos = torch.arange(16).float()
+    assert torch.equal(net.table, torch.sin(pos[:, None] / 10000 ** (torch.arange(8) / 8)))
+    assert mat.fallback_init == ("scale",)  # reported, then set to ones (a vector)
+    assert torch.equal(net.scale.detach(), torch.ones(8))
+    bound = 1 / 8**0.5  # nn.Linear.reset_parameters: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert float(net.proj.weight.detach().abs().max()) <= bound
+    x, mask = mat.loaded.inputs
+    assert x.dtype == torch.float32 and torch.equal(mask, torch.ones(4, 16, dtype=torch.long))
+    again = make_inputs(build_skeleton(mf), seed=0)
+    assert torch.equal(again[0], x)
+
+
+# -------------------------------------------------------------------- plan validation
+
+
+def test_check_plan_lists_missing_and_unknown_parameters() -> None:
+    loaded = instantiate(load_model_file(MLP))
+    params = {k: v for k, v in MLP_DP_TP.items() if k != "fc2.bias"}
+    params["fc3.weight"] = ["R", "R"]
+    with pytest.raises(AutoshardError) as err:
+        check_plan(_smap(params, {"x": ["S(0)", "R"]}), loaded, "mlp.py")
+    msg = str(err.value)
+    assert "1 parameter missing from the map: fc2.bias" in msg
+    assert "1 map entry that mlp.py lacks: fc3.weight" in msg
+    assert "\n" not in msg
+
+
+def test_check_plan_rejects_bad_placements(monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = instantiate(load_model_file(MLP))
+    with pytest.raises(AutoshardError, match=r"fc2.bias of shape \(1024,\) .* no dim 1"):
+        check_plan(_smap({**MLP_DP_TP, "fc2.bias": ["R", "S(1)"]}, {"x": ["R", "R"]}), loaded)
+    with pytest.raises(AutoshardError, match="input.*missing from the map: x"):
+        check_plan(_smap(MLP_DP_TP, {}), loaded)
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "1")
+    gpt2 = instantiate(load_model_file(GPT2))
+    params = {n: ["R", "R"] for n, _ in gpt2.module.named_parameters(remove_duplicate=False)}
+    params["lm_head.weight"] = ["R", "S(0)"]
+    with pytest.raises(AutoshardError, match="tied parameters transformer.wte.weight and lm_head"):
+        check_plan(_smap(params, {"input_ids": ["S(0)", "R"]}), gpt2)
+
+
+def test_world_size_message() -> None:
+    with pytest.raises(AutoshardError) as err:
+        check_world_size(_smap(MLP_DP_TP, {"x": ["R", "R"]}), 4)
+    assert str(err.value).startswith(
+        "the sharding map's mesh 2x4 needs 8 processes but torchrun started 4; "
+        "pass --nproc-per-node 8"
+    )
+
+
+def test_launch_command_validates_before_starting_torchrun(tmp_path: Path) -> None:
+    plan = _write_map(
+        tmp_path / "m.json",
+        {k: v for k, v in MLP_DP_TP.items() if k != "fc1.bias"},
+        {"x": ["R", "R"]},
+    )
+    result = CliRunner().invoke(launch_command, [str(plan), str(MLP)])
+    assert isinstance(result.exception, AutoshardError)
+    assert "missing from the map: fc1.bias" in str(result.exception)
+    assert "running:" not in result.output  # torchrun never started
+
+
+def test_torchrun_argv_defaults_and_pass_through(tmp_path: Path) -> None:
+    plan, model = tmp_path / "p.json", tmp_path / "m.py"
+    opts = RunOptions(steps=2, train=True, check=True, seed=7)
+    argv = torchrun_argv(plan, model, opts, [], 8)
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[3:6] == ["--nproc-per-node", "8", "--standalone"]
+    tail = argv[argv.index("autoshard.launch") + 1 :]
+    assert tail[:2] == [str(plan.resolve()), str(model.resolve())]
+    assert tail[2:] == opts.to_argv()
+    assert "--train" in tail and "--check" in tail and tail[tail.index("--seed") + 1] == "7"
+
+    multi = ["--nnodes", "2", "--rdzv-endpoint", "host:29500", "--rdzv-id", "job"]
+    argv = torchrun_argv(plan, model, opts, multi, 8)
+    assert argv[3:5] == ["--nproc-per-node", "4"] and "--standalone" not in argv
+    assert argv[5:11] == multi
+
+    argv = torchrun_argv(plan, model, opts, ["--nproc_per_node=8", "--master-port", "1234"], 8)
+    assert argv.count("--nproc-per-node") == 0 and "--nproc_per_node=8" in argv
+    assert "--standalone" not in argv
+    with pytest.raises(AutoshardError, match="needs 8 processes but --nproc-per-node 4"):
+        torchrun_argv(plan, model, opts, ["--nproc-per-node", "4"], 8)
+    with pytest.raises(AutoshardError, match="--nnodes 3 does not divide"):
+        torchrun_argv(plan, model, opts, ["--nnodes", "3"], 8)
+
+
+def test_compare_runs_leaves_out_adam_amplified_noise() -> None:
+    """An element whose exact gradient is 0 gets +-lr from AdamW in each run (rounding
+    decides the sign): it is left out of the parameter check; a real difference is not."""
+    opts = RunOptions(train=True, check=True)
+    out = torch.zeros(2)
+    ref_p = {"w": torch.tensor([1.0, 1.0, 1.0])}
+    g = [{"w": torch.tensor([2.0, 1e-9, 3.0])}]
+    r = [{"w": torch.tensor([2.0, -1e-9, 3.0])}]
+    mine = {"w": torch.tensor([1.0, 1.002, 1.0])}
+    res = compare_runs(out, out, mine, ref_p, g, r, opts)
+    assert res.noisy == {"w": 1} and res.param_diff["w"] == 0.0 and not res.failures(opts)
+    mine = {"w": torch.tensor([1.0, 1.002, 1.001])}
+    res = compare_runs(out, out, mine, ref_p, g, r, opts)
+    assert res.failures(opts) == ["param w"]
+    g_bad = [{"w": torch.tensor([1.0, 1e-9, 3.0])}]  # half the gradient: a sharding bug
+    res = compare_runs(out, out, mine, ref_p, g_bad, r, opts)
+    assert "grad w" in res.failures(opts)
+
+
+# ------------------------------------------------------------------ real torchrun runs
+
+
+def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
+    plan = _write_map(
+        tmp_path / "mlp.json",
+        MLP_DP_TP,
+        {"x": ["S(0)", "R"]},
+        {"step_time_s": 1e-4, "collectives": {"all_reduce": 5}},
+    )
+    run = _torchrun(8, str(plan), str(MLP), "--train", "--check")
+    out = run.stdout
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    # Local shards: fc1 and fc2 weights 1024 x 4096 / 4, fc1.bias 4096 / 4, fc2.bias 1024.
+    assert "local parameter bytes per rank: 8.01 MiB (8,396,800 B) on each of 8 ranks" in out
+    # Forward: one all-reduce of fc2's partial sums on tp; backward: one per parameter on dp.
+    assert re.search(r"all_reduce\s+5\s+5", out), out
+    assert _number(r"output max abs diff (\S+)", out) <= 1e-5
+    assert _number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-5
+    assert _number(r"parameters after 1 AdamW step\(s\): max abs diff (\S+)", out) <= 1e-5
+    assert "FAILED" not in out
+    assert re.search(r"step time: \S+ (s|ms)", out)
+
+
+def test_mlp_forward_through_autoshard_launch(tmp_path: Path) -> None:
+    plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]})
+    cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan), str(MLP)]
+    cmd += ["--check", "--steps", "2"]
+    run = subprocess.run(
+        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "--nproc-per-node 8 --standalone" in run.stderr
+    assert re.search(r"all_reduce\s+1\s+-", run.stdout), run.stdout
+    assert _number(r"output max abs diff (\S+)", run.stdout) <= 1e-5
+    assert "mean of steps 2-2" in run.stdout
+
+
+def test_gpt2_two_layers_train_step_matches_single_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data parallel on dp; on tp the tied embedding / LM head split by vocabulary rows
+    and the MLP Megatron-style; everything else replicated."""
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    model = _gpt2_short(tmp_path)
+    names = [
+        n
+        for n, _ in instantiate(load_model_file(model)).module.named_parameters(
+            remove_duplicate=False
+        )
+    ]
+    assert len(names) == 12 * 2 + 5  # 2 layers of 12 parameters; wte, wpe, ln_f (2), lm_head
+
+    def tp(name: str) -> str:
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            return "S(0)"
+        if name.endswith(("mlp.c_fc.weight",)):
+            return "S(1)"
+        if name.endswith(("mlp.c_fc.bias", "mlp.c_proj.weight")):
+            return "S(0)"
+        return "R"
+
+    plan = _write_map(
+        tmp_path / "gpt2.json", {n: ["R", tp(n)] for n in names}, {"input_ids": ["S(0)", "R"]}
+    )
+    run = _torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    out = run.stdout
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert _number(r"output max abs diff (\S+)", out) <= 1e-5
+    assert _number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
+    assert _number(r"parameters after 1 AdamW step\(s\): max abs diff (\S+)", out) <= 1e-5
+    assert "FAILED" not in out
+    assert re.search(r"all_reduce\s+\d+", out) and re.search(r"reduce_scatter\s+\d+", out)
+
+
+def test_world_size_mismatch_fails_on_every_rank(tmp_path: Path) -> None:
+    plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]})
+    run = _torchrun(4, str(plan), str(MLP))
+    assert run.returncode != 0
+    line = (
+        "error: the sharding map's mesh 2x4 needs 8 processes but torchrun started 4; "
+        "pass --nproc-per-node 8"
+    )
+    assert run.stderr.count(line) == 1, run.stderr[-3000:]  # said once, by rank 0
+    assert "exitcode  : 2" in run.stderr  # every rank exits 2 (torchrun's summary)
+
+
+def test_unknown_parameter_fails_under_torchrun(tmp_path: Path) -> None:
+    plan = _write_map(
+        tmp_path / "mlp.json", {**MLP_DP_TP, "fc3.weight": ["R", "R"]}, {"x": ["S(0)", "R"]}
+    )
+    run = _torchrun(8, str(plan), str(MLP))
+    assert run.returncode != 0
+    assert "error: the sharding map does not match mlp.py: 1 map entry that mlp.py lacks: " in (
+        run.stderr
+    )
+    assert "fc3.weight" in run.stderr
