@@ -379,35 +379,11 @@ def _data_parallel(sg: StrategyGraph, mesh: MeshSpec, fsdp: bool) -> Restriction
     return r
 
 
-def gradient_producers(sg: StrategyGraph) -> set[str]:
-    """Nodes that compute parameter gradients (training graphs; empty otherwise).
-
-    From each gradient output of the graph back through layout ops (views, transposes,
-    ``getitem``) to the first other op, inclusive: the weight-gradient ``mm``, the
-    bias-gradient ``sum``, a norm's backward.
-    """
-    graph = sg.graph
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
-    out: set[str] = set()
-    for info in graph.nodes.values():
-        if info.kind != "output":
-            continue
-        for a, g in zip(info.arg_nodes, getattr(info, "grad_of", None) or [], strict=False):
-            if g is None:
-                continue
-            n = fx_nodes[a]
-            while n.op == "call_function":
-                out.add(n.name)
-                if _op_name(n) not in _GRAD_CHAIN_OPS or len(n.all_input_nodes) != 1:
-                    break
-                n = n.all_input_nodes[0]
-    return out
-
-
 # --- tensor parallelism: roles from the graph's structure ------------------------------
 
 # ops that only move or relabel elements (no reduction across a dim they keep)
 _LAYOUT_OPS = {
+    "detach",
     "view",
     "_unsafe_view",
     "reshape",
@@ -430,7 +406,17 @@ _LAYOUT_OPS = {
     "unbind",
 }
 # ops a tensor-parallel region may contain besides pointwise and layout ops (attention)
-_REGION_OPS = {"_softmax", "_safe_softmax", "softmax", "bmm", "baddbmm", "mm", "addmm", "matmul"}
+_REGION_OPS = {
+    "_softmax",
+    "_safe_softmax",
+    "softmax",
+    "_softmax_backward_data",
+    "bmm",
+    "baddbmm",
+    "mm",
+    "addmm",
+    "matmul",
+}
 _WEIGHT_CHAIN_OPS = {
     "view",
     "_unsafe_view",
@@ -446,7 +432,6 @@ _WEIGHT_CHAIN_OPS = {
     "unsqueeze",
     "squeeze",
 }
-_GRAD_CHAIN_OPS = _WEIGHT_CHAIN_OPS | {"getitem"}
 _PARAM_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 
 
@@ -490,15 +475,13 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
     on the way (a norm, an embedding, a reduction, a graph input) means it is not. Rows
     are taken in graph order; a matmul already a row cannot be a column (three linears
     in a row give one pair and one unpaired). A parameter matmul left over whose output
-    reaches the graph's output, or the ops computing parameter gradients
-    (:func:`gradient_producers`), through such ops only is a standalone column (an LM
-    head; in a training graph also the backward matmul ``dY @ W`` of a row-parallel
-    linear whose input needs no gradient).
+    reaches the graph's output through such ops only is a standalone column (an LM head).
+    Only forward matmuls get roles: in a training graph each backward matmul reads a
+    weight whose placement the forward role fixed, which makes it column- or row-like.
     """
     graph = sg.graph
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     tp = TensorParallel()
-    grads = gradient_producers(sg)
 
     purely_free: dict[str, bool] = {}
 
@@ -527,6 +510,8 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
     for n in graph.graph_module.graph.nodes:
         if n.op != "call_function" or n.target not in _PARAM_MATMULS or n.name not in sg.nodes:
             continue
+        if getattr(graph.nodes[n.name], "backward", False):
+            continue  # backward matmuls follow from the weights' placements
         a_idx, b_idx = _PARAM_MATMULS[n.target]
         args = [fx_nodes[a] for a in graph.nodes[n.name].arg_nodes]
         if len(args) <= b_idx:
@@ -582,7 +567,7 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
             if n.name in seen:
                 continue
             seen.add(n.name)
-            if n.op == "output" or n.name in grads:
+            if n.op == "output":
                 reached_output = True
                 continue
             if n.op != "call_function" or n.name in tp.weight or not transparent(n):
@@ -645,46 +630,51 @@ def _megatron(
     t = ndim - 1
     dp = range(ndim - 1)
     tp = find_tensor_parallel(sg)
-    grads = {sg.nodes[n].rep for n in gradient_producers(sg) if n in sg.nodes}
+    # training graphs: the backward pass is not pinned (its matmuls follow the weights'
+    # placements, its activation gradients are placed by propagation)
+    backward = {
+        rep
+        for rep in sg.reps
+        if rep in sg.graph.nodes and getattr(sg.graph.nodes[rep], "backward", False)
+    }
     param_uses: dict[str, set[str]] = {}
     for e in sg.edges:
-        if _kind(sg, e.src) == "param":
+        if _kind(sg, e.src) == "param" and e.dst not in backward:
             param_uses.setdefault(e.src, set()).add(e.dst)
+    undivided: list[str] = []
+    shared_weights: list[str] = []
 
     def members_of(key) -> list[str]:
         return list(key[0]) + ([key[1]] if key[1] is not None else [])
 
     def inside_of(key) -> set[str]:
-        return set(members_of(key)) | {sg.nodes[n].rep for n in tp.region[key] if n in sg.nodes}
+        """Representatives of a group's matmuls and region (repeated layers may share them)."""
+        nodes = members_of(key) + [n for n in tp.region[key] if n in sg.nodes]
+        return {sg.nodes[n].rep for n in nodes}
+
+    def role_ok(m: str) -> Callable[[int], bool]:
+        """Whether ``m`` plays its role when its representative takes strategy ``i``."""
+        ns, check = sg.nodes[m], _role_ok(tp.roles[m], tp.weight[m], t)
+        return lambda i: check(ns.strategies[ns.choice[i]])
 
     # 1. groups whose matmuls have the role's strategy (the shapes divide)
     groups = []
     for key in tp.pairs:
         members = members_of(key)
-        checks = {m: _role_ok(tp.roles[m], tp.weight[m], t) for m in members}
         if all(
-            sg.nodes[m].rep == m and any(checks[m](s) for s in sg.nodes[m].strategies)
+            any(role_ok(m)(i) for i in range(len(sg.nodes[sg.nodes[m].rep].strategies)))
             for m in members
         ):
             groups.append(key)
             continue
-        what = (
-            f"standalone column {key[0][0]}"
-            if key[1] is None
-            else f"pair {', '.join(key[0])} -> {key[1]}"
-        )
-        shapes = ", ".join(f"{m} {[a.shape for a in sg.graph.nodes[m].args]}" for m in members)
-        r.notes.append(
-            f"tensor parallel {what}: no strategy plays the role on mesh dim {t} "
-            f"(shapes {shapes} do not divide by {mesh.shape[t]}?); left to the ILP"
-        )
+        undivided.append(" ".join(f"{m}{list(sg.graph.nodes[m].args[-1].shape)}" for m in members))
     # 2. drop groups whose weights are also read outside every group (e.g. an LM head tied
     # to the embedding: one placement cannot serve both), until none is left to drop
     while True:
-        covered = set(grads).union(*(inside_of(k) for k in groups))
+        covered = set().union(*(inside_of(k) for k in groups))
         bad = []
         for key in groups:
-            members = set(members_of(key))
+            members = {sg.nodes[m].rep for m in members_of(key)}
             shared = sorted(
                 sg.graph.nodes[p].fqn or p
                 for p, uses in param_uses.items()
@@ -692,23 +682,33 @@ def _megatron(
             )
             if shared:
                 bad.append(key)
-                r.notes.append(
-                    f"tensor parallel {'/'.join(members_of(key))}: weight {', '.join(shared)} "
-                    "is also read outside the tensor-parallel regions (tied weights?); left "
-                    "replicated on the TP dim"
-                )
+                shared_weights.extend(shared)
         if not bad:
             break
         groups = [k for k in groups if k not in bad]
-    # 3. pin the roles
+    if undivided:
+        r.notes.append(
+            f"{len(undivided)} tensor-parallel matmul groups left to propagation: the shapes "
+            f"do not divide by {mesh.shape[t]} on mesh dim {t} (e.g. "
+            + "; ".join(undivided[:2])
+            + ")"
+        )
+    if shared_weights:
+        r.notes.append(
+            f"{len(shared_weights)} weights also read outside the tensor-parallel regions "
+            f"(tied?) left replicated on mesh dim {t}: "
+            + ", ".join(shared_weights[:3])
+            + (", ..." if len(shared_weights) > 3 else "")
+        )
+    # 3. pin the roles (on the representatives: a repeated layer follows its first)
     roles: dict[str, str] = {}
     region_reps: set[str] = set()
     head_reps: set[str] = set()  # standalone columns and the ops after them
     for key in groups:
         for m in members_of(key):
-            check = _role_ok(tp.roles[m], tp.weight[m], t)
-            ns = sg.nodes[m]
-            r.allow(sg, m, lambda i, ns=ns, c=check: c(ns.strategies[i]), "matmuls")
+            if not r.allow(sg, sg.nodes[m].rep, role_ok(m), "matmuls"):
+                r.notes.append(f"{m}: its role conflicts with a repeated layer's; not pinned")
+                continue
             roles[m] = tp.roles[m]
         region_reps |= inside_of(key)
         if key[1] is None:
@@ -719,7 +719,8 @@ def _megatron(
         _pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dp), "inputs")
 
     # parameters: R on the DP dims; on the TP dim R unless they feed a tensor-parallel matmul
-    feeds_role: set[str] = {e.src for e in sg.edges if e.dst in roles}
+    role_reps = {sg.nodes[m].rep for m in roles}
+    feeds_role: set[str] = {e.src for e in sg.edges if e.dst in role_reps}
     for rep in _placeholders(sg, "param"):
 
         def param_ok(i: int, rep=rep) -> bool:
@@ -739,7 +740,7 @@ def _megatron(
     outside = [
         rep
         for rep in sg.reps
-        if _kind(sg, rep) in ("op", "output") and rep not in region_reps and rep not in grads
+        if _kind(sg, rep) in ("op", "output") and rep not in region_reps and rep not in backward
     ]
     if not pin_outside:
         outside = []
@@ -768,7 +769,7 @@ def _megatron(
     if unpinned:
         r.notes.append(
             f"{unpinned} ops outside the tensor-parallel regions have no strategy "
-            "replicated on the TP dim; left to the ILP"
+            "replicated on the TP dim; left to propagation"
         )
     if not roles:
         r.notes.append(
@@ -834,7 +835,9 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
         reshard = np.zeros_like(compute)
         open_sources = []
         for e in into.get(rep, []):
-            if e.src in choice:
+            if e.src == rep:  # repeated layers tied to one variable: an edge into itself
+                reshard = reshard + e.cost[e.src_groups, e.dst_groups]
+            elif e.src in choice:
                 reshard = reshard + e.cost[e.src_groups[choice[e.src]], e.dst_groups]
             elif e.src in lazy:
                 # cost[i, j] over the source's strategies i and ours j: best i for each j
