@@ -45,7 +45,11 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
     whose output reaches the graph's output through such ops only (an LM head) is a
     standalone column (vocab-parallel), where the shapes divide. Parameters: ``R`` on the
     DP dims; on the TP dim sharded as their matmul role needs, else ``R``; used as stored.
-    Inputs: ``S(0)`` on the DP dims, ``R`` on the TP dim.
+    Inputs: ``S(0)`` on the DP dims, ``R`` on the TP dim. In a training graph only the
+    forward pass is pinned: each backward matmul reads a weight whose placement the
+    forward role fixed (which makes it row- or column-like), and propagation places the
+    activation gradients. Weights read outside every tensor-parallel region (an LM head
+    tied to the embedding) stay replicated on the TP dim.
 ``megatron_sp``
     ``megatron`` plus sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models"): ops outside the tensor-parallel regions
@@ -124,7 +128,7 @@ class BaselineResult:
             d = asdict(self.ilp)
             d.pop("choice")
         else:
-            d = {"status": "propagated", "gap": math.nan, "solve_seconds": self.seconds}
+            d = {"status": "propagated", "gap": None, "solve_seconds": self.seconds}
         d.update(
             algo=self.name,
             method=self.method,

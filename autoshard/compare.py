@@ -301,10 +301,11 @@ def compare_command(
 ) -> None:
     """Compare the ILP's plan with replicate, DDP, FSDP and Megatron(-SP) on MODEL_FILE.
 
-    Traces the model once, generates its strategies once, then solves the ILP and each
-    baseline (the same ILP restricted to that style of parallelism, see
-    docs/cost-model.md) on the same graph and cost model. The fastest plan that fits is
-    marked with *.
+    Traces the model once, generates its strategies once, then solves the ILP and builds
+    each baseline on the same graph and cost model: the placements that style of
+    parallelism fixes (parameters, inputs, Megatron's column/row matmuls found from the
+    graph), then every other op as DTensor's sharding propagation places it. The fastest
+    plan that fits the memory budget is marked with *.
 
     \b
     Examples:
