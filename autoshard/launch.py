@@ -33,9 +33,9 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import click
 import torch
@@ -58,6 +58,7 @@ __all__ = [
     "DEFAULT_GRAD_RTOL",
     "RunOptions",
     "CheckResult",
+    "StepObserver",
     "StepResult",
     "check_plan",
     "check_world_size",
@@ -388,8 +389,14 @@ def sync_gradients(module: nn.Module) -> None:
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-GradHook = Callable[[int, nn.Module], None]
-"""Called as ``hook(step, module)`` after a training step's backward, before AdamW."""
+class StepObserver(Protocol):
+    """Sees each step between its phases; its time and collectives are not the step's."""
+
+    def gradients(self, step: int, module: nn.Module) -> None:
+        """After backward and gradient reduction, before the optimizer (training only)."""
+
+    def finished(self, step: int, module: nn.Module, output: torch.Tensor) -> None:
+        """After the step (after the optimizer when training); ``output`` is its output."""
 
 
 @contextlib.contextmanager
@@ -412,26 +419,36 @@ def _counting(modes: list[CommDebugMode] | None) -> Iterator[None]:
     modes.append(mode)
 
 
+def _timed(device: torch.device, call: Callable[..., None], *args: Any) -> float:
+    """Run ``call(*args)``; return the seconds it took, device work included."""
+    _sync(device)
+    t = time.perf_counter()
+    call(*args)
+    _sync(device)
+    return time.perf_counter() - t
+
+
 def run_steps(
     module: nn.Module,
     inputs: Sequence[torch.Tensor],
     opts: RunOptions,
     device: torch.device,
     count_collectives: bool = False,
-    on_grads: GradHook | None = None,
+    observer: StepObserver | None = None,
 ) -> StepResult:
     """Run ``opts.steps`` steps of ``module`` on ``inputs``; training steps use AdamW.
 
     The module stays in ``eval()`` mode (dropout off, so runs compare exactly). Plain
     tensors that meet DTensors inside the model (masks, position ids) are treated as
     replicated (``implicit_replication``). With ``count_collectives``, step 1 runs under
-    ``CommDebugMode``. ``on_grads`` (training only) sees the gradients of every step;
-    its time and its collectives are left out of the step time and the counts.
+    ``CommDebugMode``. ``observer`` sees every step (see :class:`StepObserver`); its time
+    is left out of the step times.
     """
     optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
     times: list[float] = []
     modes: list[CommDebugMode] = []
     out: torch.Tensor | None = None
+
     for step in range(opts.steps):
         counted = modes if count_collectives and step == 0 else None
         _sync(device)
@@ -447,17 +464,15 @@ def run_steps(
                 sync_gradients(module)
         paused = 0.0
         if optimizer is not None:
-            if on_grads is not None:
-                _sync(device)
-                t1 = time.perf_counter()
-                on_grads(step, module)
-                _sync(device)
-                paused = time.perf_counter() - t1
+            if observer is not None:
+                paused = _timed(device, observer.gradients, step, module)
             with _counting(counted):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - t0 - paused)
+        if observer is not None:
+            _timed(device, observer.finished, step, module, out)
     assert out is not None  # steps >= 1
     counts: dict[str, int] | None = None
     if count_collectives:
@@ -600,14 +615,14 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     per_rank: list[int] = [0] * world
     dist.all_gather_object(per_rank, local)
 
-    grads = _GradRecorder(keep=rank == 0)
+    recorder = _Recorder(keep=rank == 0)
     result = run_steps(
         loaded.module,
         d_inputs,
         opts,
         device,
         count_collectives=True,
-        on_grads=grads if opts.check and opts.train else None,
+        observer=recorder if opts.check else None,
     )
     times: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(times, result.step_times_s)
@@ -620,27 +635,37 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
 
     if not opts.check:
         return 0
-    return _check(mf, opts, device, loaded.module, result.output, grads)
+    return _check(mf, opts, device, loaded.module, result.output, recorder)
 
 
-class _GradRecorder:
-    """Keeps the full gradient of every parameter at every step (on rank 0, on the CPU).
+class _Recorder:
+    """A :class:`StepObserver` that keeps step 1's output, gradients and parameters after
+    the step as full tensors on the CPU of rank 0 (``keep``).
 
-    For a DTensor gradient ``full_tensor()`` is a collective: every rank calls the hook.
+    For DTensors ``full_tensor()`` is a collective: every rank records, only rank 0 keeps.
     """
 
     def __init__(self, keep: bool) -> None:
         self.keep = keep
-        self.grads: list[dict[str, torch.Tensor]] = []
+        self.output: torch.Tensor | None = None
+        self.grads: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = {}
 
-    def __call__(self, step: int, module: nn.Module) -> None:
-        got: dict[str, torch.Tensor] = {}
-        for name, p in module.named_parameters():
-            if p.grad is not None:
-                full = _full(p.grad)
-                if self.keep:
-                    got[name] = full.detach().to("cpu", copy=True)
-        self.grads.append(got)
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        full = _full(t.detach())
+        return full.to("cpu", copy=True) if self.keep else full
+
+    def gradients(self, step: int, module: nn.Module) -> None:
+        if step == 0:
+            for name, p in module.named_parameters():
+                if p.grad is not None:
+                    self.grads[name] = self._gather(p.grad)
+
+    def finished(self, step: int, module: nn.Module, output: torch.Tensor) -> None:
+        if step == 0:
+            self.output = self._gather(output)
+            if self.grads:  # a training step
+                self.params = {n: self._gather(p) for n, p in module.named_parameters()}
 
 
 _ADAM_EPS = 1e-8  # torch.optim.AdamW's default eps, which run_steps uses
@@ -650,23 +675,30 @@ _ADAM_EPS = 1e-8  # torch.optim.AdamW's default eps, which run_steps uses
 class CheckResult:
     """The comparison of a sharded run with the single-device run (rank 0).
 
+    The verdict rests on step 1, where both runs start from identical weights; later
+    steps are reported as drift (see :func:`compare_runs`).
+
     Attributes:
-        output_diff: max |output - reference output| of the last step.
-        grad_diff: per parameter, max |grad - reference grad| at step 1 divided by
+        output_diff: max |output - reference output| of step 1.
+        grad_diff: per parameter, max |grad - reference grad| of step 1 divided by
             max(1, max |reference grad|) (training only).
-        param_diff: per parameter, max |param - reference param| after the steps, over
-            the elements that are not noise-dominated (training only).
+        param_diff: per parameter, max |param - reference param| after step 1, over the
+            elements that are not noise-dominated (training only).
         noisy: per parameter, the count of noise-dominated elements left out of
-            ``param_diff``: at some step ``lr * |grad - ref grad| > atol * (|ref grad| +
-            eps)``, so AdamW's normalisation ``g / (|g| + eps)`` can move them apart by
-            more than ``atol`` from rounding alone (e.g. attention key biases, whose
-            exact gradient is 0 because softmax ignores a shift of all keys).
+            ``param_diff``: ``lr * |grad - ref grad| > atol * (|ref grad| + eps)``, so
+            AdamW's normalisation ``g / (sqrt(g^2) + eps)`` can move them apart by more
+            than ``atol`` from rounding alone (e.g. attention key biases, whose exact
+            gradient is 0 because softmax ignores a shift of all keys).
+        drift: after the last step when there were 2 or more, max |difference| of the
+            ``"output"`` and of the ``"parameters"`` (all elements); not part of the
+            verdict.
     """
 
     output_diff: float
-    grad_diff: dict[str, float]
-    param_diff: dict[str, float]
-    noisy: dict[str, int]
+    grad_diff: dict[str, float] = field(default_factory=dict)
+    param_diff: dict[str, float] = field(default_factory=dict)
+    noisy: dict[str, int] = field(default_factory=dict)
+    drift: dict[str, float] = field(default_factory=dict)
 
     def failures(self, opts: RunOptions) -> list[str]:
         """What is beyond tolerance, e.g. ``["output", "grad fc1.weight"]``."""
@@ -679,81 +711,85 @@ class CheckResult:
 def compare_runs(
     out: torch.Tensor,
     ref_out: torch.Tensor,
+    grads: Mapping[str, torch.Tensor],
+    ref_grads: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     ref_params: Mapping[str, torch.Tensor],
-    grads: Sequence[Mapping[str, torch.Tensor]],
-    ref_grads: Sequence[Mapping[str, torch.Tensor]],
     opts: RunOptions,
 ) -> CheckResult:
-    """Compare a sharded run (full tensors) with the reference run; see :class:`CheckResult`.
+    """Compare step 1 of a sharded run (full tensors) with step 1 of the reference run.
 
-    A parameter whose gradient exists in one run only gets ``inf``.
+    Outputs by max absolute difference; with ``opts.train`` the gradients (relative to
+    the largest reference gradient of the tensor, at least 1) and the parameters after
+    the AdamW step, leaving out elements whose gradient is rounding noise for AdamW (see
+    :class:`CheckResult`). A tensor missing on one side, or of another shape, gets
+    ``inf``.
     """
-    result = CheckResult(_max_abs_diff(out, ref_out), {}, {}, {})
+    result = CheckResult(_max_abs_diff(out, ref_out))
     if not opts.train:
         return result
-    for name, ref_p in ref_params.items():
-        mine = params.get(name)
-        if mine is None:
+    for name in sorted(set(ref_grads) | set(grads)):
+        g, r = grads.get(name), ref_grads.get(name)
+        if g is None or r is None or g.shape != r.shape:
+            result.grad_diff[name] = float("inf")
+            continue
+        scale = max(1.0, float(r.double().abs().max())) if r.numel() else 1.0
+        result.grad_diff[name] = _max_abs_diff(g, r) / scale
+    for name in sorted(set(ref_params) | set(params)):
+        a, b = params.get(name), ref_params.get(name)
+        if a is None or b is None or a.shape != b.shape:
             result.param_diff[name] = float("inf")
             continue
-        noisy = torch.zeros(ref_p.shape, dtype=torch.bool)
-        for step, (g_step, r_step) in enumerate(zip(grads, ref_grads, strict=True)):
-            g, r = g_step.get(name), r_step.get(name)
-            if g is None or r is None:
-                if (g is None) != (r is None):
-                    result.grad_diff[name] = float("inf")
-                continue
-            if g.shape != r.shape:
-                result.grad_diff[name] = float("inf")
-                continue
-            delta = (g.double() - r.double()).abs()
-            if step == 0:
-                scale = max(1.0, float(r.double().abs().max())) if r.numel() else 1.0
-                result.grad_diff[name] = float(delta.max()) / scale if r.numel() else 0.0
-            noisy |= opts.lr * delta > opts.atol * (r.double().abs() + _ADAM_EPS)
-        a, b = mine.detach().double().cpu(), ref_p.detach().double().cpu()
-        if a.shape != b.shape:
-            result.param_diff[name] = float("inf")
-            continue
-        diff = (a - b).abs().masked_fill(noisy, 0.0)
+        diff = (a.detach().double().cpu() - b.detach().double().cpu()).abs()
+        g, r = grads.get(name), ref_grads.get(name)
+        if g is not None and r is not None and g.shape == r.shape:
+            r64 = r.double()
+            noisy = opts.lr * (g.double() - r64).abs() > opts.atol * (r64.abs() + _ADAM_EPS)
+            if int(noisy.sum()):
+                result.noisy[name] = int(noisy.sum())
+                diff = diff.masked_fill(noisy, 0.0)
         result.param_diff[name] = float(diff.max()) if diff.numel() else 0.0
-        if int(noisy.sum()):
-            result.noisy[name] = int(noisy.sum())
     return result
 
 
 def _report_check(res: CheckResult, opts: RunOptions) -> None:
     """Rank 0's check lines."""
+    step1 = " of step 1" if opts.steps > 1 else ""
     ok = res.output_diff <= opts.atol
     _say(
-        f"check: output max abs diff {res.output_diff:.3g} vs single device "
+        f"check: output{step1} max abs diff {res.output_diff:.3g} vs single device "
         f"(atol {opts.atol:g}) {'ok' if ok else 'FAILED'}"
     )
-    if not opts.train:
-        return
-    if res.grad_diff:
-        worst = max(res.grad_diff, key=lambda n: res.grad_diff[n])
-        ok = all(d <= opts.grad_rtol for d in res.grad_diff.values())
+    if opts.train:
+        if res.grad_diff:
+            worst = max(res.grad_diff, key=lambda n: res.grad_diff[n])
+            ok = all(d <= opts.grad_rtol for d in res.grad_diff.values())
+            _say(
+                f"check: gradients of step 1: max abs diff / max(1, max |grad|) "
+                f"{res.grad_diff[worst]:.3g} ({worst}; grad-rtol {opts.grad_rtol:g}) "
+                f"{'ok' if ok else 'FAILED'}"
+            )
+        if res.param_diff:
+            worst = max(res.param_diff, key=lambda n: res.param_diff[n])
+            ok = all(d <= opts.atol for d in res.param_diff.values())
+            _say(
+                f"check: parameters after 1 AdamW step: max abs diff "
+                f"{res.param_diff[worst]:.3g} ({worst}) over {len(res.param_diff)} tensors "
+                f"{'ok' if ok else 'FAILED'}"
+            )
+        if res.noisy:
+            n = sum(res.noisy.values())
+            where = _listing([f"{k} ({v})" for k, v in sorted(res.noisy.items())])
+            _say(
+                f"check: {n} element(s) left out of the parameter comparison because their "
+                f"gradient is rounding noise (AdamW turns it into an update of up to lr "
+                f"{opts.lr:g}): {where}"
+            )
+    if res.drift:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in res.drift.items())
         _say(
-            f"check: gradients of step 1: max abs diff / max(1, max |grad|) "
-            f"{res.grad_diff[worst]:.3g} ({worst}; grad-rtol {opts.grad_rtol:g}) "
-            f"{'ok' if ok else 'FAILED'}"
-        )
-    worst = max(res.param_diff, key=lambda n: res.param_diff[n])
-    ok = all(d <= opts.atol for d in res.param_diff.values())
-    _say(
-        f"check: parameters after {opts.steps} AdamW step(s): max abs diff "
-        f"{res.param_diff[worst]:.3g} ({worst}) over {len(res.param_diff)} tensors "
-        f"{'ok' if ok else 'FAILED'}"
-    )
-    if res.noisy:
-        n = sum(res.noisy.values())
-        where = _listing([f"{k} ({v})" for k, v in sorted(res.noisy.items())])
-        _say(
-            f"check: {n} element(s) left out of the parameter comparison because their "
-            f"gradient is rounding noise (AdamW turns it into an update of up to lr "
-            f"{opts.lr:g}): {where}"
+            f"check: drift after {opts.steps} steps (max abs diff, not checked: AdamW "
+            f"amplifies rounding differences step by step): {parts}"
         )
     bad = res.failures(opts)
     if bad:
@@ -766,34 +802,41 @@ def _check(
     device: torch.device,
     module: nn.Module,
     output: torch.Tensor,
-    grads: _GradRecorder,
+    recorded: _Recorder,
 ) -> int:
-    """Gather the sharded output (and parameters) and compare on rank 0; every rank
-    returns the verdict (0 pass, 1 fail)."""
+    """Compare with a single-device run on rank 0; every rank returns the verdict (0 pass,
+    1 fail). Every rank takes part in gathering the last step's output and parameters."""
     rank = dist.get_rank()
-    full_out = _full(output)
-    full_params: dict[str, torch.Tensor] = {}
-    if opts.train:
+    drifts = opts.train and opts.steps > 1
+    last_out = _full(output) if drifts else output
+    last_params: dict[str, torch.Tensor] = {}
+    if drifts:
         for name, p in module.named_parameters():
             full = _full(p.detach())
             if rank == 0:
-                full_params[name] = full.to("cpu", copy=True)
+                last_params[name] = full.to("cpu", copy=True)
     verdict = [0]
     if rank == 0:
         ref = materialize(mf, opts.seed, device).loaded
-        ref_grads = _GradRecorder(keep=True)
-        ref_result = run_steps(
-            ref.module, ref.inputs, opts, device, on_grads=ref_grads if opts.train else None
-        )
+        ref_rec = _Recorder(keep=True)
+        ref_result = run_steps(ref.module, ref.inputs, opts, device, observer=ref_rec)
+        assert recorded.output is not None and ref_rec.output is not None
         res = compare_runs(
-            full_out,
-            ref_result.output,
-            full_params,
-            dict(ref.module.named_parameters()),
-            grads.grads,
-            ref_grads.grads,
+            recorded.output,
+            ref_rec.output,
+            recorded.grads,
+            ref_rec.grads,
+            recorded.params,
+            ref_rec.params,
             opts,
         )
+        if drifts:
+            ref_last = dict(ref.module.named_parameters())
+            res.drift["output"] = _max_abs_diff(last_out, ref_result.output)
+            res.drift["parameters"] = max(
+                (_max_abs_diff(t, ref_last[n]) if n in ref_last else float("inf"))
+                for n, t in last_params.items()
+            )
         _report_check(res, opts)
         verdict = [1 if res.failures(opts) else 0]
     dist.broadcast_object_list(verdict, src=0)
