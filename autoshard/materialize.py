@@ -254,7 +254,8 @@ def make_inputs(
 
     - floating point: standard normal;
     - bool: fair coin;
-    - integers named like a mask (``*mask*``): all ones;
+    - integers named like a mask (``*mask*``): all ones; ``*token_type*``: zeros;
+      ``position_ids``: ``0, 1, ...`` along the last dim;
     - other integers (token ids): uniform in ``[0, config.vocab_size)`` when the model
       has a config with a vocabulary size, else ``[0, DEFAULT_TOKEN_RANGE)``.
     """
@@ -269,6 +270,10 @@ def make_inputs(
             x = torch.randint(0, 2, shape, generator=gen).bool()
         elif "mask" in name:
             x = torch.ones(shape, dtype=dtype)
+        elif "token_type" in name:
+            x = torch.zeros(shape, dtype=dtype)
+        elif name == "position_ids" and shape:
+            x = torch.arange(shape[-1], dtype=dtype).expand(shape).contiguous()
         else:
             x = torch.randint(0, high, shape, generator=gen, dtype=dtype)
         out.append(x.to(device))

@@ -30,7 +30,7 @@ from autoshard.launch import (
     torchrun_argv,
 )
 from autoshard.materialize import build_skeleton, make_inputs, materialize
-from autoshard.model_file import instantiate, load_model_file
+from autoshard.model_file import LoadedModel, instantiate, load_model_file
 from autoshard.placements import placements_from_str
 from autoshard.solution_io import ShardingMap
 
@@ -238,6 +238,24 @@ def test_materialise_plain_module(tmp_path: Path) -> None:
     assert x.dtype == torch.float32 and torch.equal(mask, torch.ones(4, 16, dtype=torch.long))
     again = make_inputs(build_skeleton(mf), seed=0)
     assert torch.equal(again[0], x)
+
+
+def test_make_inputs_by_name_and_dtype() -> None:
+    ids = torch.empty(2, 5, dtype=torch.int64, device="meta")
+    loaded = LoadedModel(
+        module=torch.nn.Linear(1, 1),  # no config: token ids in [0, 100)
+        inputs=(ids, ids, ids, ids, torch.empty(2, 5, device="meta")),
+        input_names=("input_ids", "attention_mask", "token_type_ids", "position_ids", "x"),
+        name="t",
+    )
+    tok, mask, types, pos, x = make_inputs(loaded, seed=1)
+    assert 0 <= int(tok.min()) and int(tok.max()) < 100 and tok.dtype == torch.int64
+    assert torch.equal(mask, torch.ones(2, 5, dtype=torch.int64))
+    assert torch.equal(types, torch.zeros(2, 5, dtype=torch.int64))
+    assert torch.equal(pos, torch.arange(5).expand(2, 5))
+    assert x.dtype == torch.float32 and not x.is_meta
+    assert torch.equal(make_inputs(loaded, seed=1)[4], x)
+    assert not torch.equal(make_inputs(loaded, seed=2)[4], x)
 
 
 # -------------------------------------------------------------------- plan validation
