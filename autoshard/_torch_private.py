@@ -116,8 +116,13 @@ def _reduction_to_avg(outputs, inputs) -> bool:
     if not all(type(p) is Shard or isinstance(p, Replicate) for ps in inputs for p in ps):
         return False
     return all(
-        o is None or all(type(p) is Shard or isinstance(p, Replicate) or
-                         (type(p) is Partial and p.reduce_op in ("sum", "avg")) for p in o)
+        o is None
+        or all(
+            type(p) is Shard
+            or isinstance(p, Replicate)
+            or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+            for p in o
+        )
         for o in outputs
     )
 
@@ -252,7 +257,6 @@ def flatten_tensor_args(args: tuple, kwargs: dict, is_tensor) -> list[Any]:
 def is_single_dim(op: Any) -> bool:
     """Whether ``op``'s rule is given per mesh dim (its strategies ignore input candidates)."""
     return op in _propagator().op_single_dim_strategy_funcs
-
 
 
 def export_joint(stack, module: torch.nn.Module, inputs: tuple) -> Any:

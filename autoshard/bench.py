@@ -68,7 +68,9 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         console.print(f"[dim]running {name} ...[/dim]")
         proc = subprocess.run(
             [sys.executable, "-m", "autoshard.bench", "--case", name],
-            capture_output=True, text=True, cwd=ROOT,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
         )
         if proc.returncode != 0:
             console.print(f"[red]{name} failed[/red]\n{proc.stderr[-2000:]}")
@@ -78,11 +80,21 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(title="autoshard solve (inference, H100 cost model)")
-    cols = [("case", "case"), ("trace s", "trace_s"), ("strategies s", "strategies_s"),
-            ("ILP build s", "ilp_build_s"), ("solve s", "solve_s"), ("total s", "total_s"),
-            ("nodes", "nodes"), ("decision nodes", "decision_nodes"),
-            ("strategies", "strategies"), ("ILP variables", "ilp_variables"),
-            ("status", "status"), ("gap", "gap"), ("peak memory", "peak_rss_bytes")]
+    cols = [
+        ("case", "case"),
+        ("trace s", "trace_s"),
+        ("strategies s", "strategies_s"),
+        ("ILP build s", "ilp_build_s"),
+        ("solve s", "solve_s"),
+        ("total s", "total_s"),
+        ("nodes", "nodes"),
+        ("decision nodes", "decision_nodes"),
+        ("strategies", "strategies"),
+        ("ILP variables", "ilp_variables"),
+        ("status", "status"),
+        ("gap", "gap"),
+        ("peak memory", "peak_rss_bytes"),
+    ]
     for title, _ in cols:
         table.add_column(title, justify="left" if title in ("case", "status") else "right")
     for row in rows:

@@ -240,6 +240,14 @@ class _Progress:
     help="Memory per device the plan must fit, e.g. 40GiB (default: the device's capacity).",
 )
 @click.option(
+    "--algo",
+    type=click.Choice(["ilp", "replicate", "ddp", "fsdp", "megatron", "megatron_sp"]),
+    default="ilp",
+    show_default=True,
+    help="ilp: the optimal plan; the others export a hand-written-style plan (data parallel, "
+    "ZeRO-3, Megatron tensor parallel on the last mesh dim) priced by the same cost model.",
+)
+@click.option(
     "--preload",
     type=click.Path(path_type=Path),
     default=None,
@@ -265,6 +273,7 @@ def solve(
     mode,
     dtype_name,
     memory_budget,
+    algo,
     preload,
     quiet,
 ) -> None:
@@ -315,9 +324,14 @@ def solve(
 
             result, pre = plan_preloaded(config, preload, progress)
             notes = list(pre.notes)
+        elif algo != "ilp":
+            from autoshard.solve import plan_baseline
+
+            result = plan_baseline(config, algo, progress)
+            notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)
-    stem = output_stem(result.graph.model_name, mesh.shape)
+    stem = output_stem(result.graph.model_name, mesh.shape, "" if algo == "ilp" else algo)
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
     print_report(console, result, files)
     for note in notes:
@@ -334,6 +348,7 @@ def _register_optional() -> None:
         ("autoshard.show", "show_command", "show"),
         ("autoshard.launch", "launch_command", "launch"),
         ("autoshard.stages_cli", "stages_command", "stages"),
+        ("autoshard.compare", "compare_command", "compare"),
     ):
         try:
             main.add_command(getattr(importlib.import_module(module), attr), name)

@@ -44,7 +44,6 @@ import scipy.sparse as sp
 from autoshard.errors import AutoshardError
 from autoshard.strategies import StrategyGraph
 
-
 SCALE = 1e6  # the ILP's objective is in microseconds
 
 

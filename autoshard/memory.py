@@ -47,16 +47,16 @@ class MemoryModel:
 
 
 def _canonical_params(sg: StrategyGraph):
-    """Parameter placeholder nodes, one per distinct tensor (tied names share a rep)."""
-    seen = set()
+    """Parameter placeholder nodes, one per distinct tensor.
+
+    A tied parameter may appear under several names in the graph; only the name
+    ``graph.param_names`` keys it by counts. (Tied *layers* share variables but not
+    tensors: each layer's parameters count.)
+    """
+    owners = sg.graph.param_names
     for name, info in sg.graph.nodes.items():
-        if info.kind != "param" or name not in sg.nodes:
-            continue
-        key = (sg.nodes[name].rep, info.results[0].shape)
-        if sg.nodes[name].rep != name and key in seen:
-            continue
-        seen.add(key)
-        yield name, info
+        if info.kind == "param" and name in sg.nodes and info.fqn in owners:
+            yield name, info
 
 
 def saved_for_backward(sg: StrategyGraph) -> list[str]:
@@ -91,8 +91,10 @@ def memory_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
         if t is None:
             return
         vals = np.array(
-            [local_bytes(t, ns.strategies[ns.choice[i]].outputs[index], mesh) for i in
-             range(len(rep.strategies))]
+            [
+                local_bytes(t, ns.strategies[ns.choice[i]].outputs[index], mesh)
+                for i in range(len(rep.strategies))
+            ]
         )
         rows[ns.rep] = rows.get(ns.rep, 0) + scale * vals
 
@@ -126,7 +128,5 @@ def memory_by_kind(sg: StrategyGraph, choice: dict[str, int], model: MemoryModel
 
 def ilp_row(sg: StrategyGraph, rows: dict[str, np.ndarray]) -> np.ndarray:
     """The rows concatenated in the ILP's variable order (``sg.reps``)."""
-    parts = [
-        rows[r] if r in rows else np.zeros(len(sg.nodes[r].strategies)) for r in sg.reps
-    ]
+    parts = [rows[r] if r in rows else np.zeros(len(sg.nodes[r].strategies)) for r in sg.reps]
     return np.concatenate(parts) if parts else np.zeros(0)

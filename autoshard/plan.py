@@ -103,12 +103,12 @@ def build_plan(
     compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()
-    for e in sg.edges:
-        p = e.src_placements[e.src_groups[choice[e.src]]]
-        q = e.dst_placements[e.dst_groups[choice[e.dst]]]
+    for producer, consumer, k, t in tensor_uses(sg):
+        p = node_strategy[producer].outputs[0]
+        q = node_strategy[consumer].inputs[k]
         if p == q:
             continue
-        for step in mesh.redistribute_steps(p, q, e.tensor.shape, e.tensor.itemsize):
+        for step in mesh.redistribute_steps(p, q, t.shape, t.itemsize):
             comm[step.kind] += step.seconds
             collectives[step.kind] += 1
 
@@ -141,6 +141,24 @@ def build_plan(
         param_bytes=param_bytes,
         activation_bytes=peak_activation_bytes(sg, node_strategy, mesh.shape),
     )
+
+
+def tensor_uses(sg: StrategyGraph):
+    """Every (producer, consumer, input index, tensor) whose placement the plan decides.
+
+    Producers that are free (computed locally in any placement) are skipped; model
+    outputs appear under their sink names (``output.<k>``).
+    """
+    for name, info in sg.graph.nodes.items():
+        if info.kind == "op" and name in sg.nodes:
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                if a not in sg.free and a in sg.nodes:
+                    yield a, name, k, t
+        elif info.kind == "output":
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                sink = f"{name}.{k}"
+                if sink in sg.nodes and a not in sg.free:
+                    yield a, sink, 0, t
 
 
 def local_bytes(t: TensorInfo, ps: Placements | None, mesh_shape: tuple[int, ...]) -> float:

@@ -36,6 +36,7 @@ listing what does not match (at most :data:`MAX_LISTED` entries, then how many m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -625,7 +626,8 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     graph = trace(config, progress)
     seconds["trace"] = time.perf_counter() - t
     t = time.perf_counter()
-    sg = strategies(config, graph, progress)
+    # untied: a stored plan may place each layer differently
+    sg = strategies(dataclasses.replace(config, tie=False), graph, progress)
     seconds["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
     pre = choice_from_solution(sg, solution, config.mesh, source=str(solution_path))

@@ -130,7 +130,12 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     console.print(memory_table(plan))
     gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
     status = ilp.status
-    if status == "preloaded":
+    if status.startswith("baseline"):
+        console.print(
+            f"solver: none, {status} plan; predicted {format_seconds(ilp.objective_s)} "
+            "(compare with the ILP: autoshard compare)"
+        )
+    elif status == "preloaded":
         console.print(f"solver: none, plan preloaded; objective {format_seconds(ilp.objective_s)}")
     else:
         if status != "optimal":

@@ -49,6 +49,7 @@ class SolveConfig:
     mode: str = "train"
     dtype: torch.dtype | None = None
     memory_budget: float | None = None
+    tie: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "infer"):
@@ -133,6 +134,7 @@ def strategies(
         redistribute_cost=config.mesh.redistribute_cost,
         fixed_inputs=rep if config.input_placement == "replicate" else None,
         fixed_outputs=rep if config.output_placement == "replicate" else None,
+        tie=config.tie,
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
     )
 
@@ -171,3 +173,42 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
     plan = finish_plan(config, sg, result.choice, "ilp")
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes())
+
+
+def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = None) -> SolveResult:
+    """A hand-written-style plan (``replicate``, ``ddp``, ``fsdp``, ``megatron``,
+    ``megatron_sp``) on the same graph and cost model, for ``solve --algo``.
+
+    Raises:
+        AutoshardError: an unknown ``algo`` (the message lists them).
+    """
+    from autoshard.baselines import plan_for_algo
+
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    graph = trace(config, progress)
+    seconds["trace"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sg = strategies(config, graph, progress)
+    seconds["strategies"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan, stats = plan_for_algo(
+        sg,
+        algo,
+        config.mesh,
+        config.solver,
+        finish=lambda g, c, n: finish_plan(config, g, c, n),
+    )
+    seconds["baseline"] = time.perf_counter() - t
+    seconds["total"] = sum(seconds.values())
+    ilp = ILPResult(
+        choice=plan.choice,
+        objective_s=plan.step_time_s,
+        status=f"baseline {algo}",
+        gap=0.0,
+        num_variables=0,
+        num_constraints=0,
+        build_seconds=0.0,
+        solve_seconds=0.0,
+    )
+    return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes())

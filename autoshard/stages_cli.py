@@ -201,7 +201,8 @@ def price_pipeline(config, graph, layers: LayerMap, pp: int) -> PipelineCosts:
     mesh = config.mesh
     sub = submesh_shape(mesh.shape, pp)
     sub_mesh = MeshSpec(sub, mesh.dim_names, mesh.bandwidth, mesh.latency)
-    sub_config = replace(config, mesh=sub_mesh)
+    # untied: the per-layer split below attributes every edge to its own layer
+    sub_config = replace(config, mesh=sub_mesh, tie=False)
     sg = strategies(sub_config, graph)
     result = solve(sg, sub_config.solver)
     choice = result.choice
@@ -620,6 +621,9 @@ def stages_command(
             mesh=mesh,
             device=device,
             solver=SolverOptions(time_limit_s=time_limit),
+            # stage times from the forward graph: the joint graph's backward nodes
+            # interleave layers in reverse, which the layer split does not model yet
+            mode="infer",
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes
         path, _ = run_stages(

@@ -93,6 +93,7 @@ class Edge:
     cost: np.ndarray
     producer: str = ""  # the node (maybe merged) that produces the tensor
     consumer: str = ""  # the node (maybe merged) that reads it
+    members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
 
 
 @dataclass
@@ -109,6 +110,8 @@ class StrategyGraph:
     rule_calls: int = 0
     cache_hits: int = 0
     stats: dict[str, int] = field(default_factory=dict)
+    extra_cost: dict[str, np.ndarray] = field(default_factory=dict)
+    tied_layers: int = 0
 
     @property
     def reps(self) -> list[str]:
@@ -124,6 +127,8 @@ class StrategyGraph:
             costs = {r: np.zeros(len(self.nodes[r].strategies)) for r in self.reps}
             for ns in self.nodes.values():
                 costs[ns.rep] += ns.compute_s[ns.choice]
+            for rep, extra in self.extra_cost.items():
+                costs[rep] += extra
             self.__dict__["_rep_cost_cache"] = costs
         return self.__dict__["_rep_cost_cache"]
 
@@ -244,6 +249,7 @@ def build_strategy_graph(
     redistribute_cost: Callable[[Placements, Placements, tuple[int, ...], int], float],
     fixed_inputs: Placements | None = None,
     fixed_outputs: Placements | None = None,
+    tie: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
@@ -257,6 +263,8 @@ def build_strategy_graph(
             (e.g. all ``Replicate``); ``None`` lets the ILP choose.
         fixed_outputs: likewise for the model's outputs; ``None`` allows any
             placement but ``Partial`` (outputs are always reduced).
+        tie: share one variable per node among identical repeated layers
+            (:func:`tie_layers`).
         progress: called with (nodes done, nodes total).
 
     Returns:
@@ -430,7 +438,8 @@ def build_strategy_graph(
         if progress:
             progress(total, total)
 
-    edges = _build_edges(graph, nodes, free, redistribute_cost)
+    tied = tie_layers(graph, nodes) if tie else 0
+    edges, extra = _build_edges(graph, nodes, free, redistribute_cost)
     sg = StrategyGraph(
         graph=graph,
         mesh_shape=mesh_shape,
@@ -441,6 +450,8 @@ def build_strategy_graph(
         seconds=time.perf_counter() - t0,
         rule_calls=calls,
         cache_hits=hits,
+        extra_cost=extra,
+        tied_layers=tied,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
@@ -450,6 +461,7 @@ def build_strategy_graph(
         "strategies": sum(len(nodes[r].strategies) for r in sg.reps),
         "edges": len(edges),
         "edge_pairs": int(sum(np.isfinite(e.cost).sum() for e in edges)),
+        "tied_layers": tied,
     }
     return sg
 
@@ -532,8 +544,71 @@ def _compute_cost(target, info, s: Strategy, mesh_shape, compute_time) -> float:
     return compute_time(flops, nbytes, dtype)
 
 
-def _build_edges(graph, nodes, free, redistribute_cost) -> list[Edge]:
-    edges = []
+def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
+    """Share variables among identical repeated layers (Alpa-style layer tying).
+
+    The nodes of each repeated block, in graph order, are matched by position with
+    those of the first block. When every representative of block ``L`` has, at the
+    same position, a representative of the first block with the same op, shapes and
+    strategy list, block ``L``'s representatives are replaced by the first block's:
+    its nodes then follow the first block's variables (their ``choice`` arrays stay
+    valid, the strategy lists being equal). Costs still count every layer (they are
+    summed per representative); edges between layers stay edges, now between the
+    first block's variables (see :func:`_build_edges`). Mutates ``nodes``.
+
+    Returns:
+        The number of layers tied to the first one.
+    """
+    by_layer: dict[int, list[str]] = {}
+    for name in nodes:
+        base = name.split(".")[0] if name not in graph.nodes else name
+        info = graph.nodes.get(base)
+        if info is not None and info.layer is not None and base == name:
+            by_layer.setdefault(info.layer, []).append(name)
+    if len(by_layer) < 2:
+        return 0
+    first, *others = sorted(by_layer)
+    ref = by_layer[first]
+
+    def sig(n: str) -> tuple:
+        i = graph.nodes[n]
+        return (i.kind, i.op_name, tuple(i.args), tuple(i.results), i.backward)
+
+    mapping: dict[str, str] = {}
+    tied = 0
+    for layer in others:
+        cur = by_layer[layer]
+        if len(cur) != len(ref):
+            continue
+        local: dict[str, str] = {}
+        ok = True
+        for a, b in zip(ref, cur, strict=True):
+            if sig(a) != sig(b):
+                ok = False
+                break
+            na, nb = nodes[a], nodes[b]
+            if nb.rep == b:
+                if na.rep != a or na.strategies != nb.strategies:
+                    ok = False
+                    break
+                local[b] = a
+        if ok:
+            mapping.update(local)
+            tied += 1
+    for ns in nodes.values():
+        ns.rep = mapping.get(ns.rep, ns.rep)
+    return tied
+
+
+def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dict]:
+    """Edges between representatives, and linear costs of edges inside one.
+
+    Edges with the same endpoints and the same grouping of strategies (e.g. the
+    same edge in every tied layer) are merged by summing their cost matrices: their
+    transportation variables would be equal anyway. An edge whose two ends follow
+    the same variable costs a fixed amount per strategy of it: that goes into the
+    returned ``extra`` linear costs.
+    """
     consumers: list[tuple[str, int, str, TensorInfo]] = []
     for name, info in graph.nodes.items():
         if info.kind == "op" and name in nodes:
@@ -543,34 +618,53 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> list[Edge]:
             for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
                 if f"{name}.{k}" in nodes:
                     consumers.append((f"{name}.{k}", 0, a, t))
+    merged: dict[tuple, Edge] = {}
+    extra: dict[str, np.ndarray] = {}
+    cost_cache: dict[tuple, np.ndarray] = {}
     for dst_name, k, src_name, t in consumers:
         if src_name in free:
             continue
         src, dst = nodes[src_name], nodes[dst_name]
-        if src.rep == dst.rep:
-            continue  # a follow node reads its producer's placement as is
         s_rep, d_rep = nodes[src.rep], nodes[dst.rep]
         produced = [src.strategies[src.choice[i]].outputs[0] for i in range(len(s_rep.strategies))]
         wanted = [dst.strategies[dst.choice[j]].inputs[k] for j in range(len(d_rep.strategies))]
         p_list = list(dict.fromkeys(produced))
         q_list = list(dict.fromkeys(wanted))
+        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize)
+        cost = cost_cache.get(ckey)
+        if cost is None:
+            cost = np.array(
+                [[redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
+            )
+            cost_cache[ckey] = cost
         p_index = {p: i for i, p in enumerate(p_list)}
         q_index = {q: i for i, q in enumerate(q_list)}
-        cost = np.array(
-            [[redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
+        src_groups = np.array([p_index[p] for p in produced], dtype=np.int64)
+        dst_groups = np.array([q_index[q] for q in wanted], dtype=np.int64)
+        if src.rep == dst.rep:
+            # both ends follow one variable (a follow node, or tied layers): a fixed
+            # resharding cost per strategy of it, zero for follow nodes
+            per = cost[src_groups, dst_groups]
+            if np.any(per):
+                extra[src.rep] = extra.get(src.rep, 0) + per
+            continue
+        key = (src.rep, dst.rep, ckey[0], ckey[1], src_groups.tobytes(), dst_groups.tobytes())
+        if key in merged:
+            e = merged[key]
+            e.cost = e.cost + cost
+            e.members.append(t)
+            continue
+        merged[key] = Edge(
+            src=src.rep,
+            dst=dst.rep,
+            tensor=t,
+            src_placements=p_list,
+            dst_placements=q_list,
+            src_groups=src_groups,
+            dst_groups=dst_groups,
+            cost=cost,
+            producer=src_name,
+            consumer=dst_name,
+            members=[t],
         )
-        edges.append(
-            Edge(
-                src=src.rep,
-                dst=dst.rep,
-                tensor=t,
-                src_placements=p_list,
-                dst_placements=q_list,
-                src_groups=np.array([p_index[p] for p in produced], dtype=np.int64),
-                dst_groups=np.array([q_index[q] for q in wanted], dtype=np.int64),
-                cost=cost,
-                producer=src_name,
-                consumer=dst_name,
-            )
-        )
-    return edges
+    return list(merged.values()), extra

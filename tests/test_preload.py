@@ -29,7 +29,7 @@ MESH = MeshSpec.from_options("2x4")
 
 
 def _config() -> SolveConfig:
-    return SolveConfig(model_path=GPT2, mesh=MESH)
+    return SolveConfig(model_path=GPT2, mesh=MESH, mode="infer", tie=False)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,10 @@ def test_plan_preloaded_traces_and_reports_the_stored_plan(solved, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
     res, pre = plan_preloaded(_config(), pkl)
     assert res.ilp.status == "preloaded"
-    assert res.ilp.choice == result.ilp.choice == pre.choice
+    assert res.ilp.choice == pre.choice
+    # the solve tied its layers, the preload does not: compare the plans, not the variables
+    assert res.plan.parameters == result.plan.parameters
+    assert res.plan.inputs == result.plan.inputs
     assert res.plan.step_time_s == pytest.approx(solution["objective_s"], rel=1e-9)
     assert res.ilp.objective_s == pytest.approx(solution["objective_s"], rel=1e-12)
     assert set(res.seconds) >= {"trace", "strategies", "preload", "total"}
@@ -308,7 +311,7 @@ def test_blocks_are_found_without_model_specific_names(tmp_path, monkeypatch):
     path = tmp_path / "stack.py"
     path.write_text(STACK)
     mesh = MeshSpec.from_options("4")
-    config = SolveConfig(model_path=path, mesh=mesh)
+    config = SolveConfig(model_path=path, mesh=mesh, mode="infer", tie=False)
     monkeypatch.setenv("TEST_BLOCKS", "2")
     small = plan_model(config)
     monkeypatch.setenv("TEST_BLOCKS", "3")
