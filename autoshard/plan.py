@@ -18,28 +18,9 @@ from torch.distributed.tensor import Partial, Placement, Shard
 
 from autoshard.mesh import MeshSpec
 from autoshard.strategies import Strategy, StrategyGraph
-from autoshard.trace import TensorInfo
+from autoshard.trace import VIEW_OPS, TensorInfo
 
 Placements = tuple[Placement, ...]
-
-# ops whose output aliases their input (no new memory)
-_VIEW_OPS = {
-    "aten.view.default",
-    "aten._unsafe_view.default",
-    "aten.permute.default",
-    "aten.t.default",
-    "aten.expand.default",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.squeeze.dims",
-    "aten.slice.Tensor",
-    "aten.alias.default",
-    "aten.transpose.int",
-    "aten.select.int",
-    "aten.split_with_sizes.default",
-    "aten.split.Tensor",
-    "<built-in function getitem>",
-}
 
 
 def shard_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
@@ -190,7 +171,7 @@ def peak_activation_bytes(
     frees: dict[int, float] = defaultdict(float)
     for i, n in enumerate(order):
         info = graph.nodes[n]
-        if n in node_strategy and info.kind in ("op", "input") and info.op_name not in _VIEW_OPS:
+        if n in node_strategy and info.kind in ("op", "input") and info.op_name not in VIEW_OPS:
             strat = node_strategy[n]
             size = 0.0
             for r, ps in zip(info.results, strat.outputs, strict=False):

@@ -40,7 +40,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard import _torch_private as tp
-from autoshard.trace import TensorInfo, TracedGraph, op_flops
+from autoshard.trace import VIEW_OPS, TensorInfo, TracedGraph, op_flops
 
 Placements = tuple[Placement, ...]
 
@@ -529,7 +529,12 @@ def _even(s: Strategy, info, mesh_shape) -> bool:
 
 
 def _compute_cost(target, info, s: Strategy, mesh_shape, compute_time) -> float:
-    """Roofline seconds of strategy ``s`` on one device: its local shard of the op."""
+    """Roofline seconds of strategy ``s`` on one device: its local shard of the op.
+
+    Views (``view``, ``t``, ``permute``, ``expand``, ...) alias their input: 0 s.
+    """
+    if str(target) in VIEW_OPS:
+        return 0.0
     args = [
         TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
         for t, p in zip(info.args, s.inputs, strict=True)

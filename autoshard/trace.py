@@ -146,6 +146,25 @@ def op_flops(target: Any, args: list[TensorInfo], results: list[TensorInfo | Non
 
 
 _aten = torch.ops.aten
+
+# ops whose output aliases (a view of) their input: no new memory, no memory traffic
+VIEW_OPS = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.permute.default",
+    "aten.t.default",
+    "aten.expand.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.slice.Tensor",
+    "aten.alias.default",
+    "aten.transpose.int",
+    "aten.select.int",
+    "aten.split_with_sizes.default",
+    "aten.split.Tensor",
+    "<built-in function getitem>",
+}
 _MATMUL_SHAPE_ARGS = {
     _aten.mm.default: lambda s: (s[0], s[1]),
     _aten.bmm.default: lambda s: (s[0], s[1]),

@@ -7,6 +7,7 @@ MLP (Linear(d, h) -> ReLU -> Linear(h, d), loss = mean of the output).
 from __future__ import annotations
 
 import pytest
+from helpers import write_mlp
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.baselines import plan_for_algo
@@ -14,7 +15,6 @@ from autoshard.errors import AutoshardError
 from autoshard.ilp import SolverOptions
 from autoshard.mesh import MeshSpec
 from autoshard.solve import SolveConfig, plan_model, strategies, trace
-from helpers import write_mlp
 
 R = Replicate()
 
