@@ -96,7 +96,7 @@ def memory_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
                 for i in range(len(rep.strategies))
             ]
         )
-        rows[ns.rep] = rows.get(ns.rep, 0) + scale * vals
+        rows[ns.rep] = rows.get(ns.rep, 0) + scale * sg.graph.mult(node) * vals
 
     for name, info in _canonical_params(sg):
         factor = sum(model.per_param_factors(info.results[0].dtype).values())
@@ -113,14 +113,14 @@ def memory_by_kind(sg: StrategyGraph, choice: dict[str, int], model: MemoryModel
     for name, info in _canonical_params(sg):
         ns = sg.nodes[name]
         ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
-        b = local_bytes(info.results[0], ps, mesh)
+        b = sg.graph.mult(name) * local_bytes(info.results[0], ps, mesh)
         for kind, f in model.per_param_factors(info.results[0].dtype).items():
             out[kind] = out.get(kind, 0.0) + f * b
     saved = 0.0
     for name in saved_for_backward(sg):
         ns = sg.nodes[name]
         ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
-        saved += local_bytes(sg.graph.nodes[name].results[0], ps, mesh)
+        saved += sg.graph.mult(name) * local_bytes(sg.graph.nodes[name].results[0], ps, mesh)
     if sg.graph.mode == "train":
         out["saved_activations"] = saved
     return out

@@ -89,9 +89,10 @@ def build_plan(
         q = node_strategy[consumer].inputs[k]
         if p == q:
             continue
+        m = graph.mult(consumer)
         for step in mesh.redistribute_steps(p, q, t.shape, t.itemsize):
-            comm[step.kind] += step.seconds
-            collectives[step.kind] += 1
+            comm[step.kind] += m * step.seconds
+            collectives[step.kind] += m
 
     parameters: dict[str, Placements] = {}
     inputs: dict[str, Placements] = {}
@@ -103,7 +104,7 @@ def build_plan(
             if names is None:  # a tied alias whose owner was indexed under another name
                 names = next((v for v in graph.param_names.values() if info.fqn in v), [info.fqn])
             if not any(a in parameters for a in names):
-                param_bytes += info.results[0].nbytes / shard_factor(ps, mesh.shape)
+                param_bytes += graph.mult(n) * info.results[0].nbytes / shard_factor(ps, mesh.shape)
             for alias in names:
                 parameters[alias] = ps
         elif info.kind == "input":
@@ -160,6 +161,7 @@ def peak_activation_bytes(
     counted here.
     """
     graph = sg.graph
+    saved = _saved_for_backward(graph) if graph.multiplicity else set()
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
     last_use: dict[str, int] = {}
@@ -177,12 +179,27 @@ def peak_activation_bytes(
             for r, ps in zip(info.results, strat.outputs, strict=False):
                 if r is not None:
                     size += local_bytes(r, ps, mesh_shape)
+            if n in saved:  # kept for the backward pass by every block it stands for
+                size *= graph.mult(n)
             live += size
             end = last_use.get(n, i)
             frees[end] += size
         peak = max(peak, live)
         live -= frees.pop(i, 0.0)
     return peak
+
+
+def _saved_for_backward(graph) -> set[str]:
+    """Forward op outputs that a backward op reads (training graphs)."""
+    out = set()
+    for info in graph.nodes.values():
+        if info.kind == "op" and info.backward:
+            out.update(
+                a
+                for a in info.arg_nodes
+                if graph.nodes[a].kind == "op" and not graph.nodes[a].backward
+            )
+    return out
 
 
 def placement_counts(plan: Plan) -> Counter:

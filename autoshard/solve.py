@@ -25,7 +25,7 @@ from autoshard.mesh import MeshSpec
 from autoshard.model_file import instantiate, load_model_file
 from autoshard.plan import Plan, build_plan
 from autoshard.strategies import StrategyGraph, build_strategy_graph
-from autoshard.trace import TracedGraph, trace_model
+from autoshard.trace import TracedGraph, reduce_depth, trace_model
 
 Progress = Callable[[str, int, int], None]
 
@@ -111,12 +111,14 @@ def trace(config: SolveConfig, progress: Progress | None = None) -> TracedGraph:
     if progress:
         progress("trace", 0, 1)
     loaded = instantiate(load_model_file(config.model_path), device="meta")
+    # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
+    depth = reduce_depth(loaded.module) if config.tie else None
     if config.dtype is not None:
         loaded.module.to(config.dtype)
         loaded.inputs = tuple(
             x.to(config.dtype) if x.is_floating_point() else x for x in loaded.inputs
         )
-    graph = trace_model(loaded, config.mode)
+    graph = trace_model(loaded, config.mode, depth)
     if progress:
         progress("trace", 1, 1)
     return graph

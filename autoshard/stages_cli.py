@@ -624,6 +624,7 @@ def stages_command(
             # stage times from the forward graph: the joint graph's backward nodes
             # interleave layers in reverse, which the layer split does not model yet
             mode="infer",
+            tie=False,  # every layer traced: stages are cut between real layers
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes
         path, _ = run_stages(

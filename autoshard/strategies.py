@@ -438,6 +438,9 @@ def build_strategy_graph(
         if progress:
             progress(total, total)
 
+    for name, m in graph.multiplicity.items():
+        if name in nodes and m != 1:  # a traced middle block standing for m real ones
+            nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
     edges, extra = _build_edges(graph, nodes, free, redistribute_cost)
     sg = StrategyGraph(
@@ -642,6 +645,9 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dic
                 [[redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
             )
             cost_cache[ckey] = cost
+        m = graph.mult(dst_name)
+        if m != 1:
+            cost = cost * m
         p_index = {p: i for i, p in enumerate(p_list)}
         q_index = {q: i for i, q in enumerate(q_list)}
         src_groups = np.array([p_index[p] for p in produced], dtype=np.int64)

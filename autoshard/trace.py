@@ -15,6 +15,7 @@ must trace to the same op sequence); no model-specific names are used.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import time
 import warnings
@@ -97,6 +98,18 @@ class TracedGraph:
     num_layers: int
     trace_seconds: float
     mode: str = "infer"
+    multiplicity: dict[str, int] = field(default_factory=dict)
+    depth: DepthReduction | None = None
+
+    def mult(self, node: str) -> int:
+        """How many real nodes ``node`` stands for (1 unless the depth was reduced)."""
+        if node in self.nodes:
+            return self.multiplicity.get(node, 1)
+        base, _, k = node.rpartition(".")  # an output sink "output.<k>": its producer's
+        out = self.nodes.get(base)
+        if out is not None and k.isdigit() and int(k) < len(out.arg_nodes):
+            return self.multiplicity.get(out.arg_nodes[int(k)], 1)
+        return 1
 
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read it."""
@@ -224,6 +237,62 @@ def _layer_of(path: str | None, blocks: dict[str, int], pattern: re.Pattern | No
     return blocks.get(m.group(1)) if m else None
 
 
+@dataclass(frozen=True)
+class DepthReduction:
+    """A model traced with fewer repeated blocks than it has.
+
+    ``stands_for[i]``: the real block indices traced block ``i`` stands for. The
+    traced blocks are the first two, one middle block standing for all the others but
+    the last, and the last: ``[0], [1], [2..L-2], [L-1]``. ``prefix``: the
+    container's FQN (e.g. ``transformer.h``); ``num_blocks``: ``L``.
+    """
+
+    prefix: str
+    num_blocks: int
+    stands_for: tuple[tuple[int, ...], ...]
+
+    def real_names(self, fqn: str) -> list[str]:
+        """Every real FQN a traced FQN stands for (itself outside the blocks)."""
+        head = self.prefix + "." if self.prefix else ""
+        if not fqn.startswith(head):
+            return [fqn]
+        index, _, rest = fqn[len(head) :].partition(".")
+        if not index.isdigit() or int(index) >= len(self.stands_for):
+            return [fqn]
+        tail = "." + rest if rest else ""
+        return [f"{head}{j}{tail}" for j in self.stands_for[int(index)]]
+
+
+def reduce_depth(module: torch.nn.Module, keep: int = 4) -> DepthReduction | None:
+    """Keep blocks 0, 1, 2 and L-1 of the model's repeated blocks (in place).
+
+    Identical middle blocks cost the same and get the same plan, so one traced middle
+    block stands for all of them; its costs are counted ``L - 3`` times (see
+    :attr:`TracedGraph.multiplicity`). Returns ``None`` (and changes nothing) when the
+    model has at most ``keep`` blocks or its blocks are not an ``nn.ModuleList`` /
+    ``nn.Sequential``.
+    """
+    blocks = find_block_prefixes(module)
+    n = len(blocks)
+    if n <= keep:
+        return None
+    prefix = next(iter(blocks)).rpartition(".")[0]
+    container = module.get_submodule(prefix) if prefix else module
+    if type(container) not in (torch.nn.ModuleList, torch.nn.Sequential):
+        return None
+    kept = [0, 1, 2, n - 1]
+    smaller = (
+        type(container)(*[container[i] for i in kept])
+        if isinstance(container, torch.nn.Sequential)
+        else torch.nn.ModuleList([container[i] for i in kept])
+    )
+    parent_path, _, attr = prefix.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    setattr(parent, attr, smaller)
+    stands_for = ((0,), (1,), tuple(range(2, n - 1)), (n - 1,))
+    return DepthReduction(prefix, n, stands_for)
+
+
 class _LossWrapper(torch.nn.Module):
     """The model plus a scalar loss for the joint graph: the mean of its first output.
 
@@ -323,7 +392,9 @@ def _export_joint(loaded: LoadedModel):
     return gm, kinds, tuple(labels), grad_of, stack.close
 
 
-def trace_model(loaded: LoadedModel, mode: str = "infer") -> TracedGraph:
+def trace_model(
+    loaded: LoadedModel, mode: str = "infer", depth: DepthReduction | None = None
+) -> TracedGraph:
     """Trace ``loaded.module`` on its inputs (meta device) and annotate the graph.
 
     ``mode="infer"``: the forward graph in core ATen. ``mode="train"``: the joint
@@ -340,9 +411,51 @@ def trace_model(loaded: LoadedModel, mode: str = "infer") -> TracedGraph:
     export = _export_joint if mode == "train" else _export_inference
     gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
     try:
-        return _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
+        graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
     finally:
         close()
+    if depth is not None:
+        _expand_depth(graph, depth)
+    return graph
+
+
+def _expand_depth(graph: TracedGraph, depth: DepthReduction) -> None:
+    """Multiplicities and real names for a graph traced with :func:`reduce_depth`."""
+    graph.depth = depth
+    real_first = {i: sf[0] for i, sf in enumerate(depth.stands_for)}
+    for name, info in graph.nodes.items():
+        if info.layer is not None:
+            m = len(depth.stands_for[info.layer])
+            if m != 1:
+                graph.multiplicity[name] = m
+            info.layer = real_first[info.layer]
+    graph.param_names = {
+        owner: [real for n in names for real in depth.real_names(n)]
+        for owner, names in graph.param_names.items()
+    }
+    head = depth.prefix + "." if depth.prefix else ""
+    graph.block_prefixes = {f"{head}{j}": j for j in range(depth.num_blocks)}
+    graph.num_layers = depth.num_blocks
+
+
+def _attribute_backward_glue(gm: torch.fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
+    """Give backward ops that autograd adds outside any module (gradient accumulation
+    ``add``s, ``getitem``s of backward ops) the layer of the tensors they combine, so
+    that a layer's cost includes them (which matters when one traced block stands for
+    many, :func:`reduce_depth`). Graph order makes one pass enough."""
+    for node in gm.graph.nodes:
+        info = nodes.get(node.name)
+        if info is None or info.kind != "op" or info.layer is not None or not info.backward:
+            continue
+        if node.target is operator.getitem:
+            src = nodes.get(node.args[0].name)
+            layers = {src.layer} if src is not None and src.layer is not None else set()
+        else:
+            layers = {nodes[a].layer for a in info.arg_nodes if nodes[a].layer is not None}
+        if layers:
+            # between two blocks (a residual gradient summed across a block boundary):
+            # the later block, so that each of the L - 1 boundaries counts once
+            info.layer = max(layers)
 
 
 def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> TracedGraph:
@@ -406,6 +519,8 @@ def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> 
                 arg_nodes=[x.name for x in outs],
                 grad_of=_grad_of_outputs(node, grad_of),
             )
+
+    _attribute_backward_glue(gm, nodes)
 
     param_names: dict[str, list[str]] = {}
     by_id: dict[int, list[str]] = defaultdict(list)

@@ -146,7 +146,7 @@ def test_auto_picks_the_fastest_degree(blocks_file, tmp_path):
 
 @pytest.fixture(scope="module")
 def blocks_graph(blocks_file):
-    config = SolveConfig(blocks_file, MeshSpec.from_options("2x2"), mode="infer")
+    config = SolveConfig(blocks_file, MeshSpec.from_options("2x2"), mode="infer", tie=False)
     return config, trace(config)
 
 
