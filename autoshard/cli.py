@@ -205,9 +205,10 @@ class _Progress:
 @click.option(
     "--mip-gap",
     type=float,
-    default=0.0,
+    default=1e-3,
     show_default=True,
-    help="Relative optimality gap at which the solver may stop (0 = prove optimal).",
+    help="Relative optimality gap accepted (the report shows the plan's gap to the LP "
+    "bound); 0 proves optimality, which can take minutes on large models.",
 )
 @click.option(
     "--out",
@@ -238,6 +239,12 @@ class _Progress:
     default=None,
     metavar="BYTES",
     help="Memory per device the plan must fit, e.g. 40GiB (default: the device's capacity).",
+)
+@click.option(
+    "--no-tie",
+    is_flag=True,
+    help="Trace every repeated layer and give each its own variables (slower); by default "
+    "identical layers share one plan and one traced middle block stands for all of them.",
 )
 @click.option(
     "--algo",
@@ -273,6 +280,7 @@ def solve(
     mode,
     dtype_name,
     memory_budget,
+    no_tie,
     algo,
     preload,
     quiet,
@@ -316,6 +324,7 @@ def solve(
         mode=mode,
         dtype=getattr(torch, dtype_name) if dtype_name else None,
         memory_budget=memory_budget,
+        tie=not no_tie,
     )
     notes: list[str] = []
     with _Progress(Console(stderr=True, quiet=quiet)) as progress:

@@ -52,11 +52,15 @@ class SolverOptions:
     """Options of the ILP solve, validated once.
 
     ``time_limit_s``: wall-clock limit for HiGHS (s). ``mip_gap``: relative
-    optimality gap at which HiGHS stops (0 = prove optimality).
+    optimality gap accepted (0 = prove optimality; default 0.1%). ``lp_first``: solve
+    the LP relaxation first; when it is integral it is the optimum, and when rounding
+    it (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan
+    is returned with its gap; otherwise the MIP is solved.
     """
 
     time_limit_s: float = 600.0
-    mip_gap: float = 0.0
+    mip_gap: float = 1e-3
+    lp_first: bool = True
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
@@ -197,6 +201,10 @@ def solve(
     options = options or SolverOptions()
     t0 = time.perf_counter()
     prob = build_problem(sg)
+    if options.lp_first:
+        found = _lp_first(sg, prob, options, memory, t0)
+        if found is not None:
+            return found
     x = cp.Variable(prob.n_x, boolean=True)
     y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
     z = cp.hstack([x, y]) if y is not None else x
@@ -243,10 +251,13 @@ def solve(
         k = len(sg.nodes[rname].strategies)
         block = xv[prob.offsets[rname] : prob.offsets[rname] + k]
         choice[rname] = int(np.argmax(block))
+    choice = prefer_smaller_shards(sg, choice)  # fewer bytes: never breaks the budget
     bound, gap = _bound_and_gap(problem)
     bound = bound / SCALE if bound is not None else None
     objective = float(problem.value) / SCALE
     status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
+    if status_text == "optimal" and gap is not None and gap > 1e-9:
+        status_text = "within_gap"
     if status_text == "optimal" and gap is None:
         gap = 0.0
     return ILPResult(
@@ -260,6 +271,92 @@ def solve(
         solve_seconds=solve_s,
         bound_s=bound,
     )
+
+
+def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> ILPResult | None:
+    """The LP relaxation; its plan when integral, or rounded within ``mip_gap``."""
+    x = cp.Variable(prob.n_x, nonneg=True)
+    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
+    z = cp.hstack([x, y]) if y is not None else x
+    constraints = [prob.A @ z == prob.b, x <= 1]
+    if memory is not None:
+        constraints.append(memory[0] @ x <= memory[1])
+    objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
+    problem = cp.Problem(cp.Minimize(objective), constraints)
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    try:
+        problem.solve(solver=cp.HIGHS, time_limit=float(options.time_limit_s))
+    except cp.error.SolverError:
+        return None
+    if problem.status != cp.OPTIMAL or x.value is None:
+        return None  # infeasible or odd: the MIP path reports it properly
+    xv = x.value
+    choice = {}
+    for rname in prob.reps:
+        k = len(sg.nodes[rname].strategies)
+        choice[rname] = int(np.argmax(xv[prob.offsets[rname] : prob.offsets[rname] + k]))
+    bound = float(problem.value) / SCALE
+    integral = bool(np.all((xv < 1e-6) | (xv > 1 - 1e-6)))
+    if not integral:
+        # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
+        decided = np.flatnonzero(xv > 1 - 1e-6)
+        fixed = _fixed_mip(prob, memory, decided, options)
+        if fixed is None:
+            return None
+        choice = {}
+        for rname in prob.reps:
+            k = len(sg.nodes[rname].strategies)
+            choice[rname] = int(np.argmax(fixed[prob.offsets[rname] : prob.offsets[rname] + k]))
+    choice = prefer_smaller_shards(sg, choice)  # fewer bytes: never breaks the budget
+    cost = evaluate(sg, choice)
+    if memory is not None:
+        m, budget = memory
+        picked = np.zeros(prob.n_x)
+        for rname, c in choice.items():
+            picked[prob.offsets[rname] + c] = 1
+        if m @ picked > budget * (1 + 1e-9):
+            return None
+    if not math.isfinite(cost):
+        return None
+    gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
+    if not integral and gap > options.mip_gap:
+        return None
+    return ILPResult(
+        choice=choice,
+        objective_s=cost,
+        status="optimal" if integral or gap <= 1e-12 else "within_gap",
+        gap=0.0 if integral else gap,
+        num_variables=prob.n_x + prob.n_y,
+        num_constraints=prob.A.shape[0] + (1 if memory is not None else 0),
+        build_seconds=build_s,
+        solve_seconds=time.perf_counter() - t1,
+        bound_s=bound,
+    )
+
+
+def _fixed_mip(prob: _Problem, memory, decided: np.ndarray, options: SolverOptions):
+    """The MIP with the variables in ``decided`` fixed to 1; x's values, or None."""
+    x = cp.Variable(prob.n_x, boolean=True)
+    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
+    z = cp.hstack([x, y]) if y is not None else x
+    constraints = [prob.A @ z == prob.b]
+    if len(decided):
+        constraints.append(x[decided] == 1)
+    if memory is not None:
+        constraints.append(memory[0] @ x <= memory[1])
+    objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
+    problem = cp.Problem(cp.Minimize(objective), constraints)
+    try:
+        problem.solve(
+            solver=cp.HIGHS,
+            time_limit=float(options.time_limit_s),
+            mip_rel_gap=0.0,
+            mip_abs_gap=0.0,
+        )
+    except cp.error.SolverError:
+        return None
+    return x.value if problem.status == cp.OPTIMAL else None
 
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
@@ -277,13 +374,10 @@ def _bound_and_gap(problem: cp.Problem) -> tuple[float | None, float | None]:
     stats = problem.solver_stats
     extra = getattr(stats, "extra_stats", None)
     info = None
-    if extra is not None:
-        for attr in ("getInfo",):
-            if hasattr(extra, attr):
-                try:
-                    info = extra.getInfo()
-                except Exception:
-                    info = None
+    if extra is not None and hasattr(extra, "mip_gap"):
+        info = extra  # cvxpy hands back HiGHS's HighsInfo
+    elif extra is not None and hasattr(extra, "getInfo"):
+        info = extra.getInfo()
     if info is None:
         return None, None
     bound = getattr(info, "mip_dual_bound", None)
@@ -291,6 +385,53 @@ def _bound_and_gap(problem: cp.Problem) -> tuple[float | None, float | None]:
     if gap is not None and (gap < 0 or gap > 1e20):
         gap = None
     return bound, gap
+
+
+def prefer_smaller_shards(sg: StrategyGraph, choice: dict[str, int], tol: float = 1e-12) -> dict:
+    """Among plans of equal time, prefer parameters and inputs held in smaller pieces.
+
+    Slicing a replicated tensor is free, so storing a weight whole or sharded often
+    costs the same time; the solver then picks either. One greedy pass moves each
+    parameter and input to the placement with the fewest bytes per device whose
+    change does not raise the objective by more than ``tol`` seconds. Returns a new
+    choice.
+    """
+    from autoshard.plan import local_bytes
+
+    choice = dict(choice)
+    if sg.graph is None:  # a bare strategy graph (tests): nothing to compare
+        return choice
+    incident: dict[str, list] = {}
+    for e in sg.edges:
+        incident.setdefault(e.src, []).append(e)
+        incident.setdefault(e.dst, []).append(e)
+
+    def local_cost(rep: str, i: int) -> float:
+        c = float(sg.rep_cost(rep)[i])
+        for e in incident.get(rep, ()):
+            a = e.src_groups[i if e.src == rep else choice[e.src]]
+            b = e.dst_groups[i if e.dst == rep else choice[e.dst]]
+            c += float(e.cost[a, b])
+        return c
+
+    for name, info in sg.graph.nodes.items():
+        if info.kind not in ("param", "input") or name not in sg.nodes:
+            continue
+        ns = sg.nodes[name]
+        if ns.rep != name:
+            continue
+        t = info.results[0]
+        size = [local_bytes(t, s.outputs[0], sg.mesh_shape) for s in ns.strategies]
+        now = local_cost(name, choice[name])
+        best = choice[name]
+        for i in sorted(range(len(ns.strategies)), key=lambda j: size[j]):
+            if size[i] >= size[best]:
+                break
+            if local_cost(name, i) <= now + tol:
+                best = i
+                break
+        choice[name] = best
+    return choice
 
 
 def evaluate(sg: StrategyGraph, choice: dict[str, int]) -> float:

@@ -138,7 +138,9 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     elif status == "preloaded":
         console.print(f"solver: none, plan preloaded; objective {format_seconds(ilp.objective_s)}")
     else:
-        if status != "optimal":
+        if status == "within_gap":
+            status = "within the --mip-gap of the LP bound"
+        elif status != "optimal":
             status = f"[yellow]{status}: best plan found, not proven optimal[/yellow]"
         _solver_line(console, ilp, status, gap)
     secs = result.seconds

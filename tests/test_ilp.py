@@ -55,7 +55,7 @@ def _random_graph(seed: int) -> StrategyGraph:
 def test_ilp_optimum_equals_brute_force(seed):
     sg = _random_graph(seed)
     best_choice, best = brute_force(sg)
-    result = solve(sg, SolverOptions(time_limit_s=60))
+    result = solve(sg, SolverOptions(time_limit_s=60, mip_gap=0.0))
     assert result.status == "optimal"
     assert result.objective_s == pytest.approx(best, rel=1e-9, abs=1e-9)
     assert evaluate(sg, result.choice) == pytest.approx(best, rel=1e-9, abs=1e-9)
