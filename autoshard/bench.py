@@ -3,8 +3,10 @@
 Each case runs in its own process (``python -m autoshard.bench --case NAME``) so that
 its peak resident memory is its own. Prints one rich table; ``--json`` prints the rows.
 
-Cases: the MLP, GPT-2 small (12 layers) and the Llama-2-7B shape (32 layers), each on
-a 2x4 mesh with the default H100 cost model, in inference mode.
+Cases (default H100 cost model, default links, --mip-gap 0.1%): the forward graph of the
+MLP, GPT-2 small (12 layers) and the Llama-2-7B shape (32 layers) on 2x4; training steps
+of GPT-2 small with and without layer tying; and the scaling table: the Llama-7B shape
+with 2, 8 and 32 layers and the Llama-3-70B shape with 80 layers, on 2x4, 4x8 and 8x8.
 """
 
 from __future__ import annotations
@@ -21,11 +23,28 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _case(file: str, mesh: str, mode: str, layers: int | None = None, tie: bool = True) -> dict:
+    env = {"AUTOSHARD_LAYERS": str(layers)} if layers else {}
+    return {"file": file, "mesh": mesh, "mode": mode, "env": env, "tie": tie}
+
+
+# issue 2's table: the forward (inference) graph on 2x4
 CASES: dict[str, dict] = {
-    "mlp 2x4": {"file": "examples/mlp.py", "mesh": "2x4", "env": {}},
-    "gpt2-small 2x4": {"file": "examples/gpt2.py", "mesh": "2x4", "env": {}},
-    "llama-7b-shape 2x4": {"file": "examples/llama.py", "mesh": "2x4", "env": {}},
+    "infer mlp 2x4": _case("examples/mlp.py", "2x4", "infer"),
+    "infer gpt2-small 2x4": _case("examples/gpt2.py", "2x4", "infer"),
+    "infer llama-7b 2x4": _case("examples/llama.py", "2x4", "infer"),
+    # training steps (the default mode)
+    "train gpt2-small 2x4": _case("examples/gpt2.py", "2x4", "train"),
+    "train gpt2-small 2x4 no-tie": _case("examples/gpt2.py", "2x4", "train", tie=False),
 }
+# issue 5's scaling table: Llama shapes x meshes, training
+for _mesh in ("2x4", "4x8", "8x8"):
+    for _layers in (2, 8, 32):
+        CASES[f"train llama-7b-shape L{_layers} {_mesh}"] = _case(
+            "examples/llama.py", _mesh, "train", _layers
+        )
+    CASES[f"train llama-70b-shape L80 {_mesh}"] = _case("examples/llama70b.py", _mesh, "train")
 
 
 def run_case(name: str) -> dict:
@@ -35,7 +54,12 @@ def run_case(name: str) -> dict:
 
     case = CASES[name]
     os.environ.update(case["env"])
-    config = SolveConfig(model_path=ROOT / case["file"], mesh=MeshSpec.from_options(case["mesh"]))
+    config = SolveConfig(
+        model_path=ROOT / case["file"],
+        mesh=MeshSpec.from_options(case["mesh"]),
+        mode=case["mode"],
+        tie=case["tie"],
+    )
     result = plan_model(config)
     st = result.sg.stats
     return {
@@ -48,6 +72,7 @@ def run_case(name: str) -> dict:
         "status": result.ilp.status,
         "gap": result.ilp.gap,
         "objective_s": result.ilp.objective_s,
+        "objective_ms": round(result.ilp.objective_s * 1e3, 4),
         "peak_rss_bytes": result.peak_rss_bytes,
     }
 
@@ -79,7 +104,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title="autoshard solve (inference, H100 cost model)")
+    table = Table(title="autoshard solve (H100 cost model, 2 CPU cores)")
     cols = [
         ("case", "case"),
         ("trace s", "trace_s"),
@@ -103,8 +128,10 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
             v = row.get(key)
             if key == "peak_rss_bytes":
                 cells.append(f"{v / 2**30:.2f} GiB")
+            elif key == "gap" and isinstance(v, float):
+                cells.append(f"{v:.3%}")
             elif isinstance(v, float):
-                cells.append(f"{v:.2f}" if key.endswith("_s") else f"{v:.3g}")
+                cells.append(f"{v:.2f}" if key.endswith("_s") else f"{v:.6g}")
             else:
                 cells.append(str(v))
         table.add_row(*cells)
