@@ -98,9 +98,16 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
             cwd=ROOT,
         )
         if proc.returncode != 0:
-            console.print(f"[red]{name} failed[/red]\n{proc.stderr[-2000:]}")
+            last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"
+            console.print(f"[red]{name} failed:[/red] {last}")
             continue
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        console.print(
+            f"[dim]{name}: total {row['total_s']:.1f} s, {row['status']}, "
+            f"objective {row['objective_ms']} ms, "
+            f"peak {row['peak_rss_bytes'] / 2**30:.2f} GiB[/dim]"
+        )
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
