@@ -26,6 +26,7 @@ from autoshard.mesh import (
     DEFAULT_INTRA_NODE_LATENCY,
     MeshSpec,
 )
+from autoshard.solve import SolveConfig
 from autoshard.units import (
     BandwidthType,
     BytesType,
@@ -140,6 +141,108 @@ def mesh_from_options(
     )
 
 
+def _plan_options(f):
+    """The options that say what plan to find (shared by ``solve`` and ``compare``)."""
+    options = [
+        click.option(
+            "--inputs",
+            "input_placement",
+            type=click.Choice(["free", "replicate"]),
+            default="free",
+            show_default=True,
+            help="free: the ILP chooses the inputs' placements; replicate: every input starts "
+            "replicated on every device.",
+        ),
+        click.option(
+            "--outputs",
+            "output_placement",
+            type=click.Choice(["free", "replicate"]),
+            default="free",
+            show_default=True,
+            help="free: outputs may end sharded (never Partial: the plan pays to reduce them); "
+            "replicate: every device ends with the whole output.",
+        ),
+        click.option(
+            "--time-limit",
+            type=float,
+            default=600.0,
+            show_default=True,
+            help="Seconds HiGHS may search; when hit, the best plan found is written with its gap.",
+        ),
+        click.option(
+            "--mip-gap",
+            type=float,
+            default=1e-3,
+            show_default=True,
+            help="Relative optimality gap accepted (the report shows the plan's gap to the LP "
+            "bound); 0 proves optimality, which can take minutes on large models.",
+        ),
+        click.option(
+            "--mode",
+            type=click.Choice(["train", "infer"]),
+            default="train",
+            show_default=True,
+            help="train: cost a training step (forward + backward from the joint graph, gradient "
+            "reductions, AdamW memory); infer: the forward pass only.",
+        ),
+        click.option(
+            "--dtype",
+            "dtype_name",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default=None,
+            help="Cast parameters and floating inputs to this dtype (default: the model's).",
+        ),
+        click.option(
+            "--memory-budget",
+            type=BytesType(),
+            default=None,
+            metavar="BYTES",
+            help="Memory per device the plan must fit, e.g. 40GiB "
+            "(default: the device's capacity).",
+        ),
+        click.option(
+            "--no-tie",
+            is_flag=True,
+            help="Trace every repeated layer and give each its own variables (slower); by default "
+            "identical layers share one plan and one traced middle block stands for all of them.",
+        ),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+_MESH_KEYS = (
+    "mesh_shape",
+    "mesh_dim_names",
+    "intra_node_bw",
+    "inter_node_bw",
+    "intra_node_latency",
+    "inter_node_latency",
+)
+
+
+def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
+    """The :class:`SolveConfig` of the mesh and planning options (click's keyword names).
+
+    Raises:
+        AutoshardError: a bad mesh, unit or option value.
+    """
+    mesh = mesh_from_options(*(opts[k] for k in _MESH_KEYS))
+    return SolveConfig(
+        model_path=model_file,
+        mesh=mesh,
+        device=get_device(opts["device_name"]),
+        input_placement=opts["input_placement"],
+        output_placement=opts["output_placement"],
+        solver=SolverOptions(time_limit_s=opts["time_limit"], mip_gap=opts["mip_gap"]),
+        mode=opts["mode"],
+        dtype=getattr(torch, opts["dtype_name"]) if opts["dtype_name"] else None,
+        memory_budget=opts["memory_budget"],
+        tie=not opts["no_tie"],
+    )
+
+
 class _Progress:
     """rich progress for the long phases: trace, strategies, solve."""
 
@@ -177,39 +280,7 @@ class _Progress:
 @main.command()
 @click.argument("model_file", type=click.Path(path_type=Path))
 @_mesh_options
-@click.option(
-    "--inputs",
-    "input_placement",
-    type=click.Choice(["free", "replicate"]),
-    default="free",
-    show_default=True,
-    help="free: the ILP chooses the inputs' placements; replicate: every input starts "
-    "replicated on every device.",
-)
-@click.option(
-    "--outputs",
-    "output_placement",
-    type=click.Choice(["free", "replicate"]),
-    default="free",
-    show_default=True,
-    help="free: outputs may end sharded (never Partial: the plan pays to reduce them); "
-    "replicate: every device ends with the whole output.",
-)
-@click.option(
-    "--time-limit",
-    type=float,
-    default=600.0,
-    show_default=True,
-    help="Seconds HiGHS may search; when hit, the best plan found is written with its gap.",
-)
-@click.option(
-    "--mip-gap",
-    type=float,
-    default=1e-3,
-    show_default=True,
-    help="Relative optimality gap accepted (the report shows the plan's gap to the LP "
-    "bound); 0 proves optimality, which can take minutes on large models.",
-)
+@_plan_options
 @click.option(
     "--out",
     "out_dir",
@@ -217,34 +288,6 @@ class _Progress:
     default=Path("solutions"),
     show_default=True,
     help="Folder for <model>_<mesh>.pkl and .json.",
-)
-@click.option(
-    "--mode",
-    type=click.Choice(["train", "infer"]),
-    default="train",
-    show_default=True,
-    help="train: cost a training step (forward + backward from the joint graph, gradient "
-    "reductions, AdamW memory); infer: the forward pass only.",
-)
-@click.option(
-    "--dtype",
-    "dtype_name",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default=None,
-    help="Cast parameters and floating inputs to this dtype (default: the model's).",
-)
-@click.option(
-    "--memory-budget",
-    type=BytesType(),
-    default=None,
-    metavar="BYTES",
-    help="Memory per device the plan must fit, e.g. 40GiB (default: the device's capacity).",
-)
-@click.option(
-    "--no-tie",
-    is_flag=True,
-    help="Trace every repeated layer and give each its own variables (slower); by default "
-    "identical layers share one plan and one traced middle block stands for all of them.",
 )
 @click.option(
     "--algo",
@@ -263,28 +306,7 @@ class _Progress:
     "filling missing layers from an identical block. Loading never runs code from FILE.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print only the files written.")
-def solve(
-    model_file,
-    mesh_shape,
-    mesh_dim_names,
-    intra_node_bw,
-    inter_node_bw,
-    intra_node_latency,
-    inter_node_latency,
-    device_name,
-    input_placement,
-    output_placement,
-    time_limit,
-    mip_gap,
-    out_dir,
-    mode,
-    dtype_name,
-    memory_budget,
-    no_tie,
-    algo,
-    preload,
-    quiet,
-) -> None:
+def solve(model_file, out_dir, algo, preload, quiet, **opts) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
 
     MODEL_FILE is a Python file defining build_model() and example_inputs() (global
@@ -303,29 +325,11 @@ def solve(
     """
     from autoshard.export import output_stem, write_outputs
     from autoshard.report import print_report
-    from autoshard.solve import SolveConfig, plan_model
+    from autoshard.solve import plan_model
 
     console = Console(stderr=False, quiet=quiet)
-    mesh = mesh_from_options(
-        mesh_shape,
-        mesh_dim_names,
-        intra_node_bw,
-        inter_node_bw,
-        intra_node_latency,
-        inter_node_latency,
-    )
-    config = SolveConfig(
-        model_path=model_file,
-        mesh=mesh,
-        device=get_device(device_name),
-        input_placement=input_placement,
-        output_placement=output_placement,
-        solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
-        mode=mode,
-        dtype=getattr(torch, dtype_name) if dtype_name else None,
-        memory_budget=memory_budget,
-        tie=not no_tie,
-    )
+    config = config_from_options(model_file, opts)
+    mesh = config.mesh
     notes: list[str] = []
     with _Progress(Console(stderr=True, quiet=quiet)) as progress:
         if preload is not None:

@@ -8,7 +8,6 @@ are comparable and the ILP's step time is never above a baseline's.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,20 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from autoshard.baselines import ALGOS, plan_for_algo
-from autoshard.cli import _mesh_options, _Progress, mesh_from_options
-from autoshard.devices import get_device
+from autoshard.cli import _mesh_options, _plan_options, _Progress, config_from_options
 from autoshard.errors import AutoshardError
-from autoshard.ilp import SolverOptions
 from autoshard.mesh import COLLECTIVE_KINDS
 from autoshard.plan import Plan
-from autoshard.units import BytesType, format_bytes, format_seconds
+from autoshard.units import format_bytes, format_seconds
 
 # Plans whose step times differ by less than this (relative) tie: the ILP and a baseline
 # that reach the same optimum are both marked best.
@@ -213,38 +209,7 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
 @click.command("compare")
 @click.argument("model_file", type=click.Path(path_type=Path))
 @_mesh_options
-@click.option(
-    "--inputs",
-    "input_placement",
-    type=click.Choice(["free", "replicate"]),
-    default="free",
-    show_default=True,
-    help="free: the ILP chooses the inputs' placements; replicate: every input starts "
-    "replicated on every device (the baselines then cannot batch-shard them).",
-)
-@click.option(
-    "--outputs",
-    "output_placement",
-    type=click.Choice(["free", "replicate"]),
-    default="free",
-    show_default=True,
-    help="free: outputs may end sharded (never Partial); replicate: every device ends with "
-    "the whole output.",
-)
-@click.option(
-    "--mode",
-    type=click.Choice(["train", "infer"]),
-    default="train",
-    show_default=True,
-    help="train: a training step (forward, backward, gradient reductions, optimizer "
-    "state); infer: the forward pass only.",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default=None,
-    help="Cast parameters and floating-point inputs to this dtype (default: the model's).",
-)
+@_plan_options
 @click.option(
     "--plans",
     "plans",
@@ -253,52 +218,13 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
     help="Comma-separated plans to compare.",
 )
 @click.option(
-    "--memory-budget",
-    type=BytesType(),
-    default=None,
-    metavar="SIZE",
-    help="Bytes per device a plan must fit in, e.g. 40GiB (default: the device's memory).",
-)
-@click.option(
-    "--time-limit",
-    type=float,
-    default=600.0,
-    show_default=True,
-    help="Seconds HiGHS may search, per plan.",
-)
-@click.option(
-    "--mip-gap",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Relative optimality gap at which the solver may stop (0 = prove optimal).",
-)
-@click.option(
     "--json",
     "as_json",
     is_flag=True,
     help='Print {"plans": [{"name", "step_time_s", "memory_bytes", "fits", ...}]} '
     "instead of the table.",
 )
-def compare_command(
-    model_file,
-    mesh_shape,
-    mesh_dim_names,
-    intra_node_bw,
-    inter_node_bw,
-    intra_node_latency,
-    inter_node_latency,
-    device_name,
-    input_placement,
-    output_placement,
-    mode,
-    dtype,
-    plans,
-    memory_budget,
-    time_limit,
-    mip_gap,
-    as_json,
-) -> None:
+def compare_command(model_file, plans, as_json, **opts) -> None:
     """Compare the ILP's plan with replicate, DDP, FSDP and Megatron(-SP) on MODEL_FILE.
 
     Traces the model once, generates its strategies once, then solves the ILP and builds
@@ -312,30 +238,10 @@ def compare_command(
       autoshard compare examples/gpt2.py --mesh 2x4
       autoshard compare examples/mlp.py --mesh 4 --json
     """
-    from autoshard.solve import SolveConfig, strategies, trace
+    from autoshard.solve import strategies, trace
 
-    mesh = mesh_from_options(
-        mesh_shape,
-        mesh_dim_names,
-        intra_node_bw,
-        inter_node_bw,
-        intra_node_latency,
-        inter_node_latency,
-    )
-    device = get_device(device_name)
-    extra = {"mode": mode, "memory_budget": memory_budget}
-    if dtype is not None:
-        extra["dtype"] = getattr(torch, dtype)
-    fields = {f.name for f in dataclasses.fields(SolveConfig)}
-    config = SolveConfig(
-        model_path=model_file,
-        mesh=mesh,
-        device=device,
-        input_placement=input_placement,
-        output_placement=output_placement,
-        solver=SolverOptions(time_limit_s=time_limit, mip_gap=mip_gap),
-        **{k: v for k, v in extra.items() if k in fields},
-    )
+    config = config_from_options(model_file, opts)
+    mesh, device = config.mesh, config.device
     algos = tuple(a.strip() for a in plans.split(",") if a.strip())
     budget = _budget(config)
     err = Console(stderr=True)
