@@ -122,6 +122,18 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         f"{st['variables_nodes']} decision nodes after merging {st['merged']} follow ops and "
         f"{st['free']} free ops; {st['strategies']} strategies, {st['edges']} edges"
     )
+    depth = sg.graph.depth
+    if depth is not None or sg.tied_layers:
+        parts = []
+        if depth is not None:
+            mid = depth.stands_for[2]
+            parts.append(
+                f"traced blocks 0, 1, {mid[0]} (standing for {mid[0]}-{mid[-1]}) and "
+                f"{depth.num_blocks - 1} of {depth.num_blocks}"
+            )
+        if sg.tied_layers:
+            parts.append(f"{sg.tied_layers} traced layers share the first one's variables")
+        console.print("repeated layers: " + "; ".join(parts) + " (--no-tie to solve each)")
     if sg.fallback_ops:
         ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
         console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
