@@ -182,6 +182,37 @@ def build_problem(sg: StrategyGraph) -> _Problem:
     return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps)
 
 
+def _cvx_problem(
+    prob: _Problem,
+    boolean: bool = True,
+    memory: tuple[np.ndarray, float] | None = None,
+    fixed: np.ndarray | None = None,
+    memory_objective: np.ndarray | None = None,
+) -> tuple[cp.Problem, cp.Variable]:
+    """The cvxpy problem over ``[x; y]`` [``_node_blocks``, ``_edge_rows``], and ``x``.
+
+    ``boolean=False`` is the LP relaxation (``0 <= x <= 1``); ``memory`` adds the budget
+    row; ``fixed`` pins those entries of ``x`` to 1; ``memory_objective`` minimises bytes
+    instead of time. The time objective is in microseconds: HiGHS's absolute tolerances
+    (``mip_abs_gap`` 1e-6) would otherwise stop it a whole objective away from the optimum.
+    """
+    x = cp.Variable(prob.n_x, boolean=True) if boolean else cp.Variable(prob.n_x, nonneg=True)
+    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
+    z = cp.hstack([x, y]) if y is not None else x
+    constraints = [prob.A @ z == prob.b]
+    if not boolean:
+        constraints.append(x <= 1)
+    if fixed is not None and len(fixed):
+        constraints.append(x[fixed] == 1)
+    if memory is not None:
+        constraints.append(memory[0] @ x <= memory[1])
+    if memory_objective is not None:
+        objective = memory_objective @ x
+    else:
+        objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
+    return cp.Problem(cp.Minimize(objective), constraints), x
+
+
 def solve(
     sg: StrategyGraph,
     options: SolverOptions | None = None,
@@ -205,17 +236,7 @@ def solve(
         found = _lp_first(sg, prob, options, memory, t0)
         if found is not None:
             return found
-    x = cp.Variable(prob.n_x, boolean=True)
-    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
-    z = cp.hstack([x, y]) if y is not None else x
-    constraints = [prob.A @ z == prob.b]
-    if memory is not None:
-        m, budget = memory
-        constraints.append(m @ x <= budget)
-    # in microseconds: HiGHS's absolute tolerances (mip_abs_gap 1e-6) would otherwise
-    # stop it at plans a whole microsecond-scale objective away from the optimum
-    objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
-    problem = cp.Problem(cp.Minimize(objective), constraints)
+    problem, x = _cvx_problem(prob, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     try:
@@ -275,14 +296,7 @@ def solve(
 
 def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> ILPResult | None:
     """The LP relaxation; its plan when integral, or rounded within ``mip_gap``."""
-    x = cp.Variable(prob.n_x, nonneg=True)
-    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
-    z = cp.hstack([x, y]) if y is not None else x
-    constraints = [prob.A @ z == prob.b, x <= 1]
-    if memory is not None:
-        constraints.append(memory[0] @ x <= memory[1])
-    objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
-    problem = cp.Problem(cp.Minimize(objective), constraints)
+    problem, x = _cvx_problem(prob, boolean=False, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     try:
@@ -337,16 +351,7 @@ def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> 
 
 def _fixed_mip(prob: _Problem, memory, decided: np.ndarray, options: SolverOptions):
     """The MIP with the variables in ``decided`` fixed to 1; x's values, or None."""
-    x = cp.Variable(prob.n_x, boolean=True)
-    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
-    z = cp.hstack([x, y]) if y is not None else x
-    constraints = [prob.A @ z == prob.b]
-    if len(decided):
-        constraints.append(x[decided] == 1)
-    if memory is not None:
-        constraints.append(memory[0] @ x <= memory[1])
-    objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
-    problem = cp.Problem(cp.Minimize(objective), constraints)
+    problem, x = _cvx_problem(prob, memory=memory, fixed=decided)
     try:
         problem.solve(
             solver=cp.HIGHS,
@@ -361,10 +366,7 @@ def _fixed_mip(prob: _Problem, memory, decided: np.ndarray, options: SolverOptio
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
     """The least ``m . x`` over every plan (the same ILP, memory as the objective)."""
-    x = cp.Variable(prob.n_x, boolean=True)
-    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
-    z = cp.hstack([x, y]) if y is not None else x
-    problem = cp.Problem(cp.Minimize(m @ x), [prob.A @ z == prob.b])
+    problem, _ = _cvx_problem(prob, memory_objective=m)
     problem.solve(solver=cp.HIGHS, time_limit=float(options.time_limit_s))
     return float(problem.value)
 
