@@ -31,7 +31,6 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_flatten
 
 Placements = tuple[Placement, ...]
 
@@ -246,12 +245,6 @@ def _to_rule_strategies(strategy: Any) -> list[RuleStrategy]:
         elif _reduction_to_avg(outputs, inputs):
             result.append(RuleStrategy(outputs=outputs, inputs=inputs))
     return result
-
-
-def flatten_tensor_args(args: tuple, kwargs: dict, is_tensor) -> list[Any]:
-    """The tensor arguments of a call in the flattened order DTensor's rules use."""
-    leaves, _ = tree_flatten((list(args), kwargs))
-    return [x for x in leaves if is_tensor(x)]
 
 
 def is_single_dim(op: Any) -> bool:

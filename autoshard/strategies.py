@@ -132,11 +132,6 @@ class StrategyGraph:
             self.__dict__["_rep_cost_cache"] = costs
         return self.__dict__["_rep_cost_cache"]
 
-    def output_placements(self, node: str, rep_choice: int, index: int = 0) -> Placements | None:
-        """Placement of ``node``'s output ``index`` when its representative picks ``rep_choice``."""
-        ns = self.nodes[node]
-        return ns.strategies[ns.choice[rep_choice]].outputs[index]
-
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
     """Every Replicate/Shard placement of a tensor of ``shape`` that shards evenly.
@@ -385,7 +380,9 @@ def build_strategy_graph(
                 target,
                 _static_key(node.args, infos),
                 _static_key(dict(node.kwargs), infos),
-                None if own or target in _SINGLE_DIM_CACHE_SAFE else tuple(map(tuple, cand_lists)),
+                # rules given per mesh dim enumerate every combination whatever the
+                # inputs' candidates, so the candidates only key the other rules
+                None if own or tp.is_single_dim(target) else tuple(map(tuple, cand_lists)),
             )
             cached = cache.get(key)
             if cached is None:
@@ -469,15 +466,6 @@ def build_strategy_graph(
     return sg
 
 
-# single-dim rules enumerate every combination whatever the inputs: cache them without
-# the input candidates in the key
-_SINGLE_DIM_CACHE_SAFE: set = set()
-
-
-def has_rule_or_own(target: Any) -> bool:
-    return target in OWN_RULES or tp.has_rule(target)
-
-
 def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:
     """Strategies for one op, deduplicated; ``None`` when no rule gives any."""
     if own is not None:
@@ -494,8 +482,6 @@ def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] |
             )
         except Exception:  # a rule that cannot handle these arguments: fall back
             return None
-        if tp.is_single_dim(node.target):
-            _SINGLE_DIM_CACHE_SAFE.add(node.target)
         found = [Strategy(r.outputs, r.inputs) for r in rs]
     else:
         return None
