@@ -60,17 +60,12 @@ def _canonical_params(sg: StrategyGraph):
 
 
 def saved_for_backward(sg: StrategyGraph) -> list[str]:
-    """Forward nodes whose output a backward node reads, plus user inputs (training)."""
+    """Activations live at the turn from forward to backward: the forward outputs the
+    backward pass reads, plus the user inputs (training; empty in inference)."""
     graph = sg.graph
     if graph.mode != "train":
         return []
-    saved = set()
-    for info in graph.nodes.values():
-        if info.kind == "op" and info.backward:
-            for a in info.arg_nodes:
-                src = graph.nodes[a]
-                if src.kind == "op" and not src.backward:
-                    saved.add(a)
+    saved = set(graph.saved_for_backward())
     saved |= {n for n, i in graph.nodes.items() if i.kind == "input"}
     return [n for n in graph.nodes if n in saved and n in sg.nodes]
 

@@ -13,8 +13,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-import torch
-from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor import Placement, Shard
 
 from autoshard.mesh import MeshSpec
 from autoshard.strategies import Strategy, StrategyGraph
@@ -161,7 +160,7 @@ def peak_activation_bytes(
     counted here.
     """
     graph = sg.graph
-    saved = _saved_for_backward(graph) if graph.multiplicity else set()
+    saved = set(graph.saved_for_backward()) if graph.multiplicity else set()
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
     last_use: dict[str, int] = {}
@@ -187,29 +186,3 @@ def peak_activation_bytes(
         peak = max(peak, live)
         live -= frees.pop(i, 0.0)
     return peak
-
-
-def _saved_for_backward(graph) -> set[str]:
-    """Forward op outputs that a backward op reads (training graphs)."""
-    out = set()
-    for info in graph.nodes.values():
-        if info.kind == "op" and info.backward:
-            out.update(
-                a
-                for a in info.arg_nodes
-                if graph.nodes[a].kind == "op" and not graph.nodes[a].backward
-            )
-    return out
-
-
-def placement_counts(plan: Plan) -> Counter:
-    """How many parameters have each placement (for the summary)."""
-    return Counter(tuple(plan.parameters[p]) for p in plan.parameters)
-
-
-def has_partial(ps: Placements | None) -> bool:
-    return bool(ps) and any(isinstance(p, Partial) for p in ps)
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return dtype.itemsize

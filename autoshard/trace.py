@@ -111,6 +111,21 @@ class TracedGraph:
             return self.multiplicity.get(out.arg_nodes[int(k)], 1)
         return 1
 
+    def saved_for_backward(self) -> list[str]:
+        """Forward op outputs a backward op reads, in graph order (empty in inference).
+
+        They stay live from the forward pass to the backward pass.
+        """
+        saved = set()
+        for info in self.nodes.values():
+            if info.kind == "op" and info.backward:
+                saved.update(
+                    a
+                    for a in info.arg_nodes
+                    if self.nodes[a].kind == "op" and not self.nodes[a].backward
+                )
+        return [n for n in self.nodes if n in saved]
+
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read it."""
         out: dict[str, list[str]] = defaultdict(list)
