@@ -29,6 +29,7 @@ from itertools import pairwise
 import numpy as np
 
 from autoshard.errors import AutoshardError
+from autoshard.units import format_bytes
 
 __all__ = [
     "DEFAULT_EPS",
@@ -608,13 +609,6 @@ def _usable_pairs(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return sorted(pairs)
 
 
-def _fmt_bytes(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def _min_sum_under(
     feasible_time: np.ndarray, thresholds: np.ndarray, num_stages: int
 ) -> list[list[int] | None]:
@@ -748,8 +742,8 @@ def assign_stages(
         least_mem = _least_bottleneck(np.where(runnable, mem, math.inf), S)
         raise AutoshardError(
             f"no split of {L} layers into {S} stages fits the memory budget of "
-            f"{_fmt_bytes(memory_budget)} per device; the best split needs "
-            f"{_fmt_bytes(least_mem)} on its fullest stage: raise the budget, use more stages "
+            f"{format_bytes(memory_budget)} per device; the best split needs "
+            f"{format_bytes(least_mem)} on its fullest stage: raise the budget, use more stages "
             f"or more devices per stage"
         )
 

@@ -501,7 +501,7 @@ def test_stage_errors_are_clear():
         assign_stages(3, 1, 0, additive([1, 1, 1]))
     # Layers of 3, 1, 1, 3 GiB on 2 stages: the best split is [2, 2] with 4 GiB per stage.
     gib = 2**30
-    with pytest.raises(AutoshardError, match=r"budget of 3 GiB .* needs 4 GiB"):
+    with pytest.raises(AutoshardError, match=r"budget of 3.00 GiB .* needs 4.00 GiB"):
         assign_stages(4, 2, 8, additive([1] * 4, [3 * gib, gib, gib, 3 * gib]), 3 * gib)
     with pytest.raises(AutoshardError, match="cannot run"):
         assign_stages(2, 2, 8, lambda i, j: StageCost(math.inf, 0))
