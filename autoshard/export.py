@@ -11,12 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from autoshard import __version__
+from autoshard.errors import AutoshardError
 from autoshard.placements import placements_to_str
 from autoshard.plan import Plan
-from autoshard.solution_io import save_sharding_map, save_solution
-
-SOLUTION_FORMAT = "autoshard.solution/1"
-SHARDING_MAP_FORMAT = "autoshard.sharding_map/1"
+from autoshard.solution_io import (
+    SHARDING_MAP_FORMAT,
+    SOLUTION_FORMAT,
+    save_sharding_map,
+    save_solution,
+)
 
 
 def output_stem(model_name: str, mesh_shape: tuple[int, ...], suffix: str = "") -> str:
@@ -115,8 +118,6 @@ def write_outputs(
     Raises:
         AutoshardError: when the folder cannot be created or written.
     """
-    from autoshard.errors import AutoshardError
-
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
