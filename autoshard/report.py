@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 
 from rich.console import Console
@@ -41,30 +40,18 @@ def layer_table(plan: Plan) -> Table:
     for owner, names in graph.param_names.items():
         for alias in names:
             shapes.setdefault(alias, shapes.get(owner))
-    rows: dict[tuple[str, str], list[int]] = defaultdict(list)
-    singles: list[tuple[str, str]] = []
-    order: list[tuple[str, str]] = []
+    # (parameter path inside the block, placement) -> layers holding it, and one real FQN
+    rows: dict[tuple[str, str], tuple[list[int], str]] = {}
     for fqn, ps in plan.parameters.items():
         prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
         if prefix is None:
-            singles.append((fqn, short(ps)))
+            table.add_row(fqn, "", short(ps), str(shapes.get(fqn, "")))
             continue
-        key = (fqn[len(prefix) + 1 :], short(ps))
-        if key not in rows:
-            order.append(key)
-        rows[key].append(blocks[prefix])
-    for fqn, ps in singles:
-        table.add_row(fqn, "", ps, str(shapes.get(fqn, "")))
-    for key in order:
-        sub, ps = key
-        table.add_row(
-            f"<block>.{sub}", _ranges(rows[key]), ps, str(shapes.get(_example(plan, sub), ""))
-        )
+        layers, _ = rows.setdefault((fqn[len(prefix) + 1 :], short(ps)), ([], fqn))
+        layers.append(blocks[prefix])
+    for (sub, ps), (layers, example) in rows.items():
+        table.add_row(f"<block>.{sub}", _ranges(layers), ps, str(shapes.get(example, "")))
     return table
-
-
-def _example(plan: Plan, sub: str) -> str:
-    return next((f for f in plan.parameters if f.endswith("." + sub)), sub)
 
 
 def cost_table(plan: Plan) -> Table:
