@@ -7,7 +7,7 @@ MLP (Linear(d, h) -> ReLU -> Linear(h, d), loss = mean of the output).
 from __future__ import annotations
 
 import pytest
-from helpers import write_mlp
+from helpers import write_mlp, write_mlp_mse
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.baselines import plan_for_algo
@@ -105,30 +105,65 @@ def test_impossible_budget_names_the_least_memory(tmp_path):
         )
 
 
-def test_slow_dim0_data_parallel_times_megatron_beats_the_uniform_plans(tmp_path):
-    """Alpa's 2x2 case: dim 0 at 45 GB/s, dim 1 at 450 GB/s (10x), 5 us latency,
-    b=32768, d=1024, h=16384, training.
+SLOW_FAST = MeshSpec((2, 2), ("dp", "tp"), (45e9, 450e9), (5e-6, 5e-6))
 
-    Hand analysis (ring all-reduce on 2 devices: 2*(alpha + B/(2*bw))): on the fast dim,
-    Megatron all-reduces the [b/2, d] activation, 64 MiB: 2*(5 us + 74.6 us) = 159 us,
-    while data parallelism would all-reduce 128 MiB of weight gradients: 308 us. On the
-    slow dim, data parallelism all-reduces the 64 MiB of tensor-parallel gradient halves
-    (1.5 ms) and halves the compute. So DP on dim 0 x Megatron on dim 1 (the megatron
-    baseline) beats DDP, FSDP and replicated. The ILP's plan is at least as fast; measured,
-    it finds a faster one still (Megatron on the slow dim, the batch and ZeRO-style weight
-    shards on the fast one: 3.51 ms against 4.27 ms), so the golden plan is not the ILP's.
+
+def test_slow_dim0_gives_data_parallel_times_megatron(tmp_path):
+    """Alpa's 2x2 golden case, in training: dim 0 at 45 GB/s, dim 1 at 450 GB/s (10x),
+    5 us latency; Alpa's MLP with the MSE loss, b=65536, d=1024, h=8192, float32.
+
+    Hand analysis (ring on 2 devices: all-reduce of B bytes 2*alpha + B/bw, all-gather or
+    reduce-scatter alpha + B/(2 bw)). The weights are 32 MiB each, a [b/2, d] activation
+    128 MiB. Every plan below splits the matmuls 4 ways, so the links decide.
+    - Megatron on the slow dim must reduce fc2's partial [b/2, d] output there:
+      10 us + 128 MiB / 45 GB/s = 2.99 ms on that one collective.
+    - DDP all-reduces both full gradients on the slow dim: 2 x (10 us + 32 MiB / 45 GB/s)
+      = 1.51 ms, plus 0.17 ms on the fast dim. FSDP moves the same bytes on the slow dim.
+    - Data parallel on dim 0 x Megatron on dim 1: the slow dim all-reduces only the
+      tensor-parallel halves of the gradients, 2 x (10 us + 16 MiB / 45 GB/s) = 0.77 ms;
+      the fast dim reduces fc2's output, 10 us + 128 MiB / 450 GB/s = 0.31 ms (less as a
+      reduce-scatter). About 1.1 ms: the cheapest.
+    So x is split by batch on dim 0 and replicated on dim 1, fc1 is column-parallel and
+    fc2 row-parallel on dim 1. On dim 0 a weight is replicated or sharded ZeRO-style: in
+    the ring model all-gather + reduce-scatter cost exactly the all-reduce they replace.
     """
-    mesh = MeshSpec((2, 2), ("dp", "tp"), (45e9, 450e9), (5e-6, 5e-6))
-    cfg = SolveConfig(model_path=write_mlp(tmp_path, 32768, 1024, 16384), mesh=mesh)
+    cfg = SolveConfig(model_path=write_mlp_mse(tmp_path, 65536, 1024, 8192), mesh=SLOW_FAST)
     sg = strategies(cfg, trace(cfg))
     plans = {
-        a: plan_for_algo(sg, a, mesh, SolverOptions(mip_gap=0.0))[0]
+        a: plan_for_algo(sg, a, SLOW_FAST, SolverOptions(mip_gap=0.0))[0]
         for a in ("ilp", "megatron", "ddp", "fsdp", "replicate")
     }
-    meg = plans["megatron"]
-    assert meg.parameters["fc1.weight"] == (R, Shard(0))
+    ilp = plans["ilp"]
+    assert ilp.inputs["x"] == (Shard(0), R)
+    assert ilp.parameters["fc1.weight"][1] == Shard(0)  # column-parallel on the fast dim
+    assert ilp.parameters["fc2.weight"][1] == Shard(1)  # row-parallel on the fast dim
+    for name in ("fc1.weight", "fc2.weight"):
+        assert ilp.parameters[name][0] in (R, Shard(0), Shard(1)), name
+    for other in ("megatron", "ddp", "fsdp", "replicate"):
+        assert ilp.step_time_s <= plans[other].step_time_s * (1 + 1e-9), other
+    assert ilp.comm_total_s == pytest.approx(1.1e-3, rel=0.1)
+
+    # the mirror image: the megatron baseline on a mesh whose tp dim is the slow one
+    swapped = MeshSpec((2, 2), ("dp", "tp"), (450e9, 45e9), (5e-6, 5e-6))
+    cfg_swapped = SolveConfig(model_path=cfg.model_path, mesh=swapped)
+    sg_swapped = strategies(cfg_swapped, trace(cfg_swapped))
+    tp_on_slow = plan_for_algo(sg_swapped, "megatron", swapped, SolverOptions())[0]
+    assert tp_on_slow.comm_total_s > 2.99e-3
+    assert ilp.step_time_s < tp_on_slow.step_time_s
+
+
+def test_a_loss_linear_in_the_output_lets_a_partial_output_reach_it(tmp_path):
+    """The same mesh with loss = mean of the output (linear): a row-parallel matmul's
+    Partial output can flow into the loss, and only the scalar is reduced. So Megatron on
+    the slow dim no longer pays for the [b/2, d] activation there, and at b=32768,
+    d=1024, h=16384 the ILP puts it there, beating DP x Megatron (the megatron baseline,
+    which reduces the output before the loss)."""
+    cfg = SolveConfig(model_path=write_mlp(tmp_path, 32768, 1024, 16384), mesh=SLOW_FAST)
+    sg = strategies(cfg, trace(cfg))
+    ilp, meg = (
+        plan_for_algo(sg, a, SLOW_FAST, SolverOptions(mip_gap=0.0))[0]
+        for a in ("ilp", "megatron")
+    )
     assert meg.parameters["fc2.weight"] == (R, Shard(1))
-    assert meg.inputs["x"] == (Shard(0), R)
-    for other in ("ddp", "fsdp", "replicate"):
-        assert meg.step_time_s < plans[other].step_time_s, other
-    assert plans["ilp"].step_time_s <= meg.step_time_s * (1 + 1e-9)
+    assert ilp.parameters["fc2.weight"][0] == Shard(1)  # row-parallel on the slow dim
+    assert ilp.step_time_s < meg.step_time_s
