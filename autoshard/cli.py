@@ -141,6 +141,27 @@ def mesh_from_options(
     )
 
 
+def step_options() -> list:
+    """``--mode`` and ``--dtype``: what one step is (shared by solve, compare and stages)."""
+    return [
+        click.option(
+            "--mode",
+            type=click.Choice(["train", "infer"]),
+            default="train",
+            show_default=True,
+            help="train: cost a training step (forward + backward from the joint graph, gradient "
+            "reductions, AdamW memory); infer: the forward pass only.",
+        ),
+        click.option(
+            "--dtype",
+            "dtype_name",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default=None,
+            help="Cast parameters and floating inputs to this dtype (default: the model's).",
+        ),
+    ]
+
+
 def _plan_options(f):
     """The options that say what plan to find (shared by ``solve`` and ``compare``)."""
     options = [
@@ -177,21 +198,7 @@ def _plan_options(f):
             help="Relative optimality gap accepted (the report shows the plan's gap to the LP "
             "bound); 0 proves optimality, which can take minutes on large models.",
         ),
-        click.option(
-            "--mode",
-            type=click.Choice(["train", "infer"]),
-            default="train",
-            show_default=True,
-            help="train: cost a training step (forward + backward from the joint graph, gradient "
-            "reductions, AdamW memory); infer: the forward pass only.",
-        ),
-        click.option(
-            "--dtype",
-            "dtype_name",
-            type=click.Choice(["float32", "bfloat16", "float16"]),
-            default=None,
-            help="Cast parameters and floating inputs to this dtype (default: the model's).",
-        ),
+        *step_options(),
         click.option(
             "--memory-budget",
             type=BytesType(),

@@ -70,8 +70,13 @@ def saved_for_backward(sg: StrategyGraph) -> list[str]:
     return [n for n in graph.nodes if n in saved and n in sg.nodes]
 
 
-def memory_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
+def memory_rows(
+    sg: StrategyGraph, model: MemoryModel, activation_copies: float = 1.0
+) -> dict[str, np.ndarray]:
     """Bytes per device of each representative's strategies (the ILP's budget row).
+
+    ``activation_copies``: how many micro-batches' saved activations are kept at once
+    (1 for a plain step; a 1F1B pipeline stage keeps up to the pipeline degree).
 
     Returns rep name -> array over its strategies; reps that keep nothing are absent.
     """
@@ -97,7 +102,7 @@ def memory_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
         factor = sum(model.per_param_factors(info.results[0].dtype).values())
         add(name, 0, factor)
     for name in saved_for_backward(sg):
-        add(name, 0, 1.0)
+        add(name, 0, activation_copies)
     return rows
 
 

@@ -97,6 +97,8 @@ def build_plan(
     inputs: dict[str, Placements] = {}
     param_bytes = 0.0
     for n, info in graph.nodes.items():
+        if n not in node_strategy:  # a pipeline stage's graph holds part of the model
+            continue
         if info.kind == "param":
             ps = node_strategy[n].outputs[0]
             names = graph.param_names.get(info.fqn)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -89,24 +89,35 @@ def layer_map(graph) -> LayerMap:
         ids = sorted(set(graph.block_prefixes.values()))
         index = {b: k for k, b in enumerate(ids)}  # block number -> layer (dense)
         num_layers = len(ids)
-        current = 0
+        # forward: an op outside every block goes with the block before it; backward
+        # (blocks in reverse order): with the block whose backward ran last, so the head's
+        # backward goes with the last layer and the embeddings' with layer 0
+        current, current_bw = 0, num_layers - 1
         for n in ops:
-            if nodes[n].layer is not None:
-                current = index[nodes[n].layer]
-            layer_of[n] = current
+            info = nodes[n]
+            if info.backward:
+                if info.layer is not None:
+                    current_bw = index[info.layer]
+                layer_of[n] = current_bw
+            else:
+                if info.layer is not None:
+                    current = index[info.layer]
+                layer_of[n] = current
         by_layer = {index[i]: p for p, i in graph.block_prefixes.items()}
         modules = [[by_layer[k]] for k in range(num_layers)]
         first_module: list[str | None] = [by_layer[k] for k in range(num_layers)]
     else:
         source = "clustering"
-        if not ops:
+        forward = [n for n in ops if not nodes[n].backward]
+        if not forward:
             raise AutoshardError(f"{graph.model_name} has no ops to split into pipeline stages")
-        pos = {n: k for k, n in enumerate(ops)}
+        pos = {n: k for k, n in enumerate(forward)}
         costs = [
-            OpCost(n, nodes[n].flops, _is_heavy(nodes[n].target), nodes[n].module_path) for n in ops
+            OpCost(n, nodes[n].flops, _is_heavy(nodes[n].target), nodes[n].module_path)
+            for n in forward
         ]
         edges = []
-        for n in ops:
+        for n in forward:
             for a in dict.fromkeys(nodes[n].arg_nodes):
                 if a in pos:
                     size = max((r.nbytes for r in nodes[a].results if r is not None), default=0)
@@ -114,12 +125,22 @@ def layer_map(graph) -> LayerMap:
         ranges = cluster_layers(costs, edges)
         num_layers = len(ranges)
         modules, first_module = [], []
+        module_layer: dict[str, int] = {}
         for k, r in enumerate(ranges):
             for i in r:
-                layer_of[ops[i]] = k
-            paths = [nodes[ops[i]].module_path for i in r]
+                layer_of[forward[i]] = k
+                if nodes[forward[i]].module_path:
+                    module_layer[nodes[forward[i]].module_path] = k
+            paths = [nodes[forward[i]].module_path for i in r]
             modules.append(list(dict.fromkeys(p for p in paths if p)))
             first_module.append(paths[0])
+        # a backward op goes with the layer of its module's forward ops; one outside every
+        # module with the layer whose backward ran last (the last layer before any)
+        current_bw = num_layers - 1
+        for n in ops:
+            if nodes[n].backward:
+                current_bw = module_layer.get(nodes[n].module_path, current_bw)
+                layer_of[n] = current_bw
 
     users = graph.users()
     param_layers: dict[str, set[int]] = {}
@@ -138,125 +159,81 @@ def layer_map(graph) -> LayerMap:
 
 
 # --------------------------------------------------------------------------------------------
-# Per-layer costs of one intra-op plan on the stage submesh
+# Stage costs: one intra-op ILP per candidate stage on the stage submesh
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass
 class PipelineCosts:
-    """One pipeline degree priced: per-layer times, per-cut transfers, per-parameter bytes.
+    """One pipeline degree: its submesh and the per-stage ILPs that price its stages.
 
     Attributes:
         pp: the pipeline degree.
         submesh: the stage submesh (:func:`autoshard.stages.submesh_shape`).
-        plan: the intra-op :class:`~autoshard.plan.Plan` of the whole model on the submesh.
-        layer_s: (L,) seconds per layer (compute + resharding) under ``plan``.
-        cut_bytes: (L + 1,) bytes per device crossing the cut before layer k (0 at both ends).
-        cut_s: (L + 1,) seconds of one send (or receive) of those bytes over mesh dim 0.
-        params: (parameter node, bytes per device, layers reading it).
+        mesh: the submesh as a :class:`~autoshard.mesh.MeshSpec` (the mesh's bandwidths).
+        pricer: the :class:`~autoshard.stage_ilp.StagePricer` (cached per-stage ILPs).
     """
 
     pp: int
     submesh: tuple[int, ...]
-    plan: Any
-    layer_s: np.ndarray
-    cut_bytes: np.ndarray
-    cut_s: np.ndarray
-    params: list[tuple[str, float, set[int]]]
+    mesh: Any
+    pricer: Any
 
     def stage_time(self, i: int, j: int) -> float:
-        """Seconds per micro-batch of a stage holding layers i..j-1: its layers, plus the
-        receive of its input activations (i > 0) and the send of its outputs (j < L)."""
-        return float(self.layer_s[i:j].sum() + self.cut_s[i] + self.cut_s[j])
+        """Seconds per micro-batch of a stage holding layers i..j-1 (its ILP's objective:
+        compute, resharding, the receive of its inputs and the send of its outputs, and in
+        training the backward pass and 1/B of its gradient reductions)."""
+        return self.pricer.price(i, j).time_s
 
     def p2p_time(self, i: int, j: int) -> float:
-        return float(self.cut_s[i] + self.cut_s[j])
+        return self.pricer.price(i, j).p2p_s
 
     def stage_memory(self, i: int, j: int) -> float:
-        """Bytes per device of the parameters the stage reads (a parameter read by several
-        stages is held by each)."""
-        return float(sum(b for _, b, ls in self.params if any(i <= k < j for k in ls)))
+        """Bytes per device of the stage's plan (parameters, and in training gradients,
+        AdamW state and the saved activations of the micro-batches in flight)."""
+        return self.pricer.price(i, j).memory_bytes
+
+    def stage_parameters(self, graph, i: int, j: int) -> dict[str, Any]:
+        """Parameter FQN (every alias) -> placements of the stage's plan."""
+        from autoshard.plan import build_plan
+
+        stage, choice = self.pricer.choice(i, j)
+        return build_plan(stage.sg, choice, self.mesh, name=f"stage {i}..{j - 1}").parameters
 
 
-def _base(name: str, nodes: dict) -> str:
-    """Graph node of a strategy-graph node name (``output.0`` -> ``output``)."""
-    return name if name in nodes else name.rsplit(".", 1)[0]
-
-
-def price_pipeline(config, graph, layers: LayerMap, pp: int) -> PipelineCosts:
-    """Solve the intra-op ILP of the whole model on the stage submesh of ``pp`` and split
-    its cost by layer.
+def price_pipeline(
+    config, graph, layers: LayerMap, pp: int, microbatches: int = 1
+) -> PipelineCosts:
+    """Build the strategy graph of the model on the stage submesh of ``pp``, ready to price
+    any stage by its own ILP (:class:`~autoshard.stage_ilp.StagePricer`).
 
     Raises:
-        AutoshardError: a pp that does not split the mesh; an infeasible ILP.
+        AutoshardError: a pp that does not split the mesh.
     """
     from dataclasses import replace
 
-    from autoshard.ilp import solve
     from autoshard.mesh import MeshSpec
-    from autoshard.plan import build_plan, local_bytes, shard_factor
     from autoshard.solve import strategies
+    from autoshard.stage_ilp import StagePricer
     from autoshard.stages import submesh_shape
 
     mesh = config.mesh
     sub = submesh_shape(mesh.shape, pp)
     sub_mesh = MeshSpec(sub, mesh.dim_names, mesh.bandwidth, mesh.latency)
-    # untied: the per-layer split below attributes every edge to its own layer
+    # untied: every layer's nodes are its own, so a stage can be cut out of the graph
     sub_config = replace(config, mesh=sub_mesh, tie=False)
     sg = strategies(sub_config, graph)
-    result = solve(sg, sub_config.solver)
-    choice = result.choice
-    plan = build_plan(sg, choice, sub_mesh, name=f"pp{pp}")
-    nodes = graph.nodes
-    L = layers.num_layers
-
-    layer_s = np.zeros(L)
-    for name, ns in sg.nodes.items():
-        layer_s[layers.layer_of[_base(name, nodes)]] += float(
-            ns.compute_s[ns.choice[choice[ns.rep]]]
-        )
-    for e in sg.edges:
-        c = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
-        if c:
-            layer_s[layers.layer_of[_base(e.consumer or e.dst, nodes)]] += c
-
-    # Activations crossing each cut: made by an op (or an input) in layer p, read in a layer
-    # after p. Parameters, buffers, ops on them only (weight views) and free nodes (computed
-    # by every device) are not sent: each stage has or makes its own.
-    local = set(sg.free)
-    for n, info in nodes.items():
-        if info.kind in ("param", "buffer"):
-            local.add(n)
-        elif info.kind == "op" and info.arg_nodes and all(a in local for a in info.arg_nodes):
-            local.add(n)
-    users = graph.users()
-    diff = np.zeros(L + 2)
-    for n, info in nodes.items():
-        if info.kind not in ("op", "input") or n in local:
-            continue
-        p = layers.layer_of[n]
-        last = max((layers.layer_of[u] for u in users.get(n, [])), default=p)
-        if last <= p:
-            continue
-        strat = plan.node_strategy.get(n)
-        size = 0.0
-        for k, r in enumerate(info.results):
-            if r is None:
-                continue
-            ps = strat.outputs[k] if strat is not None and k < len(strat.outputs) else None
-            size += local_bytes(r, ps, sub)
-        diff[p + 1] += size
-        diff[last + 1] -= size
-    cut_bytes = np.cumsum(diff)[: L + 1]
-    cut_bytes[0] = cut_bytes[L] = 0.0
-    cut_s = np.where(cut_bytes > 0, cut_bytes / mesh.bandwidth[0] + mesh.latency[0], 0.0)
-
-    params = []
-    for n, used in layers.param_layers.items():
-        ps = plan.node_strategy[n].outputs[0] if n in plan.node_strategy else None
-        nbytes = nodes[n].results[0].nbytes
-        params.append((n, nbytes / shard_factor(ps, sub) if ps else float(nbytes), used))
-    return PipelineCosts(pp, sub, plan, layer_s, cut_bytes, cut_s, params)
+    in_flight = min(pp, microbatches) if graph.mode == "train" else 1
+    pricer = StagePricer(
+        sub_config,
+        sg,
+        layers.layer_of,
+        layers.param_layers,
+        layers.num_layers,
+        microbatches,
+        in_flight,
+    )
+    return PipelineCosts(pp, sub, sub_mesh, pricer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,7 +267,7 @@ def plan_pipeline(
 
     submesh_shape(config.mesh.shape, pp)  # a bad pp fails before any ILP
     _check_stages(pp, layers)
-    costs = price_pipeline(config, graph, layers, pp)
+    costs = price_pipeline(config, graph, layers, pp, microbatches)
     sp = assign_stages(
         layers.num_layers,
         pp,
@@ -339,18 +316,10 @@ def stage_plan_dict(
     from autoshard.stages import stage_ranks
 
     sp, costs = result.stage_plan, result.costs
-    plan = costs.plan
     bounds = list(sp.boundaries)
     stages = []
     for s, (i, j) in enumerate(zip(bounds, bounds[1:], strict=False)):
-        params: dict[str, list[str]] = {}
-        for n, _, used in costs.params:
-            if any(i <= k < j for k in used):
-                fqn = graph.nodes[n].fqn
-                ps = plan.parameters.get(fqn)
-                for alias in graph.param_names.get(fqn, [fqn]):
-                    if ps is not None:
-                        params[alias] = placements_to_str(ps)
+        params = {k: placements_to_str(v) for k, v in costs.stage_parameters(graph, i, j).items()}
         stages.append(
             {
                 "layers": [i, j],
@@ -522,7 +491,7 @@ def run_stages(
 
 
 def _stages_options(f):
-    from autoshard.cli import _mesh_options
+    from autoshard.cli import _mesh_options, step_options
     from autoshard.units import BytesType
 
     f = click.option("-q", "--quiet", is_flag=True, help="Print only the file written.")(f)
@@ -545,7 +514,8 @@ def _stages_options(f):
         "--memory-budget",
         type=BytesType(),
         default=None,
-        help="Bytes per device a stage's parameters may take, e.g. 40GiB "
+        help="Bytes per device a stage's plan may take (parameters, gradients, AdamW state, "
+        "activations of the micro-batches in flight), e.g. 40GiB "
         "(default: the device's memory).",
     )(f)
     f = click.option(
@@ -564,6 +534,8 @@ def _stages_options(f):
         metavar="N|auto",
         help="Pipeline degree (stages); auto tries every degree the mesh admits.",
     )(f)
+    for opt in reversed(step_options()):
+        f = opt(f)
     f = _mesh_options(f)
     return click.argument("model_file", type=click.Path(path_type=Path))(f)
 
@@ -581,6 +553,8 @@ def stages_command(
     intra_node_latency,
     inter_node_latency,
     device_name,
+    mode,
+    dtype_name,
     pp_text,
     microbatches,
     memory_budget,
@@ -621,9 +595,9 @@ def stages_command(
             mesh=mesh,
             device=device,
             solver=SolverOptions(time_limit_s=time_limit),
-            # stage times from the forward graph: the joint graph's backward nodes
-            # interleave layers in reverse, which the layer split does not model yet
-            mode="infer",
+            mode=mode,
+            dtype=getattr(torch, dtype_name) if dtype_name else None,
+            memory_budget=memory_budget,
             tie=False,  # every layer traced: stages are cut between real layers
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes

@@ -469,8 +469,11 @@ def _attribute_backward_glue(gm: torch.fx.GraphModule, nodes: dict[str, NodeInfo
             layers = {nodes[a].layer for a in info.arg_nodes if nodes[a].layer is not None}
         if layers:
             # between two blocks (a residual gradient summed across a block boundary):
-            # the later block, so that each of the L - 1 boundaries counts once
-            info.layer = max(layers)
+            # the earlier block, the one the backward pass is entering. The sums form a
+            # chain from the last block down, so the later block would hand its index to
+            # every sum below it; with the earlier one each of the L - 1 boundaries counts
+            # once, in the block where the pipeline stage holding it runs it
+            info.layer = min(layers)
 
 
 def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> TracedGraph:

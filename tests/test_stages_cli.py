@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from autoshard.mesh import MeshSpec
-from autoshard.solve import SolveConfig, trace
+from autoshard.solve import SolveConfig, plan_model, trace
 from autoshard.stages import pipeline_step_time
 from autoshard.stages_cli import (
     STAGE_PLAN_FORMAT,
@@ -150,18 +150,39 @@ def blocks_graph(blocks_file):
     return config, trace(config)
 
 
-def test_layer_costs_add_up_to_the_ilp_plan(blocks_graph):
-    config, graph = blocks_graph
-    layers = layer_map(graph)
-    assert layers.source == "blocks" and layers.num_layers == 8
-    costs = price_pipeline(config, graph, layers, 2)
-    assert costs.submesh == (1, 2)
-    assert costs.layer_s.sum() == pytest.approx(costs.plan.step_time_s)
-    # each internal cut carries the (64, 256) float32 activation, sharded or not
-    assert all(0 < b <= 64 * 256 * 4 for b in costs.cut_bytes[1:-1])
-    assert costs.cut_bytes[0] == costs.cut_bytes[-1] == 0
-    # the parameters of all stages add up to the plan's parameter bytes
-    assert costs.stage_memory(0, 8) == pytest.approx(costs.plan.param_bytes)
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_one_stage_is_the_whole_model_ilp(blocks_file, mode):
+    """pp = 1: the only stage holds every node, receives and sends nothing, and with B = 1
+    its ILP is the whole model's (same objective)."""
+    config = SolveConfig(blocks_file, MeshSpec.from_options("2x2"), mode=mode, tie=False)
+    graph = trace(config)
+    costs = price_pipeline(config, graph, layer_map(graph), 1, microbatches=1)
+    whole = plan_model(config)
+    assert costs.p2p_time(0, 8) == 0
+    assert costs.stage_time(0, 8) == pytest.approx(whole.ilp.objective_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode, ways", [("infer", 1), ("train", 2)])
+def test_stage_times_on_one_device_are_layers_plus_transfers(blocks_file, mode, ways):
+    """pp = 4 on a mesh of 4: every stage has one device, so its plan is its layers'
+    compute and its boundaries' transfers of the (64, 256) float32 activation, 64 KiB at
+    t = 64 KiB / bandwidth + latency each. In training each boundary carries the
+    activation forward and its gradient back (``ways`` = 2). Layers 1..7 are identical,
+    so a middle stage of k layers costs k c + 2 ways t; cutting anywhere adds 2 ways t."""
+    mesh = MeshSpec.from_options("4")
+    config = SolveConfig(blocks_file, mesh, mode=mode, tie=False)
+    graph = trace(config)
+    costs = price_pipeline(config, graph, layer_map(graph), 4, microbatches=1)
+    t = 64 * 256 * 4 / mesh.bandwidth[0] + mesh.latency[0]
+    assert costs.p2p_time(0, 3) == pytest.approx(ways * t)
+    assert costs.p2p_time(3, 5) == pytest.approx(2 * ways * t)
+    assert costs.p2p_time(5, 8) == pytest.approx(ways * t)
+    c = costs.stage_time(1, 2) - 2 * ways * t
+    assert c > 0
+    assert costs.stage_time(2, 5) == pytest.approx(3 * c + 2 * ways * t)
+    assert costs.stage_time(0, 3) + costs.stage_time(3, 8) == pytest.approx(
+        costs.stage_time(0, 8) + 2 * ways * t
+    )
 
 
 def test_chosen_split_is_no_slower_than_the_even_one(blocks_graph):
