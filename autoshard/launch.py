@@ -553,14 +553,27 @@ def _report_time(times: list[float], predicted: object = None) -> None:
         _say(f"predicted step time: {parts} (the plan's device model)")
 
 
+def _is_stage_plan(plan: Path) -> bool:
+    """A pipeline stage plan (``autoshard stages``), which :mod:`autoshard.pipeline_launch`
+    runs, rather than a sharding map."""
+    from autoshard.pipeline_launch import is_stage_plan
+
+    return is_stage_plan(plan)
+
+
 def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
     """The per-rank body of a launch; call under torchrun. Returns the exit code.
+    A stage plan goes to :func:`autoshard.pipeline_launch.run_rank`.
 
     Raises:
         AutoshardError: not under torchrun, world size differs from the mesh, the map does
             not match the model, or the model file is bad. Every rank raises the same
             error for these, before any collective.
     """
+    if _is_stage_plan(plan):
+        from autoshard import pipeline_launch
+
+        return pipeline_launch.run_rank(plan, model, opts)
     smap = load_sharding_map(plan)
     if "WORLD_SIZE" not in os.environ:
         raise AutoshardError(
@@ -967,10 +980,16 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
     map's mesh on this node (torchrun --standalone) and exits with torchrun's exit code.
     """
     opts = RunOptions(**run)
-    smap = load_sharding_map(plan)
-    mf = load_model_file(model)
-    check_plan(smap, instantiate(mf, device="meta"), mf.path.name)
-    argv = torchrun_argv(plan, model, opts, torchrun_args, smap.world_size)
+    if _is_stage_plan(plan):
+        from autoshard.pipeline_launch import prepare_launch
+
+        n_devices = prepare_launch(plan, model)
+    else:
+        smap = load_sharding_map(plan)
+        mf = load_model_file(model)
+        check_plan(smap, instantiate(mf, device="meta"), mf.path.name)
+        n_devices = smap.world_size
+    argv = torchrun_argv(plan, model, opts, torchrun_args, n_devices)
 
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)  # so ranks import this autoshard

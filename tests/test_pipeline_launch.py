@@ -1,0 +1,426 @@
+"""Launching a pipeline stage plan (``autoshard stages``) with torch.distributed.pipelining:
+plan reading, micro-batches, shared-parameter gradients, errors, and real gloo runs under
+torchrun that must equal a single-device run.
+
+The stage plans come from the real ``autoshard stages`` command (in process), so the tests
+read the format that command writes. The multi-process tests start ``torchrun`` as
+tests/test_launch.py does: the venv's python, ``OMP_NUM_THREADS=1``, ``--standalone``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from autoshard.errors import AutoshardError
+from autoshard.launch import launch_command
+from autoshard.model_file import instantiate, load_model_file
+from autoshard.pipeline_launch import (
+    STAGE_PLAN_FORMAT,
+    canonical_names,
+    check_stage_plan,
+    check_supported,
+    check_world_size,
+    is_stage_plan,
+    load_stage_plan,
+    pipeline_loss,
+    schedule_class,
+    shared_parameters,
+    split_microbatches,
+    sum_shared_gradients,
+)
+from autoshard.stages_cli import stages_command
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2 = ROOT / "examples" / "gpt2.py"
+TIMEOUT_S = 300
+
+BLOCKS = '''
+"""Four Linear+ReLU blocks in an nn.Sequential; x: (8, 16) -> (8, 16)."""
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.layers = nn.Sequential(*[Block(d) for _ in range(4)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def build_model():
+    return Blocks()
+
+
+def example_inputs():
+    return (torch.randn(8, 16),)
+'''
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _stages(model: Path, out: Path, mesh: str, pp: int, microbatches: int) -> Path:
+    """The stage plan `autoshard stages` writes (run in process)."""
+    args = [str(model), "--mesh", mesh, "--pp", str(pp), "--microbatches", str(microbatches)]
+    result = CliRunner().invoke(stages_command, [*args, "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    return Path(result.output.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "blocks.py"
+    path.write_text(BLOCKS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plan_pp2(blocks: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mesh 2, pp=2, 4 micro-batches of 2 rows: Schedule1F1B."""
+    return _stages(blocks, tmp_path_factory.mktemp("plans"), "2", 2, 4)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def _torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def _number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in output:\n{text}"
+    return float(m.group(1))
+
+
+OUTPUT = r"output(?: of step 1)? max abs diff (\S+)"
+GRADS = r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)"
+PARAMS = r"parameters after 1 AdamW step: max abs diff (\S+)"
+
+
+def _edited(plan: Path, tmp_path: Path, edit) -> Path:
+    data = json.loads(plan.read_text())
+    edit(data)
+    path = tmp_path / "edited.stages.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+# ------------------------------------------------------------------------- plan reading
+
+
+def test_format_tag_is_the_stages_commands() -> None:
+    from autoshard.stages_cli import STAGE_PLAN_FORMAT as written
+
+    assert STAGE_PLAN_FORMAT == written
+
+
+def test_reads_the_plan_autoshard_stages_writes(plan_pp2: Path, blocks: Path) -> None:
+    plan = load_stage_plan(plan_pp2)
+    assert is_stage_plan(plan_pp2)
+    assert (plan.pp, plan.microbatches, plan.mesh_shape, plan.world_size) == (2, 4, (2,), 2)
+    assert plan.split_points == ["layers.2"]
+    assert [s.ranks for s in plan.stages] == [(0,), (1,)]
+    assert [s.module_paths for s in plan.stages] == [
+        ("layers.0", "layers.1"),
+        ("layers.2", "layers.3"),
+    ]
+    assert set(plan.stages[1].parameters) == {
+        f"layers.{i}.fc.{w}" for i in (2, 3) for w in ("weight", "bias")
+    }
+    assert plan.stage_of(1).index == 1
+    check_supported(plan)
+    check_world_size(plan, 2)
+    mf = load_model_file(blocks)
+    check_stage_plan(plan, instantiate(mf, device="meta"), "blocks.py")
+
+
+def test_other_files_are_not_stage_plans(tmp_path: Path) -> None:
+    smap = tmp_path / "map.json"
+    smap.write_text(json.dumps({"format": "autoshard.sharding_map/1", "mesh": {"shape": [2]}}))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert not is_stage_plan(smap)
+    assert not is_stage_plan(bad)
+    assert not is_stage_plan(tmp_path / "missing.json")
+    with pytest.raises(AutoshardError, match="format 'autoshard.sharding_map/1', not"):
+        load_stage_plan(smap)
+    with pytest.raises(AutoshardError, match=r"not valid JSON \(line 1"):
+        load_stage_plan(bad)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.pop("stages"), r"not a valid stage plan \(key 'stages'\)"),
+        (lambda d: d.update(pp=3), "pp is 3 but the plan lists 2 stage"),
+        (lambda d: d.update(microbatches=0), "microbatches is 0"),
+        (lambda d: d["stages"][0].update(split_points=[]), "stage 0 has 0 split points"),
+        (lambda d: d["stages"][1].update(ranks=[0]), r"ranks \[0, 0\] are not 0..1"),
+        (lambda d: d["stages"][0].update(submesh="1"), "submesh must be a list of integers"),
+    ],
+)
+def test_bad_plans_are_one_line_errors(plan_pp2: Path, tmp_path: Path, edit, message) -> None:
+    with pytest.raises(AutoshardError, match=message):
+        load_stage_plan(_edited(plan_pp2, tmp_path, edit))
+
+
+def test_world_size_error_names_both_numbers(plan_pp2: Path) -> None:
+    with pytest.raises(AutoshardError) as err:
+        check_world_size(load_stage_plan(plan_pp2), 3)
+    assert str(err.value).startswith(
+        "the stage plan's mesh 2 needs 2 processes but torchrun started 3; pass --nproc-per-node 2"
+    )
+
+
+def test_plan_must_fit_the_model(plan_pp2: Path, blocks: Path, tmp_path: Path) -> None:
+    loaded = instantiate(load_model_file(blocks), device="meta")
+    renamed = _edited(plan_pp2, tmp_path, lambda d: d["stages"][0].update(split_points=["h.2"]))
+    with pytest.raises(AutoshardError, match="splits at h.2, which blocks.py has no submodule"):
+        check_stage_plan(load_stage_plan(renamed), loaded, "blocks.py")
+
+    def extra(d):
+        d["stages"][1]["parameters"]["head.weight"] = ["R"]
+
+    with pytest.raises(AutoshardError, match="1 parameter.s. that blocks.py lacks: head.weight"):
+        check_stage_plan(load_stage_plan(_edited(plan_pp2, tmp_path, extra)), loaded, "blocks.py")
+
+
+def _intra_stage(d: dict) -> None:
+    """The pp=2 plan as if on mesh 4: two devices per stage."""
+    d["mesh"]["shape"] = [4]
+    for i, s in enumerate(d["stages"]):
+        s["submesh"] = [2]
+        s["ranks"] = [2 * i, 2 * i + 1]
+
+
+def test_intra_stage_sharding_is_refused_before_torchrun(
+    plan_pp2: Path, blocks: Path, tmp_path: Path
+) -> None:
+    plan = _edited(plan_pp2, tmp_path, _intra_stage)
+    with pytest.raises(AutoshardError, match="pp x intra-stage sharding is not supported yet"):
+        check_supported(load_stage_plan(plan))
+    result = CliRunner().invoke(launch_command, [str(plan), str(blocks)])
+    assert isinstance(result.exception, AutoshardError)  # the CLI prints it, exits 2
+    assert "stage 0 of" in str(result.exception)
+    assert "has submesh 2 (2 devices)" in str(result.exception)
+    assert "running:" not in result.output  # torchrun never started
+
+
+# ----------------------------------------------------------------------- micro-batches
+
+
+def test_microbatches_are_equal_chunks_of_dim_0() -> None:
+    x = torch.arange(24.0).reshape(8, 3)
+    ids = torch.arange(16).reshape(8, 2)
+    mbs = split_microbatches((x, ids), 4, ("x", "ids"))
+    assert len(mbs) == 4
+    assert all(m[0].shape == (2, 3) and m[1].shape == (2, 2) for m in mbs)
+    assert torch.equal(torch.cat([m[0] for m in mbs]), x)
+    assert torch.equal(torch.cat([m[1] for m in mbs]), ids)
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    with pytest.raises(
+        AutoshardError,
+        match=r"x of shape \(6, 3\) has batch size 6 \(dim 0\), "
+        "which 4 micro-batches do not divide",
+    ):
+        split_microbatches((torch.zeros(6, 3),), 4, ("x",))
+    with pytest.raises(AutoshardError, match="has no dims"):
+        split_microbatches((torch.zeros(()),), 2)
+    with pytest.raises(AutoshardError, match="at least 1"):
+        split_microbatches((torch.zeros(4),), 0)
+
+
+def test_schedule_is_1f1b_when_micro_batches_fill_the_pipeline() -> None:
+    assert schedule_class(2, 4).__name__ == "Schedule1F1B"
+    assert schedule_class(2, 2).__name__ == "Schedule1F1B"
+    assert schedule_class(3, 2).__name__ == "ScheduleGPipe"
+
+
+def test_micro_batch_losses_add_up_to_the_full_batch_loss() -> None:
+    torch.manual_seed(0)
+    out = torch.randn(8, 5)
+    parts = [pipeline_loss(c, None) for c in out.chunk(4)]
+    assert torch.allclose(sum(parts), pipeline_loss(out), rtol=0, atol=1e-5)
+    assert pipeline_loss({"logits": out, "other": torch.ones(1)}) == out.sum()
+
+
+# ------------------------------------------------------------------ shared parameters
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_tied_parameters_map_to_one_name_and_are_shared() -> None:
+    canonical = canonical_names(_Tied())
+    assert canonical == {"emb.weight": "emb.weight", "head.weight": "emb.weight"}
+
+    first = nn.Module()
+    first.emb = nn.Embedding(10, 4)
+    last = nn.Module()
+    last.head = nn.Linear(4, 10, bias=False)
+    last.other = nn.Linear(2, 2)
+    shared = shared_parameters([first, last], canonical)
+    assert shared == {"emb.weight": (0, 1)}
+
+
+def test_copies_of_a_parameter_in_one_stage_get_the_summed_gradient() -> None:
+    canonical = {"emb.weight": "emb.weight", "head.weight": "emb.weight"}
+    stage = nn.Module()
+    stage.emb = nn.Embedding(3, 2)
+    stage.head = nn.Linear(2, 3, bias=False)  # a copy the tracer made: another tensor
+    stage.emb.weight.grad = torch.ones(3, 2)
+    stage.head.weight.grad = torch.full((3, 2), 2.0)
+    sum_shared_gradients(stage, canonical, {})
+    assert torch.equal(stage.emb.weight.grad, torch.full((3, 2), 3.0))
+    assert torch.equal(stage.head.weight.grad, torch.full((3, 2), 3.0))
+    assert stage.emb.weight.grad is not stage.head.weight.grad
+
+
+# ------------------------------------------------------------------ real torchrun runs
+
+
+def test_forward_through_autoshard_launch_matches_one_device(plan_pp2: Path, blocks: Path) -> None:
+    cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan_pp2), str(blocks), "--check"]
+    run = subprocess.run(
+        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert "--nproc-per-node 2 --standalone" in run.stderr
+    assert "stage plan pp=2 on mesh 2" in out
+    assert "stage 0: layers.0 .. layers.1 on rank 0" in out
+    assert "stage 1: layers.2 .. layers.3 on rank 1" in out
+    assert "micro-batches: 4 of 2 (global batch 8), schedule Schedule1F1B" in out
+    assert _number(OUTPUT, out) <= 1e-6
+    assert "FAILED" not in out
+
+
+def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
+    """1F1B over 4 micro-batches, 2 AdamW steps: step 1's output, gradients and parameters
+    equal the single-device run up to float32 rounding of the smaller matmuls."""
+    run = _torchrun(2, str(plan_pp2), str(blocks), "--train", "--steps", "2", "--check")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert _number(OUTPUT, out) <= 1e-6
+    assert _number(GRADS, out) <= 1e-6
+    assert _number(PARAMS, out) <= 1e-6
+    assert "over 8 tensors" in out
+    assert "drift after 2 steps" in out
+    assert "mean of steps 2-2" in out
+    assert "FAILED" not in out
+
+
+def test_three_stages_gpipe_train_matches_one_device(blocks: Path, tmp_path: Path) -> None:
+    """pp=3 with 2 micro-batches (fewer than the stages): ScheduleGPipe, a middle stage."""
+    plan = _stages(blocks, tmp_path, "3", 3, 2)
+    run = _torchrun(3, str(plan), str(blocks), "--train", "--check")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert "micro-batches: 2 of 4 (global batch 8), schedule ScheduleGPipe" in out
+    assert _number(OUTPUT, out) <= 1e-6
+    assert _number(GRADS, out) <= 1e-6
+    assert _number(PARAMS, out) <= 1e-6
+    assert "FAILED" not in out
+
+
+def test_check_beyond_tolerance_exits_1_on_every_rank(plan_pp2: Path, blocks: Path) -> None:
+    run = _torchrun(2, str(plan_pp2), str(blocks), "--train", "--check", "--grad-rtol", "1e-12")
+    assert run.returncode == 1, run.stdout + run.stderr[-3000:]
+    assert "FAILED" in run.stdout
+    assert "check: beyond tolerance: grad layers." in run.stdout
+
+
+def test_wrong_process_count_exits_2_with_one_line(plan_pp2: Path, blocks: Path) -> None:
+    run = _torchrun(1, str(plan_pp2), str(blocks))
+    assert run.returncode != 0
+    assert (
+        "error: the stage plan's mesh 2 needs 2 processes but torchrun started 1; "
+        "pass --nproc-per-node 2"
+    ) in run.stderr
+    assert "exitcode  : 2" in run.stderr
+
+
+def _gpt2_short(tmp_path: Path) -> Path:
+    """examples/gpt2.py's model (AUTOSHARD_LAYERS layers) with input_ids of shape (4, 32)."""
+    path = tmp_path / "gpt2_short.py"
+    path.write_text(
+        textwrap.dedent(
+            f'''
+            """examples/gpt2.py's GPT-2 with input_ids of global shape (4, 32)."""
+            import importlib.util
+
+            import torch
+
+            _spec = importlib.util.spec_from_file_location("_gpt2_example", {str(GPT2)!r})
+            _gpt2 = importlib.util.module_from_spec(_spec)
+            _spec.loader.exec_module(_gpt2)
+            build_model = _gpt2.build_model
+
+
+            def example_inputs():
+                return (torch.randint(0, 50257, (4, 32)),)
+            '''
+        )
+    )
+    return path
+
+
+def test_gpt2_two_layers_trains_like_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF GPT-2, 2 blocks, one per stage, 2 micro-batches. The tied embedding / LM head
+    is in both stages (pipelining copies it): its gradient is summed across them, so it
+    equals the single-device one."""
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    model = _gpt2_short(tmp_path)
+    plan = _stages(model, tmp_path, "2", 2, 2)
+    assert load_stage_plan(plan).split_points == ["transformer.h.1"]
+    run = _torchrun(2, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert "gradients summed across them): transformer.wte.weight" in out
+    assert _number(OUTPUT, out) <= 1e-5
+    assert _number(GRADS, out) <= 1e-5
+    assert _number(PARAMS, out) <= 1e-5
+    assert "over 28 tensors" in out  # every parameter, the tied one once
+    assert "FAILED" not in out
