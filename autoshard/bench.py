@@ -6,7 +6,9 @@ its peak resident memory is its own. Prints one rich table; ``--json`` prints th
 Cases (default H100 cost model, default links, --mip-gap 0.1%): the forward graph of the
 MLP, GPT-2 small (12 layers) and the Llama-2-7B shape (32 layers) on 2x4; training steps
 of GPT-2 small with and without layer tying; and the scaling table: the Llama-7B shape
-with 2, 8 and 32 layers and the Llama-3-70B shape with 80 layers, on 2x4, 4x8 and 8x8.
+with 2, 8 and 32 layers and the Llama-3-70B shape with 80 layers, on 2x4, 4x8 and 8x8;
+pipeline stages (``autoshard stages``, training, 8 micro-batches) of GPT-2 small and an
+8-layer Llama-7B shape.
 """
 
 from __future__ import annotations
@@ -45,6 +47,49 @@ for _mesh in ("2x4", "4x8", "8x8"):
             "examples/llama.py", _mesh, "train", _layers
         )
     CASES[f"train llama-70b-shape L80 {_mesh}"] = _case("examples/llama70b.py", _mesh, "train")
+# issue 6: pipeline stages, one ILP per candidate stage (training, 8 micro-batches)
+CASES["stages gpt2-small 2x4 pp2"] = {**_case("examples/gpt2.py", "2x4", "train"), "pp": 2}
+CASES["stages gpt2-small 2x4 pp4"] = {**_case("examples/gpt2.py", "2x4", "train"), "pp": 4}
+CASES["stages llama-7b-shape L8 2x4 pp2"] = {
+    **_case("examples/llama.py", "2x4", "train", 8),
+    "pp": 2,
+}
+
+
+def run_stages_case(name: str) -> dict:
+    """Plan the pipeline stages of one case (``autoshard stages``) in this process."""
+    import time
+
+    from autoshard.mesh import MeshSpec
+    from autoshard.solve import SolveConfig, peak_rss_bytes, trace
+    from autoshard.stages_cli import layer_map, plan_pipeline
+
+    case = CASES[name]
+    os.environ.update(case["env"])
+    config = SolveConfig(
+        model_path=ROOT / case["file"],
+        mesh=MeshSpec.from_options(case["mesh"]),
+        mode=case["mode"],
+        tie=False,
+    )
+    t0 = time.perf_counter()
+    graph = trace(config)
+    trace_s = time.perf_counter() - t0
+    layers = layer_map(graph)
+    result = plan_pipeline(config, graph, layers, case["pp"], 8)
+    total = time.perf_counter() - t0
+    step = result.stage_plan.step_time_s
+    return {
+        "case": name,
+        "trace_s": round(trace_s, 3),
+        "total_s": round(total, 3),
+        "nodes": len(graph.nodes),
+        "stage_ilps": result.costs.pricer.ilps,
+        "status": f"balance {list(result.stage_plan.balance)}",
+        "objective_s": step,
+        "objective_ms": round(step * 1e3, 4),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 def run_case(name: str) -> dict:
@@ -53,6 +98,8 @@ def run_case(name: str) -> dict:
     from autoshard.solve import SolveConfig, plan_model
 
     case = CASES[name]
+    if "pp" in case:
+        return run_stages_case(name)
     os.environ.update(case["env"])
     config = SolveConfig(
         model_path=ROOT / case["file"],
@@ -123,6 +170,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         ("decision nodes", "decision_nodes"),
         ("strategies", "strategies"),
         ("ILP variables", "ilp_variables"),
+        ("stage ILPs", "stage_ilps"),
         ("status", "status"),
         ("gap", "gap"),
         ("peak memory", "peak_rss_bytes"),
@@ -140,7 +188,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
             elif isinstance(v, float):
                 cells.append(f"{v:.2f}" if key.endswith("_s") else f"{v:.6g}")
             else:
-                cells.append(str(v))
+                cells.append("-" if v is None else str(v))
         table.add_row(*cells)
     console.print(table)
 

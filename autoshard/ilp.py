@@ -356,12 +356,20 @@ def _fixed_mip(prob: _Problem, memory, decided: np.ndarray, options: SolverOptio
         problem.solve(
             solver=cp.HIGHS,
             time_limit=float(options.time_limit_s),
-            mip_rel_gap=0.0,
+            # the caller measures the plan's gap against the LP bound, so proving the
+            # restricted MIP optimal buys nothing (and with a memory row can take long)
+            mip_rel_gap=float(options.mip_gap),
             mip_abs_gap=0.0,
         )
     except cp.error.SolverError:
         return None
     return x.value if problem.status == cp.OPTIMAL else None
+
+
+def least_memory(sg: StrategyGraph, m: np.ndarray, options: SolverOptions | None = None) -> float:
+    """The least bytes per device any plan of ``sg`` keeps, for the memory row ``m`` (over
+    the ILP's variables, as :func:`autoshard.memory.ilp_row` gives it)."""
+    return _least_memory(build_problem(sg), m, options or SolverOptions())
 
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:

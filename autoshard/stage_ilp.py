@@ -288,7 +288,9 @@ class StagePrice:
     """One stage priced by its own ILP.
 
     Attributes:
-        time_s: seconds per micro-batch (the ILP's objective; inf when no plan fits).
+        time_s: seconds per micro-batch (the ILP's objective); inf when the stage has no
+            plan, 0 when it has none within the memory budget (then ``memory_bytes`` is the
+            least it can reach, above the budget, so the stage is never chosen).
         p2p_s: of which sends and receives.
         memory_bytes: bytes per device (parameters, gradients, optimizer state and the
             saved activations of the micro-batches in flight) of its plan.
@@ -379,16 +381,22 @@ class StagePricer:
         return self._cache[key]
 
     def _solve(self, stage: StageGraph) -> StagePrice:
-        from autoshard.ilp import solve
+        from autoshard.ilp import least_memory, solve
         from autoshard.memory import ilp_row, memory_rows
 
         sub = stage.sg
         row = ilp_row(sub, memory_rows(sub, self.config.memory_model(), self.in_flight))
         self.ilps += 1
+        budget = self.config.budget()
         try:
-            res = solve(sub, self.config.solver, memory=(row, self.config.budget()))
+            res = solve(sub, self.config.solver, memory=(row, budget))
         except AutoshardError as exc:
-            return StagePrice(math.inf, math.inf, math.inf, status=str(exc))
+            # no plan under the budget: the stage's least memory lets assign_stages name
+            # the smallest fullest stage any split reaches
+            least = least_memory(sub, row, self.config.solver)
+            if least > budget:  # runnable, but over the budget: assign_stages rejects it
+                return StagePrice(0.0, 0.0, least, status=str(exc))
+            return StagePrice(math.inf, math.inf, least, status=str(exc))
         memory = float(sum(row[self._offsets(sub)[r] + c] for r, c in res.choice.items()))
         return StagePrice(
             res.objective_s,

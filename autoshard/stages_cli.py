@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,8 @@ def plan_pipeline(
         pp,
         microbatches,
         lambda i, j: StageCost(costs.stage_time(i, j), costs.stage_memory(i, j)),
-        memory_budget=memory_budget,
+        # stages over the budget carry time 0 (see StagePrice): always filter by memory
+        memory_budget=memory_budget if memory_budget is not None else config.budget(),
     )
     return StagesResult(costs, sp)
 
@@ -390,7 +392,7 @@ def print_stages(console: Console, data: dict[str, Any], path: Path | None = Non
         ("ranks", [f"{st['ranks'][0]}..{st['ranks'][-1]}" for st in stages]),
         ("time / micro-batch", [format_seconds(st["predicted"]["time_s"]) for st in stages]),
         ("  of which send/recv", [format_seconds(st["predicted"]["p2p_s"]) for st in stages]),
-        ("parameters / device", [format_bytes(st["predicted"]["memory_bytes"]) for st in stages]),
+        ("memory / device", [format_bytes(st["predicted"]["memory_bytes"]) for st in stages]),
     ]
     for label, cells in rows:
         table.add_row(label, *cells)
@@ -457,27 +459,40 @@ def run_stages(
     layers = layer_map(graph)
     log.print(f"{layers.num_layers} layers ({layers.source})")
     tried: dict[int, Any] = {}
+    degrees = (
+        [pp]
+        if pp is not None
+        else [d for d in pipeline_degrees(mesh.shape) if d <= layers.num_layers]
+    )
+    best = None
+    for d in degrees:
+        t0 = time.perf_counter()
+        log.print(
+            f"pp={d}: one intra-op ILP per candidate stage on submesh "
+            f"{'x'.join(map(str, submesh_shape(mesh.shape, d)))}"
+        )
+        try:
+            r = plan_pipeline(config, graph, layers, d, microbatches, memory_budget)
+        except AutoshardError as exc:
+            if pp is not None:
+                raise
+            tried[d] = f"infeasible ({exc})"
+            continue
+        log.print(
+            f"pp={d}: {r.costs.pricer.ilps} stage ILPs ({r.stage_plan.stage_cost_calls} stages "
+            f"priced) in {time.perf_counter() - t0:.1f} s"
+        )
+        tried[d] = r
+        if best is None or r.stage_plan.step_time_s < best.stage_plan.step_time_s * (1 - 1e-12):
+            best = r
+    if best is None:
+        raise AutoshardError(
+            "no pipeline degree of mesh "
+            f"{mesh.shape_str} gives a feasible stage plan: "
+            + "; ".join(f"pp={k}: {v}" for k, v in tried.items())
+        )
     if pp is not None:
-        best = plan_pipeline(config, graph, layers, pp, microbatches, memory_budget)
-    else:
-        best = None
-        degrees = [d for d in pipeline_degrees(mesh.shape) if d <= layers.num_layers]
-        for d in degrees:
-            log.print(f"pp={d}: solving the intra-op ILP on submesh {submesh_shape(mesh.shape, d)}")
-            try:
-                r = plan_pipeline(config, graph, layers, d, microbatches, memory_budget)
-            except AutoshardError as exc:
-                tried[d] = f"infeasible ({exc})"
-                continue
-            tried[d] = r
-            if best is None or r.stage_plan.step_time_s < best.stage_plan.step_time_s * (1 - 1e-12):
-                best = r
-        if best is None:
-            raise AutoshardError(
-                "no pipeline degree of mesh "
-                f"{mesh.shape_str} gives a feasible stage plan: "
-                + "; ".join(f"pp={k}: {v}" for k, v in tried.items())
-            )
+        tried = {}
     data = stage_plan_dict(graph, layers, best, mesh, tried or None)
     out = Path(out_dir)
     try:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from torch.distributed.tensor import Replicate
 
+from autoshard.ilp import SolverOptions
 from autoshard.mesh import MeshSpec
 from autoshard.solve import SolveConfig, plan_model, trace
 from autoshard.stages import pipeline_step_time
@@ -65,6 +68,8 @@ def build_model():
 def example_inputs():
     return (torch.randn(32, 128),)
 """
+
+R = Replicate()
 
 # Links so fast that the boundary transfers are negligible next to the layers.
 FAST = ["--inter-node-bw", "1000TB/s", "--inter-node-latency", "0s"]
@@ -254,3 +259,34 @@ def test_heavy_block_gets_a_stage_of_its_own(tmp_path):
     assert data["balance"] == [2, 1, 2]
     assert data["stages"][1]["module_paths"] == ["blocks.2"]
     assert data["stages"][0]["split_points"] == ["blocks.2"]
+
+
+def test_stage_memory_budget_shards_the_stage(blocks_file, tmp_path):
+    """Training on 2x2, pp = 2: a stage of 4 blocks keeps 4 x 16 B per weight element
+    (parameter, gradient, two AdamW moments: 4 MiB replicated) plus the activations of
+    min(pp, B) = 2 micro-batches. Under a 4 MiB budget its own ILP must shard weights over
+    the stage's 2 devices, and pays for it in time; under 1 MiB no stage fits and the
+    error names the least memory of the best split."""
+    mesh = MeshSpec.from_options("2x2")
+    # a budget that binds makes the MIP prove a knapsack-like bound: 5% is plenty here
+    base = SolveConfig(
+        blocks_file, mesh, mode="train", tie=False, solver=SolverOptions(mip_gap=0.05)
+    )
+    graph = trace(base)
+    priced = {}
+    for budget in (None, 4 * 2**20):
+        config = dataclasses.replace(base, memory_budget=budget)
+        costs = price_pipeline(config, graph, layer_map(graph), 2, microbatches=8)
+        priced[budget] = (costs.stage_time(0, 4), costs.stage_memory(0, 4))
+        params = costs.stage_parameters(graph, 0, 4)
+    free, tight = priced[None], priced[4 * 2**20]
+    assert free[1] > 4 * 2**20 >= tight[1]
+    assert tight[0] >= free[0]
+    assert any(ps[1] != R for ps in params.values())  # sharded over the stage's 2 devices
+
+    result = _run(
+        blocks_file, "--mesh", "2x2", "--pp", 2, "--memory-budget", "1MiB", "--out", tmp_path
+    )
+    assert result.exit_code == 2
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert "fits the memory budget of 1.00 MiB" in line and "fullest stage" in line
