@@ -14,6 +14,9 @@ Two entry points share one set of options:
   ``distribute_tensor``-ed per the map, inputs placed per the map, then ``--steps``
   forward passes (with ``--train``: loss = sum of the output, backward, AdamW step).
 
+A pipeline stage plan (``autoshard stages``, ``"format": "autoshard.stage_plan/1"``) given
+as PLAN goes to :mod:`autoshard.pipeline_launch` instead.
+
 ``--check`` makes rank 0 run the same model, seed and inputs on one device and compare:
 the output of the last step and, with ``--train``, step 1's gradients and every parameter
 after the steps (see :func:`compare_runs`); beyond tolerance every rank exits 1. Rank 0
@@ -974,7 +977,8 @@ def torchrun_argv(
 @_run_options
 @click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHRUN...]")
 def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **run: Any) -> None:
-    """Run MODEL sharded per the sharding map PLAN (JSON) under torchrun.
+    """Run MODEL sharded per the sharding map PLAN (JSON) under torchrun. PLAN may also be
+    a stage plan from `autoshard stages` (one device per stage), run as a pipeline.
 
     Checks the map against the model first, then starts one process per device of the
     map's mesh on this node (torchrun --standalone) and exits with torchrun's exit code.

@@ -49,6 +49,7 @@ from autoshard.launch import (
     RunOptions,
     _listing,
     _max_abs_diff,
+    _Recorder,
     _report_check,
     _say,
     _sync,
@@ -571,8 +572,6 @@ def _check(
 ) -> int:
     """Each rank compares its stage with a whole-model run on its device; rank 0 reports;
     every rank returns the verdict (0 pass, 1 fail)."""
-    from autoshard.launch import _Recorder
-
     ref = materialize(mf, opts.seed, device).loaded
     ref_rec = _Recorder(keep=True)
     ref_result = run_steps(ref.module, ref.inputs, opts, device, observer=ref_rec)
