@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate
 from autoshard.errors import AutoshardError
 from autoshard.mesh import MeshSpec
 from autoshard.plan import local_bytes
-from autoshard.strategies import Edge, NodeStrategies, StrategyGraph
+from autoshard.strategies import Edge, NodeStrategies, StrategyGraph, tie_layers
 
 __all__ = ["StageGraph", "StagePrice", "StagePricer", "node_layers", "stage_graph"]
 
@@ -106,6 +106,7 @@ def stage_graph(
     mesh: MeshSpec,
     sync_scale: float = 1.0,
     sync_sinks: Iterable[str] = (),
+    tie: bool = True,
 ) -> StageGraph:
     """Cut the nodes ``members`` of ``sg`` out into a stage's own strategy graph.
 
@@ -121,6 +122,9 @@ def stage_graph(
       representative's cost.
     - Edges into ``sync_sinks`` (the gradient reductions of a training step) are scaled
       by ``sync_scale`` (1/B: once per step, not once per micro-batch).
+    - With ``tie``, identical layers of the stage share variables, as ``autoshard solve``
+      ties them (:func:`autoshard.strategies.tie_layers`): far fewer variables, the same
+      plan for every copy of a block within the stage.
 
     Raises:
         AutoshardError: when ``members`` holds no node of ``sg``.
@@ -244,6 +248,8 @@ def stage_graph(
     extra = {new_rep[r]: v for r, v in sg.extra_cost.items() if r in new_rep}
     for r, v in send_s.items():
         extra[r] = extra.get(r, 0) + v
+    if tie:
+        edges, extra, send_s = _tie(graph, out_nodes, members, edges, extra, send_s)
     sub = StrategyGraph(
         graph=sg.graph,
         mesh_shape=sg.mesh_shape,
@@ -253,8 +259,43 @@ def stage_graph(
         fallback_ops=Counter(),
         seconds=0.0,
         extra_cost=extra,
+        tied_layers=0,
     )
     return StageGraph(sub, list(incoming), send_s)
+
+
+def _tie(graph, out_nodes, members, edges, extra, send_s):
+    """Tie the stage's identical layers (:func:`autoshard.strategies.tie_layers`), then
+    move edges and linear costs onto the tied variables: an edge whose two ends now share
+    a variable becomes a linear cost of it, and equal edges are summed into one."""
+    tie_layers(graph, {n: ns for n, ns in out_nodes.items() if n in members})
+
+    def final(rep: str) -> str:
+        return out_nodes[rep].rep
+
+    def add(d: dict, r: str, v) -> None:
+        d[r] = d.get(r, 0) + v
+
+    new_extra: dict[str, np.ndarray] = {}
+    for r, v in extra.items():
+        add(new_extra, final(r), v)
+    new_send: dict[str, np.ndarray] = {}
+    for r, v in send_s.items():
+        add(new_send, final(r), v)
+    merged: dict[tuple, Edge] = {}
+    for e in edges:
+        src, dst = final(e.src), final(e.dst)
+        if src == dst:
+            per = e.cost[e.src_groups, e.dst_groups]
+            if np.any(per):
+                add(new_extra, src, per)
+            continue
+        key = (src, dst, e.src_groups.tobytes(), e.dst_groups.tobytes(), e.cost.shape)
+        if key in merged:
+            merged[key].cost = merged[key].cost + e.cost
+        else:
+            merged[key] = replace(e, src=src, dst=dst)
+    return list(merged.values()), new_extra, new_send
 
 
 def _source_strategies(ns: NodeStrategies) -> list[int]:
@@ -315,6 +356,7 @@ class StagePricer:
         microbatches: B; gradient reductions cost 1/B per micro-batch.
         in_flight: copies of a micro-batch's saved activations a stage keeps (1F1B: up to
             the pipeline degree at the first stage; this bound is used for every stage).
+        tie: identical layers within a stage share one plan (:func:`stage_graph`).
     """
 
     def __init__(
@@ -326,8 +368,10 @@ class StagePricer:
         num_layers: int,
         microbatches: int,
         in_flight: int,
+        tie: bool = True,
     ) -> None:
         self.config = config
+        self.tie = tie
         self.sg = sg
         self.num_layers = num_layers
         self.microbatches = microbatches
@@ -371,6 +415,7 @@ class StagePricer:
             self.config.mesh,
             sync_scale=1.0 / self.microbatches,
             sync_sinks=self.sync_sinks,
+            tie=self.tie,
         )
 
     def price(self, i: int, j: int) -> StagePrice:
@@ -397,7 +442,8 @@ class StagePricer:
             if least > budget:  # runnable, but over the budget: assign_stages rejects it
                 return StagePrice(0.0, 0.0, least, status=str(exc))
             return StagePrice(math.inf, math.inf, least, status=str(exc))
-        memory = float(sum(row[self._offsets(sub)[r] + c] for r, c in res.choice.items()))
+        offsets = self._offsets(sub)
+        memory = float(sum(row[offsets[r] + c] for r, c in res.choice.items()))
         return StagePrice(
             res.objective_s,
             stage.p2p_s(res.choice),

@@ -161,8 +161,7 @@ def test_a_loss_linear_in_the_output_lets_a_partial_output_reach_it(tmp_path):
     cfg = SolveConfig(model_path=write_mlp(tmp_path, 32768, 1024, 16384), mesh=SLOW_FAST)
     sg = strategies(cfg, trace(cfg))
     ilp, meg = (
-        plan_for_algo(sg, a, SLOW_FAST, SolverOptions(mip_gap=0.0))[0]
-        for a in ("ilp", "megatron")
+        plan_for_algo(sg, a, SLOW_FAST, SolverOptions(mip_gap=0.0))[0] for a in ("ilp", "megatron")
     )
     assert meg.parameters["fc2.weight"] == (R, Shard(1))
     assert ilp.parameters["fc2.weight"][0] == Shard(1)  # row-parallel on the slow dim
