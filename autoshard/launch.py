@@ -958,7 +958,7 @@ def torchrun_argv(
         if nproc_text and nproc_text.isdigit() and int(nproc_text) * (nnodes or 1) != n_devices:
             started = int(nproc_text) * (nnodes or 1)
             raise AutoshardError(
-                f"the sharding map's mesh needs {n_devices} processes but --nproc-per-node "
+                f"the plan's mesh needs {n_devices} processes but --nproc-per-node "
                 f"{nproc_text}{f' x --nnodes {nnodes}' if nnodes else ''} starts {started}"
             )
     if not names & _RDZV_OPTIONS:

@@ -22,7 +22,7 @@ import sys
 import traceback
 import types
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,3 +303,28 @@ def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedMod
     names = positional[: len(inputs)]
     names += [f"{var}_{i}" for i in range(len(inputs) - len(names))]
     return LoadedModel(module=module, inputs=inputs, input_names=tuple(names), name=mf.name)
+
+
+def split_microbatches(
+    inputs: Sequence[torch.Tensor], n: int, names: Sequence[str] | None = None
+) -> list[tuple[torch.Tensor, ...]]:
+    """The global batch as ``n`` micro-batches: every input split into ``n`` equal chunks
+    along dim 0, as the pipeline schedules split it (``torch.tensor_split``).
+
+    Raises:
+        AutoshardError: ``n < 1``, an input without dims, or a dim 0 that ``n`` does not
+            divide (the message names the input and both numbers).
+    """
+    if n < 1:
+        raise AutoshardError(f"micro-batches must be at least 1, got {n}")
+    names = list(names) if names is not None else [f"input {i}" for i in range(len(inputs))]
+    for name, x in zip(names, inputs, strict=True):
+        if x.dim() == 0 or x.shape[0] % n:
+            size = "no dims" if x.dim() == 0 else f"batch size {x.shape[0]} (dim 0)"
+            raise AutoshardError(
+                f"{name} of shape {tuple(x.shape)} has {size}, which {n} micro-batches do not "
+                f"divide; give example_inputs() a batch that is a multiple of {n}, or plan "
+                "with another --microbatches"
+            )
+    chunks = [x.tensor_split(n) for x in inputs]
+    return [tuple(c[i] for c in chunks) for i in range(n)]

@@ -59,13 +59,15 @@ from autoshard.launch import (
     run_steps,
 )
 from autoshard.materialize import build_skeleton, init_parameters, make_inputs, materialize
-from autoshard.model_file import LoadedModel, ModelFile, instantiate, load_model_file
+from autoshard.model_file import (
+    LoadedModel,
+    ModelFile,
+    instantiate,
+    load_model_file,
+    split_microbatches,
+)
+from autoshard.solution_io import STAGE_PLAN_FORMAT
 from autoshard.units import format_bytes, format_seconds
-
-STAGE_PLAN_FORMAT = "autoshard.stage_plan/1"
-"""The ``"format"`` of a stage plan. Equal to ``autoshard.stages_cli.STAGE_PLAN_FORMAT``
-(a test checks it); not imported from there because that module imports the solver
-(cvxpy, ~1 s), which every rank and every sharding-map launch would pay for."""
 
 __all__ = [
     "STAGE_PLAN_FORMAT",
@@ -363,31 +365,6 @@ def check_stage_plan(plan: StagePlanFile, loaded: LoadedModel, model_name: str) 
 
 
 # ---------------------------------------------------------------------- micro-batches
-
-
-def split_microbatches(
-    inputs: Sequence[torch.Tensor], n: int, names: Sequence[str] | None = None
-) -> list[tuple[torch.Tensor, ...]]:
-    """The global batch as ``n`` micro-batches: every input split into ``n`` equal chunks
-    along dim 0, as the pipeline schedules split it (``torch.tensor_split``).
-
-    Raises:
-        AutoshardError: ``n < 1``, an input without dims, or a dim 0 that ``n`` does not
-            divide (the message names the input and both numbers).
-    """
-    if n < 1:
-        raise AutoshardError(f"micro-batches must be at least 1, got {n}")
-    names = list(names) if names is not None else [f"input {i}" for i in range(len(inputs))]
-    for name, x in zip(names, inputs, strict=True):
-        if x.dim() == 0 or x.shape[0] % n:
-            size = "no dims" if x.dim() == 0 else f"batch size {x.shape[0]} (dim 0)"
-            raise AutoshardError(
-                f"{name} of shape {tuple(x.shape)} has {size}, which {n} micro-batches do not "
-                f"divide; give example_inputs() a batch that is a multiple of {n}, or plan "
-                "with another --microbatches"
-            )
-    chunks = [x.tensor_split(n) for x in inputs]
-    return [tuple(c[i] for c in chunks) for i in range(n)]
 
 
 def schedule_class(pp: int, microbatches: int) -> type:

@@ -70,6 +70,7 @@ __all__ = [
     "MASE_FORMAT",
     "PICKLE_PROTOCOL",
     "SHARDING_MAP_FORMAT",
+    "STAGE_PLAN_FORMAT",
     "SOLUTION_FORMAT",
     "ShardingMap",
     "atomic_write",
@@ -91,6 +92,9 @@ MASE_FORMAT = "mase"
 
 SHARDING_MAP_FORMAT = "autoshard.sharding_map/1"
 """The ``"format"`` tag of a sharding map written by this autoshard."""
+
+STAGE_PLAN_FORMAT = "autoshard.stage_plan/1"
+"""The ``"format"`` tag of a pipeline stage plan (``autoshard stages``)."""
 
 PICKLE_PROTOCOL = 4
 """dill's default protocol; placements need protocol >= 2 (lower ones crash the interpreter)."""

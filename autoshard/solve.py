@@ -22,7 +22,7 @@ from autoshard.errors import AutoshardError
 from autoshard.ilp import ILPResult, SolverOptions, solve
 from autoshard.memory import MemoryModel, ilp_row, memory_by_kind, memory_rows
 from autoshard.mesh import MeshSpec
-from autoshard.model_file import instantiate, load_model_file
+from autoshard.model_file import instantiate, load_model_file, split_microbatches
 from autoshard.plan import Plan, build_plan
 from autoshard.strategies import StrategyGraph, build_strategy_graph
 from autoshard.trace import TracedGraph, reduce_depth, trace_model
@@ -106,11 +106,23 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def trace(config: SolveConfig, progress: Progress | None = None) -> TracedGraph:
-    """Load the model file, build it on meta, trace and annotate it."""
+def trace(
+    config: SolveConfig, progress: Progress | None = None, microbatches: int = 1
+) -> TracedGraph:
+    """Load the model file, build it on meta, trace and annotate it.
+
+    With ``microbatches`` > 1 the graph is that of one micro-batch: every example input
+    split into that many chunks along dim 0 (as a pipeline schedule splits the batch).
+
+    Raises:
+        AutoshardError: a bad model file, an untraceable model, a batch the micro-batches
+            do not divide.
+    """
     if progress:
         progress("trace", 0, 1)
     loaded = instantiate(load_model_file(config.model_path), device="meta")
+    if microbatches > 1:
+        loaded.inputs = split_microbatches(loaded.inputs, microbatches, loaded.input_names)[0]
     # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
     depth = reduce_depth(loaded.module) if config.tie else None
     if config.dtype is not None:

@@ -27,8 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autoshard.errors import AutoshardError
-
-STAGE_PLAN_FORMAT = "autoshard.stage_plan/1"
+from autoshard.solution_io import STAGE_PLAN_FORMAT
 
 # Ops counted as heavy by the layer clustering (matmul / convolution families).
 _HEAVY_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product")
@@ -455,7 +454,7 @@ def run_stages(
     if pp is not None:
         submesh_shape(mesh.shape, pp)  # fail fast, before tracing
     log.print(f"tracing {config.model_path} (meta device)")
-    graph = trace(config)
+    graph = trace(config, microbatches=microbatches)
     layers = layer_map(graph)
     log.print(f"{layers.num_layers} layers ({layers.source})")
     tried: dict[int, Any] = {}
@@ -539,7 +538,7 @@ def _stages_options(f):
         default=8,
         show_default=True,
         help="Micro-batches per step (B in the 1F1B step time sum(t) + (B - 1) max(t)); "
-        "example_inputs() gives the shape of one micro-batch.",
+        "example_inputs() is the global batch, split into B chunks along dim 0.",
     )(f)
     f = click.option(
         "--pp",

@@ -26,7 +26,6 @@ from autoshard.errors import AutoshardError
 from autoshard.launch import launch_command
 from autoshard.model_file import instantiate, load_model_file
 from autoshard.pipeline_launch import (
-    STAGE_PLAN_FORMAT,
     canonical_names,
     check_stage_plan,
     check_supported,
@@ -139,12 +138,6 @@ def _edited(plan: Path, tmp_path: Path, edit) -> Path:
 
 
 # ------------------------------------------------------------------------- plan reading
-
-
-def test_format_tag_is_the_stages_commands() -> None:
-    from autoshard.stages_cli import STAGE_PLAN_FORMAT as written
-
-    assert STAGE_PLAN_FORMAT == written
 
 
 def test_reads_the_plan_autoshard_stages_writes(plan_pp2: Path, blocks: Path) -> None:
