@@ -3,7 +3,7 @@
 Each case runs in its own process (``python -m autoshard.bench --case NAME``) so that
 its peak resident memory is its own. Prints one rich table; ``--json`` prints the rows.
 
-Cases (default H100 cost model, default links, --mip-gap 0.1%): the forward graph of the
+Cases (default H100 cost model, default links, --mip-gap 1%): the forward graph of the
 MLP, GPT-2 small (12 layers) and the Llama-2-7B shape (32 layers) on 2x4; training steps
 of GPT-2 small with and without layer tying; and the scaling table: the Llama-7B shape
 with 2, 8 and 32 layers and the Llama-3-70B shape with 80 layers, on 2x4, 4x8 and 8x8;

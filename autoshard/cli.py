@@ -193,7 +193,7 @@ def _plan_options(f):
         click.option(
             "--mip-gap",
             type=float,
-            default=1e-3,
+            default=1e-2,
             show_default=True,
             help="Relative optimality gap accepted (the report shows the plan's gap to the LP "
             "bound); 0 proves optimality, which can take minutes on large models.",

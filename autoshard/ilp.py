@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cvxpy as cp
 import numpy as np
@@ -52,14 +52,14 @@ class SolverOptions:
     """Options of the ILP solve, validated once.
 
     ``time_limit_s``: wall-clock limit for HiGHS (s). ``mip_gap``: relative
-    optimality gap accepted (0 = prove optimality; default 0.1%). ``lp_first``: solve
+    optimality gap accepted (0 = prove optimality; default 1%). ``lp_first``: solve
     the LP relaxation first; when it is integral it is the optimum, and when rounding
     it (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan
     is returned with its gap; otherwise the MIP is solved.
     """
 
     time_limit_s: float = 600.0
-    mip_gap: float = 1e-3
+    mip_gap: float = 1e-2
     lp_first: bool = True
 
     def __post_init__(self) -> None:
@@ -220,6 +220,13 @@ def solve(
 ) -> ILPResult:
     """Solve the sharding ILP of ``sg``.
 
+    First the LP relaxation: an integral LP solution is optimal; otherwise relax-and-fix
+    (the MIP over the nodes the LP left fractional) gives a plan, returned when it lies
+    within ``mip_gap`` of the LP bound. Otherwise the full MIP runs with that plan's
+    objective as HiGHS's ``objective_bound`` (it prunes every branch that cannot beat it),
+    and the better of the two plans is returned: a full MIP that finds nothing better
+    proves the relax-and-fix plan optimal, or runs out of time with it in hand.
+
     Args:
         sg: strategies, costs and edges.
         options: time limit and MIP gap.
@@ -232,25 +239,37 @@ def solve(
     options = options or SolverOptions()
     t0 = time.perf_counter()
     prob = build_problem(sg)
+    incumbent: ILPResult | None = None
     if options.lp_first:
         found = _lp_first(sg, prob, options, memory, t0)
-        if found is not None:
+        if found is not None and found.status != "incumbent":
             return found
+        incumbent = found
     problem, x = _cvx_problem(prob, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
+    cutoff = {}
+    if incumbent is not None:
+        cutoff["objective_bound"] = incumbent.objective_s * SCALE * (1 + 1e-9)
     try:
         problem.solve(
             solver=cp.HIGHS,
             time_limit=float(options.time_limit_s),
             mip_rel_gap=float(options.mip_gap),
             mip_abs_gap=0.0,
+            **cutoff,
         )
     except cp.error.SolverError as exc:
+        if incumbent is not None:
+            return _finish_incumbent(
+                incumbent, None, proven=False, solve_s=time.perf_counter() - t1
+            )
         raise AutoshardError(f"the ILP solver failed: {exc}") from exc
     solve_s = time.perf_counter() - t1
     status = problem.status
     if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
+        if incumbent is not None:  # nothing beats the cutoff: the incumbent is optimal
+            return _finish_incumbent(incumbent, None, proven=True, solve_s=solve_s)
         if memory is not None:
             from autoshard.units import format_bytes
 
@@ -261,7 +280,14 @@ def solve(
                 "raise --memory-budget, use more devices, or a smaller --dtype"
             )
         raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")
-    if x.value is None:
+    bound, gap = _bound_and_gap(problem)
+    bound = bound / SCALE if bound is not None else None
+    if x.value is None or (
+        incumbent is not None and float(problem.value) / SCALE >= incumbent.objective_s
+    ):
+        if incumbent is not None:  # the MIP ended optimal: nothing beats the incumbent
+            proven = status == cp.OPTIMAL and x.value is not None
+            return _finish_incumbent(incumbent, bound, proven=proven, solve_s=solve_s)
         raise AutoshardError(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
             f"(status {status}); raise --time-limit"
@@ -273,8 +299,6 @@ def solve(
         block = xv[prob.offsets[rname] : prob.offsets[rname] + k]
         choice[rname] = int(np.argmax(block))
     choice = prefer_smaller_shards(sg, choice)  # fewer bytes: never breaks the budget
-    bound, gap = _bound_and_gap(problem)
-    bound = bound / SCALE if bound is not None else None
     objective = float(problem.value) / SCALE
     status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
     if status_text == "optimal" and gap is not None and gap > 1e-9:
@@ -294,8 +318,33 @@ def solve(
     )
 
 
+def _finish_incumbent(
+    inc: ILPResult, mip_bound: float | None, proven: bool, solve_s: float
+) -> ILPResult:
+    """The relax-and-fix plan as the answer, with its gap to the best bound known.
+
+    ``proven``: the MIP cut off at the plan's objective ended (infeasible: nothing better
+    exists, gap 0; or optimal within its gap, whose bound then holds for the plan too).
+    Otherwise the MIP ran out of time without beating it: status ``time_limit``.
+    """
+    cost = inc.objective_s
+    if proven and mip_bound is None:
+        bound = cost
+    else:
+        bound = max(b for b in (inc.bound_s, mip_bound) if b is not None)
+    gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
+    status = ("optimal" if gap <= 1e-9 else "within_gap") if proven else "time_limit"
+    return replace(
+        inc, status=status, gap=gap, bound_s=bound, solve_seconds=inc.solve_seconds + solve_s
+    )
+
+
 def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> ILPResult | None:
-    """The LP relaxation; its plan when integral, or rounded within ``mip_gap``."""
+    """The LP relaxation; its plan when integral, or rounded within ``mip_gap``.
+
+    Returns None when the LP fails, or a result whose status is ``incumbent`` when
+    relax-and-fix found a plan outside the gap (the full MIP may still beat it).
+    """
     problem, x = _cvx_problem(prob, boolean=False, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -334,12 +383,13 @@ def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> 
     if not math.isfinite(cost):
         return None
     gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
+    status = "optimal" if integral or gap <= 1e-12 else "within_gap"
     if not integral and gap > options.mip_gap:
-        return None
+        status = "incumbent"
     return ILPResult(
         choice=choice,
         objective_s=cost,
-        status="optimal" if integral or gap <= 1e-12 else "within_gap",
+        status=status,
         gap=0.0 if integral else gap,
         num_variables=prob.n_x + prob.n_y,
         num_constraints=prob.A.shape[0] + (1 if memory is not None else 0),
@@ -356,9 +406,7 @@ def _fixed_mip(prob: _Problem, memory, decided: np.ndarray, options: SolverOptio
         problem.solve(
             solver=cp.HIGHS,
             time_limit=float(options.time_limit_s),
-            # the caller measures the plan's gap against the LP bound, so proving the
-            # restricted MIP optimal buys nothing (and with a memory row can take long)
-            mip_rel_gap=float(options.mip_gap),
+            mip_rel_gap=0.0,
             mip_abs_gap=0.0,
         )
     except cp.error.SolverError:

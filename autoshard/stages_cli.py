@@ -194,11 +194,18 @@ class PipelineCosts:
         return self.pricer.price(i, j).memory_bytes
 
     def stage_parameters(self, graph, i: int, j: int) -> dict[str, Any]:
-        """Parameter FQN (every alias) -> placements of the stage's plan."""
+        """Parameter FQN (every alias) -> placements of the stage's plan, ``Replicate`` on
+        the submesh's size-1 dims (a shard over one device is the whole tensor)."""
+        from torch.distributed.tensor import Replicate
+
         from autoshard.plan import build_plan
 
         stage, choice = self.pricer.choice(i, j)
-        return build_plan(stage.sg, choice, self.mesh, name=f"stage {i}..{j - 1}").parameters
+        plan = build_plan(stage.sg, choice, self.mesh, name=f"stage {i}..{j - 1}")
+        return {
+            name: tuple(p if n > 1 else Replicate() for p, n in zip(ps, self.submesh, strict=True))
+            for name, ps in plan.parameters.items()
+        }
 
 
 def price_pipeline(

@@ -95,3 +95,49 @@ def test_solver_options_validated():
         SolverOptions(time_limit_s=0)
     with pytest.raises(AutoshardError, match="mip-gap"):
         SolverOptions(mip_gap=1.5)
+
+
+def _as_incumbent(sg, choice):
+    from autoshard.ilp import ILPResult
+
+    return ILPResult(dict(choice), evaluate(sg, choice), "incumbent", 1.0, 0, 0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_full_mip_beats_a_poor_relax_and_fix_plan(seed, monkeypatch):
+    """Relax-and-fix outside the gap: the full MIP, cut off at that plan's objective,
+    must still reach the brute-force optimum (and never return the poorer plan)."""
+    import autoshard.ilp as ilp
+
+    sg = _random_graph(seed)
+    best_choice, best = brute_force(sg)
+    worst = max(
+        (c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c))),
+        key=lambda c: evaluate(sg, c),
+    )
+    monkeypatch.setattr(ilp, "_lp_first", lambda sg_, *a: _as_incumbent(sg_, worst))
+    result = solve(sg, SolverOptions(time_limit_s=60, mip_gap=0.0))
+    assert result.objective_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert evaluate(sg, result.choice) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_relax_and_fix_plan_is_proven_by_the_cut_off_mip(seed, monkeypatch):
+    """The relax-and-fix plan is already optimal: the MIP cut off at its objective finds
+    nothing better (infeasible), which proves it: status optimal, gap 0."""
+    import autoshard.ilp as ilp
+
+    sg = _random_graph(seed)
+    best_choice, best = brute_force(sg)
+    monkeypatch.setattr(ilp, "_lp_first", lambda sg_, *a: _as_incumbent(sg_, best_choice))
+    result = solve(sg, SolverOptions(time_limit_s=60, mip_gap=0.0))
+    assert result.status == "optimal" and result.gap == 0.0
+    assert result.objective_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def _all_choices(sg):
+    import itertools
+
+    reps = sg.reps
+    for combo in itertools.product(*(range(len(sg.nodes[r].strategies)) for r in reps)):
+        yield dict(zip(reps, combo, strict=True))
