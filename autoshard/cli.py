@@ -186,9 +186,10 @@ def _plan_options(f):
         click.option(
             "--time-limit",
             type=float,
-            default=600.0,
+            default=120.0,
             show_default=True,
-            help="Seconds HiGHS may search; when hit, the best plan found is written with its gap.",
+            help="Seconds HiGHS may search (LP, relax-and-fix and MIP together); when hit, the "
+            "best plan found is written with its gap.",
         ),
         click.option(
             "--mip-gap",

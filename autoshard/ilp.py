@@ -51,14 +51,15 @@ SCALE = 1e6  # the ILP's objective is in microseconds
 class SolverOptions:
     """Options of the ILP solve, validated once.
 
-    ``time_limit_s``: wall-clock limit for HiGHS (s). ``mip_gap``: relative
+    ``time_limit_s``: wall-clock limit for HiGHS (s), shared by the LP, relax-and-fix
+    and the full MIP. ``mip_gap``: relative
     optimality gap accepted (0 = prove optimality; default 1%). ``lp_first``: solve
     the LP relaxation first; when it is integral it is the optimum, and when rounding
     it (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan
     is returned with its gap; otherwise the MIP is solved.
     """
 
-    time_limit_s: float = 600.0
+    time_limit_s: float = 120.0
     mip_gap: float = 1e-2
     lp_first: bool = True
 
@@ -238,10 +239,11 @@ def solve(
     """
     options = options or SolverOptions()
     t0 = time.perf_counter()
+    deadline = t0 + options.time_limit_s  # one budget for the LP, relax-and-fix and the MIP
     prob = build_problem(sg)
     incumbent: ILPResult | None = None
     if options.lp_first:
-        found = _lp_first(sg, prob, options, memory, t0)
+        found = _lp_first(sg, prob, options, memory, t0, deadline)
         if found is not None and found.status != "incumbent":
             return found
         incumbent = found
@@ -254,7 +256,7 @@ def solve(
     try:
         problem.solve(
             solver=cp.HIGHS,
-            time_limit=float(options.time_limit_s),
+            time_limit=_left(deadline),
             mip_rel_gap=float(options.mip_gap),
             mip_abs_gap=0.0,
             **cutoff,
@@ -339,7 +341,14 @@ def _finish_incumbent(
     )
 
 
-def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> ILPResult | None:
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` for the next solver call (at least 1)."""
+    return max(1.0, deadline - time.perf_counter())
+
+
+def _lp_first(
+    sg, prob: _Problem, options: SolverOptions, memory, t0: float, deadline: float
+) -> ILPResult | None:
     """The LP relaxation; its plan when integral, or rounded within ``mip_gap``.
 
     Returns None when the LP fails, or a result whose status is ``incumbent`` when
@@ -349,7 +358,7 @@ def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> 
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     try:
-        problem.solve(solver=cp.HIGHS, time_limit=float(options.time_limit_s))
+        problem.solve(solver=cp.HIGHS, time_limit=_left(deadline))
     except cp.error.SolverError:
         return None
     if problem.status != cp.OPTIMAL or x.value is None:
@@ -364,7 +373,7 @@ def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> 
     if not integral:
         # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
         decided = np.flatnonzero(xv > 1 - 1e-6)
-        fixed = _fixed_mip(prob, memory, decided, options)
+        fixed = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
         if fixed is None:
             return None
         choice = {}
@@ -399,19 +408,27 @@ def _lp_first(sg, prob: _Problem, options: SolverOptions, memory, t0: float) -> 
     )
 
 
-def _fixed_mip(prob: _Problem, memory, decided: np.ndarray, options: SolverOptions):
-    """The MIP with the variables in ``decided`` fixed to 1; x's values, or None."""
+def _fixed_mip(
+    prob: _Problem, memory, decided: np.ndarray, options: SolverOptions, time_limit: float
+):
+    """The MIP with the variables in ``decided`` fixed to 1; x's values, or None.
+
+    Solved to ``mip_gap`` (the caller measures the plan against the LP bound anyway)
+    within ``time_limit`` seconds; a plan found when the time runs out is still returned
+    (its gap is measured by the caller)."""
     problem, x = _cvx_problem(prob, memory=memory, fixed=decided)
     try:
         problem.solve(
             solver=cp.HIGHS,
-            time_limit=float(options.time_limit_s),
-            mip_rel_gap=0.0,
+            time_limit=time_limit,
+            mip_rel_gap=float(options.mip_gap),
             mip_abs_gap=0.0,
         )
     except cp.error.SolverError:
         return None
-    return x.value if problem.status == cp.OPTIMAL else None
+    if problem.status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
+        return None
+    return x.value
 
 
 def least_memory(sg: StrategyGraph, m: np.ndarray, options: SolverOptions | None = None) -> float:

@@ -527,9 +527,9 @@ def _stages_options(f):
     f = click.option(
         "--time-limit",
         type=float,
-        default=600.0,
+        default=120.0,
         show_default=True,
-        help="Seconds HiGHS may search per intra-op ILP (one per pipeline degree).",
+        help="Seconds HiGHS may search per stage ILP (LP, relax-and-fix and MIP together).",
     )(f)
     f = click.option(
         "--memory-budget",
