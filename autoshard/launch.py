@@ -978,7 +978,7 @@ def torchrun_argv(
 @click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHRUN...]")
 def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **run: Any) -> None:
     """Run MODEL sharded per the sharding map PLAN (JSON) under torchrun. PLAN may also be
-    a stage plan from `autoshard stages` (one device per stage), run as a pipeline.
+    a stage plan from `autoshard stages`, run as a pipeline (pp x intra-stage sharding).
 
     Checks the map against the model first, then starts one process per device of the
     map's mesh on this node (torchrun --standalone) and exits with torchrun's exit code.

@@ -6,24 +6,36 @@ the plan's ``"format"`` and hand a stage plan (:data:`STAGE_PLAN_FORMAT`) to thi
 sharding maps stay with :mod:`autoshard.launch`. Each rank:
 
 1. reads the plan (:func:`load_stage_plan`) and checks that torchrun started one process
-   per device of the plan's mesh (:func:`check_world_size`), and that every stage holds
-   one device (:func:`check_supported`: pp x intra-stage sharding is refused);
+   per device of the plan's mesh (:func:`check_world_size`) and that the stages lie on
+   the mesh as ``autoshard stages`` puts them (:func:`check_supported`);
 2. materialises the model as :mod:`autoshard.launch` does (same seeded weights and inputs
    on every rank, :mod:`autoshard.materialize`);
 3. splits the global batch into the plan's micro-batches (:func:`split_microbatches`),
    traces the model with ``torch.distributed.pipelining.pipeline`` (``torch.export``) on
    one micro-batch, split before each stage's first module (``SplitPoint.BEGINNING`` at
    the plan's ``split_points``), and builds its own stage (``Pipe.build_stage``);
-4. runs ``--steps`` steps of :func:`schedule_class`'s schedule: forward only, or with
+4. when a stage holds several devices (pp x intra-stage sharding, torchtitan's way of
+   combining PP with TP): every rank builds one ``DeviceMesh`` of shape
+   ``(pp, *inner)`` (:func:`stage_mesh_layout`; ``inner`` = the stage submesh's dims of
+   size > 1); the stage talks to its neighbours over the ``"pp"`` dim (each rank with
+   the ranks of the same intra-stage coordinate), holds its parameters as DTensors on
+   the intra-stage dims per the stage's ``parameters`` map
+   (:func:`distribute_stage`), and sends and receives plain, full tensors
+   (:func:`run_on_mesh`: inputs become ``Replicate`` DTensors, DTensor outputs
+   ``full_tensor()``);
+5. runs ``--steps`` steps of :func:`schedule_class`'s schedule: forward only, or with
    ``--train`` loss = sum of the output (:func:`autoshard.launch.loss_of`) per
    micro-batch, gradients not scaled (the micro-batch losses add up to the full-batch
-   loss), gradients of parameters that several stages hold summed across them
-   (:func:`sum_shared_gradients`; the tracer gives each stage its own copy), AdamW.
+   loss), DTensor gradients given their parameter's placements
+   (:func:`autoshard.launch.sync_gradients`), gradients of parameters that several stages
+   hold summed across them (:func:`sum_shared_gradients`; the tracer gives each stage its
+   own copy), AdamW.
 
 ``--check``: every rank runs the whole model on its device with the same seed and inputs
 and compares what it owns (the last stage its output; each stage its parameters' step-1
-gradients and values after step 1) with :func:`autoshard.launch.compare_runs`; rank 0
-prints the merged result, and beyond tolerance every rank exits 1.
+gradients and values after step 1, as full tensors) with
+:func:`autoshard.launch.compare_runs`; rank 0 prints the merged result, and beyond
+tolerance every rank exits 1.
 """
 
 from __future__ import annotations
@@ -42,11 +54,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_map_only
 
 from autoshard.errors import AutoshardError
 from autoshard.launch import (
     CheckResult,
     RunOptions,
+    _check_placements,
+    _full,
     _listing,
     _max_abs_diff,
     _Recorder,
@@ -57,6 +75,7 @@ from autoshard.launch import (
     loss_of,
     output_tensor,
     run_steps,
+    sync_gradients,
 )
 from autoshard.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model_file import (
@@ -66,25 +85,31 @@ from autoshard.model_file import (
     load_model_file,
     split_microbatches,
 )
+from autoshard.placements import placements_from_str, short
 from autoshard.solution_io import STAGE_PLAN_FORMAT
 from autoshard.units import format_bytes, format_seconds
 
 __all__ = [
     "STAGE_PLAN_FORMAT",
     "StagePlanFile",
+    "StageMeshLayout",
     "StageSpec",
     "canonical_names",
     "check_stage_plan",
     "check_supported",
     "check_world_size",
+    "distribute_stage",
     "is_stage_plan",
     "load_stage_plan",
     "pipeline_loss",
     "prepare_launch",
+    "run_on_mesh",
     "run_rank",
     "schedule_class",
     "shared_parameters",
     "split_microbatches",
+    "stage_mesh_layout",
+    "stage_placements",
     "sum_shared_gradients",
 ]
 
@@ -307,27 +332,129 @@ def check_world_size(plan: StagePlanFile, world_size: int) -> None:
         )
 
 
-def check_supported(plan: StagePlanFile) -> None:
-    """Only one device per stage (mesh size == pp) can be launched so far.
+@dataclass(frozen=True)
+class StageMeshLayout:
+    """The device mesh every rank builds for a stage plan: shape ``(pp, *inner)``.
+
+    Stage s owns the s-th block of ``k = prod(submesh)`` ranks in row-major order
+    (:func:`autoshard.stages.stage_ranks`), so ``ranks[s]`` is stage s's submesh with its
+    size-1 dims dropped, and the ranks along dim 0 (``"pp"``) are those with one
+    intra-stage coordinate: the peers a stage sends to and receives from.
+
+    Attributes:
+        shape: ``(pp, *inner)``; ``inner`` are the submesh's sizes > 1.
+        dim_names: ``"pp"`` then the plan's names of the inner dims.
+        inner_dims: the plan mesh dims of ``inner`` (indices into a placement list).
+        ranks: the global ranks, nested lists of ``shape``.
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    inner_dims: tuple[int, ...]
+    ranks: list[Any]
+
+    @property
+    def devices_per_stage(self) -> int:
+        """``prod(inner)``: 1 for a pipeline-only plan."""
+        return math.prod(self.shape[1:])
+
+    @property
+    def pp_dim(self) -> str:
+        """Name of the pipeline dim (dim 0)."""
+        return self.dim_names[0]
+
+    @property
+    def inner_names(self) -> tuple[str, ...]:
+        """Names of the intra-stage dims."""
+        return self.dim_names[1:]
+
+
+def stage_mesh_layout(plan: StagePlanFile) -> StageMeshLayout:
+    """Where the plan's stages lie on a ``(pp, *inner)`` mesh (see :class:`StageMeshLayout`).
 
     Raises:
-        AutoshardError: a stage's submesh holds more than one device.
+        AutoshardError: the stages have different submeshes, or a stage's ranks are not
+            the contiguous row-major block ``s*k .. s*k+k-1`` that ``autoshard stages``
+            gives it.
     """
-    wide = [s for s in plan.stages if s.devices > 1]
-    if wide:
-        s = wide[0]
+    first = plan.stages[0].submesh
+    if len(first) != len(plan.mesh_shape):
         raise AutoshardError(
-            f"launching pp x intra-stage sharding is not supported yet: stage {s.index} of "
-            f"{plan.source} has submesh {'x'.join(map(str, s.submesh))} ({s.devices} devices); "
-            f"pipeline-only plans launch (one device per stage: `autoshard stages MODEL "
-            f"--mesh {plan.pp} --pp {plan.pp}`), and `autoshard solve` maps launch on any mesh"
+            f"{plan.source}: stage 0's submesh {list(first)} has {len(first)} dim(s) but the "
+            f"mesh {plan.mesh_text} has {len(plan.mesh_shape)}; write the plan again with "
+            "`autoshard stages`"
         )
+    k = math.prod(first)
+    for s in plan.stages:
+        if s.submesh != first:
+            raise AutoshardError(
+                f"{plan.source}: stage {s.index} has submesh {list(s.submesh)} but stage 0 has "
+                f"{list(first)}; the launch needs one submesh shape for every stage"
+            )
+        want = tuple(range(s.index * k, (s.index + 1) * k))
+        if s.ranks != want:
+            raise AutoshardError(
+                f"{plan.source}: stage {s.index} has ranks {list(s.ranks)}, not the row-major "
+                f"block {list(want)} of its submesh; write the plan again with `autoshard stages`"
+            )
+    inner_dims = tuple(d for d, n in enumerate(first) if n > 1)
+    names = [
+        plan.dim_names[d] if d < len(plan.dim_names) and plan.dim_names[d] else f"d{d}"
+        for d in inner_dims
+    ]
+    pp_name = "pp" if "pp" not in names else "pp_stages"
+    shape = (plan.pp, *(first[d] for d in inner_dims))
+    ranks = torch.arange(plan.world_size).reshape(shape).tolist()
+    return StageMeshLayout(shape, (pp_name, *names), inner_dims, ranks)
+
+
+def stage_placements(
+    stage: StageSpec, inner_dims: Sequence[int]
+) -> dict[str, tuple[Placement, ...]]:
+    """The stage's ``parameters`` map as DTensor placements on its intra-stage dims
+    (``inner_dims``, see :class:`StageMeshLayout`); size-1 dims are dropped, as a
+    placement on them changes nothing.
+
+    Raises:
+        AutoshardError: a placement that does not parse; a placement list whose length is
+            not the mesh's dims; ``Partial`` on a parameter (a parameter holds values, not
+            pending sums).
+    """
+    ndim = len(stage.submesh)
+    out: dict[str, tuple[Placement, ...]] = {}
+    for name, texts in stage.parameters.items():
+        if len(texts) != ndim:
+            raise AutoshardError(
+                f"stage {stage.index}: parameter {name} has {len(texts)} placement(s) "
+                f"({list(texts)}) but the mesh has {ndim} dim(s)"
+            )
+        placements = tuple(placements_from_str(texts))
+        kept = tuple(placements[d] for d in inner_dims)
+        if any(p.is_partial() for p in kept):
+            raise AutoshardError(
+                f"stage {stage.index}: parameter {name} is placed {list(texts)}; Partial "
+                "is not a placement a parameter can be launched with"
+            )
+        out[name] = kept
+    return out
+
+
+def check_supported(plan: StagePlanFile) -> None:
+    """The plan can be launched: the stages lie on the mesh as ``autoshard stages`` puts
+    them (:func:`stage_mesh_layout`) and their placements parse (:func:`stage_placements`).
+
+    Raises:
+        AutoshardError: as those two.
+    """
+    layout = stage_mesh_layout(plan)
+    for s in plan.stages:
+        stage_placements(s, layout.inner_dims)
 
 
 def prepare_launch(plan: Path, model: Path) -> int:
-    """What ``autoshard launch`` checks before it starts torchrun: the plan reads, every
-    stage holds one device, the plan fits the model (on the meta device). Returns the
-    number of processes to start (the mesh's devices).
+    """What ``autoshard launch`` checks before it starts torchrun: the plan reads, its
+    stages lie on the mesh as planned, the plan fits the model (on the meta device).
+    Returns the number of processes to start (the mesh's devices).
 
     Raises:
         AutoshardError: as :func:`load_stage_plan`, :func:`check_supported` and
@@ -342,11 +469,15 @@ def prepare_launch(plan: Path, model: Path) -> int:
 
 def check_stage_plan(plan: StagePlanFile, loaded: LoadedModel, model_name: str) -> None:
     """The plan must fit the model: its split points are submodules, its parameters are
-    the model's (``named_parameters(remove_duplicate=False)`` names).
+    the model's (``named_parameters(remove_duplicate=False)`` names), sharded only along
+    dims they have; every name of one tensor (tied weights, in one stage or in several)
+    is placed alike on the intra-stage dims, as the copies' gradients are summed shard
+    by shard.
 
     Raises:
-        AutoshardError: a split point that is no submodule, or plan parameters the model
-            lacks (listed).
+        AutoshardError: a split point that is no submodule; plan parameters the model
+            lacks (listed); a shard dim the parameter lacks; a tied parameter placed
+            differently under two names or in two stages.
     """
     modules = dict(loaded.module.named_modules())
     for fqn in plan.split_points:
@@ -362,6 +493,22 @@ def check_stage_plan(plan: StagePlanFile, loaded: LoadedModel, model_name: str) 
             f"the stage plan names {len(unknown)} parameter(s) that {model_name} lacks: "
             f"{_listing(unknown)}; plan the stages again for this model"
         )
+    layout = stage_mesh_layout(plan)
+    shapes = {n: p.shape for n, p in loaded.module.named_parameters(remove_duplicate=False)}
+    canonical = canonical_names(loaded.module)
+    seen: dict[str, tuple[str, int, tuple[Placement, ...]]] = {}
+    for s in plan.stages:
+        for name, placements in sorted(stage_placements(s, layout.inner_dims).items()):
+            _check_placements("parameter", name, placements, shapes[name], len(placements))
+            key = canonical.get(name, name)
+            other = seen.setdefault(key, (name, s.index, placements))
+            if other[2] != placements:
+                raise AutoshardError(
+                    f"tied parameter {name} (stage {s.index}) is placed {short(placements)} "
+                    f"but {other[0]} (stage {other[1]}) {short(other[2])} on the intra-stage "
+                    "dims; launching a tied weight sharded differently in two places is not "
+                    "supported: give all its names the same placements"
+                )
 
 
 # ---------------------------------------------------------------------- micro-batches
@@ -410,6 +557,97 @@ def shared_parameters(
     return {c: tuple(sorted(s)) for c, s in sorted(holders.items()) if len(s) > 1}
 
 
+def distribute_stage(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: Mapping[str, Sequence[Placement]],
+    canonical: Mapping[str, str],
+) -> None:
+    """Replace the stage module's parameters by DTensor parameters on the intra-stage
+    ``mesh``, placed per the stage's map (:func:`stage_placements`), in place.
+
+    A parameter the map does not name under the stage module's name is looked up under
+    any other name of the same tensor (``canonical``: the tracer may name a tied weight
+    by its other alias). Every rank of the stage holds the same full values (seeded), so
+    each keeps its own slice without communication. Copies of one tensor stay distinct.
+
+    Raises:
+        AutoshardError: a stage parameter the map does not place under any of its names.
+    """
+    by_key: dict[str, Sequence[Placement]] = {}
+    for name, ps in placements.items():
+        by_key.setdefault(canonical.get(name, name), ps)
+    done: dict[int, nn.Parameter] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                where = placements.get(fqn, by_key.get(canonical.get(fqn, fqn)))
+                if where is None:
+                    raise AutoshardError(
+                        f"the stage plan gives no placements for {fqn}, which the traced "
+                        "stage holds; plan the stages again for this model"
+                    )
+                dt = distribute_tensor(p.detach(), mesh, list(where), src_data_rank=None)
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+
+
+def _drop_metadata_asserts(module: nn.Module) -> int:
+    """Remove ``aten._assert_tensor_metadata`` calls (``torch.export`` puts one at each
+    ``Tensor.to``) from every graph in ``module``; DTensor has no sharding rule for that
+    check, and it returns nothing. Returns how many were removed."""
+    target = torch.ops.aten._assert_tensor_metadata.default
+    removed = 0
+    for mod in module.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        dropped = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+        for node in dropped:
+            graph.erase_node(node)
+        if dropped:
+            removed += len(dropped)
+            for gm in (mod, mod.__dict__.get("graph_module")):  # unflatten's InterpreterModule
+                if isinstance(gm, torch.fx.GraphModule):
+                    gm.recompile()
+    return removed
+
+
+def run_on_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make ``module`` (a stage holding DTensor parameters) take and give plain tensors.
+
+    Its forward is wrapped, in place: every input tensor becomes a ``Replicate`` DTensor
+    on ``mesh`` (``DTensor.from_local``, no communication: each rank of the stage receives
+    the same full tensor), and every DTensor output becomes its full tensor
+    (``full_tensor()``: an all-gather of a shard, an all-reduce of a ``Partial``), which
+    is what the pipeline sends. Both conversions are differentiable: the gradient that
+    comes back for an output is split to the output's placement, and an input's gradient
+    is reduced to ``Replicate`` before it is sent back. Run the forward and the backward
+    pass under ``implicit_replication()`` (not re-entrant: enter it once, around the
+    schedule's step), so that plain tensors made inside (position ids, masks) meet
+    DTensors as replicated. The graph's ``aten._assert_tensor_metadata`` checks, which
+    DTensor cannot run, are removed.
+    """
+    _drop_metadata_asserts(module)
+    forward = module.forward
+    replicate = [Replicate()] * mesh.ndim
+
+    def to_dtensor(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return t
+        return DTensor.from_local(t, mesh, replicate, run_check=False)
+
+    def forward_on_mesh(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map_only(torch.Tensor, to_dtensor, (args, kwargs))
+        out = forward(*args, **kwargs)
+        return tree_map_only(DTensor, lambda t: t.full_tensor(), out)
+
+    module.forward = forward_on_mesh  # type: ignore[method-assign]
+
+
 def _by_canonical(module: nn.Module, canonical: Mapping[str, str]) -> dict[str, list[nn.Parameter]]:
     """The stage module's distinct parameters grouped by canonical name."""
     out: dict[str, list[nn.Parameter]] = defaultdict(list)
@@ -427,9 +665,12 @@ def sum_shared_gradients(
 
     Copies in this stage module (a tied weight the tracer split into two tensors) are
     summed locally; ``groups`` maps each parameter held by several stages to the process
-    group of those stages' ranks, where the sum is all-reduced. Every rank must call this
-    with the same ``groups``, in the same order (sorted names). A missing gradient counts
-    as zero.
+    group where the sum is all-reduced: those stages' ranks, or with intra-stage sharding
+    those of them with this rank's intra-stage coordinate, as every stage holds the
+    parameter with the same placements (:func:`check_stage_plan`) and so the same shard
+    on those ranks; DTensor gradients must have their parameter's placements
+    (:func:`autoshard.launch.sync_gradients`). Every rank must call this with the same
+    ``groups`` keys, in the same order (sorted names). A missing gradient counts as zero.
     """
     mine = _by_canonical(module, canonical)
     for name in sorted(set(mine) | set(groups)):
@@ -439,7 +680,19 @@ def sum_shared_gradients(
         grads = [p.grad for p in copies if p.grad is not None]
         total = torch.zeros_like(copies[0]) if not grads else sum(grads[1:], grads[0].clone())
         if name in groups:
-            dist.all_reduce(total, group=groups[name])
+            if isinstance(total, DTensor):
+                local = total.to_local().clone()
+                dist.all_reduce(local, group=groups[name])
+                total = DTensor.from_local(
+                    local,
+                    total.device_mesh,
+                    total.placements,
+                    run_check=False,
+                    shape=total.shape,
+                    stride=total.stride(),
+                )
+            else:
+                dist.all_reduce(total, group=groups[name])
         for p in copies:
             p.grad = total.clone()
 
@@ -489,16 +742,18 @@ def _run_schedule(
         t0 = time.perf_counter()
         paused = 0.0
         if optimizer is None:
-            with torch.no_grad():
+            with torch.no_grad(), implicit_replication():
                 out = schedule.step(*args)
         else:
-            out = schedule.step(*args, target=target)
+            with implicit_replication():  # the backward of plain tensors met in forward
+                out = schedule.step(*args, target=target)
+            sync_gradients(module)
             sum_shared_gradients(module, canonical, groups)
             if record and step == 0:
                 t1 = time.perf_counter()
                 for name, p in _named_copies(module, canonical).items():
-                    if p.grad is not None:
-                        run.grads1[name] = p.grad.detach().to("cpu", copy=True)
+                    if p.grad is not None:  # full_tensor: every rank of the stage calls it
+                        run.grads1[name] = _full(p.grad.detach()).to("cpu", copy=True)
                 paused = time.perf_counter() - t1
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -511,7 +766,7 @@ def _run_schedule(
                 run.out1 = run.output.to("cpu", copy=True)
             if optimizer is not None:
                 run.params1 = {
-                    n: p.detach().to("cpu", copy=True)
+                    n: _full(p.detach()).to("cpu", copy=True)
                     for n, p in _named_copies(module, canonical).items()
                 }
     return run
@@ -549,11 +804,11 @@ def _check(
 ) -> int:
     """Each rank compares its stage with a whole-model run on its device; rank 0 reports;
     every rank returns the verdict (0 pass, 1 fail)."""
+    mine = {n: _full(p.detach()) for n, p in _named_copies(stage.submod, canonical).items()}
     ref = materialize(mf, opts.seed, device).loaded
     ref_rec = _Recorder(keep=True)
     ref_result = run_steps(ref.module, ref.inputs, opts, device, observer=ref_rec)
     assert ref_rec.output is not None
-    mine = _named_copies(stage.submod, canonical)
     keep = set(mine)
     res = compare_runs(
         run.out1 if run.out1 is not None else ref_rec.output,
@@ -587,9 +842,9 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
     """The per-rank body of a stage-plan launch; call under torchrun. Returns the exit code.
 
     Raises:
-        AutoshardError: not under torchrun; world size differs from the mesh; a stage with
-            more than one device; the plan does not fit the model; a batch the
-            micro-batches do not divide. Every rank raises the same error.
+        AutoshardError: not under torchrun; world size differs from the mesh; stages not
+            where ``autoshard stages`` puts them; the plan does not fit the model; a batch
+            the micro-batches do not divide. Every rank raises the same error.
     """
     spec = load_stage_plan(plan)
     if "WORLD_SIZE" not in os.environ:
@@ -648,6 +903,27 @@ def _trace(module: nn.Module, microbatch: tuple[torch.Tensor, ...], split_points
             ) from exc
 
 
+def _shared_groups(
+    shared: Mapping[str, tuple[int, ...]], spec: StagePlanFile, layout: StageMeshLayout, rank: int
+) -> dict[str, dist.ProcessGroup | None]:
+    """For each parameter several stages hold, the process group that sums its gradient
+    on this rank: the ranks of those stages with this rank's intra-stage coordinate
+    (every rank of a stage holds a different shard of it). Every rank creates every group
+    in the same order (``new_group`` is collective); ``None`` is the whole world."""
+    k = layout.devices_per_stage
+    coord = rank - spec.stage_of(rank).index * k
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for name, stages in shared.items():  # sorted: every rank makes the same groups
+        for j in range(k):
+            ranks = tuple(s * k + j for s in stages)
+            if ranks not in made:
+                world = len(ranks) == spec.world_size
+                made[ranks] = None if world else dist.new_group(list(ranks))
+        groups[name] = made[tuple(s * k + coord for s in stages)]
+    return groups
+
+
 def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: torch.device) -> int:
     """:func:`run_rank` once the process group is up."""
     rank = dist.get_rank()
@@ -684,17 +960,26 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
     shared = shared_parameters(
         [pipe.get_stage_module(i) for i in range(pipe.num_stages)], canonical
     )
-    groups: dict[str, dist.ProcessGroup | None] = {}
-    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    for name, stages in shared.items():  # sorted: every rank makes the same groups
-        ranks = tuple(sorted(r for s in stages for r in spec.stages[s].ranks))
-        if ranks not in made:
-            made[ranks] = None if len(ranks) == world else dist.new_group(list(ranks))
-        groups[name] = made[ranks]
+    layout = stage_mesh_layout(spec)
     me = spec.stage_of(rank)
-    stage = pipe.build_stage(me.index, device)
+    mesh: DeviceMesh | None = None
+    pp_group: dist.ProcessGroup | None = None
+    if layout.devices_per_stage > 1:  # every rank builds the same mesh (collective)
+        mesh = DeviceMesh(device.type, torch.tensor(layout.ranks), mesh_dim_names=layout.dim_names)
+        pp_group = mesh[layout.pp_dim].get_group()
+    groups = _shared_groups(shared, spec, layout, rank)
+    stage = pipe.build_stage(me.index, device, group=pp_group)
     del pipe
-    local = {id(p): p.numel() * p.element_size() for p in stage.submod.parameters()}
+    if mesh is not None:
+        inner = mesh[layout.inner_names]
+        distribute_stage(stage.submod, inner, stage_placements(me, layout.inner_dims), canonical)
+        run_on_mesh(stage.submod, inner)
+    local = {
+        id(p): p.numel() * p.element_size()
+        if not isinstance(p, DTensor)
+        else p.to_local().numel() * p.element_size()
+        for p in stage.submod.parameters()
+    }
     sizes: list[Any] = [None] * world
     dist.all_gather_object(sizes, (me.index, sum(local.values())))
 
@@ -710,7 +995,7 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
             held = max(b for i, b in sizes if i == s.index)
             ranks = ",".join(map(str, s.ranks))
             parts.append(f"  stage {s.index}: {span} on rank {ranks}, {format_bytes(held)}")
-        _say(f"stages ({len(spec.stages)}), modules, rank, parameter bytes:")
+        _say(f"stages ({len(spec.stages)}), modules, rank, parameter bytes per rank:")
         for line in parts:
             _say(line)
         batch = inputs[0].shape[0]

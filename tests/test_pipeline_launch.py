@@ -24,8 +24,10 @@ from torch import nn
 
 from autoshard.errors import AutoshardError
 from autoshard.launch import launch_command
-from autoshard.model_file import instantiate, load_model_file
+from autoshard.model_file import LoadedModel, instantiate, load_model_file
 from autoshard.pipeline_launch import (
+    StagePlanFile,
+    StageSpec,
     canonical_names,
     check_stage_plan,
     check_supported,
@@ -36,6 +38,8 @@ from autoshard.pipeline_launch import (
     schedule_class,
     shared_parameters,
     split_microbatches,
+    stage_mesh_layout,
+    stage_placements,
     sum_shared_gradients,
 )
 from autoshard.stages_cli import stages_command
@@ -81,9 +85,10 @@ def example_inputs():
 # ------------------------------------------------------------------------------ helpers
 
 
-def _stages(model: Path, out: Path, mesh: str, pp: int, microbatches: int) -> Path:
+def _stages(model: Path, out: Path, mesh: str, pp: int, microbatches: int, *extra: str) -> Path:
     """The stage plan `autoshard stages` writes (run in process)."""
     args = [str(model), "--mesh", mesh, "--pp", str(pp), "--microbatches", str(microbatches)]
+    args += list(extra)
     result = CliRunner().invoke(stages_command, [*args, "--out", str(out), "-q"])
     assert result.exit_code == 0, result.output
     return Path(result.output.split()[-1])
@@ -100,6 +105,14 @@ def blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def plan_pp2(blocks: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Mesh 2, pp=2, 4 micro-batches of 2 rows: Schedule1F1B."""
     return _stages(blocks, tmp_path_factory.mktemp("plans"), "2", 2, 4)
+
+
+@pytest.fixture(scope="module")
+def plan_2x2(blocks: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mesh 2x2, pp=2: two stages on submesh 1x2 (ranks 0,1 and 2,3), 4 micro-batches.
+    The 8 KiB memory budget makes the stages shard their weights on the tp dim (all
+    replicated needs 11.8 KiB on stage 0)."""
+    return _stages(blocks, tmp_path_factory.mktemp("plans"), "2x2", 2, 4, "--memory-budget", "8KiB")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -211,24 +224,67 @@ def test_plan_must_fit_the_model(plan_pp2: Path, blocks: Path, tmp_path: Path) -
         check_stage_plan(load_stage_plan(_edited(plan_pp2, tmp_path, extra)), loaded, "blocks.py")
 
 
-def _intra_stage(d: dict) -> None:
-    """The pp=2 plan as if on mesh 4: two devices per stage."""
-    d["mesh"]["shape"] = [4]
-    for i, s in enumerate(d["stages"]):
-        s["submesh"] = [2]
-        s["ranks"] = [2 * i, 2 * i + 1]
+def test_stages_of_a_2x2_plan_lie_on_a_pp_by_tp_mesh(plan_2x2: Path, blocks: Path) -> None:
+    """pp=2 on 2x2: stage s holds the row-major block s*2 .. s*2+1, i.e. row s of the
+    (pp, tp) mesh; the pipeline talks along the columns (ranks 0-2 and 1-3)."""
+    plan = load_stage_plan(plan_2x2)
+    assert [s.submesh for s in plan.stages] == [(1, 2), (1, 2)]
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
+    layout = stage_mesh_layout(plan)
+    assert layout.shape == (2, 2)
+    assert layout.dim_names == ("pp", "tp")
+    assert layout.inner_dims == (1,)
+    assert layout.ranks == [[0, 1], [2, 3]]
+    assert layout.devices_per_stage == 2
+    # The budget makes both stages shard weights on the size-2 dim (Megatron column /
+    # row on this plan; the size-1 dim 0 is always R).
+    for s in plan.stages:
+        sharded = {n: ps for n, ps in s.parameters.items() if ps[1].startswith("S(")}
+        assert sharded, s.parameters
+        assert all(ps[0] == "R" for ps in s.parameters.values())
+    placed = stage_placements(plan.stages[0], layout.inner_dims)
+    assert {len(ps) for ps in placed.values()} == {1}
+    check_supported(plan)
+    check_stage_plan(plan, instantiate(load_model_file(blocks), device="meta"), "blocks.py")
 
 
-def test_intra_stage_sharding_is_refused_before_torchrun(
-    plan_pp2: Path, blocks: Path, tmp_path: Path
+def test_pp_only_plan_has_no_intra_stage_dims(plan_pp2: Path) -> None:
+    layout = stage_mesh_layout(load_stage_plan(plan_pp2))
+    assert (layout.shape, layout.inner_dims, layout.devices_per_stage) == ((2,), (), 1)
+    assert layout.ranks == [0, 1]
+
+
+def _swap_ranks(d: dict) -> None:
+    d["stages"][0]["ranks"], d["stages"][1]["ranks"] = [0, 2], [1, 3]
+
+
+def _partial(d: dict) -> None:
+    d["stages"][1]["parameters"]["layers.2.fc.weight"] = ["R", "P(sum)"]
+
+
+def _bad_shard(d: dict) -> None:
+    d["stages"][0]["parameters"]["layers.0.fc.bias"] = ["R", "S(1)"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_swap_ranks, r"stage 0 has ranks \[0, 2\], not the row-major block \[0, 1\]"),
+        (
+            lambda d: d["stages"][1].update(submesh=[2, 1]),
+            r"stage 1 has submesh \[2, 1\] but stage 0 has \[1, 2\]",
+        ),
+        (_partial, r"layers.2.fc.weight is placed \['R', 'P\(sum\)'\]; Partial"),
+        (_bad_shard, r"layers.0.fc.bias of shape \(16,\) cannot be sharded as S\(1\)"),
+    ],
+)
+def test_plans_that_cannot_launch_exit_2_before_torchrun(
+    plan_2x2: Path, blocks: Path, tmp_path: Path, edit, message
 ) -> None:
-    plan = _edited(plan_pp2, tmp_path, _intra_stage)
-    with pytest.raises(AutoshardError, match="pp x intra-stage sharding is not supported yet"):
-        check_supported(load_stage_plan(plan))
+    plan = _edited(plan_2x2, tmp_path, edit)
     result = CliRunner().invoke(launch_command, [str(plan), str(blocks)])
     assert isinstance(result.exception, AutoshardError)  # the CLI prints it, exits 2
-    assert "stage 0 of" in str(result.exception)
-    assert "has submesh 2 (2 devices)" in str(result.exception)
+    assert re.search(message, str(result.exception)), str(result.exception)
     assert "running:" not in result.output  # torchrun never started
 
 
@@ -296,6 +352,43 @@ def test_tied_parameters_map_to_one_name_and_are_shared() -> None:
     assert shared == {"emb.weight": (0, 1)}
 
 
+def _tied_plan(head: list[str]) -> StagePlanFile:
+    """_Tied on mesh 2x2, pp=2: the embedding in stage 0, the head (the same tensor) in
+    stage 1, the embedding sharded on rows."""
+
+    def stage(i: int, params: dict) -> StageSpec:
+        split = ("head",) if i == 0 else ()
+        return StageSpec(i, (), split, (1, 2), (2 * i, 2 * i + 1), params)
+
+    return StagePlanFile(
+        source="tied.stages.json",
+        model="tied",
+        mesh_shape=(2, 2),
+        dim_names=("dp", "tp"),
+        pp=2,
+        microbatches=2,
+        stages=(
+            stage(0, {"emb.weight": ("R", "S(0)")}),
+            stage(1, {"head.weight": tuple(head)}),
+        ),
+    )
+
+
+def test_tied_weight_sharded_alike_in_two_stages_launches() -> None:
+    loaded = LoadedModel(_Tied(), (), (), "tied")
+    check_stage_plan(_tied_plan(["R", "S(0)"]), loaded, "tied.py")
+
+
+def test_tied_weight_sharded_differently_in_two_stages_is_refused() -> None:
+    loaded = LoadedModel(_Tied(), (), (), "tied")
+    with pytest.raises(AutoshardError) as err:
+        check_stage_plan(_tied_plan(["R", "S(1)"]), loaded, "tied.py")
+    assert str(err.value).startswith(
+        "tied parameter head.weight (stage 1) is placed S(1) but emb.weight (stage 0) S(0) "
+        "on the intra-stage dims; launching a tied weight sharded differently"
+    )
+
+
 def test_copies_of_a_parameter_in_one_stage_get_the_summed_gradient() -> None:
     canonical = {"emb.weight": "emb.weight", "head.weight": "emb.weight"}
     stage = nn.Module()
@@ -353,6 +446,34 @@ def test_three_stages_gpipe_train_matches_one_device(blocks: Path, tmp_path: Pat
     assert _number(OUTPUT, out) <= 1e-6
     assert _number(GRADS, out) <= 1e-6
     assert _number(PARAMS, out) <= 1e-6
+    assert "FAILED" not in out
+
+
+def test_pp_by_tp_forward_matches_one_device(plan_2x2: Path, blocks: Path) -> None:
+    """4 gloo ranks, mesh 2x2, pp=2: each stage's 2 ranks hold its weights sharded per
+    the plan (DTensors on the tp dim), the pipeline sends full activations between
+    ranks 0-2 and 1-3."""
+    run = _torchrun(4, str(plan_2x2), str(blocks), "--check")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert "stage plan pp=2 on mesh 2x2 (dp, tp), 4 ranks" in out
+    # 2 layers of a 16x16 weight and 16 biases, weights halved: 2 * (128 + 8 or 16) floats
+    assert "stage 0: layers.0 .. layers.1 on rank 0,1, 1.06 KiB" in out
+    assert "stage 1: layers.2 .. layers.3 on rank 2,3, 1.12 KiB" in out
+    assert _number(OUTPUT, out) <= 1e-6
+    assert "FAILED" not in out
+
+
+def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> None:
+    """The same plan, 2 AdamW steps of 1F1B over 4 micro-batches: step 1's gradients
+    (sharded ones gathered with full_tensor) and parameters equal one device's."""
+    run = _torchrun(4, str(plan_2x2), str(blocks), "--train", "--steps", "2", "--check")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert _number(OUTPUT, out) <= 1e-6
+    assert _number(GRADS, out) <= 1e-6
+    assert _number(PARAMS, out) <= 1e-6
+    assert "over 8 tensors" in out
     assert "FAILED" not in out
 
 
