@@ -542,16 +542,16 @@ def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
     """Share variables among identical repeated layers (Alpa-style layer tying).
 
     The nodes of each repeated block, in graph order, are matched by position with
-    those of the first block. When every representative of block ``L`` has, at the
-    same position, a representative of the first block with the same op, shapes and
-    strategy list, block ``L``'s representatives are replaced by the first block's:
-    its nodes then follow the first block's variables (their ``choice`` arrays stay
-    valid, the strategy lists being equal). Costs still count every layer (they are
+    those of an earlier block (the first that matches). When every representative of
+    block ``L`` has, at the same position, a representative of that block with the same
+    op, shapes and strategy list, block ``L``'s representatives are replaced by that
+    block's: its nodes then follow its variables (their ``choice`` arrays stay valid,
+    the strategy lists being equal). Costs still count every layer (they are
     summed per representative); edges between layers stay edges, now between the
-    first block's variables (see :func:`_build_edges`). Mutates ``nodes``.
+    reference block's variables (see :func:`_build_edges`). Mutates ``nodes``.
 
     Returns:
-        The number of layers tied to the first one.
+        The number of layers tied to an earlier one.
     """
     by_layer: dict[int, list[str]] = {}
     for name in nodes:
@@ -561,34 +561,41 @@ def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
             by_layer.setdefault(info.layer, []).append(name)
     if len(by_layer) < 2:
         return 0
-    first, *others = sorted(by_layer)
-    ref = by_layer[first]
 
     def sig(n: str) -> tuple:
         i = graph.nodes[n]
         return (i.kind, i.op_name, tuple(i.args), tuple(i.results), i.backward)
 
-    mapping: dict[str, str] = {}
-    tied = 0
-    for layer in others:
-        cur = by_layer[layer]
+    def match(ref: list[str], cur: list[str]) -> dict[str, str] | None:
         if len(cur) != len(ref):
-            continue
+            return None
         local: dict[str, str] = {}
-        ok = True
         for a, b in zip(ref, cur, strict=True):
             if sig(a) != sig(b):
-                ok = False
-                break
+                return None
             na, nb = nodes[a], nodes[b]
             if nb.rep == b:
                 if na.rep != a or na.strategies != nb.strategies:
-                    ok = False
-                    break
+                    return None
                 local[b] = a
-        if ok:
-            mapping.update(local)
-            tied += 1
+        return local
+
+    # each layer ties to the first earlier layer it matches; one that matches none is a
+    # new reference (the first block, holding the embeddings' backward, may differ from
+    # the blocks after it, which still share one plan)
+    refs: list[list[str]] = []
+    mapping: dict[str, str] = {}
+    tied = 0
+    for layer in sorted(by_layer):
+        cur = by_layer[layer]
+        for ref in refs:
+            local = match(ref, cur)
+            if local is not None:
+                mapping.update(local)
+                tied += 1
+                break
+        else:
+            refs.append(cur)
     for ns in nodes.values():
         ns.rep = mapping.get(ns.rep, ns.rep)
     return tied
