@@ -537,11 +537,13 @@ def _report_collectives(seen: dict[str, int], predicted: Mapping[str, object]) -
         _say(f"  {k:<38}{seen.get(k, 0):>5}  {pred!s:>9}")
 
 
-def _report_time(times: list[float], predicted: object = None) -> None:
-    """Step time (slowest rank): mean of steps 2..N, as step 1 warms up and counts
-    collectives; beside it the plan's prediction (for the device it was solved for)."""
+def _report_time(
+    times: Sequence[float], predicted: object = None, step1: str = "with warm-up and CommDebugMode"
+) -> None:
+    """Step time (slowest rank): mean of steps 2..N, as step 1 warms up (``step1`` says
+    what else it does); beside it the plan's prediction (for the device it was solved for)."""
     if len(times) == 1:
-        text = f"{format_seconds(times[0])} (1 step, with warm-up and CommDebugMode)"
+        text = f"{format_seconds(times[0])} (1 step, {step1})"
     else:
         rest = times[1:]
         text = (

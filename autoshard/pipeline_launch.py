@@ -69,6 +69,7 @@ from autoshard.launch import (
     _max_abs_diff,
     _Recorder,
     _report_check,
+    _report_time,
     _say,
     _sync,
     compare_runs,
@@ -87,7 +88,7 @@ from autoshard.model_file import (
 )
 from autoshard.placements import placements_from_str, short
 from autoshard.solution_io import STAGE_PLAN_FORMAT
-from autoshard.units import format_bytes, format_seconds
+from autoshard.units import format_bytes
 
 __all__ = [
     "STAGE_PLAN_FORMAT",
@@ -866,22 +867,6 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         dist.destroy_process_group()
 
 
-def _report_time(times: Sequence[float], predicted: float | None) -> None:
-    """Step time of the slowest rank (mean of steps 2..N; step 1 warms up), beside the
-    plan's prediction for the device it was planned for."""
-    if len(times) == 1:
-        text = f"{format_seconds(times[0])} (1 step, with warm-up)"
-    else:
-        rest = times[1:]
-        text = (
-            f"{format_seconds(sum(rest) / len(rest))} (mean of steps 2-{len(times)}; "
-            f"step 1: {format_seconds(times[0])})"
-        )
-    _say(f"step time: {text}")
-    if predicted is not None:
-        _say(f"predicted step time: {format_seconds(predicted)} (the stage plan's device model)")
-
-
 def _trace(module: nn.Module, microbatch: tuple[torch.Tensor, ...], split_points: list[str]) -> Any:
     """``pipeline()`` split before each split point; tracer failures become one line."""
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -1008,7 +993,7 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
                 "parameters held by several stages (gradients summed across them): "
                 f"{_listing(list(shared))}"
             )
-        _report_time(slowest, spec.step_time_s)
+        _report_time(slowest, spec.step_time_s, step1="with warm-up")
     if not opts.check:
         return 0
     return _check(mf, opts, device, stage, canonical, run)

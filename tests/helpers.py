@@ -64,3 +64,29 @@ def write_mlp_mse(tmp_path: Path, b: int, d: int, h: int, name: str = "mlp_mse")
     path = tmp_path / f"{name}.py"
     path.write_text(MSE_TEMPLATE.format(b=b, d=d, h=h))
     return path
+
+
+GPT2_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
+
+GPT2_SHORT_TEMPLATE = '''"""examples/gpt2.py's GPT-2 with input_ids of shape ({batch}, {seq})."""
+import importlib.util
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("_gpt2_example", {example!r})
+_gpt2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gpt2)
+build_model = _gpt2.build_model
+
+
+def example_inputs():
+    return (torch.randint(0, 50257, ({batch}, {seq})),)
+'''
+
+
+def write_gpt2_short(tmp_path: Path, batch: int, seq: int = 32) -> Path:
+    """examples/gpt2.py's model (``AUTOSHARD_LAYERS`` layers) with a short batch of
+    token ids, (batch, seq)."""
+    path = tmp_path / "gpt2_short.py"
+    path.write_text(GPT2_SHORT_TEMPLATE.format(batch=batch, seq=seq, example=str(GPT2_EXAMPLE)))
+    return path

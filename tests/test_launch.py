@@ -13,12 +13,12 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import write_gpt2_short
 
 from autoshard.errors import AutoshardError
 from autoshard.launch import (
@@ -97,28 +97,8 @@ def _number(pattern: str, text: str) -> float:
 
 
 def _gpt2_short(tmp_path: Path) -> Path:
-    """examples/gpt2.py's model (AUTOSHARD_LAYERS layers) with a short batch: 8 x 32."""
-    path = tmp_path / "gpt2_short.py"
-    path.write_text(
-        textwrap.dedent(
-            f'''
-            """examples/gpt2.py's GPT-2 with input_ids of global shape (8, 32)."""
-            import importlib.util
-
-            import torch
-
-            _spec = importlib.util.spec_from_file_location("_gpt2_example", {str(GPT2)!r})
-            _gpt2 = importlib.util.module_from_spec(_spec)
-            _spec.loader.exec_module(_gpt2)
-            build_model = _gpt2.build_model
-
-
-            def example_inputs():
-                return (torch.randint(0, 50257, (8, 32)),)
-            '''
-        )
-    )
-    return path
+    """examples/gpt2.py's model (AUTOSHARD_LAYERS layers) with input_ids of shape (8, 32)."""
+    return write_gpt2_short(tmp_path, 8)
 
 
 # ----------------------------------------------------------------------- materialise

@@ -14,12 +14,12 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import write_gpt2_short
 from torch import nn
 
 from autoshard.errors import AutoshardError
@@ -45,7 +45,6 @@ from autoshard.pipeline_launch import (
 from autoshard.stages_cli import stages_command
 
 ROOT = Path(__file__).resolve().parent.parent
-GPT2 = ROOT / "examples" / "gpt2.py"
 TIMEOUT_S = 300
 
 BLOCKS = '''
@@ -496,27 +495,7 @@ def test_wrong_process_count_exits_2_with_one_line(plan_pp2: Path, blocks: Path)
 
 def _gpt2_short(tmp_path: Path) -> Path:
     """examples/gpt2.py's model (AUTOSHARD_LAYERS layers) with input_ids of shape (4, 32)."""
-    path = tmp_path / "gpt2_short.py"
-    path.write_text(
-        textwrap.dedent(
-            f'''
-            """examples/gpt2.py's GPT-2 with input_ids of global shape (4, 32)."""
-            import importlib.util
-
-            import torch
-
-            _spec = importlib.util.spec_from_file_location("_gpt2_example", {str(GPT2)!r})
-            _gpt2 = importlib.util.module_from_spec(_spec)
-            _spec.loader.exec_module(_gpt2)
-            build_model = _gpt2.build_model
-
-
-            def example_inputs():
-                return (torch.randint(0, 50257, (4, 32)),)
-            '''
-        )
-    )
-    return path
+    return write_gpt2_short(tmp_path, 4)
 
 
 def test_gpt2_two_layers_trains_like_one_device(
