@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 MLP_TEMPLATE = """
@@ -90,3 +94,37 @@ def write_gpt2_short(tmp_path: Path, batch: int, seq: int = 32) -> Path:
     path = tmp_path / "gpt2_short.py"
     path.write_text(GPT2_SHORT_TEMPLATE.format(batch=batch, seq=seq, example=str(GPT2_EXAMPLE)))
     return path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_TIMEOUT_S = 300
+
+
+def rank_env(**extra: str) -> dict[str, str]:
+    """The environment of torchrun's ranks: one thread each, this checkout importable."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node N -m autoshard.launch ARGS``, captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=rank_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=TORCHRUN_TIMEOUT_S,
+    )
+
+
+def number(pattern: str, text: str) -> float:
+    """The float that ``pattern``'s first group matches in ``text`` (asserted present)."""
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in output:\n{text}"
+    return float(m.group(1))

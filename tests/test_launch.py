@@ -9,7 +9,6 @@ python from the repo root, ``OMP_NUM_THREADS=1`` (8 processes share 2 cores) and
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import write_gpt2_short
+from helpers import TORCHRUN_TIMEOUT_S, number, rank_env, torchrun, write_gpt2_short
 
 from autoshard.errors import AutoshardError
 from autoshard.launch import (
@@ -37,7 +36,7 @@ from autoshard.solution_io import ShardingMap
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "mlp.py"
 GPT2 = ROOT / "examples" / "gpt2.py"
-TIMEOUT_S = 300
+TIMEOUT_S = TORCHRUN_TIMEOUT_S
 
 # Megatron on tp (fc1 by output features, fc2 by input features) times data parallel on
 # dp: the batch is split on dp, the weights are replicated there.
@@ -72,28 +71,6 @@ def _smap(parameters: dict, inputs: dict) -> ShardingMap:
         parameters={k: placements_from_str(v) for k, v in parameters.items()},
         inputs={k: placements_from_str(v) for k, v in inputs.items()},
     )
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
-
-
-def _torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
-    return subprocess.run(
-        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-
-
-def _number(pattern: str, text: str) -> float:
-    m = re.search(pattern, text)
-    assert m, f"{pattern!r} not in output:\n{text}"
-    return float(m.group(1))
 
 
 def _gpt2_short(tmp_path: Path) -> Path:
@@ -346,16 +323,16 @@ def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
         {"x": ["S(0)", "R"]},
         {"step_time_s": 1e-4, "collectives": {"all_reduce": 5}},
     )
-    run = _torchrun(8, str(plan), str(MLP), "--train", "--check")
+    run = torchrun(8, str(plan), str(MLP), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     # Local shards: fc1 and fc2 weights 1024 x 4096 / 4, fc1.bias 4096 / 4, fc2.bias 1024.
     assert "local parameter bytes per rank: 8.01 MiB (8,396,800 B) on each of 8 ranks" in out
     # Forward: one all-reduce of fc2's partial sums on tp; backward: one per parameter on dp.
     assert re.search(r"all_reduce\s+5\s+5", out), out
-    assert _number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert _number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-5
-    assert _number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
+    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
+    assert number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-5
+    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
     assert "FAILED" not in out
     assert re.search(r"step time: \S+ (s|ms)", out)
 
@@ -365,12 +342,12 @@ def test_mlp_forward_through_autoshard_launch(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan), str(MLP)]
     cmd += ["--check", "--steps", "2"]
     run = subprocess.run(
-        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "--nproc-per-node 8 --standalone" in run.stderr
     assert re.search(r"all_reduce\s+1\s+-", run.stdout), run.stdout
-    assert _number(r"output(?: of step 1)? max abs diff (\S+)", run.stdout) <= 1e-5
+    assert number(r"output(?: of step 1)? max abs diff (\S+)", run.stdout) <= 1e-5
     assert "mean of steps 2-2" in run.stdout
 
 
@@ -401,19 +378,19 @@ def test_gpt2_two_layers_train_step_matches_single_device(
     plan = _write_map(
         tmp_path / "gpt2.json", {n: ["R", tp(n)] for n in names}, {"input_ids": ["S(0)", "R"]}
     )
-    run = _torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    run = torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert _number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert _number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
-    assert _number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
+    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
+    assert number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
+    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
     assert "FAILED" not in out
     assert re.search(r"all_reduce\s+\d+", out) and re.search(r"reduce_scatter\s+\d+", out)
 
 
 def test_world_size_mismatch_fails_before_any_work(tmp_path: Path) -> None:
     plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]})
-    run = _torchrun(4, str(plan), str(MLP))
+    run = torchrun(4, str(plan), str(MLP))
     assert run.returncode != 0
     line = (
         "error: the sharding map's mesh 2x4 needs 8 processes but torchrun started 4; "
@@ -427,7 +404,7 @@ def test_unknown_parameter_fails_under_torchrun(tmp_path: Path) -> None:
     plan = _write_map(
         tmp_path / "mlp.json", {**MLP_DP_TP, "fc3.weight": ["R", "R"]}, {"x": ["S(0)", "R"]}
     )
-    run = _torchrun(8, str(plan), str(MLP))
+    run = torchrun(8, str(plan), str(MLP))
     assert run.returncode != 0
     assert "error: the sharding map does not match mlp.py: 1 map entry that mlp.py lacks: " in (
         run.stderr
@@ -443,7 +420,7 @@ def _solve_map(model: Path, out: Path, *extra: str, **env: str) -> Path:
     cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x4"]
     cmd += ["--out", str(out), "-q", *extra]
     run = subprocess.run(
-        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
+        cmd, cwd=ROOT, env=rank_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     return next(Path(line) for line in run.stdout.split() if line.endswith(".json"))
@@ -453,11 +430,11 @@ def test_solved_mlp_plan_trains_like_one_device(tmp_path: Path) -> None:
     """The ILP's own plan (not a hand-written one) on 8 gloo processes: forward and one
     training step equal the single-device run within 1e-5."""
     plan = _solve_map(MLP, tmp_path)
-    run = _torchrun(8, str(plan), str(MLP), "--train", "--check")
+    run = torchrun(8, str(plan), str(MLP), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert _number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert _number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
+    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
+    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
     assert "FAILED" not in out
 
 
@@ -468,10 +445,10 @@ def test_solved_gpt2_plan_trains_like_one_device(
     monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
     model = _gpt2_short(tmp_path)
     plan = _solve_map(model, tmp_path, AUTOSHARD_LAYERS="2")
-    run = _torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    run = torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert _number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert _number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
-    assert _number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
+    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
+    assert number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
+    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
     assert "FAILED" not in out

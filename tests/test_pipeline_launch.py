@@ -10,7 +10,6 @@ tests/test_launch.py does: the venv's python, ``OMP_NUM_THREADS=1``, ``--standal
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import write_gpt2_short
+from helpers import TORCHRUN_TIMEOUT_S, number, rank_env, torchrun, write_gpt2_short
 from torch import nn
 
 from autoshard.errors import AutoshardError
@@ -45,7 +44,7 @@ from autoshard.pipeline_launch import (
 from autoshard.stages_cli import stages_command
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 300
+TIMEOUT_S = TORCHRUN_TIMEOUT_S
 
 BLOCKS = '''
 """Four Linear+ReLU blocks in an nn.Sequential; x: (8, 16) -> (8, 16)."""
@@ -112,28 +111,6 @@ def plan_2x2(blocks: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     The 8 KiB memory budget makes the stages shard their weights on the tp dim (all
     replicated needs 11.8 KiB on stage 0)."""
     return _stages(blocks, tmp_path_factory.mktemp("plans"), "2x2", 2, 4, "--memory-budget", "8KiB")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
-
-
-def _torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
-    return subprocess.run(
-        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-
-
-def _number(pattern: str, text: str) -> float:
-    m = re.search(pattern, text)
-    assert m, f"{pattern!r} not in output:\n{text}"
-    return float(m.group(1))
 
 
 OUTPUT = r"output(?: of step 1)? max abs diff (\S+)"
@@ -407,7 +384,7 @@ def test_copies_of_a_parameter_in_one_stage_get_the_summed_gradient() -> None:
 def test_forward_through_autoshard_launch_matches_one_device(plan_pp2: Path, blocks: Path) -> None:
     cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan_pp2), str(blocks), "--check"]
     run = subprocess.run(
-        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
@@ -416,19 +393,19 @@ def test_forward_through_autoshard_launch_matches_one_device(plan_pp2: Path, blo
     assert "stage 0: layers.0 .. layers.1 on rank 0" in out
     assert "stage 1: layers.2 .. layers.3 on rank 1" in out
     assert "micro-batches: 4 of 2 (global batch 8), schedule Schedule1F1B" in out
-    assert _number(OUTPUT, out) <= 1e-6
+    assert number(OUTPUT, out) <= 1e-6
     assert "FAILED" not in out
 
 
 def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
     """1F1B over 4 micro-batches, 2 AdamW steps: step 1's output, gradients and parameters
     equal the single-device run up to float32 rounding of the smaller matmuls."""
-    run = _torchrun(2, str(plan_pp2), str(blocks), "--train", "--steps", "2", "--check")
+    run = torchrun(2, str(plan_pp2), str(blocks), "--train", "--steps", "2", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
-    assert _number(OUTPUT, out) <= 1e-6
-    assert _number(GRADS, out) <= 1e-6
-    assert _number(PARAMS, out) <= 1e-6
+    assert number(OUTPUT, out) <= 1e-6
+    assert number(GRADS, out) <= 1e-6
+    assert number(PARAMS, out) <= 1e-6
     assert "over 8 tensors" in out
     assert "drift after 2 steps" in out
     assert "mean of steps 2-2" in out
@@ -438,13 +415,13 @@ def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
 def test_three_stages_gpipe_train_matches_one_device(blocks: Path, tmp_path: Path) -> None:
     """pp=3 with 2 micro-batches (fewer than the stages): ScheduleGPipe, a middle stage."""
     plan = _stages(blocks, tmp_path, "3", 3, 2)
-    run = _torchrun(3, str(plan), str(blocks), "--train", "--check")
+    run = torchrun(3, str(plan), str(blocks), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "micro-batches: 2 of 4 (global batch 8), schedule ScheduleGPipe" in out
-    assert _number(OUTPUT, out) <= 1e-6
-    assert _number(GRADS, out) <= 1e-6
-    assert _number(PARAMS, out) <= 1e-6
+    assert number(OUTPUT, out) <= 1e-6
+    assert number(GRADS, out) <= 1e-6
+    assert number(PARAMS, out) <= 1e-6
     assert "FAILED" not in out
 
 
@@ -452,39 +429,39 @@ def test_pp_by_tp_forward_matches_one_device(plan_2x2: Path, blocks: Path) -> No
     """4 gloo ranks, mesh 2x2, pp=2: each stage's 2 ranks hold its weights sharded per
     the plan (DTensors on the tp dim), the pipeline sends full activations between
     ranks 0-2 and 1-3."""
-    run = _torchrun(4, str(plan_2x2), str(blocks), "--check")
+    run = torchrun(4, str(plan_2x2), str(blocks), "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "stage plan pp=2 on mesh 2x2 (dp, tp), 4 ranks" in out
     # 2 layers of a 16x16 weight and 16 biases, weights halved: 2 * (128 + 8 or 16) floats
     assert "stage 0: layers.0 .. layers.1 on rank 0,1, 1.06 KiB" in out
     assert "stage 1: layers.2 .. layers.3 on rank 2,3, 1.12 KiB" in out
-    assert _number(OUTPUT, out) <= 1e-6
+    assert number(OUTPUT, out) <= 1e-6
     assert "FAILED" not in out
 
 
 def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> None:
     """The same plan, 2 AdamW steps of 1F1B over 4 micro-batches: step 1's gradients
     (sharded ones gathered with full_tensor) and parameters equal one device's."""
-    run = _torchrun(4, str(plan_2x2), str(blocks), "--train", "--steps", "2", "--check")
+    run = torchrun(4, str(plan_2x2), str(blocks), "--train", "--steps", "2", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
-    assert _number(OUTPUT, out) <= 1e-6
-    assert _number(GRADS, out) <= 1e-6
-    assert _number(PARAMS, out) <= 1e-6
+    assert number(OUTPUT, out) <= 1e-6
+    assert number(GRADS, out) <= 1e-6
+    assert number(PARAMS, out) <= 1e-6
     assert "over 8 tensors" in out
     assert "FAILED" not in out
 
 
 def test_check_beyond_tolerance_exits_1_on_every_rank(plan_pp2: Path, blocks: Path) -> None:
-    run = _torchrun(2, str(plan_pp2), str(blocks), "--train", "--check", "--grad-rtol", "1e-12")
+    run = torchrun(2, str(plan_pp2), str(blocks), "--train", "--check", "--grad-rtol", "1e-12")
     assert run.returncode == 1, run.stdout + run.stderr[-3000:]
     assert "FAILED" in run.stdout
     assert "check: beyond tolerance: grad layers." in run.stdout
 
 
 def test_wrong_process_count_exits_2_with_one_line(plan_pp2: Path, blocks: Path) -> None:
-    run = _torchrun(1, str(plan_pp2), str(blocks))
+    run = torchrun(1, str(plan_pp2), str(blocks))
     assert run.returncode != 0
     assert (
         "error: the stage plan's mesh 2 needs 2 processes but torchrun started 1; "
@@ -508,12 +485,12 @@ def test_gpt2_two_layers_trains_like_one_device(
     model = _gpt2_short(tmp_path)
     plan = _stages(model, tmp_path, "2", 2, 2)
     assert load_stage_plan(plan).split_points == ["transformer.h.1"]
-    run = _torchrun(2, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    run = torchrun(2, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "gradients summed across them): transformer.wte.weight" in out
-    assert _number(OUTPUT, out) <= 1e-5
-    assert _number(GRADS, out) <= 1e-5
-    assert _number(PARAMS, out) <= 1e-5
+    assert number(OUTPUT, out) <= 1e-5
+    assert number(GRADS, out) <= 1e-5
+    assert number(PARAMS, out) <= 1e-5
     assert "over 28 tensors" in out  # every parameter, the tied one once
     assert "FAILED" not in out
