@@ -114,6 +114,14 @@ def _node_blocks(sg: StrategyGraph) -> tuple[list[str], dict[str, int], np.ndarr
     return reps, offsets, c
 
 
+def _choice(sg: StrategyGraph, prob: _Problem, xv: np.ndarray) -> dict[str, int]:
+    """Each representative's strategy: the largest entry of its block of ``x``."""
+    return {
+        r: int(np.argmax(xv[prob.offsets[r] : prob.offsets[r] + len(sg.nodes[r].strategies)]))
+        for r in prob.reps
+    }
+
+
 def _one_strategy_rows(reps, offsets, sg, n_x) -> sp.csr_matrix:
     rows, cols = [], []
     for i, r in enumerate(reps):
@@ -294,13 +302,7 @@ def solve(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
             f"(status {status}); raise --time-limit"
         )
-    xv = x.value
-    choice = {}
-    for rname in prob.reps:
-        k = len(sg.nodes[rname].strategies)
-        block = xv[prob.offsets[rname] : prob.offsets[rname] + k]
-        choice[rname] = int(np.argmax(block))
-    choice = prefer_smaller_shards(sg, choice)  # fewer bytes: never breaks the budget
+    choice = prefer_smaller_shards(sg, _choice(sg, prob, x.value))  # never breaks the budget
     objective = float(problem.value) / SCALE
     status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
     if status_text == "optimal" and gap is not None and gap > 1e-9:
@@ -364,23 +366,15 @@ def _lp_first(
     if problem.status != cp.OPTIMAL or x.value is None:
         return None  # infeasible or odd: the MIP path reports it properly
     xv = x.value
-    choice = {}
-    for rname in prob.reps:
-        k = len(sg.nodes[rname].strategies)
-        choice[rname] = int(np.argmax(xv[prob.offsets[rname] : prob.offsets[rname] + k]))
     bound = float(problem.value) / SCALE
     integral = bool(np.all((xv < 1e-6) | (xv > 1 - 1e-6)))
     if not integral:
         # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
         decided = np.flatnonzero(xv > 1 - 1e-6)
-        fixed = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
-        if fixed is None:
+        xv = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
+        if xv is None:
             return None
-        choice = {}
-        for rname in prob.reps:
-            k = len(sg.nodes[rname].strategies)
-            choice[rname] = int(np.argmax(fixed[prob.offsets[rname] : prob.offsets[rname] + k]))
-    choice = prefer_smaller_shards(sg, choice)  # fewer bytes: never breaks the budget
+    choice = prefer_smaller_shards(sg, _choice(sg, prob, xv))  # never breaks the budget
     cost = evaluate(sg, choice)
     if memory is not None:
         m, budget = memory
