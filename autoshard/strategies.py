@@ -31,8 +31,8 @@ import math
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -602,14 +602,9 @@ def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
 
 
 def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dict]:
-    """Edges between representatives, and linear costs of edges inside one.
-
-    Edges with the same endpoints and the same grouping of strategies (e.g. the
-    same edge in every tied layer) are merged by summing their cost matrices: their
-    transportation variables would be equal anyway. An edge whose two ends follow
-    the same variable costs a fixed amount per strategy of it: that goes into the
-    returned ``extra`` linear costs.
-    """
+    """Edges between representatives, and linear costs of edges inside one
+    (:func:`merge_edges`): one edge per tensor read, its cost matrix over the distinct
+    produced and wanted placements (cached by placements, shape and dtype)."""
     consumers: list[tuple[str, int, str, TensorInfo]] = []
     for name, info in graph.nodes.items():
         if info.kind == "op" and name in nodes:
@@ -619,12 +614,9 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dic
             for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
                 if f"{name}.{k}" in nodes:
                     consumers.append((f"{name}.{k}", 0, a, t))
-    merged: dict[tuple, Edge] = {}
-    extra: dict[str, np.ndarray] = {}
     cost_cache: dict[tuple, np.ndarray] = {}
-    for dst_name, k, src_name, t in consumers:
-        if src_name in free:
-            continue
+
+    def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
         s_rep, d_rep = nodes[src.rep], nodes[dst.rep]
         produced = [src.strategies[src.choice[i]].outputs[0] for i in range(len(s_rep.strategies))]
@@ -639,36 +631,55 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dic
             )
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
-        if m != 1:
-            cost = cost * m
         p_index = {p: i for i, p in enumerate(p_list)}
         q_index = {q: i for i, q in enumerate(q_list)}
-        src_groups = np.array([p_index[p] for p in produced], dtype=np.int64)
-        dst_groups = np.array([q_index[q] for q in wanted], dtype=np.int64)
-        if src.rep == dst.rep:
-            # both ends follow one variable (a follow node, or tied layers): a fixed
-            # resharding cost per strategy of it, zero for follow nodes
-            per = cost[src_groups, dst_groups]
-            if np.any(per):
-                extra[src.rep] = extra.get(src.rep, 0) + per
-            continue
-        key = (src.rep, dst.rep, ckey[0], ckey[1], src_groups.tobytes(), dst_groups.tobytes())
-        if key in merged:
-            e = merged[key]
-            e.cost = e.cost + cost
-            e.members.append(t)
-            continue
-        merged[key] = Edge(
+        return Edge(
             src=src.rep,
             dst=dst.rep,
             tensor=t,
             src_placements=p_list,
             dst_placements=q_list,
-            src_groups=src_groups,
-            dst_groups=dst_groups,
-            cost=cost,
+            src_groups=np.array([p_index[p] for p in produced], dtype=np.int64),
+            dst_groups=np.array([q_index[q] for q in wanted], dtype=np.int64),
+            cost=cost * m if m != 1 else cost,
             producer=src_name,
             consumer=dst_name,
             members=[t],
         )
+
+    return merge_edges(edge(*c) for c in consumers if c[2] not in free)
+
+
+def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray]]:
+    """Edges between representatives, and the linear costs of edges inside one.
+
+    An edge whose two ends follow one variable (a follow node, or tied layers) costs a
+    fixed amount per strategy of it, zero for follow nodes: that goes into the returned
+    linear costs (representative -> seconds per strategy). Edges with the same endpoints,
+    placements and grouping of strategies (e.g. the same edge in every tied layer) are
+    merged by summing their cost matrices: their transportation variables would be equal
+    anyway. The given edges are not modified.
+    """
+    merged: dict[tuple, Edge] = {}
+    extra: dict[str, np.ndarray] = {}
+    for e in edges:
+        if e.src == e.dst:
+            per = e.cost[e.src_groups, e.dst_groups]
+            if np.any(per):
+                extra[e.src] = extra.get(e.src, 0) + per
+            continue
+        key = (
+            e.src,
+            e.dst,
+            tuple(e.src_placements),
+            tuple(e.dst_placements),
+            e.src_groups.tobytes(),
+            e.dst_groups.tobytes(),
+        )
+        kept = merged.get(key)
+        if kept is None:
+            merged[key] = replace(e, members=list(e.members))
+        else:
+            kept.cost = kept.cost + e.cost
+            kept.members.extend(e.members)
     return list(merged.values()), extra
