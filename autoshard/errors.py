@@ -7,3 +7,12 @@ class AutoshardError(Exception):
     The CLI prints ``error: <message>`` on one line and exits with code 2; ``--debug``
     shows the traceback too.
     """
+
+
+class MemoryBudgetError(AutoshardError):
+    """No plan fits the memory budget; ``least_bytes`` is the least any plan reaches (per
+    device), which the message names."""
+
+    def __init__(self, message: str, least_bytes: float) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes

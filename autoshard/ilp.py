@@ -41,7 +41,7 @@ import cvxpy as cp
 import numpy as np
 import scipy.sparse as sp
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.strategies import StrategyGraph
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -284,10 +284,11 @@ def solve(
             from autoshard.units import format_bytes
 
             least = _least_memory(prob, memory[0], options)
-            raise AutoshardError(
+            raise MemoryBudgetError(
                 f"no plan fits the memory budget of {format_bytes(memory[1])} per device: the "
                 f"smallest any plan in the search space reaches is {format_bytes(least)}; "
-                "raise --memory-budget, use more devices, or a smaller --dtype"
+                "raise --memory-budget, use more devices, or a smaller --dtype",
+                least,
             )
         raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")
     bound, gap = _bound_and_gap(problem)
@@ -423,12 +424,6 @@ def _fixed_mip(
     if problem.status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
         return None
     return x.value
-
-
-def least_memory(sg: StrategyGraph, m: np.ndarray, options: SolverOptions | None = None) -> float:
-    """The least bytes per device any plan of ``sg`` keeps, for the memory row ``m`` (over
-    the ILP's variables, as :func:`autoshard.memory.ilp_row` gives it)."""
-    return _least_memory(build_problem(sg), m, options or SolverOptions())
 
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:

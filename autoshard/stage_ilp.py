@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 from torch.distributed.tensor import Partial, Replicate
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.mesh import MeshSpec
 from autoshard.plan import local_bytes
-from autoshard.strategies import Edge, NodeStrategies, StrategyGraph, tie_layers
+from autoshard.strategies import Edge, NodeStrategies, StrategyGraph, merge_edges, tie_layers
 
 __all__ = ["StageGraph", "StagePrice", "StagePricer", "node_layers", "stage_graph"]
 
@@ -100,6 +100,23 @@ def _transfer_s(nbytes: float, mesh: MeshSpec) -> float:
     return nbytes / mesh.bandwidth[0] + mesh.latency[0] if nbytes > 0 else 0.0
 
 
+def _send_s(t, ps, mesh: MeshSpec) -> float:
+    """Seconds to send tensor ``t`` held under placements ``ps``: a ``Partial`` value is
+    first reduced to ``Replicate`` on its mesh dims, then each device sends its shard."""
+    cost = 0.0
+    if _partial(ps):
+        whole = tuple(Replicate() if isinstance(x, Partial) else x for x in ps)
+        cost = mesh.redistribute_cost(ps, whole, t.shape, t.itemsize)
+        ps = whole
+    return cost + _transfer_s(local_bytes(t, ps, mesh.shape), mesh)
+
+
+def _recv_s(t, ps, mesh: MeshSpec) -> float:
+    """Seconds to receive tensor ``t`` wanted under placements ``ps`` (a ``Partial`` one
+    arrives reduced, whole)."""
+    return _transfer_s(local_bytes(t, None if _partial(ps) else ps, mesh.shape), mesh)
+
+
 def stage_graph(
     sg: StrategyGraph,
     members: set[str],
@@ -166,17 +183,14 @@ def stage_graph(
                     n, ns.strategies, ns.compute_s, r, ns.choice, ns.fallback
                 )
         elif n in incoming:
-            out_nodes[n] = _source(sg, n, [sg.edges[k] for k in incoming[n]], mesh)
-    # remap each incoming edge's source groups onto the source's own strategies
-    for p, ks in incoming.items():
-        ns = nodes[p]
-        kept = _source_strategies(ns)
-        for k in ks:
-            e = sg.edges[k]
-            by_strategy: dict[int, int] = {}
-            for i, f in enumerate(ns.choice):
-                by_strategy.setdefault(int(f), int(e.src_groups[i]))
-            source_groups[k] = np.array([by_strategy[f] for f in kept], dtype=int)
+            out_nodes[n], kept = _source(sg, n, [sg.edges[k] for k in incoming[n]], mesh)
+            # each incoming edge's source groups, over the source's own strategies
+            for k in incoming[n]:
+                e = sg.edges[k]
+                by_strategy: dict[int, int] = {}
+                for i, f in enumerate(ns.choice):
+                    by_strategy.setdefault(int(f), int(e.src_groups[i]))
+                source_groups[k] = np.array([by_strategy[f] for f in kept], dtype=int)
 
     sinks = set(sync_sinks)
     edges: list[Edge] = []
@@ -205,13 +219,7 @@ def stage_graph(
                 continue
             seen.add(e.tensor)
             for i in range(len(vec)):
-                ps = e.src_placements[e.src_groups[i]]
-                cost = 0.0
-                if _partial(ps):
-                    whole = tuple(Replicate() if isinstance(x, Partial) else x for x in ps)
-                    cost += mesh.redistribute_cost(ps, whole, e.tensor.shape, e.tensor.itemsize)
-                    ps = whole
-                vec[i] += cost + _transfer_s(local_bytes(e.tensor, ps, mesh.shape), mesh)
+                vec[i] += _send_s(e.tensor, e.src_placements[e.src_groups[i]], mesh)
         send_s[rep] = send_s.get(rep, 0) + vec
 
     # A follow node shares its producer's variable and no edge joins them; when the two
@@ -236,13 +244,7 @@ def stage_graph(
             vec = np.zeros(len(out_nodes[rep].strategies))
             for i in range(len(vec)):
                 ps = ns.strategies[ns.choice[i]].outputs[0]
-                if a in members and _partial(ps):  # reduced before it is sent
-                    whole = tuple(Replicate() if isinstance(x, Partial) else x for x in ps)
-                    vec[i] += mesh.redistribute_cost(ps, whole, t.shape, t.itemsize)
-                    ps = whole
-                vec[i] += _transfer_s(
-                    local_bytes(t, None if _partial(ps) else ps, mesh.shape), mesh
-                )
+                vec[i] += _send_s(t, ps, mesh) if a in members else _recv_s(t, ps, mesh)
             send_s[rep] = send_s.get(rep, 0) + vec
 
     extra = {new_rep[r]: v for r, v in sg.extra_cost.items() if r in new_rep}
@@ -266,36 +268,23 @@ def stage_graph(
 
 def _tie(graph, out_nodes, members, edges, extra, send_s):
     """Tie the stage's identical layers (:func:`autoshard.strategies.tie_layers`), then
-    move edges and linear costs onto the tied variables: an edge whose two ends now share
-    a variable becomes a linear cost of it, and equal edges are summed into one."""
+    move edges and linear costs onto the tied variables (:func:`merge_edges`)."""
     tie_layers(graph, {n: ns for n, ns in out_nodes.items() if n in members})
 
-    def final(rep: str) -> str:
-        return out_nodes[rep].rep
+    def final(costs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for r, v in costs.items():
+            rep = out_nodes[r].rep
+            out[rep] = out.get(rep, 0) + v
+        return out
 
-    def add(d: dict, r: str, v) -> None:
-        d[r] = d.get(r, 0) + v
-
-    new_extra: dict[str, np.ndarray] = {}
-    for r, v in extra.items():
-        add(new_extra, final(r), v)
-    new_send: dict[str, np.ndarray] = {}
-    for r, v in send_s.items():
-        add(new_send, final(r), v)
-    merged: dict[tuple, Edge] = {}
-    for e in edges:
-        src, dst = final(e.src), final(e.dst)
-        if src == dst:
-            per = e.cost[e.src_groups, e.dst_groups]
-            if np.any(per):
-                add(new_extra, src, per)
-            continue
-        key = (src, dst, e.src_groups.tobytes(), e.dst_groups.tobytes(), e.cost.shape)
-        if key in merged:
-            merged[key].cost = merged[key].cost + e.cost
-        else:
-            merged[key] = replace(e, src=src, dst=dst)
-    return list(merged.values()), new_extra, new_send
+    tied, folded = merge_edges(
+        replace(e, src=out_nodes[e.src].rep, dst=out_nodes[e.dst].rep) for e in edges
+    )
+    new_extra = final(extra)
+    for r, v in folded.items():
+        new_extra[r] = new_extra.get(r, 0) + v
+    return tied, new_extra, final(send_s)
 
 
 def _source_strategies(ns: NodeStrategies) -> list[int]:
@@ -306,8 +295,11 @@ def _source_strategies(ns: NodeStrategies) -> list[int]:
     return ok or reach
 
 
-def _source(sg: StrategyGraph, name: str, edges: list[Edge], mesh: MeshSpec) -> NodeStrategies:
-    """A node made by another stage, as its own variable costed by the receive."""
+def _source(
+    sg: StrategyGraph, name: str, edges: list[Edge], mesh: MeshSpec
+) -> tuple[NodeStrategies, list[int]]:
+    """A node made by another stage, as its own variable costed by the receive of the
+    tensors the stage reads; also the indices of its strategies that it keeps."""
     ns = sg.nodes[name]
     kept = _source_strategies(ns)
     info = sg.graph.nodes[_base(name, sg.graph.nodes)]
@@ -319,9 +311,8 @@ def _source(sg: StrategyGraph, name: str, edges: list[Edge], mesh: MeshSpec) -> 
             if r is not None and r in read:
                 nbytes += local_bytes(r, None if _partial(ps) else ps, mesh.shape)
         cost[a] = _transfer_s(nbytes, mesh)
-    return NodeStrategies(
-        name, [ns.strategies[f] for f in kept], cost, name, np.arange(len(kept)), ns.fallback
-    )
+    strategies = [ns.strategies[f] for f in kept]
+    return NodeStrategies(name, strategies, cost, name, np.arange(len(kept)), ns.fallback), kept
 
 
 @dataclass
@@ -330,8 +321,9 @@ class StagePrice:
 
     Attributes:
         time_s: seconds per micro-batch (the ILP's objective); inf when the stage has no
-            plan, 0 when it has none within the memory budget (then ``memory_bytes`` is the
-            least it can reach, above the budget, so the stage is never chosen).
+            plan (``memory_bytes`` 0), 0 when it has none within the memory budget (then
+            ``memory_bytes`` is the least it can reach, above the budget, so
+            :func:`autoshard.stages.assign_stages` never chooses it).
         p2p_s: of which sends and receives.
         memory_bytes: bytes per device (parameters, gradients, optimizer state and the
             saved activations of the micro-batches in flight) of its plan.
@@ -426,24 +418,21 @@ class StagePricer:
         return self._cache[key]
 
     def _solve(self, stage: StageGraph) -> StagePrice:
-        from autoshard.ilp import least_memory, solve
+        from autoshard.ilp import solve
         from autoshard.memory import ilp_row, memory_rows
 
         sub = stage.sg
-        row = ilp_row(sub, memory_rows(sub, self.config.memory_model(), self.in_flight))
+        rows = memory_rows(sub, self.config.memory_model(), self.in_flight)
         self.ilps += 1
-        budget = self.config.budget()
         try:
-            res = solve(sub, self.config.solver, memory=(row, budget))
+            res = solve(sub, self.config.solver, memory=(ilp_row(sub, rows), self.config.budget()))
+        except MemoryBudgetError as exc:
+            # runnable but over the budget: assign_stages rejects it, and its least memory
+            # lets the error name the smallest fullest stage any split reaches
+            return StagePrice(0.0, 0.0, exc.least_bytes, status=str(exc))
         except AutoshardError as exc:
-            # no plan under the budget: the stage's least memory lets assign_stages name
-            # the smallest fullest stage any split reaches
-            least = least_memory(sub, row, self.config.solver)
-            if least > budget:  # runnable, but over the budget: assign_stages rejects it
-                return StagePrice(0.0, 0.0, least, status=str(exc))
-            return StagePrice(math.inf, math.inf, least, status=str(exc))
-        offsets = self._offsets(sub)
-        memory = float(sum(row[offsets[r] + c] for r, c in res.choice.items()))
+            return StagePrice(math.inf, math.inf, 0.0, status=str(exc))
+        memory = float(sum(rows[r][c] for r, c in res.choice.items() if r in rows))
         return StagePrice(
             res.objective_s,
             stage.p2p_s(res.choice),
@@ -451,14 +440,6 @@ class StagePricer:
             [res.choice[r] for r in sub.reps],
             res.status,
         )
-
-    @staticmethod
-    def _offsets(sub: StrategyGraph) -> dict[str, int]:
-        out, pos = {}, 0
-        for r in sub.reps:
-            out[r] = pos
-            pos += len(sub.nodes[r].strategies)
-        return out
 
     def choice(self, i: int, j: int) -> tuple[StageGraph, dict[str, int]]:
         """The stage graph of ``(i, j)`` and its plan's choice, mapped by position from the
