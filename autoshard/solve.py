@@ -163,6 +163,19 @@ def finish_plan(config: SolveConfig, sg: StrategyGraph, choice: dict[str, int], 
     return plan
 
 
+def _graph_and_strategies(
+    config: SolveConfig, progress: Progress | None, seconds: dict[str, float]
+) -> tuple[TracedGraph, StrategyGraph]:
+    """Trace and generate strategies, timing each into ``seconds``."""
+    t = time.perf_counter()
+    graph = trace(config, progress)
+    seconds["trace"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sg = strategies(config, graph, progress)
+    seconds["strategies"] = time.perf_counter() - t
+    return graph, sg
+
+
 def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveResult:
     """Run the whole pipeline and return the optimal plan with its statistics.
 
@@ -170,12 +183,7 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
         AutoshardError: a bad model file, an untraceable model, an infeasible ILP.
     """
     seconds: dict[str, float] = {}
-    t = time.perf_counter()
-    graph = trace(config, progress)
-    seconds["trace"] = time.perf_counter() - t
-    t = time.perf_counter()
-    sg = strategies(config, graph, progress)
-    seconds["strategies"] = time.perf_counter() - t
+    graph, sg = _graph_and_strategies(config, progress, seconds)
     if progress:
         progress("solve", 0, 1)
     row = ilp_row(sg, memory_rows(sg, config.memory_model()))
@@ -199,12 +207,7 @@ def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = No
     from autoshard.baselines import plan_for_algo
 
     seconds: dict[str, float] = {}
-    t = time.perf_counter()
-    graph = trace(config, progress)
-    seconds["trace"] = time.perf_counter() - t
-    t = time.perf_counter()
-    sg = strategies(config, graph, progress)
-    seconds["strategies"] = time.perf_counter() - t
+    graph, sg = _graph_and_strategies(config, progress, seconds)
     t = time.perf_counter()
     plan, stats = plan_for_algo(
         sg,
