@@ -253,14 +253,27 @@ def check_plan(smap: ShardingMap, loaded: LoadedModel, model_name: str = "the mo
 
 
 def distribute_parameters(
-    module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: Mapping[str, Sequence[Placement]],
+    canonical: Mapping[str, str] | None = None,
 ) -> None:
     """Replace every parameter by a DTensor parameter placed per ``placements``, in place.
 
     Every rank must hold the same full values (see :mod:`autoshard.materialize`): each
     keeps its own slice without communication (``src_data_rank=None``). Tied parameters
-    stay one ``nn.Parameter``. Call :func:`check_plan` first.
+    stay one ``nn.Parameter``. A parameter ``placements`` does not name is looked up under
+    any other name of the same tensor (``canonical``: name -> one name per tensor; a
+    pipeline stage's tracer may name a tied weight by its other alias).
+
+    Raises:
+        AutoshardError: a parameter placed under none of its names (:func:`check_plan`
+            catches this for a whole model before any rank starts).
     """
+    canonical = canonical or {}
+    by_key: dict[str, Sequence[Placement]] = {}
+    for name, ps in placements.items():
+        by_key.setdefault(canonical.get(name, name), ps)
     done: dict[int, nn.Parameter] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         for name, p in list(mod._parameters.items()):
@@ -268,7 +281,13 @@ def distribute_parameters(
                 continue
             if id(p) not in done:
                 fqn = f"{mod_name}.{name}" if mod_name else name
-                dt = distribute_tensor(p.detach(), mesh, list(placements[fqn]), src_data_rank=None)
+                where = placements.get(fqn, by_key.get(canonical.get(fqn, fqn)))
+                if where is None:
+                    raise AutoshardError(
+                        f"the plan gives no placements for {fqn}, which the model holds; "
+                        "plan again for this model"
+                    )
+                dt = distribute_tensor(p.detach(), mesh, list(where), src_data_rank=None)
                 done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             mod._parameters[name] = done[id(p)]
 

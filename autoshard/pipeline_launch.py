@@ -20,7 +20,7 @@ sharding maps stay with :mod:`autoshard.launch`. Each rank:
    size > 1); the stage talks to its neighbours over the ``"pp"`` dim (each rank with
    the ranks of the same intra-stage coordinate), holds its parameters as DTensors on
    the intra-stage dims per the stage's ``parameters`` map
-   (:func:`distribute_stage`), and sends and receives plain, full tensors
+   (:func:`autoshard.launch.distribute_parameters`), and sends and receives plain, full tensors
    (:func:`run_on_mesh`: inputs become ``Replicate`` DTensors, DTensor outputs
    ``full_tensor()``);
 5. runs ``--steps`` steps of :func:`schedule_class`'s schedule: forward only, or with
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map_only
 
@@ -73,6 +73,7 @@ from autoshard.launch import (
     _say,
     _sync,
     compare_runs,
+    distribute_parameters,
     loss_of,
     output_tensor,
     run_steps,
@@ -99,7 +100,6 @@ __all__ = [
     "check_stage_plan",
     "check_supported",
     "check_world_size",
-    "distribute_stage",
     "is_stage_plan",
     "load_stage_plan",
     "pipeline_loss",
@@ -558,44 +558,6 @@ def shared_parameters(
     return {c: tuple(sorted(s)) for c, s in sorted(holders.items()) if len(s) > 1}
 
 
-def distribute_stage(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    placements: Mapping[str, Sequence[Placement]],
-    canonical: Mapping[str, str],
-) -> None:
-    """Replace the stage module's parameters by DTensor parameters on the intra-stage
-    ``mesh``, placed per the stage's map (:func:`stage_placements`), in place.
-
-    A parameter the map does not name under the stage module's name is looked up under
-    any other name of the same tensor (``canonical``: the tracer may name a tied weight
-    by its other alias). Every rank of the stage holds the same full values (seeded), so
-    each keeps its own slice without communication. Copies of one tensor stay distinct.
-
-    Raises:
-        AutoshardError: a stage parameter the map does not place under any of its names.
-    """
-    by_key: dict[str, Sequence[Placement]] = {}
-    for name, ps in placements.items():
-        by_key.setdefault(canonical.get(name, name), ps)
-    done: dict[int, nn.Parameter] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=True):
-        for name, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in done:
-                fqn = f"{mod_name}.{name}" if mod_name else name
-                where = placements.get(fqn, by_key.get(canonical.get(fqn, fqn)))
-                if where is None:
-                    raise AutoshardError(
-                        f"the stage plan gives no placements for {fqn}, which the traced "
-                        "stage holds; plan the stages again for this model"
-                    )
-                dt = distribute_tensor(p.detach(), mesh, list(where), src_data_rank=None)
-                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            mod._parameters[name] = done[id(p)]
-
-
 def _drop_metadata_asserts(module: nn.Module) -> int:
     """Remove ``aten._assert_tensor_metadata`` calls (``torch.export`` puts one at each
     ``Tensor.to``) from every graph in ``module``; DTensor has no sharding rule for that
@@ -957,7 +919,8 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
     del pipe
     if mesh is not None:
         inner = mesh[layout.inner_names]
-        distribute_stage(stage.submod, inner, stage_placements(me, layout.inner_dims), canonical)
+        placements = stage_placements(me, layout.inner_dims)
+        distribute_parameters(stage.submod, inner, placements, canonical)
         run_on_mesh(stage.submod, inner)
     local = {
         id(p): p.numel() * p.element_size()
