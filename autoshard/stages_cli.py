@@ -1,15 +1,15 @@
 """``autoshard stages``: split a model into pipeline stages, each with its intra-op plan.
 
-The model is traced once. Its layers are the repeated blocks the tracer found
-(``NodeInfo.layer``), or, for a model without repeated blocks, the layers that
-:func:`autoshard.stages.cluster_layers` builds from the ops. For each pipeline degree ``pp``
-one intra-op ILP plans the whole model on the stage submesh
-(:func:`autoshard.stages.submesh_shape`); its cost is split per layer (each node's compute and
-each resharding go to the layer of the node that runs them), so that the time of a stage
-holding layers ``i..j-1`` is the sum of its layers' costs plus the send/receive of the
-activations that cross its boundaries. :func:`autoshard.stages.assign_stages` then picks the
-contiguous split with the least 1F1B step time. docs/pipeline-stages.md ("The stages
-command") gives the cost model and what it leaves out.
+The model is traced once, on one micro-batch. Its layers are the repeated blocks the tracer
+found (``NodeInfo.layer``), or, for a model without repeated blocks, the layers that
+:func:`autoshard.stages.cluster_layers` builds from the forward ops. For each pipeline
+degree ``pp`` the strategy graph of the model on the stage submesh
+(:func:`autoshard.stages.submesh_shape`) is built once, and each candidate stage (layers
+``i..j-1``) is priced by its own intra-op ILP (:mod:`autoshard.stage_ilp`): its compute,
+resharding and the send/receive of what crosses its boundaries.
+:func:`autoshard.stages.assign_stages` then picks the contiguous split with the least 1F1B
+step time. docs/pipeline-stages.md ("The stages command") gives the cost model and what it
+leaves out.
 """
 
 from __future__ import annotations
@@ -169,15 +169,18 @@ class PipelineCosts:
 
     Attributes:
         pp: the pipeline degree.
-        submesh: the stage submesh (:func:`autoshard.stages.submesh_shape`).
-        mesh: the submesh as a :class:`~autoshard.mesh.MeshSpec` (the mesh's bandwidths).
+        mesh: the stage submesh (:func:`autoshard.stages.submesh_shape`) as a
+            :class:`~autoshard.mesh.MeshSpec`, with the mesh's bandwidths.
         pricer: the :class:`~autoshard.stage_ilp.StagePricer` (cached per-stage ILPs).
     """
 
     pp: int
-    submesh: tuple[int, ...]
     mesh: Any
     pricer: Any
+
+    @property
+    def submesh(self) -> tuple[int, ...]:
+        return self.mesh.shape
 
     def stage_time(self, i: int, j: int) -> float:
         """Seconds per micro-batch of a stage holding layers i..j-1 (its ILP's objective:
@@ -240,7 +243,7 @@ def price_pipeline(
         microbatches,
         in_flight,
     )
-    return PipelineCosts(pp, sub, sub_mesh, pricer)
+    return PipelineCosts(pp, sub_mesh, pricer)
 
 
 # --------------------------------------------------------------------------------------------
