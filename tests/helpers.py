@@ -128,3 +128,22 @@ def number(pattern: str, text: str) -> float:
     m = re.search(pattern, text)
     assert m, f"{pattern!r} not in output:\n{text}"
     return float(m.group(1))
+
+
+CHECK_OUTPUT = r"output(?: of step 1)? max abs diff (\S+)"
+CHECK_GRADS = r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)"
+CHECK_PARAMS = r"parameters after 1 AdamW step: max abs diff (\S+)"
+
+
+def assert_checked(
+    out: str, output: float, grads: float | None = None, params: float | None = None
+) -> None:
+    """A ``--check`` run's report: the output's (and with ``grads``/``params``, step 1's
+    gradients' and parameters') difference from one device at most the given bound, and
+    nothing beyond tolerance."""
+    assert number(CHECK_OUTPUT, out) <= output
+    if grads is not None:
+        assert number(CHECK_GRADS, out) <= grads
+    if params is not None:
+        assert number(CHECK_PARAMS, out) <= params
+    assert "FAILED" not in out

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import TORCHRUN_TIMEOUT_S, number, rank_env, torchrun, write_gpt2_short
+from helpers import (
+    CHECK_OUTPUT,
+    TORCHRUN_TIMEOUT_S,
+    assert_checked,
+    number,
+    rank_env,
+    torchrun,
+    write_gpt2_short,
+)
 
 from autoshard.errors import AutoshardError
 from autoshard.launch import (
@@ -330,10 +338,7 @@ def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
     assert "local parameter bytes per rank: 8.01 MiB (8,396,800 B) on each of 8 ranks" in out
     # Forward: one all-reduce of fc2's partial sums on tp; backward: one per parameter on dp.
     assert re.search(r"all_reduce\s+5\s+5", out), out
-    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-5
-    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
-    assert "FAILED" not in out
+    assert_checked(out, 1e-5, grads=1e-5, params=1e-5)
     assert re.search(r"step time: \S+ (s|ms)", out)
 
 
@@ -347,7 +352,7 @@ def test_mlp_forward_through_autoshard_launch(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "--nproc-per-node 8 --standalone" in run.stderr
     assert re.search(r"all_reduce\s+1\s+-", run.stdout), run.stdout
-    assert number(r"output(?: of step 1)? max abs diff (\S+)", run.stdout) <= 1e-5
+    assert number(CHECK_OUTPUT, run.stdout) <= 1e-5
     assert "mean of steps 2-2" in run.stdout
 
 
@@ -381,10 +386,7 @@ def test_gpt2_two_layers_train_step_matches_single_device(
     run = torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
-    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
-    assert "FAILED" not in out
+    assert_checked(out, 1e-5, grads=1e-4, params=1e-5)
     assert re.search(r"all_reduce\s+\d+", out) and re.search(r"reduce_scatter\s+\d+", out)
 
 
@@ -433,9 +435,7 @@ def test_solved_mlp_plan_trains_like_one_device(tmp_path: Path) -> None:
     run = torchrun(8, str(plan), str(MLP), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
-    assert "FAILED" not in out
+    assert_checked(out, 1e-5, params=1e-5)
 
 
 def test_solved_gpt2_plan_trains_like_one_device(
@@ -448,7 +448,4 @@ def test_solved_gpt2_plan_trains_like_one_device(
     run = torchrun(8, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert number(r"output(?: of step 1)? max abs diff (\S+)", out) <= 1e-5
-    assert number(r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)", out) <= 1e-4
-    assert number(r"parameters after 1 AdamW step: max abs diff (\S+)", out) <= 1e-5
-    assert "FAILED" not in out
+    assert_checked(out, 1e-5, grads=1e-4, params=1e-5)
