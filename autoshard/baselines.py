@@ -225,8 +225,15 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
                 cost=cost,
                 producer=e.producer,
                 consumer=e.consumer,
+                members=e.members,
+                overlap=e.overlap,
+                hide_share=e.hide_share,
             )
         )
+
+    def kept(per_rep: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {rep: v if keep[rep] is None else v[keep[rep]] for rep, v in per_rep.items()}
+
     return StrategyGraph(
         graph=sg.graph,
         mesh_shape=sg.mesh_shape,
@@ -238,6 +245,11 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         rule_calls=sg.rule_calls,
         cache_hits=sg.cache_hits,
         stats=dict(sg.stats),
+        extra_cost=kept(sg.extra_cost),
+        tied_layers=sg.tied_layers,
+        optimizer_s=kept(sg.optimizer_s),
+        bucket_bytes=sg.bucket_bytes,
+        overlap=sg.overlap,
     )
 
 

@@ -59,7 +59,11 @@ class ComparedPlan:
             "name": self.name,
             "step_time_s": float(p.step_time_s),
             "compute_s": float(p.compute_s),
+            "optimizer_s": float(p.optimizer_s),
             "comm_s": {k: float(p.comm_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
+            "hidden_s": {k: float(p.hidden_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
+            "flops": float(p.step_flops),
+            "mfu": float(p.mfu),
             "collectives": {k: int(p.collectives.get(k, 0)) for k in COLLECTIVE_KINDS},
             "memory_bytes": float(p.memory_bytes),
             "memory_by_kind": {k: float(v) for k, v in p.memory_by_kind().items()},
@@ -169,7 +173,7 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
         collapse_padding=True,
         caption="* fastest plan that fits"
         + (f" in {format_bytes(budget)}" if budget is not None else "")
-        + "; step = compute + communication (no overlap)",
+        + "; step = compute + optimizer + communication - hidden",
     )
     table.add_column("", no_wrap=True)
     for r in rows:
@@ -189,8 +193,11 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
     row("step time", lambda p, r: format_seconds(p.step_time_s), "bold")
     row("vs best", lambda p, r: f"{p.step_time_s / best:.2f}x" if best else "")
     row("compute", lambda p, r: format_seconds(p.compute_s))
+    row("optimizer", lambda p, r: format_seconds(p.optimizer_s) if p.optimizer_s else "-")
     for k in kinds:
         row(_LABEL[k], lambda p, r, k=k: format_seconds(p.comm_s[k]) if p.comm_s.get(k) else "-")
+    row("hidden", lambda p, r: f"-{format_seconds(p.hidden_total_s)}" if p.hidden_s else "-")
+    row("MFU", lambda p, r: f"{p.mfu:.1%}")
     table.add_section()
     for k in mem_kinds:
         row(

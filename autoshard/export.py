@@ -86,9 +86,13 @@ def predicted(plan: Plan) -> dict[str, Any]:
     return {
         "step_time_s": float(plan.step_time_s),
         "compute_s": float(plan.compute_s),
+        "optimizer_s": float(plan.optimizer_s),
         "comm_s": {k: float(v) for k, v in sorted(plan.comm_s.items())},
+        "hidden_s": {k: float(v) for k, v in sorted(plan.hidden_s.items())},
         "collectives": dict(sorted(plan.collectives.items())),
         "memory_bytes": {k: float(v) for k, v in plan.memory_by_kind().items()},
+        "flops": float(plan.step_flops),
+        "mfu": float(plan.mfu),
     }
 
 
@@ -102,6 +106,8 @@ def sharding_map_dict(plan: Plan) -> dict[str, Any]:
         "predicted": {
             "step_time_s": float(plan.step_time_s),
             "collectives": dict(sorted(plan.collectives.items())),
+            "flops": float(plan.step_flops),
+            "mfu": float(plan.mfu),
         },
     }
 

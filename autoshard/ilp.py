@@ -20,10 +20,14 @@ Mathematics (the method that builds each part is named in brackets):
 * Optional memory budget: ``m . x <= budget`` with ``m`` the bytes a strategy
   keeps on one device (:func:`autoshard.memory.memory_rows`); when infeasible, the
   least ``m . x`` any plan reaches is reported [``_least_memory``].
-* Minimise ``c . x + r . y``: ``c`` the compute seconds of each strategy
-  (roofline of its local shard, plus every node merged into it), ``r`` the
-  resharding seconds of each (produced, wanted) pair (alpha-beta ring model,
-  :mod:`autoshard.mesh`).
+* Minimise ``c . x + r . y - sum(z)``: ``c`` the compute seconds of each strategy
+  (roofline of its local shard, plus every node merged into it, plus the AdamW step of
+  a parameter's shard), ``r`` the resharding seconds of each (produced, wanted) pair
+  (alpha-beta ring model in sequence, gradients bucketed, :mod:`autoshard.mesh`).
+* Overlap [``_overlap_rows``]: ``z >= 0`` the seconds of gradient reductions and
+  parameter gathers hidden under compute, bounded by each edge's communication, by its
+  share of the compute that can hide it, and by that compute in total
+  (:mod:`autoshard.overlap`, after autoparallel's PR #353).
 
 Solved with cvxpy + HiGHS (``mip_rel_gap``, ``time_limit``). A hit time limit
 returns the incumbent with its gap; no incumbent or infeasibility raises
@@ -42,6 +46,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
 from autoshard.strategies import StrategyGraph
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -102,6 +107,48 @@ class _Problem:
     b: np.ndarray
     edge_offsets: list[int]
     keep: list[np.ndarray]
+    overlap: _OverlapRows | None = None
+
+
+@dataclass(frozen=True)
+class _OverlapRows:
+    """The savings part of the ILP (:mod:`autoshard.overlap`): ``K`` overlappable edges."""
+
+    comm: sp.csr_matrix  # (K, n_y): row e holds edge e's resharding seconds over its y block
+    share: np.ndarray  # (K,) f_e
+    gradient: np.ndarray  # (K,) bool: a gradient reduction (else a parameter gather)
+    c_all: np.ndarray  # (n_x,) compute seconds per strategy
+    c_bwd: np.ndarray  # (n_x,) backward compute seconds per strategy
+
+
+def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps):
+    """[``_overlap_rows``] the savings constraints' data, or None when nothing can hide."""
+    idx = overlappable(sg)
+    if not idx:
+        return None
+    rows, cols, data = [], [], []
+    for k, i in enumerate(idx):
+        start, n = edge_offsets[i], len(keeps[i])
+        rows.append(np.full(n, k))
+        cols.append(np.arange(start, start + n))
+        data.append(r[start : start + n])
+    comm = sp.csr_matrix(
+        (np.concatenate(data), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(len(idx), len(r)),
+    )
+    vectors = compute_vectors(sg)
+    c_all, c_bwd = np.zeros(n_x), np.zeros(n_x)
+    for rep in reps:
+        a, b = vectors[rep]
+        c_all[offsets[rep] : offsets[rep] + len(a)] = a
+        c_bwd[offsets[rep] : offsets[rep] + len(b)] = b
+    return _OverlapRows(
+        comm,
+        np.array([sg.edges[i].hide_share for i in idx]),
+        np.array([sg.edges[i].overlap == GRADIENT for i in idx]),
+        c_all,
+        c_bwd,
+    )
 
 
 def _node_blocks(sg: StrategyGraph) -> tuple[list[str], dict[str, int], np.ndarray]:
@@ -188,7 +235,8 @@ def build_problem(sg: StrategyGraph) -> _Problem:
     A_one = sp.hstack([A_one, sp.csr_matrix((A_one.shape[0], n_y))], format="csr")
     A = sp.vstack([A_one, A_edges], format="csr")
     b = np.concatenate([np.ones(A_one.shape[0]), np.zeros(A_edges.shape[0])])
-    return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps)
+    overlap = _overlap_rows(sg, reps, offsets, n_x, r, edge_offsets, keeps)
+    return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap)
 
 
 def _cvx_problem(
@@ -215,10 +263,29 @@ def _cvx_problem(
         constraints.append(x[fixed] == 1)
     if memory is not None:
         constraints.append(memory[0] @ x <= memory[1])
+    saved = 0
+    ov = prob.overlap
+    if ov is not None and y is not None:
+        # [_overlap_rows] savings z (microseconds, as the objective), the compute that can
+        # hide them as two scalars (one dense row each instead of one per edge)
+        z = cp.Variable(len(ov.share), nonneg=True)
+        c_all, c_bwd = cp.Variable(), cp.Variable()
+        grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
+        constraints += [
+            c_all == SCALE * ov.c_all @ x,
+            c_bwd == SCALE * ov.c_bwd @ x,
+            z <= SCALE * ov.comm @ y,
+            cp.sum(z) <= c_all,
+        ]
+        if len(grad):
+            constraints += [z[grad] <= ov.share[grad] * c_bwd, cp.sum(z[grad]) <= c_bwd]
+        if len(gather):
+            constraints.append(z[gather] <= ov.share[gather] * c_all)
+        saved = cp.sum(z)
     if memory_objective is not None:
         objective = memory_objective @ x
     else:
-        objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0)
+        objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0) - saved
     return cp.Problem(cp.Minimize(objective), constraints), x
 
 
@@ -462,7 +529,7 @@ def prefer_smaller_shards(sg: StrategyGraph, choice: dict[str, int], tol: float 
     """
     from autoshard.plan import local_bytes
 
-    choice = dict(choice)
+    original, choice = choice, dict(choice)
     if sg.graph is None:  # a bare strategy graph (tests): nothing to compare
         return choice
     incident: dict[str, list] = {}
@@ -495,14 +562,20 @@ def prefer_smaller_shards(sg: StrategyGraph, choice: dict[str, int], tol: float 
                 best = i
                 break
         choice[name] = best
+    if sg.overlap and evaluate(sg, choice) > evaluate(sg, original) + tol:
+        return dict(original)  # the local check does not see hidden communication move
     return choice
 
 
 def evaluate(sg: StrategyGraph, choice: dict[str, int]) -> float:
-    """The objective (s) of a given choice: compute plus resharding, as the ILP counts it."""
+    """The objective (s) of a given choice, as the ILP counts it: compute (with the
+    optimizer step) plus resharding, less the communication hidden under compute
+    (:func:`autoshard.overlap.hidden_seconds`)."""
     total = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
     for e in sg.edges:
         total += float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
+    if sg.overlap and sg.graph is not None:
+        total -= hidden_seconds(sg, choice).total_s
     return total
 
 

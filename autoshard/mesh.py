@@ -36,14 +36,28 @@ source              destination            collective on that mesh dim
 ``Partial(op1)``    ``Partial(op2)``       impossible (``math.inf``)
 ==================  =====================  ==============================
 
-The bytes ``B`` a collective on mesh dim ``i`` sees are the global tensor bytes divided by
-the sizes of the *other* mesh dims on which the source placement is a ``Shard``: those
-split the tensor before mesh dim ``i`` touches it.
+A resharding over several mesh dims is a *sequence* of single-dim collectives, each priced
+on the tensor as it is at that step (Alpa and autoparallel size each step in sequence), in
+the cheapest order (:meth:`MeshSpec._sequence`): steps that shrink the local tensor first
+(local slices, then reduce-scatters, fastest link first), then those that keep its size
+(all-reduce, all-to-all) on the smallest piece, then the all-gathers that grow it (fastest
+link last). A ``Partial -> Replicate`` mesh dim may also run as a reduce-scatter at the
+start and an all-gather at the end, so that the dims between work on the scattered piece:
+NCCL's hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes on
+``1/n`` of the bytes, all-gather inside). Each order is optimal by an exchange argument:
+every byte term is linear in the local size, a shrinking step moved earlier never costs
+more, and two reduce-scatters on links ``i, j`` cost less with the higher bandwidth first.
+
+Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MB by default): a
+gradient of ``G`` bytes on one device fills ``G / bucket`` of a bucket and pays that share
+of the collective's latency (:meth:`MeshSpec.gradient_sync_cost`); bandwidth terms are
+unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -375,11 +389,11 @@ class MeshSpec:
             raise AutoshardError(f"collective of {nbytes!r} bytes: the size must be >= 0")
         return self._collective(kind, nbytes, mesh_dim)
 
-    def _collective(self, kind: str, nbytes: float, i: int) -> float:
+    def _collective(self, kind: str, nbytes: float, i: int, latency_share: float = 1.0) -> float:
         n = self.shape[i]
         if n == 1:
             return 0.0
-        alpha, bw = self.latency[i], self.bandwidth[i]
+        alpha, bw = self.latency[i] * latency_share, self.bandwidth[i]
         if kind == "all_to_all":
             return (n - 1) * (alpha + nbytes / (n * n * bw))
         ring = (n - 1) * (alpha + nbytes / (n * bw))
@@ -438,10 +452,12 @@ class MeshSpec:
         dst: Sequence[Placement],
         shape: Sequence[int],
         itemsize: int,
+        latency_share: float = 1.0,
     ) -> list[CommStep]:
-        """The collectives that reshard a tensor from ``src`` to ``dst``, one per mesh dim
-        whose placement changes (mesh dims of size 1 and local slices move nothing and give
-        no step). Arguments as in :meth:`redistribute_cost`.
+        """The collectives that reshard a tensor from ``src`` to ``dst``, in the order they
+        run (see the module docstring); mesh dims of size 1 and local slices give no step.
+        Arguments as in :meth:`redistribute_cost`; ``latency_share`` scales each step's
+        latency term (a bucketed gradient's share of its bucket, :meth:`bucket_share`).
 
         Raises:
             AutoshardError: the change is impossible (``Shard`` into ``Partial``, or between
@@ -450,7 +466,48 @@ class MeshSpec:
         plan = self._plan(src, dst, shape, itemsize)
         if isinstance(plan, str):
             raise AutoshardError(plan)
-        return [CommStep(kind, i, b, self._collective(kind, b, i)) for kind, i, b in plan]
+        return self._steps(plan, latency_share)
+
+    def gradient_sync_cost(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+        bucket_bytes: float,
+    ) -> float:
+        """Seconds of a gradient's reduction ``src -> dst`` when gradients go in buckets of
+        ``bucket_bytes``: the steps of :meth:`redistribute_steps`, each step's latency term
+        scaled by ``min(1, G / bucket_bytes)``, ``G`` the gradient's bytes on one device
+        under ``src`` (the share of a bucket it fills, as DDP's ``bucket_cap_mb``).
+
+        Returns ``math.inf`` when the change is impossible.
+        """
+        plan = self._plan(src, dst, shape, itemsize)
+        if isinstance(plan, str):
+            return math.inf
+        return sum(
+            s.seconds
+            for s in self._steps(plan, self.bucket_share(src, shape, itemsize, bucket_bytes))
+        )
+
+    def bucket_share(
+        self, src: Sequence[Placement], shape: Sequence[int], itemsize: int, bucket_bytes: float
+    ) -> float:
+        """``min(1, G / bucket_bytes)``: the share of a gradient bucket a tensor of global
+        ``shape`` fills on one device under ``src`` (1 when ``bucket_bytes`` is 0: no buckets)."""
+        if bucket_bytes <= 0:
+            return 1.0
+        codes = self._encode(src, len(shape), "source")
+        split = math.prod(
+            n for n, c in zip(self.shape, codes, strict=True) if not isinstance(c, str) and c >= 0
+        )
+        return min(1.0, math.prod(shape) * itemsize / split / bucket_bytes)
+
+    def _steps(self, plan, latency_share: float = 1.0) -> list[CommStep]:
+        return [
+            CommStep(kind, i, b, self._collective(kind, b, i, latency_share)) for kind, i, b in plan
+        ]
 
     def _redistribute_cost_uncached(
         self,
@@ -471,7 +528,8 @@ class MeshSpec:
         shape: Sequence[int],
         itemsize: int,
     ) -> list[tuple[CollectiveKind, int, float]] | str:
-        """``(kind, mesh dim, bytes)`` per collective, or why the resharding is impossible."""
+        """``(kind, mesh dim, bytes)`` per collective in the order they run (see the module
+        docstring), or why the resharding is impossible."""
         shape = _whole_numbers(shape, "tensor shape")
         (itemsize,) = _whole_numbers((itemsize,), "itemsize")
         if any(n < 0 for n in shape) or itemsize < 1:
@@ -481,35 +539,102 @@ class MeshSpec:
             )
         s = self._encode(src, len(shape), "source")
         d = self._encode(dst, len(shape), "destination")
-        total = math.prod(shape) * itemsize
-        plan: list[tuple[CollectiveKind, int, float]] = []
         for i, (a, b) in enumerate(zip(s, d, strict=True)):
-            if a == b:
-                continue
-            kind: CollectiveKind
-            if isinstance(b, str):
-                if a == _R:
-                    continue  # Replicate -> Partial: each device rescales its copy locally
-                return (  # Shard -> Partial, or Partial(op1) -> Partial(op2)
+            if isinstance(b, str) and a != b and a != _R:  # Shard -> Partial, P(op1) -> P(op2)
+                return (
                     f"cannot reshard mesh dim {i} ({self.dim_names[i]}) from "
                     f"{_show(a)} to {_show(b)}: a Partial placement comes only out of an op "
                     "or from Replicate"
                 )
-            if b == _R:
-                kind = "all_reduce" if isinstance(a, str) else "all_gather"
-            elif a == _R:
-                continue  # Replicate -> Shard: each device keeps its slice, nothing moves
-            else:
-                kind = "reduce_scatter" if isinstance(a, str) else "all_to_all"
-            if self.shape[i] == 1:
+        # local bytes: the global bytes over the mesh dims on which the source is sharded
+        local = (
+            math.prod(shape)
+            * itemsize
+            / math.prod(
+                n for n, c in zip(self.shape, s, strict=True) if not isinstance(c, str) and c >= 0
+            )
+        )
+        plan: list[tuple[CollectiveKind, int, float]] = []
+        for kind, i in self._sequence(s, d):
+            n = self.shape[i]
+            if kind == "slice":
+                local /= n
                 continue
-            # Other mesh dims on which the source is sharded have already split the tensor.
-            split = 1
-            for j, (n, c) in enumerate(zip(self.shape, s, strict=True)):
-                if j != i and not isinstance(c, str) and c >= 0:
-                    split *= n
-            plan.append((kind, i, total / split))
+            if kind in ("all_gather", "all_to_all"):
+                plan.append((kind, i, local * n))  # B: the tensor in full along mesh dim i
+            else:
+                plan.append((kind, i, local))
+            if kind == "all_gather":
+                local *= n
+            elif kind == "reduce_scatter":
+                local /= n
         return plan
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (MeshSpec lives as long as its solve)
+    def _sequence(self, s: tuple, d: tuple) -> tuple[tuple[str, int], ...]:
+        """The cheapest order of the single-dim steps from codes ``s`` to ``d``.
+
+        Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
+        (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
+        ``all_gather``; a ``Partial -> Replicate`` dim may instead give a reduce-scatter
+        and an all-gather. Order: slices, reduce-scatters by bandwidth (highest first),
+        all-reduces and all-to-alls, all-gathers by bandwidth (highest last). Every
+        choice of splitting the all-reduces is priced on a unit tensor; the cheapest wins
+        (ties: fewer steps). The order depends on the placements and the links only, since
+        every byte term is linear in the tensor's size and latencies do not depend on it.
+        """
+        base: list[tuple[str, int]] = []
+        splittable: list[int] = []
+        for i, (a, b) in enumerate(zip(s, d, strict=True)):
+            if a == b or self.shape[i] == 1 or isinstance(b, str):
+                continue  # unchanged, a size-1 dim, or Replicate -> Partial (local)
+            if b == _R:
+                if isinstance(a, str):
+                    splittable.append(i)
+                else:
+                    base.append(("all_gather", i))
+            elif a == _R:
+                base.append(("slice", i))
+            else:
+                base.append(("reduce_scatter" if isinstance(a, str) else "all_to_all", i))
+        rank = {"slice": 0, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 2, "all_gather": 3}
+
+        def order(steps: list[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+            def key(step: tuple[str, int]) -> tuple:
+                kind, i = step
+                bw = self.bandwidth[i]
+                return (rank[kind], -bw if kind == "reduce_scatter" else bw, i)
+
+            return tuple(sorted(steps, key=key))
+
+        def unit_cost(steps: tuple[tuple[str, int], ...]) -> float:
+            local, total = 1.0, 0.0
+            for kind, i in steps:
+                n, bw = self.shape[i], self.bandwidth[i]
+                if kind == "slice":
+                    local /= n
+                elif kind == "all_gather":
+                    total += (n - 1) * local / bw
+                    local *= n
+                elif kind == "reduce_scatter":
+                    total += (n - 1) * local / (n * bw)
+                    local /= n
+                else:
+                    factor = 2 if kind == "all_reduce" else 1
+                    total += factor * (n - 1) * local / (n * bw)
+            return total
+
+        best: tuple[tuple[str, int], ...] | None = None
+        best_cost = math.inf
+        for split in itertools.product((False, True), repeat=len(splittable)):
+            steps = list(base)
+            for i, sp in zip(splittable, split, strict=True):
+                steps += [("reduce_scatter", i), ("all_gather", i)] if sp else [("all_reduce", i)]
+            cand = order(steps)
+            cost = unit_cost(cand)
+            if cost < best_cost * (1 - 1e-12):
+                best, best_cost = cand, cost
+        return best if best is not None else ()
 
     def _encode(self, placements: Sequence[Placement], tensor_ndim: int, what: str) -> tuple:
         """Placements -> codes (Replicate -> -1, Shard(d) -> d >= 0, Partial(op) -> op)."""

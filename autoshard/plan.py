@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Placement, Shard
 
 from autoshard.mesh import MeshSpec
-from autoshard.strategies import Strategy, StrategyGraph
+from autoshard.overlap import GRADIENT, hidden_seconds
+from autoshard.strategies import Strategy, StrategyGraph, is_gradient_sink
 from autoshard.trace import VIEW_OPS, TensorInfo
 
 Placements = tuple[Placement, ...]
@@ -49,15 +50,41 @@ class Plan:
     param_bytes: float
     activation_bytes: float
     extra: dict = field(default_factory=dict)
+    optimizer_s: float = 0.0
+    hidden_s: dict[str, float] = field(default_factory=dict)
+    step_flops: float = 0.0
+    peak_flops: float = 0.0  # one device's peak FLOP/s for the step's dtype (for the MFU)
 
     @property
     def comm_total_s(self) -> float:
+        """Seconds of every collective, hidden or not."""
         return sum(self.comm_s.values())
 
     @property
+    def hidden_total_s(self) -> float:
+        """Seconds of communication hidden under compute (:mod:`autoshard.overlap`)."""
+        return sum(self.hidden_s.values())
+
+    @property
+    def exposed_s(self) -> dict[str, float]:
+        """Seconds per collective kind left on the critical path (total less hidden)."""
+        return {k: v - self.hidden_s.get(k, 0.0) for k, v in self.comm_s.items()}
+
+    @property
     def step_time_s(self) -> float:
-        """Predicted time of one step: compute plus communication (no overlap assumed)."""
-        return self.compute_s + self.comm_total_s
+        """Predicted time of one step: compute, the optimizer step and the communication
+        not hidden under compute."""
+        return self.compute_s + self.optimizer_s + self.comm_total_s - self.hidden_total_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: ``step_flops / (step time * devices * peak_flops)``
+        (PaLM, Chowdhery et al. 2022, appendix B), with ``step_flops`` the global FLOPs
+        ``FlopCounterMode`` counts for the step; 0 when the peak is unknown."""
+        t = self.step_time_s
+        if t <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.step_flops / (t * self.mesh.num_devices * self.peak_flops)
 
     @property
     def memory_bytes(self) -> float:
@@ -80,7 +107,8 @@ def build_plan(
     """
     graph = sg.graph
     node_strategy = {n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()}
-    compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
+    optimizer = sum(float(v[choice[r]]) for r, v in sg.optimizer_s.items() if r in choice)
+    compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps) - optimizer
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()
     for producer, consumer, k, t in tensor_uses(sg):
@@ -89,9 +117,12 @@ def build_plan(
         if p == q:
             continue
         m = graph.mult(consumer)
-        for step in mesh.redistribute_steps(p, q, t.shape, t.itemsize):
+        for step in mesh.redistribute_steps(
+            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, consumer, p, t)
+        ):
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
+    hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
 
     parameters: dict[str, Placements] = {}
     inputs: dict[str, Placements] = {}
@@ -123,7 +154,41 @@ def build_plan(
         collectives=collectives,
         param_bytes=param_bytes,
         activation_bytes=peak_activation_bytes(sg, node_strategy, mesh.shape),
+        optimizer_s=optimizer,
+        hidden_s=hidden,
+        step_flops=graph.step_flops,
     )
+
+
+def _latency_share(sg: StrategyGraph, mesh: MeshSpec, consumer: str, p, t: TensorInfo) -> float:
+    """The latency share of a resharding: a gradient's share of its bucket, else 1."""
+    if sg.bucket_bytes > 0 and is_gradient_sink(sg.graph, consumer):
+        return mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
+    return 1.0
+
+
+def _hidden_by_kind(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec) -> dict[str, float]:
+    """Seconds hidden per collective kind: each overlappable edge's hidden seconds
+    (:func:`autoshard.overlap.hidden_seconds`) split over its collectives in proportion
+    to their seconds (the steps of its first tensor)."""
+    out: dict[str, float] = defaultdict(float)
+    for i, z in hidden_seconds(sg, choice).hidden_s.items():
+        if z <= 0:
+            continue
+        e = sg.edges[i]
+        p = e.src_placements[e.src_groups[choice[e.src]]]
+        q = e.dst_placements[e.dst_groups[choice[e.dst]]]
+        t = e.members[0]
+        share = (
+            mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
+            if e.overlap == GRADIENT and sg.bucket_bytes > 0
+            else 1.0
+        )
+        steps = mesh.redistribute_steps(p, q, t.shape, t.itemsize, share)
+        total = sum(st.seconds for st in steps)
+        for st in steps:
+            out[st.kind] += z * st.seconds / total if total > 0 else 0.0
+    return dict(out)
 
 
 def tensor_uses(sg: StrategyGraph):

@@ -55,21 +55,40 @@ def layer_table(plan: Plan) -> Table:
 
 
 def cost_table(plan: Plan) -> Table:
-    """Predicted step time split into compute and each collective kind."""
+    """Predicted step time split into compute, the optimizer step and each collective
+    kind (its total, the part hidden under compute, and the part left exposed)."""
     table = Table(title="Predicted time per step (one device)")
     table.add_column("part")
     table.add_column("time", justify="right")
+    table.add_column("hidden", justify="right")
+    table.add_column("exposed", justify="right")
     table.add_column("count", justify="right")
-    table.add_row("compute (roofline)", format_seconds(plan.compute_s), "")
+    table.add_row("compute (roofline)", format_seconds(plan.compute_s), "", "", "")
+    if plan.optimizer_s:
+        table.add_row("optimizer step (AdamW)", format_seconds(plan.optimizer_s), "", "", "")
+    exposed = plan.exposed_s
     for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
         if kind in plan.comm_s or plan.collectives.get(kind):
             table.add_row(
                 kind.replace("_", "-"),
                 format_seconds(plan.comm_s.get(kind, 0.0)),
+                format_seconds(plan.hidden_s.get(kind, 0.0)),
+                format_seconds(exposed.get(kind, 0.0)),
                 str(plan.collectives.get(kind, 0)),
             )
-    table.add_row("[bold]total[/bold]", f"[bold]{format_seconds(plan.step_time_s)}[/bold]", "")
+    table.add_row(
+        "[bold]step[/bold]", f"[bold]{format_seconds(plan.step_time_s)}[/bold]", "", "", ""
+    )
     return table
+
+
+def flops_line(plan: Plan) -> str:
+    """The step's FLOPs and the MFU they imply, one line."""
+    return (
+        f"step: {plan.step_flops:.3g} FLOPs (matmul-like, as FlopCounterMode counts them); "
+        f"MFU {plan.mfu:.1%} of {plan.peak_flops / 1e12:.4g} TFLOP/s x {plan.mesh.num_devices} "
+        "devices"
+    )
 
 
 def memory_table(plan: Plan, budget: float | None = None) -> Table:
@@ -126,6 +145,7 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
     console.print(layer_table(plan))
     console.print(cost_table(plan))
+    console.print(flops_line(plan))
     console.print(memory_table(plan))
     gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
     status = ilp.status

@@ -7,6 +7,7 @@ through the optional ``progress`` callback) and does not write files.
 
 from __future__ import annotations
 
+import functools
 import resource
 import time
 from collections.abc import Callable
@@ -29,6 +30,9 @@ from autoshard.trace import TracedGraph, reduce_depth, trace_model
 
 Progress = Callable[[str, int, int], None]
 
+# PyTorch DDP's default bucket_cap_mb (25 MiB): gradients are reduced in buckets of it
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
 
 @dataclass(frozen=True)
 class SolveConfig:
@@ -50,10 +54,14 @@ class SolveConfig:
     dtype: torch.dtype | None = None
     memory_budget: float | None = None
     tie: bool = True
+    bucket_bytes: float = DDP_BUCKET_BYTES
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "infer"):
             raise AutoshardError(f"--mode must be train or infer, got {self.mode!r}")
+        if not self.bucket_bytes >= 0:
+            raise AutoshardError(f"--bucket-size must be >= 0 bytes, got {self.bucket_bytes}")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise AutoshardError(f"--memory-budget must be positive, got {self.memory_budget}")
         for what, value in (("input", self.input_placement), ("output", self.output_placement)):
@@ -65,6 +73,16 @@ class SolveConfig:
     def budget(self) -> float:
         """Memory budget per device (bytes): ``memory_budget`` or the device's capacity."""
         return float(self.memory_budget or self.device.memory_bytes)
+
+    def compute_dtype(self, graph: TracedGraph) -> torch.dtype:
+        """The dtype the step computes in: ``dtype`` when given, else the first
+        floating-point parameter's (float32 when there is none)."""
+        if self.dtype is not None:
+            return self.dtype
+        for info in graph.nodes.values():
+            if info.kind == "param" and info.results[0].dtype.is_floating_point:
+                return info.results[0].dtype
+        return torch.float32
 
     def memory_model(self) -> MemoryModel:
         return MemoryModel(self.mode)
@@ -78,6 +96,8 @@ class SolveConfig:
             "memory_budget_bytes": self.budget(),
             "input_placement": self.input_placement,
             "output_placement": self.output_placement,
+            "bucket_bytes": self.bucket_bytes,
+            "overlap": self.overlap,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -141,7 +161,8 @@ def strategies(
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of ``graph`` for ``config``'s mesh and device."""
     rep = (Replicate(),) * config.mesh.ndim
-    return build_strategy_graph(
+    bucket = config.bucket_bytes if config.mode == "train" else 0.0
+    sg = build_strategy_graph(
         graph,
         config.mesh.shape,
         compute_time=config.device.compute_time,
@@ -150,12 +171,17 @@ def strategies(
         fixed_outputs=rep if config.output_placement == "replicate" else None,
         tie=config.tie,
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
+        gradient_cost=functools.partial(config.mesh.gradient_sync_cost, bucket_bytes=bucket),
     )
+    sg.bucket_bytes = bucket
+    sg.overlap = config.overlap and config.mode == "train"
+    return sg
 
 
 def finish_plan(config: SolveConfig, sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
     """:func:`build_plan` plus the training memory kinds and the budget check."""
     plan = build_plan(sg, choice, config.mesh, name=name)
+    plan.peak_flops = config.device.peak(config.compute_dtype(sg.graph))
     mem = memory_by_kind(sg, choice, config.memory_model())
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
     plan.extra["saved_activations"] = mem.get("saved_activations")

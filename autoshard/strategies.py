@@ -40,6 +40,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard import _torch_private as tp
+from autoshard.overlap import GATHER, GRADIENT, hide_share_fn
 from autoshard.trace import VIEW_OPS, TensorInfo, TracedGraph, op_flops
 
 Placements = tuple[Placement, ...]
@@ -94,6 +95,8 @@ class Edge:
     producer: str = ""  # the node (maybe merged) that produces the tensor
     consumer: str = ""  # the node (maybe merged) that reads it
     members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
+    overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.overlap)
+    hide_share: float = 0.0  # f_e of autoshard.overlap, summed over merged edges
 
 
 @dataclass
@@ -112,6 +115,9 @@ class StrategyGraph:
     stats: dict[str, int] = field(default_factory=dict)
     extra_cost: dict[str, np.ndarray] = field(default_factory=dict)
     tied_layers: int = 0
+    optimizer_s: dict[str, np.ndarray] = field(default_factory=dict)  # rep -> AdamW seconds
+    bucket_bytes: float = 0.0  # gradient bucket size the gradient edges were priced with
+    overlap: bool = False  # whether gradient reductions and gathers hide (autoshard.overlap)
 
     @property
     def reps(self) -> list[str]:
@@ -129,6 +135,8 @@ class StrategyGraph:
                 costs[ns.rep] += ns.compute_s[ns.choice]
             for rep, extra in self.extra_cost.items():
                 costs[rep] += extra
+            for rep, opt in self.optimizer_s.items():
+                costs[rep] += opt
             self.__dict__["_rep_cost_cache"] = costs
         return self.__dict__["_rep_cost_cache"]
 
@@ -246,6 +254,7 @@ def build_strategy_graph(
     fixed_outputs: Placements | None = None,
     tie: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    gradient_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -261,6 +270,9 @@ def build_strategy_graph(
         tie: share one variable per node among identical repeated layers
             (:func:`tie_layers`).
         progress: called with (nodes done, nodes total).
+        gradient_cost: like ``redistribute_cost``, for the edge into each gradient output
+            (the gradient's reduction, bucketed: :meth:`MeshSpec.gradient_sync_cost`);
+            ``None`` prices it as any resharding.
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -286,6 +298,7 @@ def build_strategy_graph(
     # every name of a tied parameter -> its canonical name; canonical -> first graph node
     tied = {alias: owner for owner, names in graph.param_names.items() for alias in names}
     param_node: dict[str, str] = {}
+    optimizer_s: dict[str, np.ndarray] = {}
 
     def out_cands(name: str, index: int) -> list[Placements]:
         ns = nodes[name]
@@ -319,6 +332,11 @@ def build_strategy_graph(
                 nodes[name] = NodeStrategies(
                     name, strategies, np.zeros(len(strategies)), name, np.arange(len(strategies))
                 )
+                if info.kind == "param" and graph.mode == "train":
+                    t = info.results[0]
+                    optimizer_s[name] = graph.mult(name) * np.array(
+                        [adamw_step_time(t, c, mesh_shape, compute_time) for c in cands]
+                    )
                 continue
             if info.kind == "output":
                 for k, (arg, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
@@ -402,7 +420,7 @@ def build_strategy_graph(
             compute = cost_cache.get(ckey)
             if compute is None:
                 compute = np.array(
-                    [_compute_cost(target, info, s, mesh_shape, compute_time) for s in strategies]
+                    [_compute_cost(node, info, s, mesh_shape, compute_time) for s in strategies]
                 )
                 cost_cache[ckey] = compute
 
@@ -439,7 +457,7 @@ def build_strategy_graph(
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
-    edges, extra = _build_edges(graph, nodes, free, redistribute_cost)
+    edges, extra = _build_edges(graph, nodes, free, redistribute_cost, gradient_cost)
     sg = StrategyGraph(
         graph=graph,
         mesh_shape=mesh_shape,
@@ -453,6 +471,9 @@ def build_strategy_graph(
         extra_cost=extra,
         tied_layers=tied,
     )
+    for n, seconds in optimizer_s.items():  # tied layers: every layer's step on one variable
+        rep = nodes[n].rep
+        sg.optimizer_s[rep] = sg.optimizer_s.get(rep, 0.0) + seconds
     sg.stats = {
         "nodes": len(graph.nodes),
         "free": len(free),
@@ -517,12 +538,12 @@ def _even(s: Strategy, info, mesh_shape) -> bool:
     return True
 
 
-def _compute_cost(target, info, s: Strategy, mesh_shape, compute_time) -> float:
+def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
     """Roofline seconds of strategy ``s`` on one device: its local shard of the op.
 
     Views (``view``, ``t``, ``permute``, ``expand``, ...) alias their input: 0 s.
     """
-    if str(target) in VIEW_OPS:
+    if str(node.target) in VIEW_OPS:
         return 0.0
     args = [
         TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
@@ -532,10 +553,31 @@ def _compute_cost(target, info, s: Strategy, mesh_shape, compute_time) -> float:
         TensorInfo(local_shape(r.shape, p, mesh_shape), r.dtype) if r is not None and p else r
         for r, p in zip(info.results, s.outputs + (None,) * len(info.results), strict=False)
     ]
-    flops = op_flops(target, args, results)
+    flops = op_flops(node, args, results)
     nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
     dtype = next((r.dtype for r in results if r is not None), torch.float32)
     return compute_time(flops, nbytes, dtype)
+
+
+def adamw_step_time(
+    t: TensorInfo,
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    compute_time: Callable[[float, float, torch.dtype], float],
+) -> float:
+    """Seconds of one AdamW step on the shard of parameter ``t`` one device holds.
+
+    ``torch.optim.AdamW`` reads the parameter, its gradient and both moments and writes
+    the parameter and both moments: ``2 p + g + 16`` bytes per element with fp32 moments
+    (28 for fp32 parameters), plus 8 (read and write an fp32 master copy) when the
+    parameter is not fp32 (ZeRO, Rajbhandari et al., SC'20, section 3.1). About 10
+    FLOPs per element against 28 bytes: memory-bound, so the roofline's byte term
+    (``compute_time(0, bytes, dtype)``).
+    """
+    p = t.itemsize
+    per_element = 2 * p + p + 16 + (8 if t.dtype != torch.float32 else 0)
+    local = math.prod(local_shape(t.shape, placements, mesh_shape))
+    return compute_time(0.0, per_element * local, t.dtype)
 
 
 def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
@@ -601,10 +643,26 @@ def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
     return tied
 
 
-def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dict]:
+def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
+    """Whether ``name`` is an output sink ``output.<k>`` holding a parameter's gradient."""
+    base, _, k = name.rpartition(".")
+    info = graph.nodes.get(base)
+    return (
+        info is not None
+        and info.kind == "output"
+        and k.isdigit()
+        and int(k) < len(info.grad_of)
+        and info.grad_of[int(k)] is not None
+    )
+
+
+def _build_edges(
+    graph, nodes, free, redistribute_cost, gradient_cost=None
+) -> tuple[list[Edge], dict]:
     """Edges between representatives, and linear costs of edges inside one
     (:func:`merge_edges`): one edge per tensor read, its cost matrix over the distinct
-    produced and wanted placements (cached by placements, shape and dtype)."""
+    produced and wanted placements (cached by placements, shape and dtype). Edges into a
+    gradient output are priced by ``gradient_cost`` when given (bucketed reductions)."""
     consumers: list[tuple[str, int, str, TensorInfo]] = []
     for name, info in graph.nodes.items():
         if info.kind == "op" and name in nodes:
@@ -615,6 +673,7 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dic
                 if f"{name}.{k}" in nodes:
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
+    share = hide_share_fn(graph)
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
@@ -623,12 +682,15 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dic
         wanted = [dst.strategies[dst.choice[j]].inputs[k] for j in range(len(d_rep.strategies))]
         p_list = list(dict.fromkeys(produced))
         q_list = list(dict.fromkeys(wanted))
-        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize)
+        grad = is_gradient_sink(graph, dst_name)
+        src_info = graph.nodes.get(src.rep)
+        kind = GRADIENT if grad else GATHER if src_info and src_info.kind == "param" else ""
+        grad = grad and gradient_cost is not None
+        price = gradient_cost if grad else redistribute_cost
+        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize, grad)
         cost = cost_cache.get(ckey)
         if cost is None:
-            cost = np.array(
-                [[redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
-            )
+            cost = np.array([[price(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list])
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
         p_index = {p: i for i, p in enumerate(p_list)}
@@ -645,6 +707,8 @@ def _build_edges(graph, nodes, free, redistribute_cost) -> tuple[list[Edge], dic
             producer=src_name,
             consumer=dst_name,
             members=[t],
+            overlap=kind,
+            hide_share=m * share(kind, src_name, dst_name) if kind else 0.0,
         )
 
     return merge_edges(edge(*c) for c in consumers if c[2] not in free)
@@ -682,4 +746,5 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
         else:
             kept.cost = kept.cost + e.cost
             kept.members.extend(e.members)
+            kept.hide_share += e.hide_share
     return list(merged.values()), extra

@@ -59,7 +59,8 @@ class NodeInfo:
     ``args``: one :class:`TensorInfo` per tensor argument (flattened order of
     ``args`` then ``kwargs``); ``arg_nodes`` the producing node names, same order.
     ``results``: one per output (``None`` for a non-tensor output).
-    ``flops``: floating-point operations of the whole (unsharded) op.
+    ``flops``: floating-point operations of the whole (unsharded) op (:func:`op_flops`);
+    ``counted_flops``: the part ``FlopCounterMode`` counts (matmul-like ops, else 0).
     ``kind``: ``param``, ``buffer``, ``input``, ``op`` or ``output``.
     """
 
@@ -70,6 +71,7 @@ class NodeInfo:
     arg_nodes: list[str] = field(default_factory=list)
     results: list[TensorInfo | None] = field(default_factory=list)
     flops: float = 0.0
+    counted_flops: float = 0.0
     module_path: str | None = None
     layer: int | None = None
     fqn: str | None = None  # parameter/buffer FQN or user-input name
@@ -111,6 +113,13 @@ class TracedGraph:
             return self.multiplicity.get(out.arg_nodes[int(k)], 1)
         return 1
 
+    @property
+    def step_flops(self) -> float:
+        """Global FLOPs of the traced step (forward, plus backward in training) as
+        ``torch.utils.flop_counter.FlopCounterMode`` counts them: matmul-like ops only,
+        each node times the real nodes it stands for (:meth:`mult`)."""
+        return float(sum(i.counted_flops * self.mult(n) for n, i in self.nodes.items()))
+
     def saved_for_backward(self) -> list[str]:
         """Forward op outputs a backward op reads, in graph order (empty in inference).
 
@@ -151,23 +160,60 @@ def tensor_arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [x for x in leaves if _is_node(x) and isinstance(x.meta.get("val"), torch.Tensor)]
 
 
-def op_flops(target: Any, args: list[TensorInfo], results: list[TensorInfo | None]) -> float:
+def counted_flops(node: torch.fx.Node, args: list[TensorInfo], results: list[TensorInfo | None]):
+    """FLOPs of ``node`` as ``torch.utils.flop_counter.FlopCounterMode`` counts them, on the
+    given (global or local) shapes; ``None`` for an op the counter does not count.
+
+    The counter's own formula (``flop_registry``, keyed by overload packet: mm, addmm, bmm,
+    baddbmm, convolution and its backward, the SDPA variants and their backwards) is
+    called the way the counter calls it: the node's arguments with each tensor argument
+    replaced by a meta tensor of the given shape, and ``out_val`` the result(s). 2 FLOPs
+    per multiply-add.
+
+    Args:
+        node: the graph node (its non-tensor arguments: strides, flags, ...).
+        args: one :class:`TensorInfo` per tensor argument, in :func:`tensor_arg_nodes` order.
+        results: one per output (``None`` for a non-tensor output).
+
+    Raises:
+        Any error the formula raises: a formula that cannot price an op is a bug here
+        (it once priced every matmul at one FLOP per element), never a fallback.
+    """
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return None
+    tensors = iter(torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args)
+    wanted = {id(n) for n in tensor_arg_nodes(node)}
+
+    def arg(x: Any) -> Any:
+        if _is_node(x):
+            return next(tensors) if id(x) in wanted else x.meta.get("val")
+        return x
+
+    call_args, call_kwargs = torch.utils._pytree.tree_map(
+        arg, (tuple(node.args), dict(node.kwargs))
+    )
+    outs = [
+        None if r is None else torch.empty(r.shape, dtype=r.dtype, device="meta") for r in results
+    ]
+    out_val = outs[0] if not isinstance(node.meta.get("val"), (tuple, list)) else tuple(outs)
+    return float(formula(*call_args, out_val=out_val, **call_kwargs))
+
+
+def op_flops(
+    node: torch.fx.Node, args: list[TensorInfo], results: list[TensorInfo | None]
+) -> float:
     """FLOPs of one op on the given (global or local) shapes.
 
-    Matmul-like ops (mm, addmm, bmm, baddbmm, convolution, attention) use
-    ``torch.utils.flop_counter``'s formulas (2 FLOPs per multiply-add). Every other op
-    counts one FLOP per output element, or per input element when that is larger
-    (reductions): a common approximation for memory-bound ops, whose roofline time
+    Ops ``FlopCounterMode`` counts (matmul-like) use its formulas (:func:`counted_flops`).
+    Every other op counts one FLOP per output element, or per input element when that is
+    larger (reductions): a common approximation for memory-bound ops, whose roofline time
     is set by their bytes anyway.
     """
-    packet = getattr(target, "overloadpacket", None)
-    if packet in flop_registry and target in _MATMUL_SHAPE_ARGS:
-        shapes = [a.shape for a in args]
-        out = results[0].shape if results and results[0] is not None else None
-        try:
-            return float(flop_registry[packet](*_MATMUL_SHAPE_ARGS[target](shapes), out_shape=out))
-        except Exception:  # a formula that wants arguments we do not pass
-            pass
+    counted = counted_flops(node, args, results)
+    if counted is not None:
+        return counted
     out_elems = sum(r.numel for r in results if r is not None)
     in_elems = max((a.numel for a in args), default=0)
     return float(max(out_elems, in_elems))
@@ -192,12 +238,6 @@ VIEW_OPS = {
     "aten.split_with_sizes.default",
     "aten.split.Tensor",
     "<built-in function getitem>",
-}
-_MATMUL_SHAPE_ARGS = {
-    _aten.mm.default: lambda s: (s[0], s[1]),
-    _aten.bmm.default: lambda s: (s[0], s[1]),
-    _aten.addmm.default: lambda s: (s[0], s[1], s[2]),
-    _aten.baddbmm.default: lambda s: (s[0], s[1], s[2]),
 }
 
 
@@ -524,7 +564,9 @@ def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> 
                 layer=_layer_of(path, blocks, pattern),
                 backward=phase == "is_backward",
             )
-            info.flops = op_flops(node.target, args, results)
+            counted = counted_flops(node, args, results)
+            info.counted_flops = counted or 0.0
+            info.flops = counted if counted is not None else op_flops(node, args, results)
             nodes[node.name] = info
         elif node.op == "output":
             leaves, _ = torch.utils._pytree.tree_flatten(list(node.args))
