@@ -247,7 +247,6 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         stats=dict(sg.stats),
         extra_cost=kept(sg.extra_cost),
         tied_layers=sg.tied_layers,
-        optimizer_s=kept(sg.optimizer_s),
         bucket_bytes=sg.bucket_bytes,
         overlap=sg.overlap,
     )

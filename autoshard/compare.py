@@ -193,7 +193,7 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
     row("step time", lambda p, r: format_seconds(p.step_time_s), "bold")
     row("vs best", lambda p, r: f"{p.step_time_s / best:.2f}x" if best else "")
     row("compute", lambda p, r: format_seconds(p.compute_s))
-    row("optimizer", lambda p, r: format_seconds(p.optimizer_s) if p.optimizer_s else "-")
+    row("optimizer step", lambda p, r: format_seconds(p.optimizer_s) if p.optimizer_s else "-")
     for k in kinds:
         row(_LABEL[k], lambda p, r, k=k: format_seconds(p.comm_s[k]) if p.comm_s.get(k) else "-")
     row("hidden", lambda p, r: f"-{format_seconds(p.hidden_total_s)}" if p.hidden_s else "-")

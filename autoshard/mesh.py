@@ -48,10 +48,11 @@ NCCL's hierarchical all-reduce (reduce-scatter inside the node, all-reduce acros
 every byte term is linear in the local size, a shrinking step moved earlier never costs
 more, and two reduce-scatters on links ``i, j`` cost less with the higher bandwidth first.
 
-Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MB by default): a
-gradient of ``G`` bytes on one device fills ``G / bucket`` of a bucket and pays that share
-of the collective's latency (:meth:`MeshSpec.gradient_sync_cost`); bandwidth terms are
-unchanged.
+Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MiB by default), and
+so do parameter all-gathers (FSDP gathers a whole block's parameters in one collective; a
+25 MiB bucket stands for that group): a tensor of ``G`` bytes on one device fills
+``G / bucket`` of a bucket and pays that share of the collective's latency
+(:meth:`MeshSpec.bucketed_cost`); bandwidth terms are unchanged.
 """
 
 from __future__ import annotations
@@ -468,7 +469,7 @@ class MeshSpec:
             raise AutoshardError(plan)
         return self._steps(plan, latency_share)
 
-    def gradient_sync_cost(
+    def bucketed_cost(
         self,
         src: Sequence[Placement],
         dst: Sequence[Placement],
@@ -476,10 +477,11 @@ class MeshSpec:
         itemsize: int,
         bucket_bytes: float,
     ) -> float:
-        """Seconds of a gradient's reduction ``src -> dst`` when gradients go in buckets of
-        ``bucket_bytes``: the steps of :meth:`redistribute_steps`, each step's latency term
-        scaled by ``min(1, G / bucket_bytes)``, ``G`` the gradient's bytes on one device
-        under ``src`` (the share of a bucket it fills, as DDP's ``bucket_cap_mb``).
+        """Seconds of a bucketed collective ``src -> dst`` (a gradient's reduction, a
+        parameter's gather) with buckets of ``bucket_bytes``: the steps of
+        :meth:`redistribute_steps`, each step's latency term scaled by
+        ``min(1, G / bucket_bytes)``, ``G`` the tensor's bytes on one device under ``src``
+        (the share of a bucket it fills, as DDP's ``bucket_cap_mb``).
 
         Returns ``math.inf`` when the change is impossible.
         """

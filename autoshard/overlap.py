@@ -77,13 +77,13 @@ def compute_vectors(sg: StrategyGraph) -> dict[str, tuple[np.ndarray, np.ndarray
     }
     nodes = sg.graph.nodes
     for name, ns in sg.nodes.items():
-        per = ns.compute_s[ns.choice]
-        if not np.any(per):
+        info = nodes.get(name)
+        if info is None or info.kind != "op":  # a parameter's cost is its optimizer step
             continue
+        per = ns.compute_s[ns.choice]
         total, backward = out[ns.rep]
         total += per
-        info = nodes.get(name)
-        if info is not None and info.backward:
+        if info.backward:
             backward += per
     sg.__dict__["_compute_vectors"] = out
     return out

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Placement, Shard
 
 from autoshard.mesh import MeshSpec
-from autoshard.overlap import GRADIENT, hidden_seconds
-from autoshard.strategies import Strategy, StrategyGraph, is_gradient_sink
+from autoshard.overlap import hidden_seconds
+from autoshard.strategies import Strategy, StrategyGraph, bucketed_use
 from autoshard.trace import VIEW_OPS, TensorInfo
 
 Placements = tuple[Placement, ...]
@@ -107,7 +107,11 @@ def build_plan(
     """
     graph = sg.graph
     node_strategy = {n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()}
-    optimizer = sum(float(v[choice[r]]) for r, v in sg.optimizer_s.items() if r in choice)
+    optimizer = sum(  # a parameter's only cost is its AdamW step (strategies.adamw_step_time)
+        float(ns.compute_s[ns.choice[choice[ns.rep]]])
+        for n, ns in sg.nodes.items()
+        if n in graph.nodes and graph.nodes[n].kind == "param"
+    )
     compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps) - optimizer
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()
@@ -118,7 +122,7 @@ def build_plan(
             continue
         m = graph.mult(consumer)
         for step in mesh.redistribute_steps(
-            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, consumer, p, t)
+            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, producer, consumer, p, t)
         ):
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
@@ -160,9 +164,12 @@ def build_plan(
     )
 
 
-def _latency_share(sg: StrategyGraph, mesh: MeshSpec, consumer: str, p, t: TensorInfo) -> float:
-    """The latency share of a resharding: a gradient's share of its bucket, else 1."""
-    if sg.bucket_bytes > 0 and is_gradient_sink(sg.graph, consumer):
+def _latency_share(
+    sg: StrategyGraph, mesh: MeshSpec, producer: str, consumer: str, p, t: TensorInfo
+) -> float:
+    """The latency share of a resharding: a bucketed collective's share of its bucket
+    (:func:`autoshard.strategies.bucketed_use`), else 1."""
+    if sg.bucket_bytes > 0 and bucketed_use(sg.graph, sg.nodes, producer, consumer):
         return mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
     return 1.0
 
@@ -179,11 +186,7 @@ def _hidden_by_kind(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec) -
         p = e.src_placements[e.src_groups[choice[e.src]]]
         q = e.dst_placements[e.dst_groups[choice[e.dst]]]
         t = e.members[0]
-        share = (
-            mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
-            if e.overlap == GRADIENT and sg.bucket_bytes > 0
-            else 1.0
-        )
+        share = mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
         steps = mesh.redistribute_steps(p, q, t.shape, t.itemsize, share)
         total = sum(st.seconds for st in steps)
         for st in steps:

@@ -171,7 +171,7 @@ def strategies(
         fixed_outputs=rep if config.output_placement == "replicate" else None,
         tie=config.tie,
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
-        gradient_cost=functools.partial(config.mesh.gradient_sync_cost, bucket_bytes=bucket),
+        bucketed_cost=functools.partial(config.mesh.bucketed_cost, bucket_bytes=bucket),
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

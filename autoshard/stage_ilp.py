@@ -229,11 +229,19 @@ def stage_graph(
     # a source is not priced again.
     graph = sg.graph
     crossed = set(incoming) | set(outgoing)
+    joined: set[tuple[str, str]] = set()
     for u, info in graph.nodes.items():
         if u not in nodes or info.kind != "op":
             continue
         for a in dict.fromkeys(info.arg_nodes):
             if a not in nodes or a in sg.free or nodes[a].rep != nodes[u].rep:
+                continue
+            if u in members and a in incoming and (a, new_rep[nodes[u].rep]) not in joined:
+                # the producer is this stage's source (another member reads it along an
+                # edge), so it has its own variable now: join it to the group it fed
+                rep = new_rep[nodes[u].rep]
+                joined.add((a, rep))
+                edges.append(_follow_edge(out_nodes[a], nodes[a], a, u, rep, graph, mesh))
                 continue
             if (a in members) == (u in members) or a in crossed:
                 continue
@@ -262,8 +270,39 @@ def stage_graph(
         seconds=0.0,
         extra_cost=extra,
         tied_layers=0,
+        bucket_bytes=sg.bucket_bytes,
+        overlap=sg.overlap,
     )
     return StageGraph(sub, list(incoming), send_s)
+
+
+def _follow_edge(
+    source: NodeStrategies, whole: NodeStrategies, a: str, u: str, rep: str, graph, mesh
+) -> Edge:
+    """The edge from a stage's source ``a`` to the group ``rep`` whose member ``u`` follows
+    ``a`` in the whole graph: the group's strategy ``j`` wants ``a``'s output as ``a``'s
+    whole-graph strategy under ``j`` produced it; the source gives its own; the cost is the
+    resharding between the two."""
+    t = graph.nodes[a].results[0]
+    produced = [source.strategies[c].outputs[0] for c in source.choice]
+    wanted = [whole.strategies[c].outputs[0] for c in whole.choice]
+    p_list, q_list = list(dict.fromkeys(produced)), list(dict.fromkeys(wanted))
+    cost = np.array(
+        [[mesh.redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
+    )
+    return Edge(
+        src=a,
+        dst=rep,
+        tensor=t,
+        src_placements=p_list,
+        dst_placements=q_list,
+        src_groups=np.array([p_list.index(p) for p in produced], dtype=np.int64),
+        dst_groups=np.array([q_list.index(q) for q in wanted], dtype=np.int64),
+        cost=cost * graph.mult(u),
+        producer=a,
+        consumer=u,
+        members=[t],
+    )
 
 
 def _tie(graph, out_nodes, members, edges, extra, send_s):

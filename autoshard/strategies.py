@@ -63,7 +63,8 @@ class NodeStrategies:
     ``rep``: the node whose variable decides this node (itself for a
     representative). ``choice[i]``: index into ``strategies`` when the
     representative picks its strategy ``i``. ``compute_s[j]``: roofline time of
-    strategy ``j`` on one device, seconds.
+    strategy ``j`` on one device, seconds (for a parameter in training: its AdamW step,
+    :func:`adamw_step_time`).
     """
 
     name: str
@@ -115,7 +116,6 @@ class StrategyGraph:
     stats: dict[str, int] = field(default_factory=dict)
     extra_cost: dict[str, np.ndarray] = field(default_factory=dict)
     tied_layers: int = 0
-    optimizer_s: dict[str, np.ndarray] = field(default_factory=dict)  # rep -> AdamW seconds
     bucket_bytes: float = 0.0  # gradient bucket size the gradient edges were priced with
     overlap: bool = False  # whether gradient reductions and gathers hide (autoshard.overlap)
 
@@ -135,8 +135,6 @@ class StrategyGraph:
                 costs[ns.rep] += ns.compute_s[ns.choice]
             for rep, extra in self.extra_cost.items():
                 costs[rep] += extra
-            for rep, opt in self.optimizer_s.items():
-                costs[rep] += opt
             self.__dict__["_rep_cost_cache"] = costs
         return self.__dict__["_rep_cost_cache"]
 
@@ -254,7 +252,7 @@ def build_strategy_graph(
     fixed_outputs: Placements | None = None,
     tie: bool = True,
     progress: Callable[[int, int], None] | None = None,
-    gradient_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
+    bucketed_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -270,9 +268,9 @@ def build_strategy_graph(
         tie: share one variable per node among identical repeated layers
             (:func:`tie_layers`).
         progress: called with (nodes done, nodes total).
-        gradient_cost: like ``redistribute_cost``, for the edge into each gradient output
-            (the gradient's reduction, bucketed: :meth:`MeshSpec.gradient_sync_cost`);
-            ``None`` prices it as any resharding.
+        bucketed_cost: like ``redistribute_cost``, for the collectives that go in buckets:
+            a gradient's reduction and a parameter's gather (:func:`bucketed_use`,
+            :meth:`MeshSpec.bucketed_cost`); ``None`` prices them as any resharding.
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -297,8 +295,10 @@ def build_strategy_graph(
     stats = Counter()
     # every name of a tied parameter -> its canonical name; canonical -> first graph node
     tied = {alias: owner for owner, names in graph.param_names.items() for alias in names}
+    # a traced FQN that owns a group is its own tensor, even when a depth-reduced graph's
+    # renumbered name (the last block's "h.3") is also a real name of the middle block's
+    tied.update({owner: owner for owner in graph.param_names})
     param_node: dict[str, str] = {}
-    optimizer_s: dict[str, np.ndarray] = {}
 
     def out_cands(name: str, index: int) -> list[Placements]:
         ns = nodes[name]
@@ -316,8 +316,8 @@ def build_strategy_graph(
             if info.kind == "param" and tied.get(info.fqn) in param_node:
                 # a tied parameter appears once per name in the graph: one placement for all
                 first = nodes[param_node[tied[info.fqn]]]
-                nodes[name] = NodeStrategies(
-                    name, first.strategies, first.compute_s, first.rep, first.choice
+                nodes[name] = NodeStrategies(  # one tensor: one optimizer step, the first's
+                    name, first.strategies, np.zeros_like(first.compute_s), first.rep, first.choice
                 )
                 continue
             if info.kind == "param":
@@ -329,14 +329,16 @@ def build_strategy_graph(
                 else:
                     cands = all_placements(shape, mesh_shape)
                 strategies = [Strategy((c,), ()) for c in cands]
-                nodes[name] = NodeStrategies(
-                    name, strategies, np.zeros(len(strategies)), name, np.arange(len(strategies))
-                )
+                # a parameter's own cost is its optimizer step (training); an input's is 0
+                step = np.zeros(len(strategies))
                 if info.kind == "param" and graph.mode == "train":
                     t = info.results[0]
-                    optimizer_s[name] = graph.mult(name) * np.array(
+                    step = np.array(
                         [adamw_step_time(t, c, mesh_shape, compute_time) for c in cands]
                     )
+                nodes[name] = NodeStrategies(
+                    name, strategies, step, name, np.arange(len(strategies))
+                )
                 continue
             if info.kind == "output":
                 for k, (arg, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
@@ -457,7 +459,7 @@ def build_strategy_graph(
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
-    edges, extra = _build_edges(graph, nodes, free, redistribute_cost, gradient_cost)
+    edges, extra = _build_edges(graph, nodes, free, redistribute_cost, bucketed_cost)
     sg = StrategyGraph(
         graph=graph,
         mesh_shape=mesh_shape,
@@ -471,9 +473,6 @@ def build_strategy_graph(
         extra_cost=extra,
         tied_layers=tied,
     )
-    for n, seconds in optimizer_s.items():  # tied layers: every layer's step on one variable
-        rep = nodes[n].rep
-        sg.optimizer_s[rep] = sg.optimizer_s.get(rep, 0.0) + seconds
     sg.stats = {
         "nodes": len(graph.nodes),
         "free": len(free),
@@ -643,6 +642,19 @@ def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
     return tied
 
 
+def bucketed_use(
+    graph: TracedGraph, nodes: dict[str, NodeStrategies], producer: str, consumer: str
+) -> str:
+    """How a tensor use's collectives run: ``"gradient"`` into a gradient output (DDP's
+    bucketed reduction), ``"gather"`` when the producer's variable is a parameter (FSDP's
+    grouped all-gather), ``""`` otherwise (an activation, on the critical path). Both
+    bucketed kinds can hide under compute (:mod:`autoshard.overlap`)."""
+    if is_gradient_sink(graph, consumer):
+        return GRADIENT
+    info = graph.nodes.get(nodes[producer].rep)
+    return GATHER if info is not None and info.kind == "param" else ""
+
+
 def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
     """Whether ``name`` is an output sink ``output.<k>`` holding a parameter's gradient."""
     base, _, k = name.rpartition(".")
@@ -657,12 +669,12 @@ def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
 
 
 def _build_edges(
-    graph, nodes, free, redistribute_cost, gradient_cost=None
+    graph, nodes, free, redistribute_cost, bucketed_cost=None
 ) -> tuple[list[Edge], dict]:
     """Edges between representatives, and linear costs of edges inside one
     (:func:`merge_edges`): one edge per tensor read, its cost matrix over the distinct
     produced and wanted placements (cached by placements, shape and dtype). Edges into a
-    gradient output are priced by ``gradient_cost`` when given (bucketed reductions)."""
+    gradient output or out of a parameter are priced by ``bucketed_cost`` when given."""
     consumers: list[tuple[str, int, str, TensorInfo]] = []
     for name, info in graph.nodes.items():
         if info.kind == "op" and name in nodes:
@@ -682,12 +694,10 @@ def _build_edges(
         wanted = [dst.strategies[dst.choice[j]].inputs[k] for j in range(len(d_rep.strategies))]
         p_list = list(dict.fromkeys(produced))
         q_list = list(dict.fromkeys(wanted))
-        grad = is_gradient_sink(graph, dst_name)
-        src_info = graph.nodes.get(src.rep)
-        kind = GRADIENT if grad else GATHER if src_info and src_info.kind == "param" else ""
-        grad = grad and gradient_cost is not None
-        price = gradient_cost if grad else redistribute_cost
-        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize, grad)
+        kind = bucketed_use(graph, nodes, src_name, dst_name)
+        bucketed = bool(kind) and bucketed_cost is not None
+        price = bucketed_cost if bucketed else redistribute_cost
+        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize, bucketed)
         cost = cost_cache.get(ckey)
         if cost is None:
             cost = np.array([[price(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list])

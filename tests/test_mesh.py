@@ -91,10 +91,12 @@ def test_collective_argument_errors() -> None:
         #   dim 1 sees 4_194_304 / 2 = 2_097_152 B: 3 * (5e-6 + 2_097_152 / (16 * 400e9))
         #                                          = 3 * 5.32768e-6 = 15.98304e-6
         ((S0, S1), (S1, S0), 25.24288e-6 + 15.98304e-6),
-        # S(0)S(1) -> RR: two all-gathers.
+        # S(0)S(1) -> RR: two all-gathers in sequence, the slow dim first on the 512 KiB
+        # piece each device holds, then the fast dim on the tensor that first one grew:
         #   dim 0: 20e-6 + 1_048_576 / (2 * 50e9) = 30.48576e-6
-        #   dim 1: 3 * (5e-6 + 2_097_152 / (4 * 400e9)) = 3 * 6.31072e-6 = 18.93216e-6
-        ((S0, S1), (R, R), 30.48576e-6 + 18.93216e-6),
+        #   dim 1: 3 * (5e-6 + 4_194_304 / (4 * 400e9)) = 3 * 7.62144e-6 = 22.86432e-6
+        # (priced on the source's shards alone, dim 1 saw 2 MiB: under-priced by 3.93 us)
+        ((S0, S1), (R, R), 30.48576e-6 + 22.86432e-6),
         # R -> S is a local slice, and nothing to do is free.
         ((R, R), (S0, R), 0.0),
         ((R, R), (S0, S1), 0.0),
@@ -120,9 +122,9 @@ def test_redistribute_steps_name_each_collective() -> None:
     steps = MESH.redistribute_steps((S0, S1), (R, R), SHAPE, ITEMSIZE)
     assert [(s.kind, s.mesh_dim, s.bytes) for s in steps] == [
         ("all_gather", 0, 1_048_576),
-        ("all_gather", 1, 2_097_152),
+        ("all_gather", 1, 4_194_304),
     ]
-    assert [s.seconds for s in steps] == [approx(30.48576e-6), approx(18.93216e-6)]
+    assert [s.seconds for s in steps] == [approx(30.48576e-6), approx(22.86432e-6)]
     assert MESH.redistribute_steps((P, S0), (S1, S0), SHAPE, ITEMSIZE) == [
         # reduce-scatter on dim 0 of the piece dim 1 left: 4_194_304 / 4 = 1_048_576 B,
         # 20e-6 + 1_048_576 / (2 * 50e9) = 30.48576e-6
