@@ -26,7 +26,7 @@ from autoshard.mesh import (
     DEFAULT_INTRA_NODE_LATENCY,
     MeshSpec,
 )
-from autoshard.solve import SolveConfig
+from autoshard.solve import DDP_BUCKET_BYTES, SolveConfig
 from autoshard.units import (
     BandwidthType,
     BytesType,
@@ -209,6 +209,24 @@ def _plan_options(f):
             "(default: the device's capacity).",
         ),
         click.option(
+            "--bucket-size",
+            "bucket_bytes",
+            type=BytesType(),
+            default=DDP_BUCKET_BYTES,
+            show_default="25MiB, DDP's bucket_cap_mb",
+            metavar="BYTES",
+            help="Gradient reductions and parameter all-gathers go in buckets of this size "
+            "(training): each tensor pays its share of one collective's latency; 0 gives every "
+            "tensor its own collective.",
+        ),
+        click.option(
+            "--no-overlap",
+            is_flag=True,
+            help="Price every collective on the critical path; by default gradient reductions "
+            "hide under the backward compute still to run and parameter all-gathers under the "
+            "compute before their use (training).",
+        ),
+        click.option(
             "--no-tie",
             is_flag=True,
             help="Trace every repeated layer and give each its own variables (slower); by default "
@@ -248,6 +266,8 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         dtype=getattr(torch, opts["dtype_name"]) if opts["dtype_name"] else None,
         memory_budget=opts["memory_budget"],
         tie=not opts["no_tie"],
+        bucket_bytes=opts["bucket_bytes"],
+        overlap=not opts["no_overlap"],
     )
 
 

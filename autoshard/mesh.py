@@ -480,8 +480,8 @@ class MeshSpec:
         """Seconds of a bucketed collective ``src -> dst`` (a gradient's reduction, a
         parameter's gather) with buckets of ``bucket_bytes``: the steps of
         :meth:`redistribute_steps`, each step's latency term scaled by
-        ``min(1, G / bucket_bytes)``, ``G`` the tensor's bytes on one device under ``src``
-        (the share of a bucket it fills, as DDP's ``bucket_cap_mb``).
+        ``min(1, G / bucket_bytes)`` (:meth:`bucket_share`: the share of a bucket it
+        fills, as DDP's ``bucket_cap_mb``).
 
         Returns ``math.inf`` when the change is impossible.
         """
@@ -490,21 +490,35 @@ class MeshSpec:
             return math.inf
         return sum(
             s.seconds
-            for s in self._steps(plan, self.bucket_share(src, shape, itemsize, bucket_bytes))
+            for s in self._steps(plan, self.bucket_share(src, dst, shape, itemsize, bucket_bytes))
         )
 
     def bucket_share(
-        self, src: Sequence[Placement], shape: Sequence[int], itemsize: int, bucket_bytes: float
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+        bucket_bytes: float,
     ) -> float:
-        """``min(1, G / bucket_bytes)``: the share of a gradient bucket a tensor of global
-        ``shape`` fills on one device under ``src`` (1 when ``bucket_bytes`` is 0: no buckets)."""
+        """``min(1, G / bucket_bytes)``: the share of a bucket a tensor of global ``shape``
+        fills, ``G`` its larger local size on one device under ``src`` or ``dst`` (a
+        reduction's input, a gather's output: what the bucket holds); 1 when
+        ``bucket_bytes`` is 0 (no buckets)."""
         if bucket_bytes <= 0:
             return 1.0
-        codes = self._encode(src, len(shape), "source")
-        split = math.prod(
+        total = math.prod(shape) * itemsize
+        pieces = min(
+            self._pieces(src, len(shape), "source"), self._pieces(dst, len(shape), "destination")
+        )
+        return min(1.0, total / pieces / bucket_bytes)
+
+    def _pieces(self, placements: Sequence[Placement], ndim: int, what: str) -> int:
+        """How many pieces ``placements`` cut a tensor into (product of the sharding dims)."""
+        codes = self._encode(placements, ndim, what)
+        return math.prod(
             n for n, c in zip(self.shape, codes, strict=True) if not isinstance(c, str) and c >= 0
         )
-        return min(1.0, math.prod(shape) * itemsize / split / bucket_bytes)
 
     def _steps(self, plan, latency_share: float = 1.0) -> list[CommStep]:
         return [

@@ -122,7 +122,7 @@ def build_plan(
             continue
         m = graph.mult(consumer)
         for step in mesh.redistribute_steps(
-            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, producer, consumer, p, t)
+            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, producer, consumer, p, q, t)
         ):
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
@@ -165,12 +165,12 @@ def build_plan(
 
 
 def _latency_share(
-    sg: StrategyGraph, mesh: MeshSpec, producer: str, consumer: str, p, t: TensorInfo
+    sg: StrategyGraph, mesh: MeshSpec, producer: str, consumer: str, p, q, t: TensorInfo
 ) -> float:
     """The latency share of a resharding: a bucketed collective's share of its bucket
     (:func:`autoshard.strategies.bucketed_use`), else 1."""
     if sg.bucket_bytes > 0 and bucketed_use(sg.graph, sg.nodes, producer, consumer):
-        return mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
+        return mesh.bucket_share(p, q, t.shape, t.itemsize, sg.bucket_bytes)
     return 1.0
 
 
@@ -186,7 +186,7 @@ def _hidden_by_kind(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec) -
         p = e.src_placements[e.src_groups[choice[e.src]]]
         q = e.dst_placements[e.dst_groups[choice[e.dst]]]
         t = e.members[0]
-        share = mesh.bucket_share(p, t.shape, t.itemsize, sg.bucket_bytes)
+        share = mesh.bucket_share(p, q, t.shape, t.itemsize, sg.bucket_bytes)
         steps = mesh.redistribute_steps(p, q, t.shape, t.itemsize, share)
         total = sum(st.seconds for st in steps)
         for st in steps:

@@ -270,3 +270,179 @@ def test_ilp_objective_is_the_plan_step_time_with_overlap(tmp_path):
     result = plan_model(SolveConfig(path, MeshSpec.from_options("4")))
     assert result.ilp.objective_s == pytest.approx(result.plan.step_time_s, rel=1e-6)
     assert math.isfinite(result.plan.mfu)
+
+
+# ---- golden cases: training, 1-D mesh of 4, the default cost model -------------------------
+
+
+def _plans(tmp_path, b, d, h):
+    from autoshard.baselines import plan_for_algo
+    from autoshard.ilp import SolverOptions
+
+    mesh = MeshSpec.from_options("4")
+    config = SolveConfig(model_path=write_mlp(tmp_path, b, d, h), mesh=mesh)
+    from autoshard.solve import strategies
+
+    sg = strategies(config, trace(config))
+    return {
+        a: plan_for_algo(sg, a, mesh, SolverOptions())[0]
+        for a in ("ilp", "megatron", "ddp", "fsdp")
+    }
+
+
+def _no_slower_than_baselines(plans):
+    for name, plan in plans.items():
+        assert plans["ilp"].step_time_s <= plan.step_time_s * (1 + 1e-9), name
+
+
+def test_compute_bound_mlp_is_megatron_column_then_row(tmp_path):
+    """b=2048, d=4096, h=16384 (matmuls of 2048 x 4096 x 16384: compute-bound). Megatron
+    moves the [b, d] activation (32 MiB; twice: forward output, backward input gradient),
+    data parallel the 512 MiB of weight gradients (and FSDP gathers the weights twice more):
+    fc1 column-parallel (weight S(0)), fc2 row-parallel (weight S(1))."""
+    plans = _plans(tmp_path, 2048, 4096, 16384)
+    ilp = plans["ilp"]
+    assert ilp.parameters["fc1.weight"] == (Shard(0),)
+    assert ilp.parameters["fc2.weight"] == (Shard(1),)
+    assert ilp.inputs["x"] == (R,)
+    _no_slower_than_baselines(plans)
+    assert plans["ddp"].step_time_s > 2 * ilp.step_time_s
+
+
+def test_batch_much_larger_than_the_weights_is_data_parallel(tmp_path):
+    """b=262144 rows through 1024 x 1024 weights (8 MiB of gradients against 1 GiB of
+    activations per layer): the batch is split and no activation moves; only gradient
+    reductions and (ZeRO) parameter gathers, a few tens of microseconds."""
+    plans = _plans(tmp_path, 262144, 1024, 1024)
+    ilp = plans["ilp"]
+    assert ilp.inputs["x"] == (Shard(0),)
+    assert ilp.node_strategy["addmm"].inputs[1] == (Shard(0),)  # fc1 runs on its rows
+    assert ilp.comm_total_s < 0.1e-3
+    assert ilp.step_time_s == pytest.approx(plans["ddp"].step_time_s, rel=0.02)
+    _no_slower_than_baselines(plans)
+
+
+def test_weights_that_dwarf_the_batch_are_sharded(tmp_path):
+    """b=16 through 8192 x 32768 weights (2 GiB): replicating them (DDP) costs a 2 GiB
+    gradient all-reduce and a whole AdamW step per device; the plan shards every weight
+    (tensor parallel here: only the [16, 8192] activation moves)."""
+    plans = _plans(tmp_path, 16, 8192, 32768)
+    ilp = plans["ilp"]
+    for name in ("fc1.weight", "fc2.weight"):
+        assert ilp.parameters[name] != (R,), name
+    assert ilp.step_time_s < plans["ddp"].step_time_s / 5
+    _no_slower_than_baselines(plans)
+
+
+# ---- the worked example of docs/cost-model.md: GPT-2 small on 2x4 H100s ---------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_params():
+    """Unique parameter sizes of HF GPT-2 small, from transformers itself (tied lm_head once)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config())
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def gpt2_baselines():
+    config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"))
+    return {a: plan_baseline(config, a).plan for a in ("ddp", "fsdp", "megatron")}
+
+
+MIB25 = 25 * 2**20
+BW_DP, BW_TP, A_DP, A_TP = 50e9, 450e9, 20e-6, 5e-6
+
+
+def test_worked_example_ddp(gpt2_params, gpt2_baselines):
+    """docs/cost-model.md, DDP: every gradient (P, P) -> (R, R) as a hierarchical
+    all-reduce in buckets of 25 MiB, plus the loss scalar's; AdamW on every element."""
+    plan = gpt2_baselines["ddp"]
+    total = sum(gpt2_params.values())
+    assert total == GPT2_PARAMS
+    b = 4 * total
+    shares = sum(min(1.0, 4 * n / MIB25) for n in gpt2_params.values())
+    assert shares == pytest.approx(14.0985, abs=1e-4)
+    rs = 0.75 * b / BW_TP + 3 * A_TP * shares + 3 * A_TP  # + the loss scalar's latency
+    ar = 2 * 0.5 * (b / 4) / BW_DP + 2 * A_DP * shares + 2 * A_DP
+    assert plan.comm_s["reduce_scatter"] == pytest.approx(rs, abs=1e-6)  # 1.056 ms
+    assert plan.comm_s["all_reduce"] == pytest.approx(ar, abs=1e-6)  # 3.093 ms
+    # the all-gathers back inside the node equal the reduce-scatters; 28 us more come from
+    # one activation gather DTensor's propagation adds
+    assert plan.comm_s["all_gather"] == pytest.approx(rs + 28e-6, abs=2e-6)
+    assert plan.optimizer_s == pytest.approx(28 * total / H100.memory_bandwidth, abs=1e-6)
+    # the tied embedding's gradient is complete only at the very end of the backward:
+    # its 1.36 ms all-reduce cannot hide; the rest of the 5.2 ms mostly can
+    wte = 4 * gpt2_params["transformer.wte.weight"]
+    wte_s = 1.5 * wte / BW_TP + 0.25 * wte / BW_DP + 70e-6
+    assert wte_s == pytest.approx(1.357e-3, abs=1e-6)
+    exposed = plan.comm_total_s - plan.hidden_total_s
+    assert wte_s < exposed < wte_s + 0.5e-3
+
+
+def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
+    """FSDP: parameters (S(0), S(0)) where 8 divides dim 0 (the 50257-row embedding cannot:
+    it stays replicated and all-reduces its gradient as DDP does); each other weight is
+    gathered for the forward and again for the backward, each other parameter once or
+    twice; gradients reduce-scattered to (S(0), S(0)); AdamW on a shard."""
+    plan = gpt2_baselines["fsdp"]
+    wte = gpt2_params["transformer.wte.weight"]
+    rest = sum(gpt2_params.values()) - wte
+    b = 4 * rest
+    # reduce-scatter on tp at full size, then on dp on a quarter
+    rs = 0.75 * b / BW_TP + 0.5 * (b / 4) / BW_DP + (3 * A_TP + A_DP) * b / MIB25
+    wte_ar = 1.5 * 4 * wte / BW_TP + wte / BW_DP + 70e-6
+    assert plan.comm_s["reduce_scatter"] == pytest.approx(rs + wte_s_rs(wte) + 15e-6, abs=1e-6)
+    # the embedding's all-reduce across nodes, on the quarter left by the reduce-scatter,
+    # and the loss scalar's: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2 x 40 us latency
+    assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 40e-6, abs=1e-6)
+    assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
+    # gathers (S(0), S(0)) -> (R, R): the slow dim first on an eighth, (B/8) / 50 GB/s,
+    # then the fast dim, 3 (B/4) / 450 GB/s: 4.1667 ps per gathered byte, and the latency
+    # (20 + 3 x 5 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
+    # the forward and again for the backward (2 x 339.7 MB), the position embedding once
+    # (its backward does not read it); the norms' few KiB are left out (~3 us). Then the
+    # embedding's all-reduce ends in an all-gather inside the node (0.257 ms + 15 us), the
+    # loss scalar's too (15 us), and propagation gathers one activation (28 us).
+    per_byte = (1 / 8) / BW_DP + 3 * (1 / 4) / BW_TP
+    blocks = sum(
+        n
+        for k, n in gpt2_params.items()
+        if k.startswith("transformer.h.") and k.endswith(".weight") and "ln_" not in k
+    )
+    gathered = 2 * 4 * blocks + 4 * gpt2_params["transformer.wpe.weight"]
+    ag = gathered * per_byte + (A_DP + 3 * A_TP) * gathered / MIB25
+    ag += 0.75 * 4 * wte / BW_TP + 3 * A_TP + 3 * A_TP + 28e-6
+    assert plan.comm_s["all_gather"] == pytest.approx(ag, abs=5e-6)  # 4.07 ms
+    assert plan.optimizer_s == pytest.approx(
+        28 * (rest / 8 + wte) / H100.memory_bandwidth, abs=1e-6
+    )
+
+
+def wte_s_rs(wte: int) -> float:
+    """The replicated embedding's hierarchical all-reduce, reduce-scatter part."""
+    return 0.75 * 4 * wte / BW_TP + 3 * A_TP
+
+
+def test_worked_example_megatron(gpt2_params, gpt2_baselines):
+    """Megatron (tp = 4 inside the node, dp = 2 across): per block two all-reduces of the
+    [4, 1024, 768] activation over tp in the forward (attention and MLP outputs):
+    2 * 3 * (5 us + 12.58 MB / (4 * 450 GB/s)) = 71.94 us each, 24 of them; weights
+    (not the embedding, whose 50257 rows 4 does not divide) sharded on tp, so AdamW runs
+    on a quarter of them."""
+    plan = gpt2_baselines["megatron"]
+    act = 4 * 1024 * 768 * 4
+    one = 2 * 3 * (A_TP + act / (4 * BW_TP))
+    assert one == pytest.approx(71.94e-6, abs=0.01e-6)
+    assert plan.comm_s["all_reduce"] > 24 * one
+    sharded = sum(
+        n
+        for k, n in gpt2_params.items()
+        if k.startswith("transformer.h.")
+        and (k.endswith("weight") and n > 768 or k.endswith(("c_attn.bias", "c_fc.bias")))
+    )
+    local = sharded / 4 + sum(gpt2_params.values()) - sharded
+    assert plan.optimizer_s == pytest.approx(28 * local / H100.memory_bandwidth, abs=1e-6)
