@@ -120,6 +120,7 @@ def run_case(name: str) -> dict:
         "gap": result.ilp.gap,
         "objective_s": result.ilp.objective_s,
         "objective_ms": round(result.ilp.objective_s * 1e3, 4),
+        "mfu": result.plan.mfu,
         "peak_rss_bytes": result.peak_rss_bytes,
     }
 
@@ -173,6 +174,8 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         ("stage ILPs", "stage_ilps"),
         ("status", "status"),
         ("gap", "gap"),
+        ("objective ms", "objective_ms"),
+        ("MFU", "mfu"),
         ("peak memory", "peak_rss_bytes"),
     ]
     for title, _ in cols:
@@ -183,7 +186,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
             v = row.get(key)
             if key == "peak_rss_bytes":
                 cells.append(f"{v / 2**30:.2f} GiB")
-            elif key == "gap" and isinstance(v, float):
+            elif key in ("gap", "mfu") and isinstance(v, float):
                 cells.append(f"{v:.3%}")
             elif isinstance(v, float):
                 cells.append(f"{v:.2f}" if key.endswith("_s") else f"{v:.6g}")
