@@ -936,6 +936,26 @@ def run_baseline(
     )
 
 
+# the hand-written plans the ILP starts from (replicate is never better than ddp's split)
+START_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "megatron", "megatron_sp")
+
+
+def hand_plan_starts(
+    sg: StrategyGraph, mesh: MeshSpec
+) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """The choice of every hand-written family in :data:`START_FAMILIES` on ``sg`` (DTensor
+    propagation from the family's pins), for :func:`autoshard.ilp.solve`'s ``starts``;
+    and one note per family that has no plan on this graph (its error)."""
+    starts: dict[str, dict[str, int]] = {}
+    notes: list[str] = []
+    for name in START_FAMILIES:
+        try:
+            starts[name] = run_baseline(sg, name, mesh).choice
+        except AutoshardError as exc:  # the family cannot place this graph: say why
+            notes.append(f"{name}: {exc}")
+    return starts, notes
+
+
 def baseline_choice(sg: StrategyGraph, name: str, mesh: MeshSpec) -> dict[str, int]:
     """A strategy index for every representative of ``sg``: the best plan of baseline ``name``.
 
@@ -976,7 +996,8 @@ def plan_for_algo(
             return build_plan(sg, choice, mesh, name=name)
 
     if algo == "ilp":
-        result = solve(sg, solver_options, memory)
+        starts, _ = hand_plan_starts(sg, mesh)
+        result = solve(sg, solver_options, memory, starts)
         stats = asdict(result)
         stats.pop("choice")
         stats["algo"] = "ilp"

@@ -81,7 +81,9 @@ class ILPResult:
 
     ``choice``: representative name -> chosen strategy index. ``objective_s``: the
     ILP objective (s). ``gap``: relative MIP gap of the returned plan (0 when proven
-    optimal). ``status``: ``optimal`` or ``time_limit``.
+    optimal). ``status``: ``optimal``, ``within_gap`` or ``time_limit``. ``start``: the
+    name of the hand-written plan given as the search's incumbent (see :func:`solve`);
+    ``choice`` is that plan itself when the search found nothing better.
     """
 
     choice: dict[str, int]
@@ -93,6 +95,8 @@ class ILPResult:
     build_seconds: float
     solve_seconds: float
     bound_s: float | None = None
+    start: str | None = None  # the hand-written plan the search started from
+    start_objective_s: float | None = None  # its objective (s)
 
 
 @dataclass
@@ -293,8 +297,87 @@ def solve(
     sg: StrategyGraph,
     options: SolverOptions | None = None,
     memory: tuple[np.ndarray, float] | None = None,
+    starts: dict[str, dict[str, int]] | None = None,
 ) -> ILPResult:
-    """Solve the sharding ILP of ``sg``.
+    """Solve the sharding ILP of ``sg``, never returning a plan above a given start.
+
+    ``starts``: named feasible points of the ILP (hand-written plans: DDP, FSDP,
+    Megatron, ...; a choice per representative). The cheapest that fits ``memory`` is the
+    search's incumbent: HiGHS's ``objective_bound`` cuts every branch that cannot beat
+    it, and it is the fallback. Whatever the time limit, the plan returned is at or below
+    every start that fits (``ILPResult.start`` names the one it started from). cvxpy
+    passes HiGHS no user-given MIP start (its ``warm_start`` reuses its own last
+    solution), so the start enters as the cut-off and the fallback.
+
+    Raises:
+        AutoshardError: as :func:`_search`, when no start fits either.
+    """
+    start = _best_start(sg, starts or {}, memory)
+    try:
+        result = _search(sg, options, memory, start)
+    except MemoryBudgetError:
+        raise  # no start fits either: _best_start checked the same budget
+    except AutoshardError:
+        if start is None:
+            raise
+        result = start  # the search found no plan in time: keep the hand-written one
+    if start is not None and result is not start and start.objective_s < result.objective_s:
+        # the search stopped above the start (a gap or a time limit): keep the start, with
+        # its gap to the search's bound
+        bound = result.bound_s
+        gap = max(0.0, 1 - bound / start.objective_s) if bound is not None else math.nan
+        kept = "within_gap" if gap <= (options or SolverOptions()).mip_gap else "time_limit"
+        result = replace(
+            result, choice=start.choice, objective_s=start.objective_s, gap=gap, status=kept
+        )
+    if start is not None:
+        result = replace(result, start=start.start, start_objective_s=start.objective_s)
+    return result
+
+
+def _best_start(sg: StrategyGraph, starts: dict[str, dict[str, int]], memory) -> ILPResult | None:
+    """The cheapest of ``starts`` that fits the memory budget, as an ILP result."""
+    best: ILPResult | None = None
+    for name, choice in starts.items():
+        cost = evaluate(sg, choice)
+        if not math.isfinite(cost):
+            continue
+        if memory is not None:
+            m, budget = memory
+            prob_offsets = _offsets(sg)
+            used = sum(float(m[prob_offsets[r] + c]) for r, c in choice.items())
+            if used > budget * (1 + 1e-9):
+                continue
+        if best is None or cost < best.objective_s:
+            best = ILPResult(
+                choice=dict(choice),
+                objective_s=cost,
+                status="time_limit",
+                gap=math.nan,
+                num_variables=0,
+                num_constraints=0,
+                build_seconds=0.0,
+                solve_seconds=0.0,
+                start=name,
+            )
+    return best
+
+
+def _offsets(sg: StrategyGraph) -> dict[str, int]:
+    offsets, pos = {}, 0
+    for r in sg.reps:
+        offsets[r] = pos
+        pos += len(sg.nodes[r].strategies)
+    return offsets
+
+
+def _search(
+    sg: StrategyGraph,
+    options: SolverOptions | None = None,
+    memory: tuple[np.ndarray, float] | None = None,
+    start: ILPResult | None = None,
+) -> ILPResult:
+    """Search the sharding ILP of ``sg`` (``start``: an incumbent plan, or None).
 
     First the LP relaxation: an integral LP solution is optimal; otherwise relax-and-fix
     (the MIP over the nodes the LP left fractional) gives a plan, returned when it lies
@@ -316,12 +399,13 @@ def solve(
     t0 = time.perf_counter()
     deadline = t0 + options.time_limit_s  # one budget for the LP, relax-and-fix and the MIP
     prob = build_problem(sg)
-    incumbent: ILPResult | None = None
+    incumbent: ILPResult | None = start
     if options.lp_first:
         found = _lp_first(sg, prob, options, memory, t0, deadline)
         if found is not None and found.status != "incumbent":
             return found
-        incumbent = found
+        if found is not None and (incumbent is None or found.objective_s < incumbent.objective_s):
+            incumbent = found
     problem, x = _cvx_problem(prob, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -360,8 +444,16 @@ def solve(
         raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")
     bound, gap = _bound_and_gap(problem)
     bound = bound / SCALE if bound is not None else None
-    if x.value is None or (
-        incumbent is not None and float(problem.value) / SCALE >= incumbent.objective_s
+    choice = _valid_choice(sg, prob, x.value)
+    objective = evaluate(sg, choice) if choice is not None else math.inf
+    if (
+        memory is not None
+        and choice is not None
+        and _memory(prob, memory[0], choice) > memory[1] * (1 + 1e-9)
+    ):
+        objective = math.inf  # a solution HiGHS left over its budget row (tolerances)
+    if not math.isfinite(objective) or (
+        incumbent is not None and objective >= incumbent.objective_s
     ):
         if incumbent is not None:  # the MIP ended optimal: nothing beats the incumbent
             proven = status == cp.OPTIMAL and x.value is not None
@@ -370,8 +462,8 @@ def solve(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
             f"(status {status}); raise --time-limit"
         )
-    choice = prefer_smaller_shards(sg, _choice(sg, prob, x.value))  # never breaks the budget
-    objective = float(problem.value) / SCALE
+    choice = prefer_smaller_shards(sg, choice)  # never breaks the budget
+    objective = evaluate(sg, choice)
     status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
     if status_text == "optimal" and gap is not None and gap > 1e-9:
         status_text = "within_gap"
@@ -390,6 +482,22 @@ def solve(
     )
 
 
+def _valid_choice(sg: StrategyGraph, prob: _Problem, xv: np.ndarray | None) -> dict | None:
+    """The choice an integral ``x`` encodes, or None when ``x`` is missing or not a plan
+    (HiGHS stopped by its time limit before any feasible point hands back zeros)."""
+    if xv is None:
+        return None
+    for r in prob.reps:
+        block = xv[prob.offsets[r] : prob.offsets[r] + len(sg.nodes[r].strategies)]
+        if abs(block.sum() - 1) > 1e-6 or block.max() < 1 - 1e-6:
+            return None
+    return _choice(sg, prob, xv)
+
+
+def _memory(prob: _Problem, m: np.ndarray, choice: dict[str, int]) -> float:
+    return float(sum(m[prob.offsets[r] + c] for r, c in choice.items()))
+
+
 def _finish_incumbent(
     inc: ILPResult, mip_bound: float | None, proven: bool, solve_s: float
 ) -> ILPResult:
@@ -400,10 +508,13 @@ def _finish_incumbent(
     Otherwise the MIP ran out of time without beating it: status ``time_limit``.
     """
     cost = inc.objective_s
+    bounds = [b for b in (inc.bound_s, mip_bound) if b is not None]
     if proven and mip_bound is None:
         bound = cost
-    else:
-        bound = max(b for b in (inc.bound_s, mip_bound) if b is not None)
+    elif bounds:
+        bound = max(bounds)
+    else:  # a start the search never bounded (the LP did not finish)
+        return replace(inc, status="time_limit", gap=math.nan, solve_seconds=solve_s)
     gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
     status = ("optimal" if gap <= 1e-9 else "within_gap") if proven else "time_limit"
     return replace(

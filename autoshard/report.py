@@ -179,3 +179,15 @@ def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
         f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
         f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
     )
+    console.print(start_line(ilp))
+
+
+def start_line(ilp) -> str:
+    """Which hand-written plan the search started from and what it gained over it."""
+    if ilp.start is None:
+        return "started from no hand-written plan (none fits the memory budget)"
+    base = f"started from the {ilp.start} plan ({format_seconds(ilp.start_objective_s)})"
+    if ilp.objective_s >= ilp.start_objective_s:
+        return base + ": the search found nothing faster, the plan is that one"
+    gain = 1 - ilp.objective_s / ilp.start_objective_s
+    return base + f": the search gained {gain:.1%}"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate
 
+from autoshard.baselines import hand_plan_starts
 from autoshard.devices import DEFAULT_DEVICE, DeviceSpec, get_device
 from autoshard.errors import AutoshardError
 from autoshard.ilp import ILPResult, SolverOptions, solve
@@ -213,7 +214,10 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
     if progress:
         progress("solve", 0, 1)
     row = ilp_row(sg, memory_rows(sg, config.memory_model()))
-    result = solve(sg, config.solver, memory=(row, config.budget()))
+    t = time.perf_counter()
+    starts, _ = hand_plan_starts(sg, config.mesh)  # the ILP is never above a hand plan
+    seconds["hand_plans"] = time.perf_counter() - t
+    result = solve(sg, config.solver, memory=(row, config.budget()), starts=starts)
     if progress:
         progress("solve", 1, 1)
     seconds["ilp_build"] = result.build_seconds

@@ -141,3 +141,80 @@ def _all_choices(sg):
     reps = sg.reps
     for combo in itertools.product(*(range(len(sg.nodes[r].strategies)) for r in reps)):
         yield dict(zip(reps, combo, strict=True))
+
+
+# ---- hand-written starts: the ILP is never above one ----------------------------------------
+
+
+def test_search_gains_over_a_start_and_says_so():
+    sg = _random_graph(3)
+    best_choice, best = brute_force(sg)
+    worst = max(
+        (c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c))),
+        key=lambda c: evaluate(sg, c),
+    )
+    result = solve(sg, SolverOptions(time_limit_s=60, mip_gap=0.0), starts={"worst": worst})
+    assert result.objective_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert result.start == "worst"
+    assert result.start_objective_s == pytest.approx(evaluate(sg, worst))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_above_the_start_is_never_returned(seed, monkeypatch):
+    """Planted fault: the search hands back its worst plan as 'within the gap'. The start
+    (the optimum here) must win, whatever the search says."""
+    import autoshard.ilp as ilp
+
+    sg = _random_graph(seed)
+    best_choice, best = brute_force(sg)
+    finite = [c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c))]
+    worst = max(finite, key=lambda c: evaluate(sg, c))
+    if evaluate(sg, worst) <= best:
+        pytest.skip("every plan costs the same")
+    poor = ilp.replace(_as_incumbent(sg, worst), status="within_gap", bound_s=0.0)
+    monkeypatch.setattr(ilp, "_lp_first", lambda *a: poor)
+    result = solve(sg, SolverOptions(time_limit_s=60), starts={"hand": best_choice})
+    assert result.choice == best_choice
+    assert result.objective_s == pytest.approx(best)
+
+
+def test_a_search_that_finds_nothing_in_time_keeps_the_start(monkeypatch):
+    import autoshard.ilp as ilp
+
+    sg = _random_graph(5)
+    choice = next(c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c)))
+
+    def no_plan(*a, **k):
+        raise AutoshardError("the ILP found no plan within --time-limit 3 s")
+
+    monkeypatch.setattr(ilp, "_search", no_plan)
+    result = solve(sg, SolverOptions(time_limit_s=3), starts={"ddp": choice})
+    assert result.choice == choice and result.start == "ddp"
+    assert result.status == "time_limit"
+
+
+def test_a_start_over_the_memory_budget_is_not_used():
+    sg = _random_graph(2)
+    _, best = brute_force(sg)
+    n_x = sum(len(sg.nodes[r].strategies) for r in sg.reps)
+    memory = (np.ones(n_x), float(len(sg.reps)))  # every plan uses len(reps) bytes: fits
+    tight = (np.ones(n_x), float(len(sg.reps)) - 0.5)  # nothing fits
+    choice = next(c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c)))
+    assert solve(sg, SolverOptions(mip_gap=0.0), memory, {"a": choice}).start == "a"
+    with pytest.raises(AutoshardError, match="memory budget"):
+        solve(sg, SolverOptions(mip_gap=0.0), tight, {"a": choice})
+
+
+def test_zeros_from_a_stopped_mip_are_not_a_plan():
+    """HiGHS stopped by its time limit before any feasible point hands cvxpy zeros; they
+    once came back as a plan (every node's strategy 0) with objective 0."""
+    from autoshard.ilp import _valid_choice, build_problem
+
+    sg = _random_graph(1)
+    prob = build_problem(sg)
+    assert _valid_choice(sg, prob, np.zeros(prob.n_x + prob.n_y)) is None
+    assert _valid_choice(sg, prob, None) is None
+    x = np.zeros(prob.n_x)
+    for r in prob.reps:
+        x[prob.offsets[r]] = 1
+    assert _valid_choice(sg, prob, x) == {r: 0 for r in prob.reps}
