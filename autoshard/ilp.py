@@ -302,8 +302,10 @@ def solve(
     """Solve the sharding ILP of ``sg``, never returning a plan above a given start.
 
     ``starts``: named feasible points of the ILP (hand-written plans: DDP, FSDP,
-    Megatron, ...; a choice per representative). The cheapest that fits ``memory`` is the
-    search's incumbent: HiGHS's ``objective_bound`` cuts every branch that cannot beat
+    Megatron, ...; a choice per representative); when some communication can hide under
+    compute, the optimum of the ILP without the overlap savings joins them (solved first,
+    within the same time limit). The cheapest that fits ``memory`` is the search's
+    incumbent: HiGHS's ``objective_bound`` cuts every branch that cannot beat
     it, and it is the fallback. Whatever the time limit, the plan returned is at or below
     every start that fits (``ILPResult.start`` names the one it started from). cvxpy
     passes HiGHS no user-given MIP start (its ``warm_start`` reuses its own last
@@ -312,7 +314,28 @@ def solve(
     Raises:
         AutoshardError: as :func:`_search`, when no start fits either.
     """
-    start = _best_start(sg, starts or {}, memory)
+    options = options or SolverOptions()
+    t0 = time.perf_counter()
+    starts = dict(starts or {})
+    plain: ILPResult | None = None
+    if overlappable(sg):
+        # The savings variables make the LP relaxation fractional and slow on large meshes
+        # (the Llama-7B shape on 8x8: no plan within 120 s, against 14 s without them).
+        # Solve without them first; that plan, priced with overlap, is one more start.
+        try:
+            plain = _search(replace(sg, overlap=False), options, memory, None)
+            starts[NO_OVERLAP_START] = plain.choice
+        except MemoryBudgetError:
+            raise
+        except AutoshardError:  # no plan in the time limit: the hand-written starts remain
+            pass
+        # the search with overlap, cut off at the best start, gets what is left of the time
+        # limit, at most twice the first search's time (at least 10 s): on large meshes its
+        # LP alone can take minutes, and the plan in hand is already priced with overlap
+        spent = time.perf_counter() - t0
+        left = min(options.time_limit_s - spent, max(10.0, 2 * spent))
+        options = replace(options, time_limit_s=max(1.0, left))
+    start = _best_start(sg, starts, memory)
     try:
         result = _search(sg, options, memory, start)
     except MemoryBudgetError:
@@ -320,19 +343,32 @@ def solve(
     except AutoshardError:
         if start is None:
             raise
-        result = start  # the search found no plan in time: keep the hand-written one
+        result = start  # the search found no plan in time: keep the start
+        if plain is not None:  # the problem's size and build time, from the first search
+            result = replace(
+                start,
+                num_variables=plain.num_variables,
+                num_constraints=plain.num_constraints,
+                build_seconds=plain.build_seconds,
+            )
     if start is not None and result is not start and start.objective_s < result.objective_s:
         # the search stopped above the start (a gap or a time limit): keep the start, with
         # its gap to the search's bound
         bound = result.bound_s
-        gap = max(0.0, 1 - bound / start.objective_s) if bound is not None else math.nan
-        kept = "within_gap" if gap <= (options or SolverOptions()).mip_gap else "time_limit"
+        finite = bound is not None and math.isfinite(bound)
+        gap = max(0.0, 1 - bound / start.objective_s) if finite else math.nan
+        kept = "within_gap" if gap <= options.mip_gap else "time_limit"
         result = replace(
             result, choice=start.choice, objective_s=start.objective_s, gap=gap, status=kept
         )
     if start is not None:
         result = replace(result, start=start.start, start_objective_s=start.objective_s)
-    return result
+    # every phase's seconds (the search without overlap included) but the last build
+    return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
+
+
+# the name of the start solved without the overlap savings (see solve)
+NO_OVERLAP_START = "ILP without overlap"
 
 
 def _best_start(sg: StrategyGraph, starts: dict[str, dict[str, int]], memory) -> ILPResult | None:
@@ -508,8 +544,8 @@ def _finish_incumbent(
     Otherwise the MIP ran out of time without beating it: status ``time_limit``.
     """
     cost = inc.objective_s
-    bounds = [b for b in (inc.bound_s, mip_bound) if b is not None]
-    if proven and mip_bound is None:
+    bounds = [b for b in (inc.bound_s, mip_bound) if b is not None and math.isfinite(b)]
+    if proven and (mip_bound is None or not math.isfinite(mip_bound)):
         bound = cost
     elif bounds:
         bound = max(bounds)

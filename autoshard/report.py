@@ -185,8 +185,9 @@ def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
 def start_line(ilp) -> str:
     """Which hand-written plan the search started from and what it gained over it."""
     if ilp.start is None:
-        return "started from no hand-written plan (none fits the memory budget)"
-    base = f"started from the {ilp.start} plan ({format_seconds(ilp.start_objective_s)})"
+        return "started from no plan (no hand-written plan fits the memory budget)"
+    name = ilp.start if " " in ilp.start else f"the {ilp.start} plan"
+    base = f"started from {name} ({format_seconds(ilp.start_objective_s)})"
     if ilp.objective_s >= ilp.start_objective_s:
         return base + ": the search found nothing faster, the plan is that one"
     gain = 1 - ilp.objective_s / ilp.start_objective_s
