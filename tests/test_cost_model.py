@@ -349,8 +349,15 @@ def gpt2_params():
 
 @pytest.fixture(scope="module")
 def gpt2_baselines():
+    from autoshard.baselines import plan_for_algo
+    from autoshard.solve import finish_plan, strategies
+
     config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"))
-    return {a: plan_baseline(config, a).plan for a in ("ddp", "fsdp", "megatron")}
+    sg = strategies(config, trace(config))  # one trace for the three plans
+    return {
+        a: plan_for_algo(sg, a, config.mesh, finish=lambda g, c, n: finish_plan(config, g, c, n))[0]
+        for a in ("ddp", "fsdp", "megatron")
+    }
 
 
 MIB25 = 25 * 2**20
