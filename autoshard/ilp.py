@@ -661,6 +661,8 @@ def _bound_and_gap(problem: cp.Problem) -> tuple[float | None, float | None]:
     gap = getattr(info, "mip_gap", None)
     if gap is not None and (gap < 0 or gap > 1e20):
         gap = None
+    if bound is not None and not bound > 0:  # every cost is >= 0: 0 is a bound anyway
+        bound = 0.0 if math.isfinite(bound) or bound < 0 else None
     return bound, gap
 
 
