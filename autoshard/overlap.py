@@ -54,8 +54,6 @@ class Overlap:
     """What a plan hides: seconds per overlappable edge (index into ``sg.edges``)."""
 
     hidden_s: dict[int, float]
-    backward_compute_s: float
-    compute_s: float
 
     @property
     def total_s(self) -> float:
@@ -124,7 +122,7 @@ def hidden_seconds(sg: StrategyGraph, choice: dict[str, int]) -> Overlap:
             hidden[i] = u * (grad_hidden / grad_sum if grad_sum > 0 else 0.0)
         else:
             hidden[i] = u * (gather_hidden / gather_sum if gather_sum > 0 else 0.0)
-    return Overlap(hidden, c_bwd, c_all)
+    return Overlap(hidden)
 
 
 def hide_share_fn(graph: TracedGraph) -> Callable[[str, str, str], float]:

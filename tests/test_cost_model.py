@@ -29,7 +29,7 @@ from autoshard.ilp import evaluate
 from autoshard.mesh import MeshSpec
 from autoshard.model_file import instantiate, load_model_file
 from autoshard.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
-from autoshard.solve import SolveConfig, plan_baseline, plan_model, trace
+from autoshard.solve import SolveConfig, plan_baseline, plan_model, strategies, trace
 
 R, P = Replicate(), Partial()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -99,8 +99,6 @@ def test_compute_bound_matmul_costs_2mnk_over_peak(tmp_path):
     m = n = k = 8192
     path = tmp_path / "mm.py"
     path.write_text(MM_TEMPLATE.format(m=m, n=n, k=k))
-    from autoshard.solve import strategies
-
     config = SolveConfig(path, MeshSpec.from_options("4"), mode="infer")
     sg = strategies(config, trace(config))
     ns = sg.nodes["mm"]
@@ -281,8 +279,6 @@ def _plans(tmp_path, b, d, h):
 
     mesh = MeshSpec.from_options("4")
     config = SolveConfig(model_path=write_mlp(tmp_path, b, d, h), mesh=mesh)
-    from autoshard.solve import strategies
-
     sg = strategies(config, trace(config))
     return {
         a: plan_for_algo(sg, a, mesh, SolverOptions())[0]
@@ -350,7 +346,7 @@ def gpt2_params():
 @pytest.fixture(scope="module")
 def gpt2_baselines():
     from autoshard.baselines import plan_for_algo
-    from autoshard.solve import finish_plan, strategies
+    from autoshard.solve import finish_plan
 
     config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"))
     sg = strategies(config, trace(config))  # one trace for the three plans
