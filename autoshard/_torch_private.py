@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._functorch._aot_autograd import descriptors as d
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -31,10 +33,12 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_map_only
 
 Placements = tuple[Placement, ...]
 
 __all__ = [
+    "tree_map_only",  # torch.utils._pytree: map over the tensors of nested args
     "RuleStrategy",
     "fake_mesh",
     "has_rule",
@@ -258,8 +262,6 @@ def export_joint(stack, module: torch.nn.Module, inputs: tuple) -> Any:
     ``aot_export_joint_with_descriptors`` (private in torch 2.13). ``stack`` is a
     ``contextlib.ExitStack`` the caller closes once it is done with the graph.
     """
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
     return aot_export_joint_with_descriptors(stack, module, inputs)
 
 
@@ -268,8 +270,6 @@ def describe_input(node: torch.fx.Node) -> tuple[str, str]:
 
     For ``input`` the target is the index of the user input, as text.
     """
-    from torch._functorch._aot_autograd import descriptors as d
-
     desc = node.meta.get("desc")
     if isinstance(desc, d.ParamAOTInput):
         return "param", desc.target
@@ -282,8 +282,6 @@ def describe_input(node: torch.fx.Node) -> tuple[str, str]:
 
 def describe_outputs(node: torch.fx.Node) -> list[str | None]:
     """Per output of the joint graph, the parameter FQN it is the gradient of (else None)."""
-    from torch._functorch._aot_autograd import descriptors as d
-
     out = []
     for desc in node.meta.get("desc") or []:
         if isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.ParamAOTInput):

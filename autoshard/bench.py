@@ -65,11 +65,10 @@ CASES["stages llama-7b-shape L8 2x4 pp2"] = {
 
 def run_stages_case(name: str) -> dict:
     """Plan the pipeline stages of one case (``autoshard stages``) in this process."""
-    import time
-
-    from autoshard.mesh import MeshSpec
-    from autoshard.solve import SolveConfig, peak_rss_bytes, trace
-    from autoshard.stages_cli import layer_map, plan_pipeline
+    # imported in the case's own process, so that its wall time and memory include them
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.pipeline.pricing import layer_map, plan_pipeline
+    from autoshard.solver.solve import SolveConfig, peak_rss_bytes, trace
 
     case = CASES[name]
     os.environ.update(case["env"])
@@ -101,9 +100,10 @@ def run_stages_case(name: str) -> dict:
 
 def run_case(name: str) -> dict:
     """Solve one case in this process and return its measurements."""
-    from autoshard.export import write_outputs
-    from autoshard.mesh import MeshSpec
-    from autoshard.solve import SolveConfig, plan_model
+    # imported in the case's own process, so that its wall time and memory include them
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.plan.export import write_outputs
+    from autoshard.solver.solve import SolveConfig, plan_model
 
     case = CASES[name]
     if "pp" in case:

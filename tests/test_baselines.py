@@ -29,7 +29,10 @@ import pytest
 from click.testing import CliRunner
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.baselines import (
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.plan.plan import build_plan
+from autoshard.solver.baselines import (
     ALGOS,
     BASELINES,
     baseline_choice,
@@ -37,11 +40,8 @@ from autoshard.baselines import (
     plan_for_algo,
     run_baseline,
 )
-from autoshard.errors import AutoshardError
-from autoshard.ilp import evaluate, solve
-from autoshard.mesh import MeshSpec
-from autoshard.plan import build_plan
-from autoshard.solve import SolveConfig, strategies, trace
+from autoshard.solver.ilp import evaluate, solve
+from autoshard.solver.solve import SolveConfig, strategies, trace
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -324,7 +324,7 @@ def test_plan_for_algo_stats_are_plain(model_files):
 
 
 def test_compare_json(model_files):
-    from autoshard.compare import compare_command
+    from autoshard.cli.compare import compare_command
 
     result = CliRunner().invoke(
         compare_command, [str(model_files["mlp"]), "--mesh", "2x2", "--json"]
@@ -342,7 +342,7 @@ def test_compare_json(model_files):
 
 
 def test_compare_table_and_budget(model_files):
-    from autoshard.compare import compare_command
+    from autoshard.cli.compare import compare_command
 
     args = [str(model_files["mlp"]), "--mesh", "4"]
     mode = ["--mode", "train"] if HAS_MODES else []

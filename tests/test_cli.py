@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from autoshard.cli import main
-from autoshard.solution_io import load_sharding_map, load_solution
+from autoshard.cli.main import main
+from autoshard.plan.formats import load_sharding_map, load_solution
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,12 +24,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoshard.devices import get_device
-from autoshard.ilp import evaluate
-from autoshard.mesh import MeshSpec
-from autoshard.model_file import instantiate, load_model_file
-from autoshard.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
-from autoshard.solve import SolveConfig, plan_baseline, plan_model, strategies, trace
+from autoshard.cost.collectives import comm_model
+from autoshard.cost.devices import get_device
+from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
+from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.solver.ilp import evaluate
+from autoshard.solver.solve import SolveConfig, plan_baseline, plan_model, strategies, trace
 
 R, P = Replicate(), Partial()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -125,7 +126,7 @@ def test_ddp_gradient_sync_of_gpt2_on_2x4_is_hierarchical():
     over 10 ms."""
     mesh = MeshSpec.from_options("2x4", intra_node_latency=0, inter_node_latency=0)
     b = GPT2_PARAMS * 4
-    steps = mesh.redistribute_steps((P, P), (R, R), (GPT2_PARAMS,), 4)
+    steps = comm_model(mesh).redistribute_steps((P, P), (R, R), (GPT2_PARAMS,), 4)
     assert [(s.kind, s.mesh_dim) for s in steps] == [
         ("reduce_scatter", 1),
         ("all_reduce", 0),
@@ -141,7 +142,7 @@ def test_gradient_sharded_on_tp_reduces_over_dp_on_its_shard():
     only the local quarter over dp: 2 * (2-1) * (alpha + (B/4)/(2 bw))."""
     mesh = MeshSpec.from_options("2x4")
     b = 1024 * 1024 * 4
-    (step,) = mesh.redistribute_steps((P, Shard(0)), (R, Shard(0)), (1024, 1024), 4)
+    (step,) = comm_model(mesh).redistribute_steps((P, Shard(0)), (R, Shard(0)), (1024, 1024), 4)
     assert (step.kind, step.mesh_dim, step.bytes) == ("all_reduce", 0, b / 4)
     assert step.seconds == pytest.approx(2 * (20e-6 + (b / 4) / (2 * 50e9)), rel=1e-12)
 
@@ -151,7 +152,7 @@ def test_partial_on_both_dims_into_a_shard_reduces_each_dim_on_the_smaller_piece
     reduce-scatter on tp, then the all-reduce on dp of a quarter."""
     mesh = MeshSpec.from_options("2x4", intra_node_latency=0, inter_node_latency=0)
     b = 4096 * 1024 * 4
-    steps = mesh.redistribute_steps((P, P), (R, Shard(0)), (4096, 1024), 4)
+    steps = comm_model(mesh).redistribute_steps((P, P), (R, Shard(0)), (4096, 1024), 4)
     assert [(s.kind, s.mesh_dim, s.bytes) for s in steps] == [
         ("reduce_scatter", 1, b),
         ("all_reduce", 0, b / 4),
@@ -167,7 +168,7 @@ def test_two_dim_all_gather_grows_the_tensor_on_the_fast_dim_last():
     ((4-1) * B/4 / 450 GB/s)."""
     mesh = MeshSpec.from_options("2x4", intra_node_latency=0, inter_node_latency=0)
     b = 1024 * 1024 * 4
-    steps = mesh.redistribute_steps((Shard(0), Shard(1)), (R, R), (1024, 1024), 4)
+    steps = comm_model(mesh).redistribute_steps((Shard(0), Shard(1)), (R, R), (1024, 1024), 4)
     assert [(s.kind, s.mesh_dim) for s in steps] == [("all_gather", 0), ("all_gather", 1)]
     assert sum(s.seconds for s in steps) == pytest.approx(
         (b / 8) / 50e9 + 3 * (b / 4) / 450e9, rel=1e-12
@@ -179,10 +180,10 @@ def test_bucketed_gradient_pays_its_share_of_the_latency():
     mesh = MeshSpec.from_options("4", intra_node_latency=5e-6)
     n, b = 4, 1024 * 1024
     bw = mesh.bandwidth[0]
-    cost = mesh.bucketed_cost((P,), (R,), (b // 4,), 4, bucket_bytes=25 * b)
+    cost = comm_model(mesh).bucketed_cost((P,), (R,), (b // 4,), 4, bucket_bytes=25 * b)
     assert cost == pytest.approx(2 * (n - 1) * (5e-6 / 25 + b / (n * bw)), rel=1e-12)
-    big = mesh.bucketed_cost((P,), (R,), (25 * b,), 4, bucket_bytes=25 * b)
-    assert big == pytest.approx(mesh.all_reduce(100 * b, 0), rel=1e-12)  # a full bucket
+    big = comm_model(mesh).bucketed_cost((P,), (R,), (25 * b,), 4, bucket_bytes=25 * b)
+    assert big == pytest.approx(comm_model(mesh).all_reduce(100 * b, 0), rel=1e-12)  # a full bucket
 
 
 # ---- a training plan: optimizer, overlap, MFU ----------------------------------------------
@@ -274,8 +275,8 @@ def test_ilp_objective_is_the_plan_step_time_with_overlap(tmp_path):
 
 
 def _plans(tmp_path, b, d, h):
-    from autoshard.baselines import plan_for_algo
-    from autoshard.ilp import SolverOptions
+    from autoshard.solver.baselines import plan_for_algo
+    from autoshard.solver.options import SolverOptions
 
     mesh = MeshSpec.from_options("4")
     config = SolveConfig(model_path=write_mlp(tmp_path, b, d, h), mesh=mesh)
@@ -345,8 +346,8 @@ def gpt2_params():
 
 @pytest.fixture(scope="module")
 def gpt2_baselines():
-    from autoshard.baselines import plan_for_algo
-    from autoshard.solve import finish_plan
+    from autoshard.solver.baselines import plan_for_algo
+    from autoshard.solver.solve import finish_plan
 
     config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"))
     sg = strategies(config, trace(config))  # one trace for the three plans

@@ -3,24 +3,24 @@
 import pytest
 import torch
 
-from autoshard.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
+from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
 from autoshard.errors import AutoshardError
 
 
 def test_table_holds_the_datasheet_numbers() -> None:
     h100 = DEVICES["h100"]
     # H100 SXM: 1,979 TFLOPS bf16 with sparsity -> 989.5 dense; TF32 989 sparse -> 494.5 dense.
-    assert h100.peak_flops[torch.bfloat16] == 989.5e12
-    assert h100.peak_flops[torch.float16] == 989.5e12
-    assert h100.peak_flops[torch.float32] == 494.5e12
+    assert h100.peak(torch.bfloat16) == 989.5e12
+    assert h100.peak(torch.float16) == 989.5e12
+    assert h100.peak(torch.float32) == 494.5e12
     assert h100.memory_bandwidth == 3.35e12
     assert h100.memory_bytes == 80_000_000_000
     assert DEVICES["h200"].memory_bandwidth == 4.8e12
     assert DEVICES["h200"].memory_bytes == 141_000_000_000
-    assert DEVICES["a100"].peak_flops[torch.bfloat16] == 312e12
-    assert DEVICES["a100"].peak_flops[torch.float32] == 156e12
+    assert DEVICES["a100"].peak(torch.bfloat16) == 312e12
+    assert DEVICES["a100"].peak(torch.float32) == 156e12
     assert DEVICES["a100"].memory_bandwidth == 2.039e12
-    assert torch.float8_e4m3fn not in DEVICES["a100"].peak_flops  # Ampere has no FP8
+    assert "float8_e4m3fn" not in DEVICES["a100"].peak_flops  # Ampere has no FP8
     assert DEVICES[DEFAULT_DEVICE].name == DEFAULT_DEVICE
     for name, spec in DEVICES.items():
         assert spec.name == name
@@ -112,3 +112,16 @@ def test_to_dict_round_trips() -> None:
         DeviceSpec.from_dict({**data, "peak_flops": {"float32": 1.0, "bfloat17": 1.0}})
     with pytest.raises(AutoshardError, match="memory_bytes"):
         DeviceSpec.from_dict({"name": "x", "peak_flops": {}, "memory_bandwidth_Bps": 1.0})
+
+
+def test_dtype_names_are_torch_floating_dtypes() -> None:
+    from autoshard.cost.devices import DTYPE_NAMES, dtype_name
+
+    for name in DTYPE_NAMES:
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        assert dtype_name(dtype) == name == dtype_name(name)
+    with pytest.raises(AutoshardError, match="unknown dtype"):
+        dtype_name(torch.int64)
+    with pytest.raises(AutoshardError, match="peak_flops keys"):
+        DeviceSpec("x", {torch.float32: 1e12, 3: 1.0}, 1e9, 1)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from autoshard.errors import AutoshardError
-from autoshard.ilp import SolverOptions, brute_force, evaluate, solve
-from autoshard.strategies import Edge, NodeStrategies, Strategy, StrategyGraph
-from autoshard.trace import TensorInfo
+from autoshard.solver.ilp import brute_force, evaluate, solve
+from autoshard.solver.options import SolverOptions
+from autoshard.strategies.graph import Edge, NodeStrategies, Strategy, StrategyGraph
+from autoshard.trace.tracer import TensorInfo
 
 
 def _random_graph(seed: int) -> StrategyGraph:
@@ -98,7 +99,7 @@ def test_solver_options_validated():
 
 
 def _as_incumbent(sg, choice):
-    from autoshard.ilp import ILPResult
+    from autoshard.solver.ilp import ILPResult
 
     return ILPResult(dict(choice), evaluate(sg, choice), "incumbent", 1.0, 0, 0, 0.0, 0.0, 0.0)
 
@@ -107,7 +108,7 @@ def _as_incumbent(sg, choice):
 def test_full_mip_beats_a_poor_relax_and_fix_plan(seed, monkeypatch):
     """Relax-and-fix outside the gap: the full MIP, cut off at that plan's objective,
     must still reach the brute-force optimum (and never return the poorer plan)."""
-    import autoshard.ilp as ilp
+    import autoshard.solver.ilp as ilp
 
     sg = _random_graph(seed)
     best_choice, best = brute_force(sg)
@@ -125,7 +126,7 @@ def test_full_mip_beats_a_poor_relax_and_fix_plan(seed, monkeypatch):
 def test_optimal_relax_and_fix_plan_is_proven_by_the_cut_off_mip(seed, monkeypatch):
     """The relax-and-fix plan is already optimal: the MIP cut off at its objective finds
     nothing better (infeasible), which proves it: status optimal, gap 0."""
-    import autoshard.ilp as ilp
+    import autoshard.solver.ilp as ilp
 
     sg = _random_graph(seed)
     best_choice, best = brute_force(sg)
@@ -163,7 +164,7 @@ def test_search_gains_over_a_start_and_says_so():
 def test_a_plan_above_the_start_is_never_returned(seed, monkeypatch):
     """Planted fault: the search hands back its worst plan as 'within the gap'. The start
     (the optimum here) must win, whatever the search says."""
-    import autoshard.ilp as ilp
+    import autoshard.solver.ilp as ilp
 
     sg = _random_graph(seed)
     best_choice, best = brute_force(sg)
@@ -179,7 +180,7 @@ def test_a_plan_above_the_start_is_never_returned(seed, monkeypatch):
 
 
 def test_a_search_that_finds_nothing_in_time_keeps_the_start(monkeypatch):
-    import autoshard.ilp as ilp
+    import autoshard.solver.ilp as ilp
 
     sg = _random_graph(5)
     choice = next(c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c)))
@@ -208,7 +209,7 @@ def test_a_start_over_the_memory_budget_is_not_used():
 def test_zeros_from_a_stopped_mip_are_not_a_plan():
     """HiGHS stopped by its time limit before any feasible point hands cvxpy zeros; they
     once came back as a plan (every node's strategy 0) with objective 0."""
-    from autoshard.ilp import _valid_choice, build_problem
+    from autoshard.solver.ilp import _valid_choice, build_problem
 
     sg = _random_graph(1)
     prob = build_problem(sg)

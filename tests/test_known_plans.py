@@ -11,9 +11,9 @@ import pytest
 from helpers import write_mlp
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.devices import get_device
-from autoshard.mesh import MeshSpec
-from autoshard.solve import SolveConfig, plan_model
+from autoshard.cost.devices import get_device
+from autoshard.cost.mesh import MeshSpec
+from autoshard.solver.solve import SolveConfig, plan_model
 
 R = Replicate()
 

@@ -27,19 +27,15 @@ from helpers import (
     write_gpt2_short,
 )
 
+from autoshard.cli.launch import launch_command
 from autoshard.errors import AutoshardError
-from autoshard.launch import (
-    RunOptions,
-    check_plan,
-    check_world_size,
-    compare_runs,
-    launch_command,
-    torchrun_argv,
-)
-from autoshard.materialize import build_skeleton, make_inputs, materialize
-from autoshard.model_file import LoadedModel, instantiate, load_model_file
+from autoshard.launch.common import check_plan, check_world_size, compare_runs
+from autoshard.launch.options import RunOptions
+from autoshard.launch.torchrun import torchrun_argv
+from autoshard.model.materialize import build_skeleton, make_inputs, materialize
+from autoshard.model.model_file import LoadedModel, instantiate, load_model_file
 from autoshard.placements import placements_from_str
-from autoshard.solution_io import ShardingMap
+from autoshard.plan.formats import ShardingMap
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "mlp.py"

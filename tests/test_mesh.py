@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard.errors import AutoshardError
-from autoshard.mesh import (
+from autoshard.cost.collectives import CommStep, comm_model
+from autoshard.cost.mesh import (
     DEFAULT_INTER_NODE_BW,
     DEFAULT_INTER_NODE_LATENCY,
     DEFAULT_INTRA_NODE_BW,
     DEFAULT_INTRA_NODE_LATENCY,
-    CommStep,
     MeshSpec,
     parse_mesh_shape,
 )
+from autoshard.errors import AutoshardError
 
 R, P = Replicate(), Partial()
 S0, S1 = Shard(0), Shard(1)
@@ -40,38 +40,38 @@ def approx(x: float) -> object:
 
 def test_collectives_on_the_intra_node_dim() -> None:
     # n = 4: all-gather = 3 * (5e-6 + 4_194_304 / (4 * 400e9)) = 3 * (5e-6 + 2.62144e-6)
-    assert MESH.all_gather(B, 1) == approx(22.86432e-6)
-    assert MESH.reduce_scatter(B, 1) == approx(22.86432e-6)
+    assert comm_model(MESH).all_gather(B, 1) == approx(22.86432e-6)
+    assert comm_model(MESH).reduce_scatter(B, 1) == approx(22.86432e-6)
     # all-reduce = 2 * 22.86432e-6
-    assert MESH.all_reduce(B, 1) == approx(45.72864e-6)
+    assert comm_model(MESH).all_reduce(B, 1) == approx(45.72864e-6)
     # all-to-all = 3 * (5e-6 + 4_194_304 / (16 * 400e9)) = 3 * (5e-6 + 0.65536e-6)
-    assert MESH.all_to_all(B, 1) == approx(16.96608e-6)
+    assert comm_model(MESH).all_to_all(B, 1) == approx(16.96608e-6)
 
 
 def test_collectives_on_the_inter_node_dim() -> None:
     # n = 2: all-gather = 1 * (20e-6 + 4_194_304 / (2 * 50e9)) = 20e-6 + 41.94304e-6
-    assert MESH.all_gather(B, 0) == approx(61.94304e-6)
-    assert MESH.reduce_scatter(B, 0) == approx(61.94304e-6)
-    assert MESH.all_reduce(B, 0) == approx(123.88608e-6)
+    assert comm_model(MESH).all_gather(B, 0) == approx(61.94304e-6)
+    assert comm_model(MESH).reduce_scatter(B, 0) == approx(61.94304e-6)
+    assert comm_model(MESH).all_reduce(B, 0) == approx(123.88608e-6)
     # all-to-all = 20e-6 + 4_194_304 / (4 * 50e9) = 20e-6 + 20.97152e-6
-    assert MESH.all_to_all(B, 0) == approx(40.97152e-6)
+    assert comm_model(MESH).all_to_all(B, 0) == approx(40.97152e-6)
 
 
 def test_collectives_on_a_mesh_dim_of_size_one_are_free() -> None:
     mesh = MeshSpec.from_options("1x8")
     for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
-        assert mesh.collective(kind, B, 0) == 0.0
-    assert mesh.redistribute_cost((S0, R), (R, R), SHAPE, ITEMSIZE) == 0.0
-    assert mesh.redistribute_steps((S0, R), (R, R), SHAPE, ITEMSIZE) == []
+        assert comm_model(mesh).collective(kind, B, 0) == 0.0
+    assert comm_model(mesh).redistribute_cost((S0, R), (R, R), SHAPE, ITEMSIZE) == 0.0
+    assert comm_model(mesh).redistribute_steps((S0, R), (R, R), SHAPE, ITEMSIZE) == []
 
 
 def test_collective_argument_errors() -> None:
     with pytest.raises(AutoshardError, match="mesh dim 2 is out of range for the 2x4 mesh"):
-        MESH.all_gather(B, 2)
+        comm_model(MESH).all_gather(B, 2)
     with pytest.raises(AutoshardError, match="unknown collective 'broadcast'"):
-        MESH.collective("broadcast", B, 0)
+        comm_model(MESH).collective("broadcast", B, 0)
     with pytest.raises(AutoshardError, match="-1 bytes"):
-        MESH.all_reduce(-1, 0)
+        comm_model(MESH).all_reduce(-1, 0)
 
 
 # --- resharding ------------------------------------------------------------------------------
@@ -113,35 +113,41 @@ def test_collective_argument_errors() -> None:
     ],
 )
 def test_redistribute_cost(src, dst, expected) -> None:
-    assert MESH.redistribute_cost(src, dst, SHAPE, ITEMSIZE) == approx(expected)
+    assert comm_model(MESH).redistribute_cost(src, dst, SHAPE, ITEMSIZE) == approx(expected)
     # Again, from the memo, and with a torch.Size shape.
-    assert MESH.redistribute_cost(src, dst, torch.Size(SHAPE), ITEMSIZE) == approx(expected)
+    assert comm_model(MESH).redistribute_cost(src, dst, torch.Size(SHAPE), ITEMSIZE) == approx(
+        expected
+    )
 
 
 def test_redistribute_steps_name_each_collective() -> None:
-    steps = MESH.redistribute_steps((S0, S1), (R, R), SHAPE, ITEMSIZE)
+    steps = comm_model(MESH).redistribute_steps((S0, S1), (R, R), SHAPE, ITEMSIZE)
     assert [(s.kind, s.mesh_dim, s.bytes) for s in steps] == [
         ("all_gather", 0, 1_048_576),
         ("all_gather", 1, 4_194_304),
     ]
     assert [s.seconds for s in steps] == [approx(30.48576e-6), approx(22.86432e-6)]
-    assert MESH.redistribute_steps((P, S0), (S1, S0), SHAPE, ITEMSIZE) == [
+    assert comm_model(MESH).redistribute_steps((P, S0), (S1, S0), SHAPE, ITEMSIZE) == [
         # reduce-scatter on dim 0 of the piece dim 1 left: 4_194_304 / 4 = 1_048_576 B,
         # 20e-6 + 1_048_576 / (2 * 50e9) = 30.48576e-6
         CommStep("reduce_scatter", 0, 1_048_576, pytest.approx(30.48576e-6, rel=1e-12))
     ]
-    assert MESH.redistribute_steps((R, R), (S0, S1), SHAPE, ITEMSIZE) == []
+    assert comm_model(MESH).redistribute_steps((R, R), (S0, S1), SHAPE, ITEMSIZE) == []
 
 
 def test_redistribute_steps_refuse_the_impossible() -> None:
     with pytest.raises(AutoshardError, match=r"mesh dim 1 \(tp\) from S\(0\) to P\(sum\)"):
-        MESH.redistribute_steps((R, S0), (R, P), SHAPE, ITEMSIZE)
+        comm_model(MESH).redistribute_steps((R, S0), (R, P), SHAPE, ITEMSIZE)
 
 
 def test_redistribute_cost_accepts_lists_and_numpy_sizes() -> None:
-    assert MESH.redistribute_cost([S0, R], [R, R], [1024, 1024], 4) == approx(61.94304e-6)
+    assert comm_model(MESH).redistribute_cost([S0, R], [R, R], [1024, 1024], 4) == approx(
+        61.94304e-6
+    )
     shape = tuple(np.array(SHAPE))
-    assert MESH.redistribute_cost((S0, R), (R, R), shape, np.int64(4)) == approx(61.94304e-6)
+    assert comm_model(MESH).redistribute_cost((S0, R), (R, R), shape, np.int64(4)) == approx(
+        61.94304e-6
+    )
 
 
 @pytest.mark.parametrize(
@@ -157,7 +163,7 @@ def test_redistribute_cost_accepts_lists_and_numpy_sizes() -> None:
 )
 def test_redistribute_argument_errors(src, shape, itemsize, message) -> None:
     with pytest.raises(AutoshardError, match=message):
-        MESH.redistribute_cost(src, (R, R), shape, itemsize)
+        comm_model(MESH).redistribute_cost(src, (R, R), shape, itemsize)
 
 
 def test_swapping_bandwidths_swaps_the_cheaper_mesh_dim() -> None:
@@ -170,10 +176,10 @@ def test_swapping_bandwidths_swaps_the_cheaper_mesh_dim() -> None:
     usual = MeshSpec.from_options("4x4", inter_node_bw=50e9, intra_node_bw=450e9, **lat)
     swapped = MeshSpec.from_options("4x4", inter_node_bw=450e9, intra_node_bw=50e9, **lat)
     reduce_on_0, reduce_on_1 = ((P, R), (R, R)), ((R, P), (R, R))
-    assert usual.redistribute_cost(*reduce_on_0, SHAPE, 4) == approx(slow)
-    assert usual.redistribute_cost(*reduce_on_1, SHAPE, 4) == approx(fast)
-    assert swapped.redistribute_cost(*reduce_on_0, SHAPE, 4) == approx(fast)
-    assert swapped.redistribute_cost(*reduce_on_1, SHAPE, 4) == approx(slow)
+    assert comm_model(usual).redistribute_cost(*reduce_on_0, SHAPE, 4) == approx(slow)
+    assert comm_model(usual).redistribute_cost(*reduce_on_1, SHAPE, 4) == approx(fast)
+    assert comm_model(swapped).redistribute_cost(*reduce_on_0, SHAPE, 4) == approx(fast)
+    assert comm_model(swapped).redistribute_cost(*reduce_on_1, SHAPE, 4) == approx(slow)
 
 
 # --- shape, defaults, validation -------------------------------------------------------------
@@ -268,7 +274,7 @@ def test_dict_round_trip() -> None:
 
 @pytest.mark.parametrize("module", [pickle, dill])
 def test_pickles_without_its_cost_memo(module) -> None:
-    MESH.redistribute_cost((S0, R), (R, R), SHAPE, 4)
+    comm_model(MESH).redistribute_cost((S0, R), (R, R), SHAPE, 4)
     copy = module.loads(module.dumps(MESH))
     assert copy == MESH and hash(copy) == hash(MESH)
-    assert copy.redistribute_cost((P, R), (R, R), SHAPE, 4) == approx(123.88608e-6)
+    assert comm_model(copy).redistribute_cost((P, R), (R, R), SHAPE, 4) == approx(123.88608e-6)

@@ -1,4 +1,4 @@
-"""Tests for autoshard.model_file: every user mistake, and the bundled examples."""
+"""Tests for autoshard.model.model_file: every user mistake, and the bundled examples."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.model_file import LoadedModel, ModelFile, instantiate, load_model_file
+from autoshard.model.model_file import LoadedModel, ModelFile, instantiate, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

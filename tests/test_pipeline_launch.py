@@ -27,10 +27,10 @@ from helpers import (
 )
 from torch import nn
 
+from autoshard.cli.launch import launch_command
+from autoshard.cli.stages import stages_command
 from autoshard.errors import AutoshardError
-from autoshard.launch import launch_command
-from autoshard.model_file import LoadedModel, instantiate, load_model_file
-from autoshard.pipeline_launch import (
+from autoshard.launch.pipeline import (
     StagePlanFile,
     StageSpec,
     canonical_names,
@@ -47,7 +47,7 @@ from autoshard.pipeline_launch import (
     stage_placements,
     sum_shared_gradients,
 )
-from autoshard.stages_cli import stages_command
+from autoshard.model.model_file import LoadedModel, instantiate, load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = TORCHRUN_TIMEOUT_S

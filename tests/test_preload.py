@@ -1,4 +1,4 @@
-"""Preloading a stored solution onto a freshly traced graph (autoshard.preload).
+"""Preloading a stored solution onto a freshly traced graph (autoshard.solver.preload).
 
 One 2-layer GPT-2 is solved on a 2x4 mesh and written with the export functions, as
 `autoshard solve` writes it; every test maps that file (or a tampered copy) onto the
@@ -15,14 +15,14 @@ import dill
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
+from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
-from autoshard.export import write_outputs
-from autoshard.ilp import evaluate
-from autoshard.mesh import MeshSpec
-from autoshard.plan import build_plan
-from autoshard.preload import MAX_LISTED, choice_from_solution, plan_preloaded
-from autoshard.solution_io import load_solution
-from autoshard.solve import SolveConfig, plan_model, strategies, trace
+from autoshard.plan.export import write_outputs
+from autoshard.plan.formats import load_solution
+from autoshard.plan.plan import build_plan
+from autoshard.solver.ilp import evaluate
+from autoshard.solver.preload import MAX_LISTED, choice_from_solution, plan_preloaded
+from autoshard.solver.solve import SolveConfig, plan_model, strategies, trace
 
 GPT2 = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
 MESH = MeshSpec.from_options("2x4")
@@ -136,7 +136,7 @@ def test_four_layers_fill_blocks_2_and_3_from_an_identical_block(solved, sg4):
 
 def test_fewer_layers_drop_the_blocks_the_model_lacks(solved, sg4):
     """A 4-layer solution (exported from the preloaded plan) maps back onto 2 layers."""
-    from autoshard.export import solution_dict
+    from autoshard.plan.export import solution_dict
 
     result, _, solution = solved
     plan4 = build_plan(sg4, choice_from_solution(sg4, solution, MESH).choice, MESH)
@@ -317,7 +317,7 @@ def test_blocks_are_found_without_model_specific_names(tmp_path, monkeypatch):
     monkeypatch.setenv("TEST_BLOCKS", "3")
     sg3 = strategies(config, trace(config))
     assert set(sg3.graph.block_prefixes) == {"stages.0", "stages.1", "stages.2"}
-    from autoshard.export import solution_dict
+    from autoshard.plan.export import solution_dict
 
     stored = solution_dict(small.plan, {}, {})
     pre = choice_from_solution(sg3, stored, mesh)

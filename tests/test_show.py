@@ -13,9 +13,10 @@ from click.testing import CliRunner
 from rich.console import Console
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autoshard.cli.show import show_command
 from autoshard.errors import AutoshardError
-from autoshard.show import render, show_command
-from autoshard.solution_io import save_sharding_map, save_solution
+from autoshard.plan.formats import save_sharding_map, save_solution
+from autoshard.plan.show import render
 
 
 def solution() -> dict:
@@ -253,7 +254,7 @@ def test_show_missing_file(tmp_path: Path) -> None:
 
 def test_cli_group_prints_one_line_error(tmp_path: Path) -> None:
     """Through ``autoshard show``: the group turns the refusal into ``error: ...``, exit 2."""
-    from autoshard.cli import main
+    from autoshard.cli.main import main
 
     if "show" not in main.commands:
         pytest.fail("autoshard.cli does not register the show command")

@@ -1,4 +1,4 @@
-"""Tests for autoshard.solution_io: atomic writes, safe solution loading, sharding maps."""
+"""Tests for autoshard.plan.formats: atomic writes, safe solution loading, sharding maps."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from autoshard import solution_io
 from autoshard.errors import AutoshardError
-from autoshard.solution_io import (
+from autoshard.plan import formats as solution_io
+from autoshard.plan.formats import (
     ShardingMap,
     atomic_write,
     atomic_write_bytes,

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.baselines import START_FAMILIES, run_baseline
-from autoshard.ilp import SolverOptions, evaluate
-from autoshard.memory import memory_rows
-from autoshard.mesh import MeshSpec
-from autoshard.solve import SolveConfig, plan_model
+from autoshard.cost.memory import memory_rows
+from autoshard.cost.mesh import MeshSpec
+from autoshard.solver.baselines import START_FAMILIES, run_baseline
+from autoshard.solver.ilp import evaluate
+from autoshard.solver.options import SolverOptions
+from autoshard.solver.solve import SolveConfig, plan_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

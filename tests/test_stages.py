@@ -1,4 +1,4 @@
-"""Tests of autoshard.stages: layer clustering, stage assignment, pipeline degrees.
+"""Tests of autoshard.pipeline.stages: layer clustering, stage assignment, pipeline degrees.
 
 Every expected value is either worked out by hand (in the test's docstring) or found by brute
 force over all contiguous splits.
@@ -15,9 +15,9 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from autoshard import stages as stages_module
 from autoshard.errors import AutoshardError
-from autoshard.stages import (
+from autoshard.pipeline import stages as stages_module
+from autoshard.pipeline.stages import (
     OpCost,
     StageCost,
     StagePlan,

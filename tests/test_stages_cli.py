@@ -10,19 +10,20 @@ import pytest
 from click.testing import CliRunner
 from torch.distributed.tensor import Replicate
 
-from autoshard.ilp import SolverOptions, evaluate
-from autoshard.mesh import MeshSpec
-from autoshard.solve import SolveConfig, plan_model, trace
-from autoshard.stage_ilp import stage_graph
-from autoshard.stages import pipeline_step_time
-from autoshard.stages_cli import (
+from autoshard.cli.stages import stages_command
+from autoshard.cost.mesh import MeshSpec
+from autoshard.pipeline.pricing import (
     STAGE_PLAN_FORMAT,
     layer_map,
     plan_pipeline,
     price_pipeline,
     stage_plan_dict,
-    stages_command,
 )
+from autoshard.pipeline.stage_ilp import stage_graph
+from autoshard.pipeline.stages import pipeline_step_time
+from autoshard.solver.ilp import evaluate
+from autoshard.solver.options import SolverOptions
+from autoshard.solver.solve import SolveConfig, plan_model, trace
 
 BLOCKS = """
 import torch

@@ -10,12 +10,12 @@ import pytest
 from helpers import write_mlp, write_mlp_mse
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.baselines import plan_for_algo
-from autoshard.devices import get_device
+from autoshard.cost.devices import get_device
+from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
-from autoshard.ilp import SolverOptions
-from autoshard.mesh import MeshSpec
-from autoshard.solve import SolveConfig, plan_model, strategies, trace
+from autoshard.solver.baselines import plan_for_algo
+from autoshard.solver.options import SolverOptions
+from autoshard.solver.solve import SolveConfig, plan_model, strategies, trace
 
 R = Replicate()
 

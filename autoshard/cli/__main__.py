@@ -1,0 +1,5 @@
+"""``python -m autoshard.cli``: the ``autoshard`` command."""
+
+from autoshard.cli.main import main
+
+main()

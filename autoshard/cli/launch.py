@@ -1,0 +1,53 @@
+"""``autoshard launch``: check a plan against the model, then run it under torchrun."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from autoshard.launch.options import RunOptions, run_options
+from autoshard.launch.torchrun import torchrun_argv
+
+
+@click.command(
+    "launch",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Anything after -- goes to torchrun, e.g. "
+    "-- --nnodes 2 --rdzv-endpoint host:29500 --rdzv-id job1.",
+)
+@run_options
+@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHRUN...]")
+def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **run: Any) -> None:
+    """Run MODEL sharded per the sharding map PLAN (JSON) under torchrun. PLAN may also be
+    a stage plan from `autoshard stages`, run as a pipeline (pp x intra-stage sharding).
+
+    Checks the map against the model first, then starts one process per device of the
+    map's mesh on this node (torchrun --standalone) and exits with torchrun's exit code.
+    """
+    # heavy (torch): only once the command runs
+    from autoshard.launch.common import check_plan
+    from autoshard.launch.pipeline import is_stage_plan, prepare_launch
+    from autoshard.model.model_file import instantiate, load_model_file
+    from autoshard.plan.formats import load_sharding_map
+
+    opts = RunOptions(**run)
+    if is_stage_plan(plan):
+        n_devices = prepare_launch(plan, model)
+    else:
+        smap = load_sharding_map(plan)
+        mf = load_model_file(model)
+        check_plan(smap, instantiate(mf, device="meta"), mf.path.name)
+        n_devices = smap.world_size
+    argv = torchrun_argv(plan, model, opts, torchrun_args, n_devices)
+
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # so ranks import this autoshard
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    click.echo("running: " + shlex.join(argv), err=True)
+    sys.exit(subprocess.run(argv, env=env, check=False).returncode)

@@ -1,0 +1,66 @@
+"""The ``autoshard`` command line (click): the group and its commands, registered here.
+
+Every user error is an :class:`~autoshard.errors.AutoshardError`: printed as one
+line ``error: ...`` with exit code 2; ``--debug`` shows the traceback as well.
+
+The command modules import only click, rich and autoshard's light modules (options,
+units, the mesh and device tables) at import time; each command imports torch, cvxpy and
+the pipeline when it runs, so that ``autoshard --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+
+from autoshard import __version__
+from autoshard.cli.compare import compare_command
+from autoshard.cli.launch import launch_command
+from autoshard.cli.show import show_command
+from autoshard.cli.solve import solve_command
+from autoshard.cli.stages import stages_command
+from autoshard.errors import AutoshardError
+
+
+class _Group(click.Group):
+    """Turns :class:`AutoshardError` into one line and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AutoshardError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autoshard")
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Find how to shard a PyTorch model across a mesh of GPUs.
+
+    \b
+    Workflows (docs/ has each in full):
+      autoshard solve examples/gpt2.py --mesh 2x4        plan, print, write solutions/
+      autoshard show solutions/gpt2_2x4.json             read a plan back
+      autoshard launch solutions/gpt2_2x4.json examples/gpt2.py --check
+                                                         run it sharded under torchrun
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+main.add_command(solve_command, "solve")
+main.add_command(show_command, "show")
+main.add_command(compare_command, "compare")
+main.add_command(stages_command, "stages")
+main.add_command(launch_command, "launch")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,274 @@
+"""The options the commands share, and what they build (a mesh, a solve config, progress).
+
+Nothing here imports torch, cvxpy or the pipeline at import time, so that ``autoshard --help``
+answers at once; :func:`config_from_options` imports them when a command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+
+from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, get_device
+from autoshard.cost.mesh import (
+    DDP_BUCKET_BYTES,
+    DEFAULT_INTER_NODE_BW,
+    DEFAULT_INTER_NODE_LATENCY,
+    DEFAULT_INTRA_NODE_BW,
+    DEFAULT_INTRA_NODE_LATENCY,
+    MeshSpec,
+)
+from autoshard.solver.options import SolverOptions
+from autoshard.units import BandwidthType, BytesType, DurationType, format_bandwidth, format_seconds
+
+if TYPE_CHECKING:
+    from autoshard.solver.solve import SolveConfig
+
+
+def mesh_options(f):
+    """The mesh, its links and the device (shared by solve, compare and stages)."""
+    options = [
+        click.option(
+            "--mesh",
+            "mesh_shape",
+            required=True,
+            metavar="SHAPE",
+            help="Devices per mesh dim, e.g. 8, 2x4, 2x2x2. Dim 0 is inter-node when there "
+            "are two or more dims (MASE's convention); the rest are intra-node.",
+        ),
+        click.option(
+            "--mesh-dim-names",
+            default=None,
+            metavar="NAMES",
+            help="Comma-separated names of the mesh dims, e.g. dp,tp (default: dp,tp for 2 "
+            "dims, d0,d1,... otherwise).",
+        ),
+        click.option(
+            "--intra-node-bw",
+            type=BandwidthType(),
+            default=DEFAULT_INTRA_NODE_BW,
+            show_default=format_bandwidth(DEFAULT_INTRA_NODE_BW),
+            help="Bandwidth of intra-node mesh dims, each way per device (H100 NVLink 4).",
+        ),
+        click.option(
+            "--inter-node-bw",
+            type=BandwidthType(),
+            default=DEFAULT_INTER_NODE_BW,
+            show_default=format_bandwidth(DEFAULT_INTER_NODE_BW),
+            help="Bandwidth of the inter-node mesh dim (one 400 Gb/s NIC per GPU).",
+        ),
+        click.option(
+            "--intra-node-latency",
+            type=DurationType(),
+            default=DEFAULT_INTRA_NODE_LATENCY,
+            show_default=format_seconds(DEFAULT_INTRA_NODE_LATENCY),
+            help="Latency (alpha) of one collective step on intra-node dims.",
+        ),
+        click.option(
+            "--inter-node-latency",
+            type=DurationType(),
+            default=DEFAULT_INTER_NODE_LATENCY,
+            show_default=format_seconds(DEFAULT_INTER_NODE_LATENCY),
+            help="Latency (alpha) of one collective step on the inter-node dim.",
+        ),
+        click.option(
+            "--device",
+            "device_name",
+            default=DEFAULT_DEVICE,
+            show_default=True,
+            type=click.Choice(sorted(DEVICES), case_sensitive=False),
+            help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline).",
+        ),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def mesh_from_options(
+    mesh_shape, mesh_dim_names, intra_node_bw, inter_node_bw, intra_node_latency, inter_node_latency
+) -> MeshSpec:
+    """Build the :class:`MeshSpec` from the CLI's mesh options."""
+    names = mesh_dim_names.split(",") if mesh_dim_names else None
+    return MeshSpec.from_options(
+        mesh_shape,
+        names,
+        intra_node_bw=intra_node_bw,
+        inter_node_bw=inter_node_bw,
+        intra_node_latency=intra_node_latency,
+        inter_node_latency=inter_node_latency,
+    )
+
+
+def step_options() -> list:
+    """``--mode`` and ``--dtype``: what one step is (shared by solve, compare and stages)."""
+    return [
+        click.option(
+            "--mode",
+            type=click.Choice(["train", "infer"]),
+            default="train",
+            show_default=True,
+            help="train: cost a training step (forward + backward from the joint graph, gradient "
+            "reductions, AdamW memory); infer: the forward pass only.",
+        ),
+        click.option(
+            "--dtype",
+            "dtype_name",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default=None,
+            help="Cast parameters and floating inputs to this dtype (default: the model's).",
+        ),
+    ]
+
+
+def plan_options(f):
+    """The options that say what plan to find (shared by ``solve`` and ``compare``)."""
+    options = [
+        click.option(
+            "--inputs",
+            "input_placement",
+            type=click.Choice(["free", "replicate"]),
+            default="free",
+            show_default=True,
+            help="free: the ILP chooses the inputs' placements; replicate: every input starts "
+            "replicated on every device.",
+        ),
+        click.option(
+            "--outputs",
+            "output_placement",
+            type=click.Choice(["free", "replicate"]),
+            default="free",
+            show_default=True,
+            help="free: outputs may end sharded (never Partial: the plan pays to reduce them); "
+            "replicate: every device ends with the whole output.",
+        ),
+        click.option(
+            "--time-limit",
+            type=float,
+            default=120.0,
+            show_default=True,
+            help="Seconds HiGHS may search (LP, relax-and-fix and MIP together); when hit, the "
+            "best plan found is written with its gap.",
+        ),
+        click.option(
+            "--mip-gap",
+            type=float,
+            default=1e-2,
+            show_default=True,
+            help="Relative optimality gap accepted (the report shows the plan's gap to the LP "
+            "bound); 0 proves optimality, which can take minutes on large models.",
+        ),
+        *step_options(),
+        click.option(
+            "--memory-budget",
+            type=BytesType(),
+            default=None,
+            metavar="BYTES",
+            help="Memory per device the plan must fit, e.g. 40GiB "
+            "(default: the device's capacity).",
+        ),
+        click.option(
+            "--bucket-size",
+            "bucket_bytes",
+            type=BytesType(),
+            default=DDP_BUCKET_BYTES,
+            show_default="25MiB, DDP's bucket_cap_mb",
+            metavar="BYTES",
+            help="Gradient reductions and parameter all-gathers go in buckets of this size "
+            "(training): each tensor pays its share of one collective's latency; 0 gives every "
+            "tensor its own collective.",
+        ),
+        click.option(
+            "--no-overlap",
+            is_flag=True,
+            help="Price every collective on the critical path; by default gradient reductions "
+            "hide under the backward compute still to run and parameter all-gathers under the "
+            "compute before their use (training).",
+        ),
+        click.option(
+            "--no-tie",
+            is_flag=True,
+            help="Trace every repeated layer and give each its own variables (slower); by default "
+            "identical layers share one plan and one traced middle block stands for all of them.",
+        ),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+_MESH_KEYS = (
+    "mesh_shape",
+    "mesh_dim_names",
+    "intra_node_bw",
+    "inter_node_bw",
+    "intra_node_latency",
+    "inter_node_latency",
+)
+
+
+def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
+    """The :class:`~autoshard.solver.solve.SolveConfig` of the mesh and planning options
+    (click's keyword names).
+
+    Raises:
+        AutoshardError: a bad mesh, unit or option value.
+    """
+    import torch  # heavy: only once a command runs (see the package docstring)
+
+    from autoshard.solver.solve import SolveConfig
+
+    mesh = mesh_from_options(*(opts[k] for k in _MESH_KEYS))
+    return SolveConfig(
+        model_path=model_file,
+        mesh=mesh,
+        device=get_device(opts["device_name"]),
+        input_placement=opts["input_placement"],
+        output_placement=opts["output_placement"],
+        solver=SolverOptions(time_limit_s=opts["time_limit"], mip_gap=opts["mip_gap"]),
+        mode=opts["mode"],
+        dtype=getattr(torch, opts["dtype_name"]) if opts["dtype_name"] else None,
+        memory_budget=opts["memory_budget"],
+        tie=not opts["no_tie"],
+        bucket_bytes=opts["bucket_bytes"],
+        overlap=not opts["no_overlap"],
+    )
+
+
+class Progress:
+    """rich progress for the long phases: trace, strategies, solve."""
+
+    LABELS = {
+        "trace": "tracing (torch.export, meta device)",
+        "strategies": "generating strategies",
+        "solve": "solving the ILP (HiGHS)",
+    }
+
+    def __init__(self, console: Console) -> None:
+        self.bar = RichProgress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            self.tasks[phase] = self.bar.add_task(self.LABELS.get(phase, phase), total=total)
+        self.bar.update(self.tasks[phase], completed=done, total=total)

@@ -1,0 +1,23 @@
+"""``autoshard show FILE``: print a solution or a sharding map readably."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+
+@click.command("show")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--nodes", is_flag=True, help="Also list each node's arg and result placements.")
+@click.option("--all-nodes", is_flag=True, help="With --nodes: list every node, not the first 40.")
+def show_command(file: Path, nodes: bool, all_nodes: bool) -> None:
+    """Print a solution (.pkl) or a sharding map (.json) readably.
+
+    The kind is read from the file's content. Solutions are loaded safely: a file that
+    references anything but placements and builtins is refused, and nothing in it runs.
+    """
+    from autoshard.plan.show import render  # heavy: torch placements
+
+    render(file, Console(), nodes=nodes or all_nodes, all_nodes=all_nodes)

@@ -1,0 +1,87 @@
+"""``autoshard solve``: plan a model and write the solution and the sharding map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from autoshard.cli.options import Progress, config_from_options, mesh_options, plan_options
+
+
+@click.command("solve")
+@click.argument("model_file", type=click.Path(path_type=Path))
+@mesh_options
+@plan_options
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("solutions"),
+    show_default=True,
+    help="Folder for <model>_<mesh>.pkl and .json.",
+)
+@click.option(
+    "--algo",
+    type=click.Choice(["ilp", "replicate", "ddp", "fsdp", "megatron", "megatron_sp"]),
+    default="ilp",
+    show_default=True,
+    help="ilp: the optimal plan; the others export a hand-written-style plan (data parallel, "
+    "ZeRO-3, Megatron tensor parallel on the last mesh dim) priced by the same cost model.",
+)
+@click.option(
+    "--preload",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="Skip the ILP: take the plan from a solution pickle (autoshard's or MASE's), "
+    "filling missing layers from an identical block. Loading never runs code from FILE.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="Print only the files written.")
+def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
+    """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
+
+    MODEL_FILE is a Python file defining build_model() and example_inputs() (global
+    shapes); see docs/model-file.md. autoshard traces it on the meta device (no
+    weights), gives every op its DTensor strategies, prices them with the mesh's
+    bandwidths and latencies and the device's roofline, and solves an ILP for the
+    fastest plan. It writes OUT/<model>_<mesh>.pkl (the solution, preloadable) and
+    OUT/<model>_<mesh>.json (the sharding map the launcher reads).
+
+    \b
+    Examples:
+      autoshard solve examples/gpt2.py --mesh 2x4
+      autoshard solve examples/llama.py --mesh 2x4 --inter-node-bw 25GB/s
+      autoshard solve examples/mlp.py --mesh 4 --inputs replicate
+      autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
+    """
+    # heavy (torch, cvxpy): only once the command runs
+    from autoshard.plan.export import output_stem, write_outputs
+    from autoshard.plan.report import print_report
+    from autoshard.solver.solve import plan_model
+
+    console = Console(stderr=False, quiet=quiet)
+    config = config_from_options(model_file, opts)
+    mesh = config.mesh
+    notes: list[str] = []
+    with Progress(Console(stderr=True, quiet=quiet)) as progress:
+        if preload is not None:
+            from autoshard.solver.preload import plan_preloaded  # heavy, as above
+
+            result, pre = plan_preloaded(config, preload, progress)
+            notes = list(pre.notes)
+        elif algo != "ilp":
+            from autoshard.solver.solve import plan_baseline  # heavy, as above
+
+            result = plan_baseline(config, algo, progress)
+            notes = list(result.plan.extra.get("notes", []))
+        else:
+            result = plan_model(config, progress)
+    stem = output_stem(result.graph.model_name, mesh.shape, "" if algo == "ilp" else algo)
+    files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
+    print_report(console, result, files)
+    for note in notes:
+        console.print(f"note: {note}")
+    if quiet:
+        click.echo("\n".join(str(f) for f in files))

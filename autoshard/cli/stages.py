@@ -1,0 +1,144 @@
+"""``autoshard stages``: split a model into pipeline stages, each with its intra-op plan."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from autoshard.cli.options import mesh_from_options, mesh_options, step_options
+from autoshard.cost.devices import get_device
+from autoshard.errors import AutoshardError
+from autoshard.solver.options import SolverOptions
+from autoshard.units import BytesType
+
+
+def stages_options(f):
+    """The arguments and options of ``autoshard stages``."""
+    f = click.option("-q", "--quiet", is_flag=True, help="Print only the file written.")(f)
+    f = click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(path_type=Path),
+        default=Path("solutions"),
+        show_default=True,
+        help="Folder for <model>_<mesh>_pp<k>.stages.json.",
+    )(f)
+    f = click.option(
+        "--time-limit",
+        type=float,
+        default=120.0,
+        show_default=True,
+        help="Seconds HiGHS may search per stage ILP (LP, relax-and-fix and MIP together).",
+    )(f)
+    f = click.option(
+        "--memory-budget",
+        type=BytesType(),
+        default=None,
+        help="Bytes per device a stage's plan may take (parameters, gradients, AdamW state, "
+        "activations of the micro-batches in flight), e.g. 40GiB "
+        "(default: the device's memory).",
+    )(f)
+    f = click.option(
+        "--microbatches",
+        type=int,
+        default=8,
+        show_default=True,
+        help="Micro-batches per step (B in the 1F1B step time sum(t) + (B - 1) max(t)); "
+        "example_inputs() is the global batch, split into B chunks along dim 0.",
+    )(f)
+    f = click.option(
+        "--pp",
+        "pp_text",
+        default="auto",
+        show_default=True,
+        metavar="N|auto",
+        help="Pipeline degree (stages); auto tries every degree the mesh admits.",
+    )(f)
+    for opt in reversed(step_options()):
+        f = opt(f)
+    f = mesh_options(f)
+    return click.argument("model_file", type=click.Path(path_type=Path))(f)
+
+
+@click.command("stages")
+@stages_options
+@click.pass_context
+def stages_command(
+    ctx: click.Context,
+    model_file,
+    mesh_shape,
+    mesh_dim_names,
+    intra_node_bw,
+    inter_node_bw,
+    intra_node_latency,
+    inter_node_latency,
+    device_name,
+    mode,
+    dtype_name,
+    pp_text,
+    microbatches,
+    memory_budget,
+    time_limit,
+    out_dir,
+    quiet,
+) -> None:
+    """Split MODEL_FILE into pipeline stages over the mesh, each with its intra-op plan.
+
+    The layers are the model's repeated blocks (or, without them, clusters of ops). For a
+    pipeline degree PP each stage gets a submesh of MESH / PP devices (split along the
+    leading mesh dims); one intra-op ILP on that submesh prices every layer, and the
+    contiguous split of layers with the least 1F1B step time sum(t) + (B - 1) max(t) wins.
+    Writes OUT/<model>_<mesh>_pp<k>.stages.json (docs/pipeline-stages.md).
+
+    \b
+    Examples:
+      autoshard stages examples/gpt2.py --mesh 2x2x2 --pp 2 --microbatches 8
+      autoshard stages examples/gpt2.py --mesh 2x4 --pp auto
+    """
+    import torch  # heavy: only once the command runs
+
+    from autoshard.pipeline.pricing import run_stages
+    from autoshard.solver.solve import SolveConfig
+
+    try:
+        mesh = mesh_from_options(
+            mesh_shape,
+            mesh_dim_names,
+            intra_node_bw,
+            inter_node_bw,
+            intra_node_latency,
+            inter_node_latency,
+        )
+        device = get_device(device_name)
+        config = SolveConfig(
+            model_path=model_file,
+            mesh=mesh,
+            device=device,
+            solver=SolverOptions(time_limit_s=time_limit),
+            mode=mode,
+            dtype=getattr(torch, dtype_name) if dtype_name else None,
+            memory_budget=memory_budget,
+            tie=False,  # every layer traced: stages are cut between real layers
+        )
+        budget = memory_budget if memory_budget is not None else device.memory_bytes
+        path, _ = run_stages(
+            config,
+            pp_text,
+            microbatches,
+            budget,
+            out_dir,
+            Console(quiet=quiet),
+            Console(stderr=True, quiet=quiet),
+        )
+    except AutoshardError as exc:
+        root = ctx.find_root()
+        if root.obj and root.obj.get("debug"):
+            traceback.print_exc()
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if quiet:
+        click.echo(str(path))

@@ -1,0 +1,1 @@
+"""The cost model: the mesh and its links, collectives and resharding, devices, memory, overlap."""

@@ -1,0 +1,467 @@
+"""Collectives and resharding on a :class:`~autoshard.cost.mesh.MeshSpec` (alpha-beta, ring).
+
+Collective costs follow the ring algorithm as analysed in the NCCL tests performance notes
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): on a mesh dim of ``n``
+devices, for a tensor of ``B`` bytes in full (its size before sharding along that mesh dim),
+
+- all-gather and reduce-scatter take ``n-1`` steps, each moving ``B/n`` bytes per device:
+  ``(n-1) * (alpha + B/(n*bw))``;
+- all-reduce is a reduce-scatter followed by an all-gather: twice that;
+- all-to-all: each device holds ``B/n`` and sends ``(n-1)/n`` of it, one ``1/n`` piece per
+  peer: ``(n-1) * (alpha + B/(n*n*bw))``.
+
+All are zero on a mesh dim of size 1.
+
+Resharding a tensor from source to destination placements (one per mesh dim) is priced
+mesh dim by mesh dim, as DESIGN.md describes, except that ``Replicate -> Partial`` is allowed
+and free: DTensor does it locally (``Partial._partition_value``), and PyTorch's own op
+strategies ask for it (a replicated bias added to a ``Partial`` matmul output):
+
+==================  =====================  ==============================
+source              destination            collective on that mesh dim
+==================  =====================  ==============================
+``Shard(a)``        ``Replicate()``        all-gather
+``Partial(op)``     ``Replicate()``        all-reduce
+``Partial(op)``     ``Shard(d)``           reduce-scatter
+``Shard(a)``        ``Shard(b)``, a != b   all-to-all
+``Replicate()``     ``Shard(d)``           none (each device slices locally)
+``Replicate()``     ``Partial(op)``        none (local: each device divides its copy
+                                           by n for ``sum`` and keeps it for ``avg``,
+                                           ``min``, ``max``, as DTensor does)
+``Shard(a)``        ``Partial(op)``        impossible (``math.inf``)
+``Partial(op1)``    ``Partial(op2)``       impossible (``math.inf``)
+==================  =====================  ==============================
+
+A resharding over several mesh dims is a *sequence* of single-dim collectives, each priced
+on the tensor as it is at that step (Alpa and autoparallel size each step in sequence), in
+the cheapest order (:meth:`MeshSpec._sequence`): steps that shrink the local tensor first
+(local slices, then reduce-scatters, fastest link first), then those that keep its size
+(all-reduce, all-to-all) on the smallest piece, then the all-gathers that grow it (fastest
+link last). A ``Partial -> Replicate`` mesh dim may also run as a reduce-scatter at the
+start and an all-gather at the end, so that the dims between work on the scattered piece:
+NCCL's hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes on
+``1/n`` of the bytes, all-gather inside). Each order is optimal by an exchange argument:
+every byte term is linear in the local size, a shrinking step moved earlier never costs
+more, and two reduce-scatters on links ``i, j`` cost less with the higher bandwidth first.
+
+Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MiB by default), and
+so do parameter all-gathers (FSDP gathers a whole block's parameters in one collective; a
+25 MiB bucket stands for that group): a tensor of ``G`` bytes on one device fills
+``G / bucket`` of a bucket and pays that share of the collective's latency
+(:meth:`MeshSpec.bucketed_cost`); bandwidth terms are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+
+CollectiveKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+)
+
+# Size of the redistribute_cost cache, in entries (about 200 bytes each).
+_COST_CACHE_SIZE = 1 << 20
+
+# Placement codes used inside the cost model: Replicate -> -1, Shard(d) -> d (>= 0),
+# Partial(op) -> the reduce op's name (a str).
+_R = -1
+_Code = int | str
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """One collective of a resharding: ``kind`` on ``mesh_dim``, seen as ``bytes`` (the full
+    tensor along that mesh dim, in bytes), taking ``seconds`` under the alpha-beta model."""
+
+    kind: CollectiveKind
+    mesh_dim: int
+    bytes: float
+    seconds: float
+
+
+class CommModel:
+    """The collectives and reshardings of one :class:`~autoshard.cost.mesh.MeshSpec`, priced
+    by the alpha-beta ring model of the module docstring. Get one with :func:`comm_model`,
+    which keeps one per mesh so that its memo serves every caller.
+
+    Args:
+        mesh: the mesh whose links price every collective.
+    """
+
+    def __init__(self, mesh: MeshSpec) -> None:
+        self.mesh = mesh
+        # The hot path, redistribute_cost, has two memo levels (see its docstring): by the
+        # identity of the placement tuples, then by their value.
+        self._memo_by_id: dict = {}
+        self._memo_by_value = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(
+            self._redistribute_cost_uncached
+        )
+        self._sequence = functools.lru_cache(maxsize=4096)(self._sequence_uncached)
+
+    # ----------------------------------------------------------------------------------------
+    # Collectives (alpha-beta ring model, see the module docstring)
+
+    def all_gather(self, nbytes: float, mesh_dim: int) -> float:
+        """Seconds to all-gather a tensor of ``nbytes`` in full over ``mesh_dim``:
+        ``(n-1) * (alpha + B/(n*bw))`` (NCCL tests PERFORMANCE.md, AllGather)."""
+        return self.collective("all_gather", nbytes, mesh_dim)
+
+    def reduce_scatter(self, nbytes: float, mesh_dim: int) -> float:
+        """Seconds to reduce-scatter ``nbytes`` (the full, unscattered tensor) over
+        ``mesh_dim``: ``(n-1) * (alpha + B/(n*bw))`` (NCCL tests PERFORMANCE.md)."""
+        return self.collective("reduce_scatter", nbytes, mesh_dim)
+
+    def all_reduce(self, nbytes: float, mesh_dim: int) -> float:
+        """Seconds to all-reduce ``nbytes`` over ``mesh_dim``: reduce-scatter then all-gather,
+        ``2 * (n-1) * (alpha + B/(n*bw))`` (NCCL tests PERFORMANCE.md, AllReduce)."""
+        return self.collective("all_reduce", nbytes, mesh_dim)
+
+    def all_to_all(self, nbytes: float, mesh_dim: int) -> float:
+        """Seconds to all-to-all a tensor of ``nbytes`` in full over ``mesh_dim``:
+        ``(n-1) * (alpha + B/(n*n*bw))``."""
+        return self.collective("all_to_all", nbytes, mesh_dim)
+
+    def collective(self, kind: CollectiveKind, nbytes: float, mesh_dim: int) -> float:
+        """Seconds for collective ``kind`` on ``nbytes`` (full tensor) over ``mesh_dim``.
+
+        Raises:
+            AutoshardError: an unknown ``kind``, a bad ``mesh_dim`` or negative ``nbytes``.
+        """
+        self.mesh.check_dim(mesh_dim)
+        if kind not in COLLECTIVE_KINDS:
+            raise AutoshardError(f"unknown collective {kind!r}: use one of {COLLECTIVE_KINDS}")
+        if not nbytes >= 0:
+            raise AutoshardError(f"collective of {nbytes!r} bytes: the size must be >= 0")
+        return self._collective(kind, nbytes, mesh_dim)
+
+    def _collective(self, kind: str, nbytes: float, i: int, latency_share: float = 1.0) -> float:
+        n = self.mesh.shape[i]
+        if n == 1:
+            return 0.0
+        alpha, bw = self.mesh.latency[i] * latency_share, self.mesh.bandwidth[i]
+        if kind == "all_to_all":
+            return (n - 1) * (alpha + nbytes / (n * n * bw))
+        ring = (n - 1) * (alpha + nbytes / (n * bw))
+        return 2 * ring if kind == "all_reduce" else ring
+
+    # ----------------------------------------------------------------------------------------
+    # Resharding
+
+    def redistribute_cost(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+    ) -> float:
+        """Seconds to reshard a tensor from ``src`` to ``dst`` placements (one per mesh dim).
+
+        Args:
+            src, dst: tuples of ``Shard`` / ``Replicate`` / ``Partial``, one per mesh dim.
+            shape: the global (unsharded) tensor shape.
+            itemsize: bytes per element.
+
+        Returns:
+            The sum of the collectives of :meth:`redistribute_steps`; 0 when nothing moves;
+            ``math.inf`` when the change is impossible (``Shard`` into ``Partial``, or
+            between two ``Partial`` reduce ops).
+
+        Memoised per mesh, since the ILP builder asks for every pair of strategies of every
+        edge (10^5 to 10^6 calls). Hashing torch placements is slow (about 0.2 us each), so a
+        first memo is keyed by the *identity* of the ``src`` and ``dst`` tuples (it holds
+        them, so an id cannot be reused while its entry lives; only hashable, hence
+        immutable, arguments ever enter it) and a second one, an LRU of 2**20 entries, by
+        their value. Reusing the same tuple objects, as strategy lists do, is the fast path.
+
+        Raises:
+            AutoshardError: a placement count that differs from the mesh's dims, a placement
+                kind other than Shard/Replicate/Partial, a Shard dim outside the tensor, or a
+                bad itemsize.
+        """
+        key = (id(src), id(dst), shape, itemsize)
+        try:
+            hit = self._memo_by_id.get(key)
+            if hit is not None and hit[0] is src and hit[1] is dst:
+                return hit[2]
+            cost = self._memo_by_value(src, dst, shape, itemsize)
+        except TypeError:  # unhashable arguments (lists): compute without memo
+            return self._redistribute_cost_uncached(src, dst, shape, itemsize)
+        if len(self._memo_by_id) >= _COST_CACHE_SIZE:
+            self._memo_by_id.clear()
+        self._memo_by_id[key] = (src, dst, cost)
+        return cost
+
+    def redistribute_steps(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+        latency_share: float = 1.0,
+    ) -> list[CommStep]:
+        """The collectives that reshard a tensor from ``src`` to ``dst``, in the order they
+        run (see the module docstring); mesh dims of size 1 and local slices give no step.
+        Arguments as in :meth:`redistribute_cost`; ``latency_share`` scales each step's
+        latency term (a bucketed gradient's share of its bucket, :meth:`bucket_share`).
+
+        Raises:
+            AutoshardError: the change is impossible (``Shard`` into ``Partial``, or between
+                two ``Partial`` reduce ops), or bad arguments as in :meth:`redistribute_cost`.
+        """
+        plan = self._plan(src, dst, shape, itemsize)
+        if isinstance(plan, str):
+            raise AutoshardError(plan)
+        return self._steps(plan, latency_share)
+
+    def bucketed_cost(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+        bucket_bytes: float,
+    ) -> float:
+        """Seconds of a bucketed collective ``src -> dst`` (a gradient's reduction, a
+        parameter's gather) with buckets of ``bucket_bytes``: the steps of
+        :meth:`redistribute_steps`, each step's latency term scaled by
+        ``min(1, G / bucket_bytes)`` (:meth:`bucket_share`: the share of a bucket it
+        fills, as DDP's ``bucket_cap_mb``).
+
+        Returns ``math.inf`` when the change is impossible.
+        """
+        plan = self._plan(src, dst, shape, itemsize)
+        if isinstance(plan, str):
+            return math.inf
+        return sum(
+            s.seconds
+            for s in self._steps(plan, self.bucket_share(src, dst, shape, itemsize, bucket_bytes))
+        )
+
+    def bucket_share(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+        bucket_bytes: float,
+    ) -> float:
+        """``min(1, G / bucket_bytes)``: the share of a bucket a tensor of global ``shape``
+        fills, ``G`` its larger local size on one device under ``src`` or ``dst`` (a
+        reduction's input, a gather's output: what the bucket holds); 1 when
+        ``bucket_bytes`` is 0 (no buckets)."""
+        if bucket_bytes <= 0:
+            return 1.0
+        total = math.prod(shape) * itemsize
+        pieces = min(
+            self._pieces(src, len(shape), "source"), self._pieces(dst, len(shape), "destination")
+        )
+        return min(1.0, total / pieces / bucket_bytes)
+
+    def _pieces(self, placements: Sequence[Placement], ndim: int, what: str) -> int:
+        """How many pieces ``placements`` cut a tensor into (product of the sharding dims)."""
+        codes = self._encode(placements, ndim, what)
+        return math.prod(
+            n
+            for n, c in zip(self.mesh.shape, codes, strict=True)
+            if not isinstance(c, str) and c >= 0
+        )
+
+    def _steps(self, plan, latency_share: float = 1.0) -> list[CommStep]:
+        return [
+            CommStep(kind, i, b, self._collective(kind, b, i, latency_share)) for kind, i, b in plan
+        ]
+
+    def _redistribute_cost_uncached(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+    ) -> float:
+        plan = self._plan(src, dst, shape, itemsize)
+        if isinstance(plan, str):
+            return math.inf
+        return sum(self._collective(kind, b, i) for kind, i, b in plan)
+
+    def _plan(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+    ) -> list[tuple[CollectiveKind, int, float]] | str:
+        """``(kind, mesh dim, bytes)`` per collective in the order they run (see the module
+        docstring), or why the resharding is impossible."""
+        shape = _whole_numbers(shape, "tensor shape")
+        (itemsize,) = _whole_numbers((itemsize,), "itemsize")
+        if any(n < 0 for n in shape) or itemsize < 1:
+            raise AutoshardError(
+                f"tensor shape {shape} and itemsize {itemsize}: sizes must be >= 0 and the "
+                "itemsize >= 1 byte"
+            )
+        s = self._encode(src, len(shape), "source")
+        d = self._encode(dst, len(shape), "destination")
+        for i, (a, b) in enumerate(zip(s, d, strict=True)):
+            if isinstance(b, str) and a != b and a != _R:  # Shard -> Partial, P(op1) -> P(op2)
+                return (
+                    f"cannot reshard mesh dim {i} ({self.mesh.dim_names[i]}) from "
+                    f"{_show(a)} to {_show(b)}: a Partial placement comes only out of an op "
+                    "or from Replicate"
+                )
+        # local bytes: the global bytes over the mesh dims on which the source is sharded
+        local = (
+            math.prod(shape)
+            * itemsize
+            / math.prod(
+                n
+                for n, c in zip(self.mesh.shape, s, strict=True)
+                if not isinstance(c, str) and c >= 0
+            )
+        )
+        plan: list[tuple[CollectiveKind, int, float]] = []
+        for kind, i in self._sequence(s, d):
+            n = self.mesh.shape[i]
+            if kind == "slice":
+                local /= n
+                continue
+            if kind in ("all_gather", "all_to_all"):
+                plan.append((kind, i, local * n))  # B: the tensor in full along mesh dim i
+            else:
+                plan.append((kind, i, local))
+            if kind == "all_gather":
+                local *= n
+            elif kind == "reduce_scatter":
+                local /= n
+        return plan
+
+    def _sequence_uncached(self, s: tuple, d: tuple) -> tuple[tuple[str, int], ...]:
+        """The cheapest order of the single-dim steps from codes ``s`` to ``d``.
+
+        Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
+        (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
+        ``all_gather``; a ``Partial -> Replicate`` dim may instead give a reduce-scatter
+        and an all-gather. Order: slices, reduce-scatters by bandwidth (highest first),
+        all-reduces and all-to-alls, all-gathers by bandwidth (highest last). Every
+        choice of splitting the all-reduces is priced on a unit tensor; the cheapest wins
+        (ties: fewer steps). The order depends on the placements and the links only, since
+        every byte term is linear in the tensor's size and latencies do not depend on it.
+        """
+        base: list[tuple[str, int]] = []
+        splittable: list[int] = []
+        for i, (a, b) in enumerate(zip(s, d, strict=True)):
+            if a == b or self.mesh.shape[i] == 1 or isinstance(b, str):
+                continue  # unchanged, a size-1 dim, or Replicate -> Partial (local)
+            if b == _R:
+                if isinstance(a, str):
+                    splittable.append(i)
+                else:
+                    base.append(("all_gather", i))
+            elif a == _R:
+                base.append(("slice", i))
+            else:
+                base.append(("reduce_scatter" if isinstance(a, str) else "all_to_all", i))
+        rank = {"slice": 0, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 2, "all_gather": 3}
+
+        def order(steps: list[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+            def key(step: tuple[str, int]) -> tuple:
+                kind, i = step
+                bw = self.mesh.bandwidth[i]
+                return (rank[kind], -bw if kind == "reduce_scatter" else bw, i)
+
+            return tuple(sorted(steps, key=key))
+
+        def unit_cost(steps: tuple[tuple[str, int], ...]) -> float:
+            local, total = 1.0, 0.0
+            for kind, i in steps:
+                n, bw = self.mesh.shape[i], self.mesh.bandwidth[i]
+                if kind == "slice":
+                    local /= n
+                elif kind == "all_gather":
+                    total += (n - 1) * local / bw
+                    local *= n
+                elif kind == "reduce_scatter":
+                    total += (n - 1) * local / (n * bw)
+                    local /= n
+                else:
+                    factor = 2 if kind == "all_reduce" else 1
+                    total += factor * (n - 1) * local / (n * bw)
+            return total
+
+        best: tuple[tuple[str, int], ...] | None = None
+        best_cost = math.inf
+        for split in itertools.product((False, True), repeat=len(splittable)):
+            steps = list(base)
+            for i, sp in zip(splittable, split, strict=True):
+                steps += [("reduce_scatter", i), ("all_gather", i)] if sp else [("all_reduce", i)]
+            cand = order(steps)
+            cost = unit_cost(cand)
+            if cost < best_cost * (1 - 1e-12):
+                best, best_cost = cand, cost
+        return best if best is not None else ()
+
+    def _encode(self, placements: Sequence[Placement], tensor_ndim: int, what: str) -> tuple:
+        """Placements -> codes (Replicate -> -1, Shard(d) -> d >= 0, Partial(op) -> op)."""
+        if len(placements) != self.mesh.ndim:
+            raise AutoshardError(
+                f"{what} placements {tuple(placements)} are {len(placements)} for the "
+                f"{self.mesh.ndim} mesh dims of the {self.mesh.shape_str} mesh: "
+                "give one per mesh dim"
+            )
+        codes: list[_Code] = []
+        for p in placements:
+            # Exact type first: isinstance() on torch placements runs a Python-level
+            # __instancecheck__, the slowest part of this function.
+            kind = type(p)
+            if kind is not Replicate and kind is not Shard and kind is not Partial:
+                kind = next((k for k in (Shard, Replicate, Partial) if isinstance(p, k)), None)
+            if kind is Replicate:
+                codes.append(_R)
+            elif kind is Shard:
+                dim = p.dim + tensor_ndim if p.dim < 0 else p.dim
+                if not 0 <= dim < tensor_ndim:
+                    raise AutoshardError(
+                        f"{what} placement {p} shards tensor dim {p.dim} of a "
+                        f"{tensor_ndim}-D tensor: use a dim in 0..{tensor_ndim - 1}"
+                    )
+                codes.append(dim)
+            elif kind is Partial:
+                codes.append(str(p.reduce_op))
+            else:
+                raise AutoshardError(f"{what} placement {p!r} is not Shard, Replicate or Partial")
+        return tuple(codes)
+
+
+@functools.lru_cache(maxsize=64)
+def comm_model(mesh: MeshSpec) -> CommModel:
+    """The :class:`CommModel` of ``mesh``, one per distinct mesh (meshes are frozen and
+    hashable), so that the resharding memo is shared by the whole solve."""
+    return CommModel(mesh)
+
+
+def _whole_numbers(values: Sequence[Any], what: str) -> tuple[int, ...]:
+    """``values`` as Python ints (numpy and torch integers too), else AutoshardError."""
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise AutoshardError(f"{what} {tuple(values)} must hold whole numbers") from None
+
+
+def _show(code: _Code) -> str:
+    if isinstance(code, str):
+        return f"P({code})"
+    return "R" if code == _R else f"S({code})"

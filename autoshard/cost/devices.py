@@ -1,0 +1,268 @@
+"""Device specs for the compute part of the cost model: peak FLOP/s, memory bandwidth, memory.
+
+Compute time of one op on one device is the roofline model (Williams, Waterman and Patterson,
+"Roofline: an insightful visual performance model for multicore architectures", CACM 52(4),
+2009): the op is bound either by arithmetic or by memory traffic, whichever takes longer,
+
+    t = max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth).
+
+Every number in :data:`DEVICES` is a vendor datasheet's peak for dense math (no structured
+sparsity: datasheets print the sparse figure, twice the dense one, with an asterisk).
+
+Which peak stands for float32: matmul-heavy fp32 training runs its matmuls on the tensor cores
+as TF32 (PyTorch's ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision
+("high")``, the setting large-model training uses), so the ``float32`` entry is the dense
+TF32 tensor-core peak, not the non-tensor FP32 (CUDA-core) peak. The latter is given in a
+comment beside each entry. A dtype missing from a device's table falls back to the float32 one.
+
+Memory sizes are the datasheet's decimal gigabytes (80 GB = 80e9 bytes). The usable memory the
+driver reports is a little larger (an "80GB" H100 shows about 79.6 GiB = 85.5e9 bytes), so the
+decimal figure is a slightly conservative budget.
+
+Tables are keyed by dtype *name* (``"bfloat16"``, as ``str(torch.bfloat16)`` without its
+``torch.`` prefix), and every method takes a ``torch.dtype`` or its name, so that this module
+does not import torch (the command line reads :data:`DEVICES` before anything heavy loads).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoshard.errors import AutoshardError
+
+__all__ = ["DEFAULT_DEVICE", "DEVICES", "DeviceSpec", "get_device"]
+
+TERA = 1e12
+
+# The floating-point dtypes of torch 2.13 a peak table may name (test_devices checks each is a
+# torch dtype).
+DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` or ``"torch.bfloat16"`` -> ``"bfloat16"``.
+
+    Raises:
+        AutoshardError: neither a torch dtype nor the name of one in :data:`DTYPE_NAMES`.
+    """
+    is_dtype = type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch"
+    name = str(dtype).removeprefix("torch.") if is_dtype or isinstance(dtype, str) else None
+    if name not in DTYPE_NAMES:
+        raise AutoshardError(
+            f"unknown dtype {dtype!r}: write a torch floating dtype or its name, one of "
+            f"{', '.join(DTYPE_NAMES)}"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator model, as the cost model sees it.
+
+    Attributes:
+        name: short lower-case name, the key in :data:`DEVICES` (e.g. ``"h100"``).
+        peak_flops: dense peak per dtype, FLOP/s, keyed by dtype name (torch dtypes given
+            to the constructor become their names). Must hold ``float32``, which is the
+            fallback for any dtype not listed.
+        memory_bandwidth: peak device-memory (HBM/GDDR) bandwidth, bytes/s.
+        memory_bytes: device memory, bytes.
+
+    Raises:
+        AutoshardError: from ``__post_init__`` when a number is missing, zero, negative or not
+            finite; the message names the device and the number.
+    """
+
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)
+    memory_bandwidth: float
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise AutoshardError(f"device name must be a non-empty string, got {self.name!r}")
+        flops: dict[str, float] = {}  # a private copy: the spec must not change under us
+        for dtype, peak in dict(self.peak_flops).items():
+            try:
+                name = dtype_name(dtype)
+            except AutoshardError:
+                raise AutoshardError(
+                    f"device {self.name}: peak_flops keys must be torch dtypes or their names "
+                    f"({', '.join(DTYPE_NAMES)}), got {dtype!r}"
+                ) from None
+            if not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
+                raise AutoshardError(
+                    f"device {self.name}: peak_flops[torch.{name}]({peak!r}) must be a positive "
+                    "finite FLOP/s"
+                )
+            flops[name] = peak
+        object.__setattr__(self, "peak_flops", flops)
+        if "float32" not in flops:
+            raise AutoshardError(
+                f"device {self.name}: peak_flops has {sorted(flops)} but needs "
+                "torch.float32, the fallback for other dtypes"
+            )
+        bw = self.memory_bandwidth
+        if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
+            raise AutoshardError(
+                f"device {self.name}: memory_bandwidth({bw!r}) must be a positive finite bytes/s"
+            )
+        mem = self.memory_bytes
+        if not (isinstance(mem, int) and not isinstance(mem, bool) and mem > 0):
+            raise AutoshardError(
+                f"device {self.name}: memory_bytes({mem!r}) must be a positive whole number"
+            )
+
+    def peak(self, dtype: Any) -> float:
+        """Dense peak FLOP/s for ``dtype`` (a torch dtype or its name); the float32 peak when
+        ``dtype`` is not listed (integer dtypes included)."""
+        flops = self.peak_flops
+        return flops.get(_name(dtype), flops["float32"])
+
+    def compute_time(self, flops: float, bytes_moved: float, dtype: Any) -> float:
+        """Roofline time of one op on one device, in seconds.
+
+        ``max(flops / peak(dtype), bytes_moved / memory_bandwidth)`` (Williams et al., CACM
+        2009). Both counts are for the local shard on one device.
+
+        Args:
+            flops: floating-point operations (a multiply-add counts 2), >= 0.
+            bytes_moved: bytes read plus written in device memory, >= 0.
+            dtype: the op's compute dtype; one missing from :attr:`peak_flops` uses float32's.
+
+        Raises:
+            AutoshardError: a negative or non-finite count.
+        """
+        if not (flops >= 0 and bytes_moved >= 0) or math.isinf(flops) or math.isinf(bytes_moved):
+            raise AutoshardError(
+                f"compute_time needs finite, non-negative counts, got flops({flops!r}) and "
+                f"bytes_moved({bytes_moved!r})"
+            )
+        return max(flops / self.peak(dtype), bytes_moved / self.memory_bandwidth)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain builtins for the solution file: dtypes by name (``"bfloat16"``), SI units."""
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth_Bps": self.memory_bandwidth,
+            "memory_bytes": self.memory_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            AutoshardError: a missing key or an unknown dtype name.
+        """
+        try:
+            name = data["name"]
+            raw = data["peak_flops"]
+            bandwidth = data["memory_bandwidth_Bps"]
+            memory = data["memory_bytes"]
+        except (KeyError, TypeError) as e:
+            raise AutoshardError(
+                f"device description {data!r} lacks {e}: it needs name, peak_flops, "
+                "memory_bandwidth_Bps and memory_bytes"
+            ) from None
+        flops: dict[str, float] = {}
+        for dname, peak in dict(raw).items():
+            if str(dname) not in DTYPE_NAMES:
+                raise AutoshardError(
+                    f"device {name}: unknown dtype {dname!r} in peak_flops; write a torch dtype "
+                    "name such as bfloat16"
+                )
+            flops[str(dname)] = peak
+        return cls(name, flops, bandwidth, memory)
+
+
+def _table(bf16_fp16: float, tf32: float, fp8: float | None = None) -> dict[str, float]:
+    """Peak table from dense tensor-core TFLOPS: bf16 = fp16, fp32 -> TF32, optional fp8."""
+    t = {"bfloat16": bf16_fp16 * TERA, "float16": bf16_fp16 * TERA, "float32": tf32 * TERA}
+    if fp8 is not None:
+        t["float8_e4m3fn"] = fp8 * TERA
+        t["float8_e5m2"] = fp8 * TERA
+    return t
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: BF16/FP16 tensor 1,979 TFLOPS,
+    # TF32 tensor 989 TFLOPS, FP8 tensor 3,958 TFLOPS, all "with sparsity", so dense is half:
+    # 989.5 / 494.5 / 1,979. (Non-tensor FP32: 67 TFLOPS.) GPU memory 80 GB HBM3 at 3.35 TB/s.
+    "h100": DeviceSpec(
+        "h100",
+        _table(bf16_fp16=989.5, tf32=494.5, fp8=1979.0),
+        memory_bandwidth=3.35e12,
+        memory_bytes=80 * 10**9,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the same tensor-core peaks as
+    # H100 SXM (BF16/FP16 1,979, TF32 989, FP8 3,958 TFLOPS with sparsity; dense is half;
+    # non-tensor FP32 67 TFLOPS). GPU memory 141 GB HBM3e at 4.8 TB/s.
+    "h200": DeviceSpec(
+        "h200",
+        _table(bf16_fp16=989.5, tf32=494.5, fp8=1979.0),
+        memory_bandwidth=4.8e12,
+        memory_bytes=141 * 10**9,
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column: BF16/FP16 tensor 312 TFLOPS
+    # dense (624 sparse), TF32 tensor 156 dense (312 sparse); no FP8. (Non-tensor FP32:
+    # 19.5 TFLOPS.) GPU memory 80 GB HBM2e at 2,039 GB/s.
+    "a100": DeviceSpec(
+        "a100",
+        _table(bf16_fp16=312.0, tf32=156.0),
+        memory_bandwidth=2.039e12,
+        memory_bytes=80 * 10**9,
+    ),
+    # NVIDIA L40S datasheet: BF16/FP16 tensor 362.05 TFLOPS dense (733 sparse), TF32 tensor
+    # 183 dense (366 sparse), FP8 733 dense (1,466 sparse). (Non-tensor FP32: 91.6 TFLOPS.)
+    # GPU memory 48 GB GDDR6 at 864 GB/s.
+    "l40s": DeviceSpec(
+        "l40s",
+        _table(bf16_fp16=362.05, tf32=183.0, fp8=733.0),
+        memory_bandwidth=864e9,
+        memory_bytes=48 * 10**9,
+    ),
+    # AMD Instinct MI300X data sheet: FP16/BF16 matrix 1,307.4 TFLOPS dense (2,614.9 with
+    # sparsity), TF32 matrix 653.7 dense, FP8 2,614.9 dense. (FP32 vector/matrix: 163.4 TFLOPS.)
+    # 192 GB HBM3 at 5.3 TB/s peak.
+    "mi300x": DeviceSpec(
+        "mi300x",
+        _table(bf16_fp16=1307.4, tf32=653.7, fp8=2614.9),
+        memory_bandwidth=5.3e12,
+        memory_bytes=192 * 10**9,
+    ),
+}
+
+DEFAULT_DEVICE = "h100"
+"""The device the cost model assumes unless the user picks one (``--device``)."""
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The :class:`DeviceSpec` called ``name``, case-insensitive (``"H100"`` works).
+
+    Raises:
+        AutoshardError: unknown name; the message lists the known ones.
+    """
+    key = str(name).strip().lower()
+    if key not in DEVICES:
+        raise AutoshardError(
+            f"unknown device {name!r}: pick one of {', '.join(DEVICES)} (e.g. --device h100)"
+        )
+    return DEVICES[key]

@@ -1,0 +1,132 @@
+"""Memory per device: what a plan keeps, by kind, and the ILP's linear memory row.
+
+Per parameter element on one device (its local shard):
+
+* parameter: ``itemsize`` bytes;
+* gradient (training): ``itemsize`` bytes, with the parameter's placement;
+* AdamW state (training): two fp32 moments, 8 bytes, plus an fp32 master copy,
+  4 bytes, when parameters are not fp32 (mixed precision; Rajbhandari et al.,
+  "ZeRO", SC'20, section 3.1: 2 + 2 + 12 bytes per parameter for fp16 Adam).
+
+Activations: in training, the tensors the forward pass saves for the backward pass
+(forward outputs read by backward nodes) and the inputs are live at the turn
+from forward to backward, the usual peak; their local bytes are linear in the
+strategies, so the ILP's budget row counts them exactly. The report also gives the
+liveness peak over the whole graph (:func:`autoshard.plan.plan.peak_activation_bytes`).
+In inference the budget row counts parameters only (activation peaks are not
+linear in the strategies); the report shows the liveness peak beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autoshard.plan.plan import local_bytes
+from autoshard.strategies.graph import StrategyGraph
+
+FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
+FP32_MASTER_BYTES = 4  # fp32 master weights when parameters are not fp32
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What a training step keeps per parameter element, in bytes beyond the parameter."""
+
+    mode: str = "train"
+
+    def per_param_factors(self, dtype: torch.dtype) -> dict[str, float]:
+        """Bytes kept per byte of local parameter, by kind (``parameters`` is 1)."""
+        if self.mode != "train":
+            return {"parameters": 1.0}
+        item = dtype.itemsize
+        optimizer = FP32_MOMENTS_BYTES + (0 if dtype == torch.float32 else FP32_MASTER_BYTES)
+        return {"parameters": 1.0, "gradients": 1.0, "optimizer_state": optimizer / item}
+
+
+def _canonical_params(sg: StrategyGraph):
+    """Parameter placeholder nodes, one per distinct tensor.
+
+    A tied parameter may appear under several names in the graph; only the name
+    ``graph.param_names`` keys it by counts. (Tied *layers* share variables but not
+    tensors: each layer's parameters count.)
+    """
+    owners = sg.graph.param_names
+    for name, info in sg.graph.nodes.items():
+        if info.kind == "param" and name in sg.nodes and info.fqn in owners:
+            yield name, info
+
+
+def saved_for_backward(sg: StrategyGraph) -> list[str]:
+    """Activations live at the turn from forward to backward: the forward outputs the
+    backward pass reads, plus the user inputs (training; empty in inference)."""
+    graph = sg.graph
+    if graph.mode != "train":
+        return []
+    saved = set(graph.saved_for_backward())
+    saved |= {n for n, i in graph.nodes.items() if i.kind == "input"}
+    return [n for n in graph.nodes if n in saved and n in sg.nodes]
+
+
+def memory_rows(
+    sg: StrategyGraph, model: MemoryModel, activation_copies: float = 1.0
+) -> dict[str, np.ndarray]:
+    """Bytes per device of each representative's strategies (the ILP's budget row).
+
+    ``activation_copies``: how many micro-batches' saved activations are kept at once
+    (1 for a plain step; a 1F1B pipeline stage keeps up to the pipeline degree).
+
+    Returns rep name -> array over its strategies; reps that keep nothing are absent.
+    """
+    rows: dict[str, np.ndarray] = {}
+    mesh = sg.mesh_shape
+
+    def add(node: str, index: int, scale: float) -> None:
+        ns = sg.nodes[node]
+        rep = sg.nodes[ns.rep]
+        info = sg.graph.nodes[node]
+        t = info.results[index]
+        if t is None:
+            return
+        vals = np.array(
+            [
+                local_bytes(t, ns.strategies[ns.choice[i]].outputs[index], mesh)
+                for i in range(len(rep.strategies))
+            ]
+        )
+        rows[ns.rep] = rows.get(ns.rep, 0) + scale * sg.graph.mult(node) * vals
+
+    for name, info in _canonical_params(sg):
+        factor = sum(model.per_param_factors(info.results[0].dtype).values())
+        add(name, 0, factor)
+    for name in saved_for_backward(sg):
+        add(name, 0, activation_copies)
+    return rows
+
+
+def memory_by_kind(sg: StrategyGraph, choice: dict[str, int], model: MemoryModel) -> dict:
+    """Bytes per device by kind (parameters, gradients, optimizer state, saved activations)."""
+    out: dict[str, float] = {}
+    mesh = sg.mesh_shape
+    for name, info in _canonical_params(sg):
+        ns = sg.nodes[name]
+        ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
+        b = sg.graph.mult(name) * local_bytes(info.results[0], ps, mesh)
+        for kind, f in model.per_param_factors(info.results[0].dtype).items():
+            out[kind] = out.get(kind, 0.0) + f * b
+    saved = 0.0
+    for name in saved_for_backward(sg):
+        ns = sg.nodes[name]
+        ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
+        saved += sg.graph.mult(name) * local_bytes(sg.graph.nodes[name].results[0], ps, mesh)
+    if sg.graph.mode == "train":
+        out["saved_activations"] = saved
+    return out
+
+
+def ilp_row(sg: StrategyGraph, rows: dict[str, np.ndarray]) -> np.ndarray:
+    """The rows concatenated in the ILP's variable order (``sg.reps``)."""
+    parts = [rows[r] if r in rows else np.zeros(len(sg.nodes[r].strategies)) for r in sg.reps]
+    return np.concatenate(parts) if parts else np.zeros(0)

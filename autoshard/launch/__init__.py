@@ -1,0 +1,1 @@
+"""Run a plan under torchrun: SPMD sharding maps and pipeline stage plans."""

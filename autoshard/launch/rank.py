@@ -1,0 +1,46 @@
+"""One rank of a launch: ``torchrun ... -m autoshard.launch PLAN MODEL [OPTIONS]``.
+
+A pipeline stage plan (``autoshard stages``) runs as a pipeline
+(:mod:`autoshard.launch.pipeline`); a sharding map (``autoshard solve``) as SPMD
+(:mod:`autoshard.launch.spmd`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from autoshard.errors import AutoshardError
+from autoshard.launch import pipeline, spmd
+from autoshard.launch.options import RunOptions, run_options
+
+
+def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
+    """The per-rank body of a launch; call under torchrun. Returns the exit code.
+
+    Raises:
+        AutoshardError: as :func:`autoshard.launch.spmd.run_rank` or
+            :func:`autoshard.launch.pipeline.run_rank`.
+    """
+    if pipeline.is_stage_plan(plan):
+        return pipeline.run_rank(plan, model, opts)
+    return spmd.run_rank(plan, model, opts)
+
+
+@click.command("autoshard.launch", context_settings={"help_option_names": ["-h", "--help"]})
+@run_options
+def rank_command(plan: Path, model: Path, **run: Any) -> None:
+    """One rank of a launch; run it as: torchrun ... -m autoshard.launch PLAN MODEL [OPTIONS]."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        rc = run_rank(plan, model, RunOptions(**run))
+    except AutoshardError as exc:
+        # Plan, model and world-size errors are the same on every rank: say it once.
+        if rank == 0:
+            click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(rc)

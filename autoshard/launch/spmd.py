@@ -1,0 +1,201 @@
+"""Run a sharding map (``autoshard solve``'s JSON) on each rank: the SPMD launch.
+
+Each rank checks the world size against the map's mesh, starts the process group (NCCL with
+CUDA, else gloo), builds the device mesh, materialises the model with seeded weights,
+distributes every parameter and input per the map and runs the steps
+(:mod:`autoshard.launch.common`); ``--check`` compares with a single-device run on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoshard.errors import AutoshardError
+from autoshard.launch.common import (
+    Recorder,
+    check_plan,
+    check_world_size,
+    compare_runs,
+    distribute_inputs,
+    distribute_parameters,
+    full_tensor,
+    listing,
+    max_abs_diff,
+    report_check,
+    report_time,
+    run_steps,
+    say,
+)
+from autoshard.launch.options import RunOptions
+from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
+from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
+from autoshard.plan.formats import ShardingMap, load_sharding_map
+from autoshard.units import format_bytes
+
+
+def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
+    """The per-rank body of a launch; call under torchrun. Returns the exit code.
+
+    Raises:
+        AutoshardError: not under torchrun, world size differs from the mesh, the map does
+            not match the model, or the model file is bad. Every rank raises the same
+            error for these, before any collective.
+    """
+    smap = load_sharding_map(plan)
+    if "WORLD_SIZE" not in os.environ:
+        raise AutoshardError(
+            "autoshard.launch runs on each rank under torchrun; use `autoshard launch "
+            f"{plan} {model}` (or `torchrun --nproc-per-node {smap.world_size} -m "
+            "autoshard.launch ...`)"
+        )
+    check_world_size(smap, int(os.environ["WORLD_SIZE"]))
+
+    cuda = torch.cuda.is_available()
+    device_type = "cuda" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(device_type, torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return _run_in_group(smap, model, opts, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torch.device) -> int:
+    """:func:`run_rank` once the process group is up."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mesh = init_device_mesh(
+        device.type,
+        tuple(smap.mesh_shape),
+        mesh_dim_names=tuple(smap.dim_names) if smap.dim_names else None,
+    )
+    mf = load_model_file(model)
+    skeleton = build_skeleton(mf, opts.seed)
+    check_plan(smap, skeleton, mf.path.name)
+    fallback = init_parameters(skeleton.module, opts.seed, device)
+    inputs = make_inputs(skeleton, opts.seed, device)
+    loaded = LoadedModel(skeleton.module, inputs, skeleton.input_names, skeleton.name)
+    if rank == 0:
+        say(
+            f"autoshard launch: {mf.path.name} on mesh {smap.mesh_text}"
+            f"{_dim_names(smap)}, {world} ranks, {device.type}, "
+            f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}"
+        )
+        if fallback:
+            say(
+                f"note: {len(fallback)} parameter(s) have no initialiser in the model "
+                f"(fallback init used): {listing(fallback)}"
+            )
+
+    distribute_parameters(loaded.module, mesh, smap.parameters)
+    d_inputs = distribute_inputs(loaded, mesh, smap.inputs)
+    local = sum(p.to_local().numel() * p.element_size() for p in loaded.module.parameters())
+    per_rank: list[int] = [0] * world
+    dist.all_gather_object(per_rank, local)
+
+    recorder = Recorder(keep=rank == 0)
+    result = run_steps(
+        loaded.module,
+        d_inputs,
+        opts,
+        device,
+        count_collectives=True,
+        observer=recorder if opts.check else None,
+    )
+    times: list[list[float]] = [[] for _ in range(world)]
+    dist.all_gather_object(times, result.step_times_s)
+    slowest = [max(t[i] for t in times) for i in range(opts.steps)]
+    if rank == 0:
+        _report_bytes(per_rank)
+        predicted = smap.predicted.get("collectives") or {}
+        _report_collectives(result.comm_counts or {}, predicted)
+        report_time(slowest, smap.predicted.get("step_time_s"))
+
+    if not opts.check:
+        return 0
+    return _check(mf, opts, device, loaded.module, result.output, recorder)
+
+
+def _check(
+    mf: ModelFile,
+    opts: RunOptions,
+    device: torch.device,
+    module: nn.Module,
+    output: torch.Tensor,
+    recorded: Recorder,
+) -> int:
+    """Compare with a single-device run on rank 0; every rank returns the verdict (0 pass,
+    1 fail). Every rank takes part in gathering the last step's output and parameters."""
+    rank = dist.get_rank()
+    drifts = opts.train and opts.steps > 1
+    last_out = full_tensor(output) if drifts else output
+    last_params: dict[str, torch.Tensor] = {}
+    if drifts:
+        for name, p in module.named_parameters():
+            full = full_tensor(p.detach())
+            if rank == 0:
+                last_params[name] = full.to("cpu", copy=True)
+    verdict = [0]
+    if rank == 0:
+        ref = materialize(mf, opts.seed, device).loaded
+        ref_rec = Recorder(keep=True)
+        ref_result = run_steps(ref.module, ref.inputs, opts, device, observer=ref_rec)
+        assert recorded.output is not None and ref_rec.output is not None
+        res = compare_runs(
+            recorded.output,
+            ref_rec.output,
+            recorded.grads,
+            ref_rec.grads,
+            recorded.params,
+            ref_rec.params,
+            opts,
+        )
+        if drifts:
+            ref_last = dict(ref.module.named_parameters())
+            res.drift["output"] = max_abs_diff(last_out, ref_result.output)
+            res.drift["parameters"] = max(
+                (max_abs_diff(t, ref_last[n]) if n in ref_last else float("inf"))
+                for n, t in last_params.items()
+            )
+        report_check(res, opts)
+        verdict = [1 if res.failures(opts) else 0]
+    dist.broadcast_object_list(verdict, src=0)
+    return int(verdict[0])
+
+
+def _dim_names(smap: ShardingMap) -> str:
+    """`` (dp, tp)`` or nothing when the map names no mesh dims."""
+    return f" ({', '.join(smap.dim_names)})" if smap.dim_names else ""
+
+
+def _report_bytes(per_rank: list[int]) -> None:
+    """Local parameter bytes per rank, one line (grouped when ranks agree)."""
+    if len(set(per_rank)) == 1:
+        say(
+            f"local parameter bytes per rank: {format_bytes(per_rank[0])} "
+            f"({per_rank[0]:,} B) on each of {len(per_rank)} ranks"
+        )
+    else:
+        items = ", ".join(f"rank {r}: {format_bytes(b)}" for r, b in enumerate(per_rank))
+        say(f"local parameter bytes per rank: {items}")
+
+
+def _report_collectives(seen: dict[str, int], predicted: Mapping[str, object]) -> None:
+    """Collectives seen in step 1 beside the map's prediction."""
+    kinds = sorted(set(seen) | set(predicted))
+    if not kinds:
+        say("collectives in step 1 (CommDebugMode): none; predicted: none")
+        return
+    say("collectives in step 1 (CommDebugMode)   seen  predicted")
+    for k in kinds:
+        pred = predicted.get(k, 0 if predicted else "-")
+        say(f"  {k:<38}{seen.get(k, 0):>5}  {pred!s:>9}")

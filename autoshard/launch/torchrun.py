@@ -1,0 +1,76 @@
+"""The torchrun command line of a launch (``python -m torch.distributed.run``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from autoshard.errors import AutoshardError
+from autoshard.launch.options import RunOptions
+
+_RDZV_OPTIONS = {
+    "--standalone",
+    "--nnodes",
+    "--rdzv-endpoint",
+    "--rdzv-backend",
+    "--rdzv-id",
+    "--rdzv-conf",
+    "--master-addr",
+    "--master-port",
+    "--node-rank",
+}
+
+
+def _option_name(arg: str) -> str:
+    """``--nproc_per_node=8`` -> ``--nproc-per-node`` (torchrun takes both spellings)."""
+    return arg.split("=", 1)[0].replace("_", "-") if arg.startswith("--") else arg
+
+
+def _option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of torchrun option ``name`` in ``args`` (either spelling, ``=`` or not)."""
+    for i, a in enumerate(args):
+        if _option_name(a) == name:
+            if "=" in a:
+                return a.split("=", 1)[1]
+            return args[i + 1] if i + 1 < len(args) else None
+    return None
+
+
+def torchrun_argv(
+    plan: Path, model: Path, opts: RunOptions, torchrun_args: Sequence[str], n_devices: int
+) -> list[str]:
+    """The torchrun command line for a launch.
+
+    Defaults: ``--standalone`` (one node, a free local port) unless ``torchrun_args``
+    names a rendezvous or node option; ``--nproc-per-node`` = ``n_devices`` divided by
+    ``--nnodes`` (when that is a number) unless given. ``torchrun_args`` come after the
+    defaults.
+
+    Raises:
+        AutoshardError: the processes torchrun would start cannot match the mesh.
+    """
+    names = {_option_name(a) for a in torchrun_args}
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    nnodes_text = _option_value(torchrun_args, "--nnodes")
+    nnodes = int(nnodes_text) if nnodes_text and nnodes_text.isdigit() else None
+    if "--nproc-per-node" not in names:
+        if nnodes is not None and n_devices % nnodes:
+            raise AutoshardError(
+                f"the mesh has {n_devices} devices, which --nnodes {nnodes} does not divide; "
+                "pass --nproc-per-node too, or solve for another mesh"
+            )
+        argv += ["--nproc-per-node", str(n_devices // (nnodes or 1))]
+    else:
+        nproc_text = _option_value(torchrun_args, "--nproc-per-node")
+        if nproc_text and nproc_text.isdigit() and int(nproc_text) * (nnodes or 1) != n_devices:
+            started = int(nproc_text) * (nnodes or 1)
+            raise AutoshardError(
+                f"the plan's mesh needs {n_devices} processes but --nproc-per-node "
+                f"{nproc_text}{f' x --nnodes {nnodes}' if nnodes else ''} starts {started}"
+            )
+    if not names & _RDZV_OPTIONS:
+        argv.append("--standalone")
+    argv += list(torchrun_args)
+    argv += ["-m", "autoshard.launch", str(plan.resolve()), str(model.resolve())]
+    return argv + opts.to_argv()

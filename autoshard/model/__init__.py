@@ -1,0 +1,1 @@
+"""The model file: loading build_model()/example_inputs(), materialising weights."""

@@ -1,0 +1,1 @@
+"""Pipeline stages: layers, stage assignment, the per-stage ILP, pipeline pricing."""

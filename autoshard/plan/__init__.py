@@ -1,0 +1,1 @@
+"""The plan: its pricing, reports, file formats (readers and writers) and export."""

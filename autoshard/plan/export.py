@@ -1,0 +1,135 @@
+"""Export a plan: the solution pickle (MASE's per-node layout) and the sharding map (JSON).
+
+Both formats are described in docs/formats.md. Writes are atomic
+(:func:`autoshard.plan.formats.atomic_write`): a failed solve never overwrites a
+good solution, and a crash mid-write leaves the old file intact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autoshard import __version__
+from autoshard.errors import AutoshardError
+from autoshard.placements import placements_to_str
+from autoshard.plan.formats import (
+    SHARDING_MAP_FORMAT,
+    SOLUTION_FORMAT,
+    save_sharding_map,
+    save_solution,
+)
+from autoshard.plan.plan import Plan
+
+
+def output_stem(model_name: str, mesh_shape: tuple[int, ...], suffix: str = "") -> str:
+    """``<model>_<mesh>`` (e.g. ``gpt2_2x4``), plus ``_<suffix>`` for non-ILP plans."""
+    stem = f"{model_name}_{'x'.join(map(str, mesh_shape))}"
+    return f"{stem}_{suffix}" if suffix else stem
+
+
+def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]) -> dict[str, Any]:
+    """The solution as plain builtins and placements (see docs/formats.md).
+
+    ``nodes`` maps every graph node to ``{"op", "args": {"data_in_<k>": placements},
+    "results": {"data_out_<k>": placements}, "shapes": {...}}``; nodes that any device
+    computes for itself (masks, position ids, factory ops) are marked ``"free": True``
+    and carry no placements.
+    """
+    graph = plan.sg.graph
+    nodes: dict[str, Any] = {}
+    for name, info in graph.nodes.items():
+        entry: dict[str, Any] = {"op": info.op_name, "args": {}, "results": {}, "shapes": {}}
+        for k, t in enumerate(info.args):
+            if t is not None:
+                entry["shapes"][f"data_in_{k}"] = list(t.shape)
+        for k, r in enumerate(info.results):
+            if r is not None:
+                entry["shapes"][f"data_out_{k}"] = list(r.shape)
+        if info.kind == "output":
+            for k in range(len(info.arg_nodes)):
+                s = plan.node_strategy.get(f"{name}.{k}")
+                if s is not None:
+                    entry["args"][f"data_in_{k}"] = tuple(s.inputs[0])
+        elif name in plan.node_strategy:
+            s = plan.node_strategy[name]
+            for k, ps in enumerate(s.inputs):
+                entry["args"][f"data_in_{k}"] = tuple(ps)
+            for k, ps in enumerate(s.outputs):
+                if ps is not None:
+                    entry["results"][f"data_out_{k}"] = tuple(ps)
+        else:
+            entry["free"] = True
+        if info.fqn:
+            entry["target"] = info.fqn
+        if info.layer is not None:
+            entry["layer"] = info.layer
+        nodes[name] = entry
+    return {
+        "format": SOLUTION_FORMAT,
+        "autoshard_version": __version__,
+        "model": graph.model_name,
+        "plan": plan.name,
+        "mesh": plan.mesh.to_dict(),
+        "cost_model": dict(cost_model),
+        "nodes": nodes,
+        "parameters": {k: tuple(v) for k, v in plan.parameters.items()},
+        "inputs": {k: tuple(v) for k, v in plan.inputs.items()},
+        "objective_s": float(plan.step_time_s),
+        "predicted": predicted(plan),
+        "solver": dict(solver),
+    }
+
+
+def predicted(plan: Plan) -> dict[str, Any]:
+    """The plan's predictions as plain numbers (seconds, bytes, collective counts)."""
+    return {
+        "step_time_s": float(plan.step_time_s),
+        "compute_s": float(plan.compute_s),
+        "optimizer_s": float(plan.optimizer_s),
+        "comm_s": {k: float(v) for k, v in sorted(plan.comm_s.items())},
+        "hidden_s": {k: float(v) for k, v in sorted(plan.hidden_s.items())},
+        "collectives": dict(sorted(plan.collectives.items())),
+        "memory_bytes": {k: float(v) for k, v in plan.memory_by_kind().items()},
+        "flops": float(plan.step_flops),
+        "mfu": float(plan.mfu),
+    }
+
+
+def sharding_map_dict(plan: Plan) -> dict[str, Any]:
+    """The sharding map: every parameter FQN and input name -> one placement per mesh dim."""
+    return {
+        "format": SHARDING_MAP_FORMAT,
+        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
+        "parameters": {k: placements_to_str(v) for k, v in sorted(plan.parameters.items())},
+        "inputs": {k: placements_to_str(v) for k, v in plan.inputs.items()},
+        "predicted": {
+            "step_time_s": float(plan.step_time_s),
+            "collectives": dict(sorted(plan.collectives.items())),
+            "flops": float(plan.step_flops),
+            "mfu": float(plan.mfu),
+        },
+    }
+
+
+def write_outputs(
+    plan: Plan,
+    out_dir: str | Path,
+    stem: str,
+    cost_model: dict[str, Any],
+    solver: dict[str, Any],
+) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<stem>.pkl`` and ``<out_dir>/<stem>.json`` atomically.
+
+    Raises:
+        AutoshardError: when the folder cannot be created or written.
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AutoshardError(f"cannot create the output folder {out}: {exc.strerror}") from exc
+    pkl, js = out / f"{stem}.pkl", out / f"{stem}.json"
+    save_solution(pkl, solution_dict(plan, cost_model, solver))
+    save_sharding_map(js, sharding_map_dict(plan))
+    return pkl, js

@@ -1,0 +1,259 @@
+"""A sharding plan: the chosen strategy of every node, its predicted cost and memory.
+
+Built from a :class:`~autoshard.strategies.graph.StrategyGraph` and one strategy index
+per representative node (from the ILP, a baseline, or a preloaded solution). The
+cost breakdown re-prices every chosen resharding with the mesh model
+(:meth:`autoshard.cost.collectives.CommModel.redistribute_steps`), so the report's numbers add
+up to the ILP's objective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Placement, Shard
+
+from autoshard.cost.collectives import comm_model
+from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.overlap import hidden_seconds
+from autoshard.strategies.graph import Strategy, StrategyGraph, bucketed_use
+from autoshard.trace.tracer import VIEW_OPS, TensorInfo
+
+Placements = tuple[Placement, ...]
+
+
+def shard_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """How many pieces the placements cut a tensor into (product of sharding mesh dims)."""
+    return math.prod(n for p, n in zip(placements, mesh_shape, strict=True) if isinstance(p, Shard))
+
+
+@dataclass
+class Plan:
+    """One strategy per node and what it costs.
+
+    Times in seconds, memory in bytes per device. ``comm_s`` and
+    ``collectives`` are keyed by collective kind (``all_gather``, ``all_reduce``,
+    ``reduce_scatter``, ``all_to_all``).
+    """
+
+    name: str
+    sg: StrategyGraph
+    mesh: MeshSpec
+    choice: dict[str, int]
+    node_strategy: dict[str, Strategy]
+    parameters: dict[str, Placements]
+    inputs: dict[str, Placements]
+    compute_s: float
+    comm_s: dict[str, float]
+    collectives: Counter
+    param_bytes: float
+    activation_bytes: float
+    extra: dict = field(default_factory=dict)
+    optimizer_s: float = 0.0
+    hidden_s: dict[str, float] = field(default_factory=dict)
+    step_flops: float = 0.0
+    peak_flops: float = 0.0  # one device's peak FLOP/s for the step's dtype (for the MFU)
+
+    @property
+    def comm_total_s(self) -> float:
+        """Seconds of every collective, hidden or not."""
+        return sum(self.comm_s.values())
+
+    @property
+    def hidden_total_s(self) -> float:
+        """Seconds of communication hidden under compute (:mod:`autoshard.cost.overlap`)."""
+        return sum(self.hidden_s.values())
+
+    @property
+    def exposed_s(self) -> dict[str, float]:
+        """Seconds per collective kind left on the critical path (total less hidden)."""
+        return {k: v - self.hidden_s.get(k, 0.0) for k, v in self.comm_s.items()}
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted time of one step: compute, the optimizer step and the communication
+        not hidden under compute."""
+        return self.compute_s + self.optimizer_s + self.comm_total_s - self.hidden_total_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: ``step_flops / (step time * devices * peak_flops)``
+        (PaLM, Chowdhery et al. 2022, appendix B), with ``step_flops`` the global FLOPs
+        ``FlopCounterMode`` counts for the step; 0 when the peak is unknown."""
+        t = self.step_time_s
+        if t <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.step_flops / (t * self.mesh.num_devices * self.peak_flops)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.param_bytes + self.activation_bytes + sum(self.extra.get("memory", {}).values())
+
+    def memory_by_kind(self) -> dict[str, float]:
+        out = {"parameters": self.param_bytes}
+        out.update(self.extra.get("memory", {}))
+        out["activations"] = self.activation_bytes
+        return out
+
+
+def build_plan(
+    sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec, name: str = "ilp"
+) -> Plan:
+    """Expand a choice per representative into a full :class:`Plan` with its costs.
+
+    Raises:
+        KeyError: when ``choice`` lacks a representative of ``sg``.
+    """
+    graph = sg.graph
+    node_strategy = {n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()}
+    optimizer = sum(  # a parameter's only cost is its AdamW step (strategies.adamw_step_time)
+        float(ns.compute_s[ns.choice[choice[ns.rep]]])
+        for n, ns in sg.nodes.items()
+        if n in graph.nodes and graph.nodes[n].kind == "param"
+    )
+    compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps) - optimizer
+    comm: dict[str, float] = defaultdict(float)
+    collectives: Counter = Counter()
+    for producer, consumer, k, t in tensor_uses(sg):
+        p = node_strategy[producer].outputs[0]
+        q = node_strategy[consumer].inputs[k]
+        if p == q:
+            continue
+        m = graph.mult(consumer)
+        for step in comm_model(mesh).redistribute_steps(
+            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, producer, consumer, p, q, t)
+        ):
+            comm[step.kind] += m * step.seconds
+            collectives[step.kind] += m
+    hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
+
+    parameters: dict[str, Placements] = {}
+    inputs: dict[str, Placements] = {}
+    param_bytes = 0.0
+    for n, info in graph.nodes.items():
+        if n not in node_strategy:  # a pipeline stage's graph holds part of the model
+            continue
+        if info.kind == "param":
+            ps = node_strategy[n].outputs[0]
+            names = graph.param_names.get(info.fqn)
+            if names is None:  # a tied alias whose owner was indexed under another name
+                names = next((v for v in graph.param_names.values() if info.fqn in v), [info.fqn])
+            if not any(a in parameters for a in names):
+                param_bytes += graph.mult(n) * info.results[0].nbytes / shard_factor(ps, mesh.shape)
+            for alias in names:
+                parameters[alias] = ps
+        elif info.kind == "input":
+            inputs[info.fqn] = node_strategy[n].outputs[0]
+    return Plan(
+        name=name,
+        sg=sg,
+        mesh=mesh,
+        choice=dict(choice),
+        node_strategy=node_strategy,
+        parameters=parameters,
+        inputs=inputs,
+        compute_s=compute,
+        comm_s=dict(comm),
+        collectives=collectives,
+        param_bytes=param_bytes,
+        activation_bytes=peak_activation_bytes(sg, node_strategy, mesh.shape),
+        optimizer_s=optimizer,
+        hidden_s=hidden,
+        step_flops=graph.step_flops,
+    )
+
+
+def _latency_share(
+    sg: StrategyGraph, mesh: MeshSpec, producer: str, consumer: str, p, q, t: TensorInfo
+) -> float:
+    """The latency share of a resharding: a bucketed collective's share of its bucket
+    (:func:`autoshard.strategies.graph.bucketed_use`), else 1."""
+    if sg.bucket_bytes > 0 and bucketed_use(sg.graph, sg.nodes, producer, consumer):
+        return comm_model(mesh).bucket_share(p, q, t.shape, t.itemsize, sg.bucket_bytes)
+    return 1.0
+
+
+def _hidden_by_kind(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec) -> dict[str, float]:
+    """Seconds hidden per collective kind: each overlappable edge's hidden seconds
+    (:func:`autoshard.cost.overlap.hidden_seconds`) split over its collectives in proportion
+    to their seconds (the steps of its first tensor)."""
+    out: dict[str, float] = defaultdict(float)
+    for i, z in hidden_seconds(sg, choice).hidden_s.items():
+        if z <= 0:
+            continue
+        e = sg.edges[i]
+        p = e.src_placements[e.src_groups[choice[e.src]]]
+        q = e.dst_placements[e.dst_groups[choice[e.dst]]]
+        t = e.members[0]
+        share = comm_model(mesh).bucket_share(p, q, t.shape, t.itemsize, sg.bucket_bytes)
+        steps = comm_model(mesh).redistribute_steps(p, q, t.shape, t.itemsize, share)
+        total = sum(st.seconds for st in steps)
+        for st in steps:
+            out[st.kind] += z * st.seconds / total if total > 0 else 0.0
+    return dict(out)
+
+
+def tensor_uses(sg: StrategyGraph):
+    """Every (producer, consumer, input index, tensor) whose placement the plan decides.
+
+    Producers that are free (computed locally in any placement) are skipped; model
+    outputs appear under their sink names (``output.<k>``).
+    """
+    for name, info in sg.graph.nodes.items():
+        if info.kind == "op" and name in sg.nodes:
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                if a not in sg.free and a in sg.nodes:
+                    yield a, name, k, t
+        elif info.kind == "output":
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                sink = f"{name}.{k}"
+                if sink in sg.nodes and a not in sg.free:
+                    yield a, sink, 0, t
+
+
+def local_bytes(t: TensorInfo, ps: Placements | None, mesh_shape: tuple[int, ...]) -> float:
+    """Bytes one device holds of tensor ``t`` under placements ``ps``."""
+    if ps is None:
+        return float(t.nbytes)
+    return t.nbytes / shard_factor(ps, mesh_shape)
+
+
+def peak_activation_bytes(
+    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
+) -> float:
+    """Peak bytes of live activations on one device, by liveness over the graph order.
+
+    Each op's outputs are allocated when it runs and freed after their last reader
+    runs; ops that only view their input allocate nothing; user inputs are live
+    from the start; parameters and free nodes (masks, position ids) are not
+    counted here.
+    """
+    graph = sg.graph
+    saved = set(graph.saved_for_backward()) if graph.multiplicity else set()
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    last_use: dict[str, int] = {}
+    for n, info in graph.nodes.items():
+        for a in info.arg_nodes:
+            last_use[a] = max(last_use.get(a, -1), pos[n])
+    live = 0.0
+    peak = 0.0
+    frees: dict[int, float] = defaultdict(float)
+    for i, n in enumerate(order):
+        info = graph.nodes[n]
+        if n in node_strategy and info.kind in ("op", "input") and info.op_name not in VIEW_OPS:
+            strat = node_strategy[n]
+            size = 0.0
+            for r, ps in zip(info.results, strat.outputs, strict=False):
+                if r is not None:
+                    size += local_bytes(r, ps, mesh_shape)
+            if n in saved:  # kept for the backward pass by every block it stands for
+                size *= graph.mult(n)
+            live += size
+            end = last_use.get(n, i)
+            frees[end] += size
+        peak = max(peak, live)
+        live -= frees.pop(i, 0.0)
+    return peak

@@ -1,0 +1,194 @@
+"""The terminal report of a plan (rich): per-layer placements, cost split, memory, solver."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autoshard.placements import short
+from autoshard.plan.plan import Plan
+from autoshard.units import format_bandwidth, format_bytes, format_seconds
+
+
+def _ranges(layers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    xs = sorted(set(layers))
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def layer_table(plan: Plan) -> Table:
+    """Placements of every weight, repeated blocks folded: one row per weight of a block."""
+    graph = plan.sg.graph
+    blocks = graph.block_prefixes
+    dims = " · ".join(plan.mesh.dim_names)
+    table = Table(title=f"Plan: parameter placements (mesh dims {dims})", show_lines=False)
+    table.add_column("parameter")
+    table.add_column("layers")
+    table.add_column("placement", style="bold")
+    table.add_column("shape", style="dim")
+    shapes = {n.fqn: n.results[0].shape for n in graph.nodes.values() if n.kind == "param"}
+    for owner, names in graph.param_names.items():
+        for alias in names:
+            shapes.setdefault(alias, shapes.get(owner))
+    # (parameter path inside the block, placement) -> layers holding it, and one real FQN
+    rows: dict[tuple[str, str], tuple[list[int], str]] = {}
+    for fqn, ps in plan.parameters.items():
+        prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
+        if prefix is None:
+            table.add_row(fqn, "", short(ps), str(shapes.get(fqn, "")))
+            continue
+        layers, _ = rows.setdefault((fqn[len(prefix) + 1 :], short(ps)), ([], fqn))
+        layers.append(blocks[prefix])
+    for (sub, ps), (layers, example) in rows.items():
+        table.add_row(f"<block>.{sub}", _ranges(layers), ps, str(shapes.get(example, "")))
+    return table
+
+
+def cost_table(plan: Plan) -> Table:
+    """Predicted step time split into compute, the optimizer step and each collective
+    kind (its total, the part hidden under compute, and the part left exposed)."""
+    table = Table(title="Predicted time per step (one device)")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_column("hidden", justify="right")
+    table.add_column("exposed", justify="right")
+    table.add_column("count", justify="right")
+    table.add_row("compute (roofline)", format_seconds(plan.compute_s), "", "", "")
+    if plan.optimizer_s:
+        table.add_row("optimizer step (AdamW)", format_seconds(plan.optimizer_s), "", "", "")
+    exposed = plan.exposed_s
+    for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+        if kind in plan.comm_s or plan.collectives.get(kind):
+            table.add_row(
+                kind.replace("_", "-"),
+                format_seconds(plan.comm_s.get(kind, 0.0)),
+                format_seconds(plan.hidden_s.get(kind, 0.0)),
+                format_seconds(exposed.get(kind, 0.0)),
+                str(plan.collectives.get(kind, 0)),
+            )
+    table.add_row(
+        "[bold]step[/bold]", f"[bold]{format_seconds(plan.step_time_s)}[/bold]", "", "", ""
+    )
+    return table
+
+
+def flops_line(plan: Plan) -> str:
+    """The step's FLOPs and the MFU they imply, one line."""
+    return (
+        f"step: {plan.step_flops:.3g} FLOPs (matmul-like, as FlopCounterMode counts them); "
+        f"MFU {plan.mfu:.1%} of {plan.peak_flops / 1e12:.4g} TFLOP/s x {plan.mesh.num_devices} "
+        "devices"
+    )
+
+
+def memory_table(plan: Plan, budget: float | None = None) -> Table:
+    """Predicted bytes per device, by kind, against the budget."""
+    budget = plan.extra.get("budget", budget)
+    table = Table(title="Predicted memory per device")
+    table.add_column("kind")
+    table.add_column("bytes", justify="right")
+    for kind, b in plan.memory_by_kind().items():
+        label = "activations (peak, liveness)" if kind == "activations" else kind
+        table.add_row(label.replace("_", " "), format_bytes(b))
+    total = f"[bold]{format_bytes(plan.memory_bytes)}[/bold]"
+    if budget is not None:
+        fits = plan.memory_bytes <= budget
+        total += f" of {format_bytes(budget)}" + ("" if fits else " [red](over budget)[/red]")
+    table.add_row("[bold]total[/bold]", total)
+    return table
+
+
+def print_report(console: Console, result, files: tuple | None = None) -> None:
+    """The full report of a solve (:class:`autoshard.solver.solve.SolveResult`)."""
+    plan, cfg, ilp, sg = result.plan, result.config, result.ilp, result.sg
+    mesh = cfg.mesh
+    dims = ", ".join(
+        f"{n}={s} ({format_bandwidth(bw)}, {format_seconds(lat)})"
+        for n, s, bw, lat in zip(
+            mesh.dim_names, mesh.shape, mesh.bandwidth, mesh.latency, strict=True
+        )
+    )
+    console.print(
+        f"[bold]{sg.graph.model_name}[/bold] on mesh {mesh.shape_str} ({escape(dims)}), "
+        f"device {cfg.device.name}, mode {cfg.mode}"
+    )
+    st = sg.stats
+    console.print(
+        f"graph: {st['nodes']} nodes, {sg.graph.num_layers} repeated layers; "
+        f"{st['variables_nodes']} decision nodes after merging {st['merged']} follow ops and "
+        f"{st['free']} free ops; {st['strategies']} strategies, {st['edges']} edges"
+    )
+    depth = sg.graph.depth
+    if depth is not None or sg.tied_layers:
+        parts = []
+        if depth is not None:
+            mid = depth.stands_for[2]
+            parts.append(
+                f"traced blocks 0, 1, {mid[0]} (standing for {mid[0]}-{mid[-1]}) and "
+                f"{depth.num_blocks - 1} of {depth.num_blocks}"
+            )
+        if sg.tied_layers:
+            parts.append(f"{sg.tied_layers} traced layers share the first one's variables")
+        console.print("repeated layers: " + "; ".join(parts) + " (--no-tie to solve each)")
+    if sg.fallback_ops:
+        ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
+        console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
+    console.print(layer_table(plan))
+    console.print(cost_table(plan))
+    console.print(flops_line(plan))
+    console.print(memory_table(plan))
+    gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
+    status = ilp.status
+    if status.startswith("baseline"):
+        console.print(
+            f"solver: none, {status} plan; predicted {format_seconds(ilp.objective_s)} "
+            "(compare with the ILP: autoshard compare)"
+        )
+    elif status == "preloaded":
+        console.print(f"solver: none, plan preloaded; objective {format_seconds(ilp.objective_s)}")
+    else:
+        if status == "within_gap":
+            status = "within the --mip-gap of the LP bound"
+        elif status != "optimal":
+            status = f"[yellow]{status}: best plan found, not proven optimal[/yellow]"
+        _solver_line(console, ilp, status, gap)
+    secs = result.seconds
+
+    console.print(
+        "time: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
+        + f"; peak memory {format_bytes(result.peak_rss_bytes)}"
+    )
+    if files:
+        console.print("wrote " + " and ".join(str(f) for f in files))
+
+
+def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
+    console.print(
+        f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s)}, gap {gap}, "
+        f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
+        f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
+    )
+    console.print(start_line(ilp))
+
+
+def start_line(ilp) -> str:
+    """Which hand-written plan the search started from and what it gained over it."""
+    if ilp.start is None:
+        return "started from no plan (no hand-written plan fits the memory budget)"
+    name = ilp.start if " " in ilp.start else f"the {ilp.start} plan"
+    base = f"started from {name} ({format_seconds(ilp.start_objective_s)})"
+    if ilp.objective_s >= ilp.start_objective_s:
+        return base + ": the search found nothing faster, the plan is that one"
+    gain = 1 - ilp.objective_s / ilp.start_objective_s
+    return base + f": the search gained {gain:.1%}"

@@ -1,0 +1,286 @@
+"""Print a solution pickle or a sharding map readably (``autoshard show FILE``).
+
+The kind of file is found from its content (:func:`autoshard.plan.formats.detect_kind`), not
+its extension. Solutions load through the restricted unpickler, so showing an untrusted file
+is as safe as loading it: a file that references anything but placements is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from autoshard.placements import placement_to_str, short
+from autoshard.plan.formats import ShardingMap, detect_kind, load_sharding_map, load_solution
+from autoshard.units import format_bandwidth, format_bytes, format_seconds
+
+__all__ = ["render"]
+
+_NODE_ROWS = 40  # nodes listed by --nodes before "... and N more"; --all-nodes lifts it
+
+
+def render(
+    path: str | os.PathLike[str],
+    console: Console,
+    *,
+    nodes: bool = False,
+    all_nodes: bool = False,
+) -> str:
+    """Print the solution pickle or sharding map at ``path`` to ``console``.
+
+    A solution shows its summary (model, mesh with each dim's bandwidth and latency, cost
+    model, objective, solver status, gap and time), its parameters and inputs with one
+    placement column per mesh dim, and its node count by op; ``nodes`` adds a table of each
+    node's arg and result placements (the first 40 unless ``all_nodes``). A sharding map
+    shows its mesh, parameters, inputs and predictions.
+
+    Returns:
+        ``"solution"`` or ``"sharding_map"``: which kind the file was.
+
+    Raises:
+        AutoshardError: when the file cannot be read or loaded (see
+            :func:`~autoshard.plan.formats.load_solution` and
+            :func:`~autoshard.plan.formats.load_sharding_map`).
+    """
+    kind = detect_kind(path)
+    if kind == "sharding_map":
+        _render_map(Path(path), load_sharding_map(path), console)
+    else:
+        _render_solution(Path(path), load_solution(path), console, nodes, all_nodes)
+    return kind
+
+
+# ------------------------------------------------------------------------------------------
+# Solutions
+# ------------------------------------------------------------------------------------------
+
+
+def _render_solution(
+    path: Path, sol: Mapping[str, Any], console: Console, nodes: bool, all_nodes: bool
+) -> None:
+    mesh = sol.get("mesh") or {}
+    shape = list(mesh.get("shape") or _guess_shape(sol))
+    names = list(mesh.get("dim_names") or _default_names(len(shape)))
+    mase = sol["format"] == "mase"
+
+    summary = _summary_table(f"Solution  {path}")
+    summary.add_row("format", _text(sol["format"] + ("  (a bare MASE node dict)" if mase else "")))
+    for key, label in (("model", "model"), ("plan", "plan"), ("autoshard_version", "written by")):
+        if key in sol:
+            summary.add_row(label, _text(str(sol[key])))
+    summary.add_row("mesh", _text(_mesh_text(shape, names) if shape else "unknown"))
+    bandwidths, latencies = mesh.get("bandwidth_Bps"), mesh.get("latency_s")
+    for i, name in enumerate(names):
+        parts = []
+        if bandwidths is not None:
+            parts.append(format_bandwidth(bandwidths[i]))
+        if latencies is not None:
+            parts.append(f"latency {format_seconds(latencies[i])}")
+        if parts:
+            summary.add_row(f"  {name}", _text(", ".join(parts)))
+    cost_model = sol.get("cost_model")
+    if cost_model:
+        summary.add_row("cost model", _text(_pairs(cost_model, skip=("mesh",))))
+    if "objective_s" in sol:
+        summary.add_row("objective", _text(f"{format_seconds(sol['objective_s'])} per step"))
+    solver = sol.get("solver")
+    if solver:
+        summary.add_row("solver", _text(_solver_text(solver)))
+    summary.add_row("nodes", _text(_node_counts(sol["nodes"])))
+    console.print(summary)
+
+    if sol.get("parameters"):
+        console.print(_placement_table("Parameters", "parameter", sol["parameters"], shape, names))
+    elif mase:
+        console.print("parameters: none recorded (MASE files hold per-node placements only)")
+    if sol.get("inputs"):
+        console.print(_placement_table("Inputs", "input", sol["inputs"], shape, names))
+    predicted = sol.get("predicted")
+    if predicted:
+        console.print(_predicted_table(predicted))
+    if nodes:
+        console.print(_nodes_table(sol["nodes"], all_nodes))
+    elif mase or not sol.get("parameters"):
+        console.print("(run with --nodes to list each node's placements)")
+
+
+def _guess_shape(sol: Mapping[str, Any]) -> list[int]:
+    """No mesh recorded (MASE): the shape is unknown, but its number of dims is not."""
+    for node in sol["nodes"].values():
+        for part in ("args", "results"):
+            for placements in node.get(part, {}).values():
+                return [0] * len(placements)
+    return []
+
+
+def _default_names(ndim: int) -> list[str]:
+    return [f"dim{i}" for i in range(ndim)]
+
+
+def _mesh_text(shape: Sequence[int], names: Sequence[str]) -> str:
+    """``2x4 (dp=2, tp=4), 8 devices``; sizes unknown (MASE) show as ``?``."""
+    if any(s == 0 for s in shape):
+        return f"{len(shape)} dims ({', '.join(names)}), sizes not recorded"
+    dims = ", ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))
+    count = math.prod(shape)
+    return f"{'x'.join(map(str, shape))} ({dims}), {count} device{'s' if count != 1 else ''}"
+
+
+def _solver_text(solver: Mapping[str, Any]) -> str:
+    """``optimal, gap 0.00 %, solved in 1.20 s, num_variables 769, ...`` (None values skipped)."""
+    parts = [str(solver.get("status", "unknown status"))]
+    gap = solver.get("gap")
+    if _is_number(gap):
+        parts.append(f"gap {gap * 100:.2f} %")
+    time_key = next((k for k in ("solve_time_s", "solve_seconds") if _is_number(solver.get(k))), "")
+    if time_key:
+        parts.append(f"solved in {format_seconds(solver[time_key])}")
+    rest = {k: v for k, v in solver.items() if k not in ("status", "gap", time_key)}
+    if rest:
+        parts.append(_pairs(rest))
+    return ", ".join(p for p in parts if p)
+
+
+def _node_counts(nodes: Mapping[str, Any]) -> str:
+    """``954 (aten.mm.default 48, aten.add.Tensor 37, ...)``: the five commonest ops."""
+    ops = Counter(str(n.get("op")) for n in nodes.values() if "op" in n)
+    text = str(len(nodes))
+    if ops:
+        common = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
+        more = len(ops) - 5
+        text += f" ({common}{f', and {more} more ops' if more > 0 else ''})"
+    return text
+
+
+def _nodes_table(nodes: Mapping[str, Any], all_nodes: bool) -> Table:
+    """Node, op (when recorded), and one line per arg and per result: ``data_in_0  S(0)·R``."""
+    with_ops = any("op" in n for n in nodes.values())
+    table = Table(title="Nodes", title_justify="left")
+    table.add_column("node", overflow="fold")
+    if with_ops:
+        table.add_column("op", overflow="fold")
+    table.add_column("args", overflow="fold")
+    table.add_column("results", overflow="fold")
+    items = list(nodes.items())
+    shown = items if all_nodes else items[:_NODE_ROWS]
+    for name, node in shown:
+        cells = [_text(name)]
+        if with_ops:
+            cells.append(_text(str(node.get("op", ""))))
+        cells.append(_text(_arg_lines(node.get("args", {}))))
+        cells.append(_text(_arg_lines(node.get("results", {}))))
+        table.add_row(*cells)
+    if len(shown) < len(items):
+        table.caption = f"... and {len(items) - len(shown)} more nodes (--all-nodes lists them)"
+    return table
+
+
+def _arg_lines(entries: Mapping[str, Any]) -> str:
+    return "\n".join(f"{k}  {short(v)}" for k, v in entries.items())
+
+
+# ------------------------------------------------------------------------------------------
+# Sharding maps
+# ------------------------------------------------------------------------------------------
+
+
+def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
+    names = list(smap.dim_names or _default_names(smap.ndim))
+    summary = _summary_table(f"Sharding map  {path}")
+    summary.add_row("mesh", _text(_mesh_text(smap.mesh_shape, names)))
+    summary.add_row("parameters", _text(str(len(smap.parameters))))
+    summary.add_row("inputs", _text(str(len(smap.inputs))))
+    for key, value in smap.extra.items():
+        summary.add_row(str(key), _text(str(value)))
+    console.print(summary)
+    console.print(
+        _placement_table("Parameters", "parameter", smap.parameters, smap.mesh_shape, names)
+    )
+    if smap.inputs:
+        console.print(_placement_table("Inputs", "input", smap.inputs, smap.mesh_shape, names))
+    if smap.predicted:
+        console.print(_predicted_table(smap.predicted))
+
+
+# ------------------------------------------------------------------------------------------
+# Shared pieces
+# ------------------------------------------------------------------------------------------
+
+
+def _summary_table(title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    return table
+
+
+def _placement_table(
+    title: str,
+    what: str,
+    entries: Mapping[str, Sequence[Any]],
+    shape: Sequence[int],
+    names: Sequence[str],
+) -> Table:
+    """One row per entry, one placement column per mesh dim (headed ``dp (2)``)."""
+    table = Table(title=f"{title} ({len(entries)})", title_justify="left")
+    table.add_column(what, overflow="fold")
+    for name, size in zip(names, shape, strict=True):
+        table.add_column(f"{name} ({size})" if size else name, justify="center")
+    for key, placements in entries.items():
+        table.add_row(_text(key), *(_text(placement_to_str(p)) for p in placements))
+    return table
+
+
+def _predicted_table(predicted: Mapping[str, Any]) -> Table:
+    table = _summary_table("Predicted")
+    for key, value in predicted.items():
+        table.add_row(str(key), _text(_quantity(str(key), value)))
+    return table
+
+
+def _quantity(key: str, value: Any) -> str:
+    """A value with its unit, read from the key's suffix (``_s``, ``_seconds``, ``_bytes``)."""
+    if isinstance(value, Mapping):
+        if key == "collectives":
+            return ", ".join(f"{k} x{v}" for k, v in value.items()) or "none"
+        return ", ".join(f"{k} {_quantity(key, v)}" for k, v in value.items()) or "none"
+    if _is_number(value):
+        if key.endswith(("_s", "_seconds")):
+            return format_seconds(value)
+        if key.endswith("_bytes"):
+            return format_bytes(value)
+        if isinstance(value, float):
+            return f"{value:.4g}"
+    return str(value)
+
+
+def _pairs(mapping: Mapping[str, Any], skip: Sequence[str] = ()) -> str:
+    """``key value, ...`` with units; None values and ``skip`` keys left out, and a nested
+    object (e.g. a device spec) shown by its ``name``."""
+    parts = []
+    for key, value in mapping.items():
+        if key in skip or value is None:
+            continue
+        if isinstance(value, Mapping):
+            if "name" not in value:
+                continue
+            value = value["name"]
+        parts.append(f"{key} {_quantity(str(key), value)}")
+    return ", ".join(parts)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value: str) -> Text:
+    """Plain text: FQNs and placements such as ``[0]`` are never read as rich markup."""
+    return Text(value)

@@ -1,0 +1,1 @@
+"""The search: the ILP, the hand-written plans, preloading, and the solve driver."""

@@ -1,0 +1,1003 @@
+"""Hand-written parallelism plans (baselines), each a point of the ILP's search space.
+
+A baseline fixes what a user of that style of parallelism fixes by hand: where each
+parameter and input is stored, how each parameter is *used* (as stored, or gathered
+first), for tensor parallelism which matmuls are column- and row-parallel and where the
+activations between them live. These pins restrict the strategies of the same
+:class:`~autoshard.strategies.graph.StrategyGraph` the ILP solves (:func:`restrict`). Every
+other op then does what DTensor's sharding propagation does when the model runs with
+those placements (:func:`propagate`): in graph order, each op takes its cheapest allowed
+strategy given the placements its inputs already have (its compute plus the resharding
+of its inputs; no look-ahead). Gradients (training graphs) end in their parameter's
+placement, so a data-parallel gradient pays its all-reduce (or reduce-scatter) there.
+``run_baseline(..., method="ilp")`` instead solves the ILP restricted to the pins: the
+best plan of the family, which may trade a textbook collective for a cleverer one.
+
+Either way the choice is a point of the unrestricted ILP's search space, priced by the
+same cost model, so the ILP's objective is never above a baseline's
+:func:`~autoshard.solver.ilp.evaluate` cost (the invariant ``tests/test_baselines.py`` checks).
+
+Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the others):
+
+``replicate``
+    Every node takes its all-``Replicate`` strategy: each device runs the whole model on
+    the whole batch, with no communication.
+``ddp``
+    Parameters ``R`` on every mesh dim, used as stored; inputs batch-sharded: ``S(0)`` on
+    every mesh dim whose size (times the earlier sharding dims) divides the batch. Every
+    op then runs on its shard of the batch; each weight gradient comes out ``Partial``
+    and is all-reduced into its ``R`` parameter.
+``fsdp``
+    ZeRO-3: parameters stored ``S(0)`` on every mesh dim whose size (cumulatively) divides
+    their dim 0, ``R`` elsewhere; before each use (forward and backward) a parameter is
+    gathered to ``R`` (the all-gather is the resharding the cost model prices); inputs
+    batch-sharded as in ``ddp``; gradients reduce-scattered into the parameter's shards.
+``megatron``
+    Tensor parallel on the TP dim, data parallel on the DP dims (Shoeybi et al. 2019,
+    "Megatron-LM", section 3). Column/row pairs come from the graph's structure (see
+    :func:`find_tensor_parallel`), never from module names. On the TP dim a column matmul
+    ``X @ W`` takes ``X`` replicated and ``W`` sharded on its output features, giving an
+    output sharded on features; a row matmul takes both sharded on the reduction dim and
+    gives a ``Partial`` output. The ops between a column and its row (activation
+    functions, attention: the ``bmm`` s then run head-parallel where the graph allows)
+    are not pinned; every op outside those regions is replicated on the TP dim, so
+    each row's ``Partial`` output is all-reduced where the next op reads it. A matmul
+    whose output reaches the graph's output through such ops only (an LM head) is a
+    standalone column (vocab-parallel), where the shapes divide. Parameters: ``R`` on the
+    DP dims; on the TP dim sharded as their matmul role needs, else ``R``; used as stored.
+    Inputs: ``S(0)`` on the DP dims, ``R`` on the TP dim. In a training graph only the
+    forward pass is pinned: each backward matmul reads a weight whose placement the
+    forward role fixed (which makes it row- or column-like), and propagation places the
+    activation gradients. Weights read outside every tensor-parallel region (an LM head
+    tied to the embedding) stay replicated on the TP dim.
+``megatron_sp``
+    ``megatron`` plus sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models"): ops outside the tensor-parallel regions
+    must produce outputs sharded on the TP dim (on whichever tensor dim is cheapest,
+    usually the sequence), so each row's ``Partial`` output is reduce-scattered and each
+    column's input all-gathered.
+
+"Used as stored" means: on every mesh dim the consumer wants the parameter in the
+placement it is stored in, except that a replicated parameter may be read as ``Partial``
+(a local rescale, as for a row-parallel bias). So no baseline silently slices a
+replicated weight to compute with it. A pin that the graph cannot satisfy (a batch that
+does not divide, a matmul without the needed strategy) is dropped and reported in
+:attr:`BaselineResult.notes`, never silently.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.placements import short
+from autoshard.plan.plan import Plan, build_plan
+from autoshard.solver.ilp import ILPResult, evaluate, solve
+from autoshard.solver.options import ALGOS, BASELINES, SolverOptions
+from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
+
+Placements = tuple[Placement, ...]
+
+
+aten = torch.ops.aten
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+@dataclass
+class BaselineResult:
+    """A baseline's choice and how it was found.
+
+    ``choice``: representative -> strategy index of the *unrestricted* graph.
+    ``objective_s``: :func:`~autoshard.solver.ilp.evaluate` of ``choice`` (s). ``method``:
+    ``propagate`` or ``ilp``; ``ilp``: the restricted ILP's result when one was solved
+    (its ``choice`` indexes the restricted graph). ``notes``: every
+    pin that could not be applied. ``roles``: for tensor parallelism, matmul node ->
+    ``"column"`` or ``"row"``. ``pinned``: how many representatives each kind of pin
+    restricted.
+    """
+
+    name: str
+    choice: dict[str, int]
+    objective_s: float
+    method: str = "propagate"
+    ilp: ILPResult | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    roles: dict[str, str] = field(default_factory=dict)
+    pinned: dict[str, int] = field(default_factory=dict)
+
+    def solver_stats(self) -> dict[str, Any]:
+        """Statistics as plain builtins (for the solution file and reports)."""
+        d: dict[str, Any] = {}
+        if self.ilp is not None:
+            d = asdict(self.ilp)
+            d.pop("choice")
+        else:
+            d = {"status": "propagated", "gap": None, "solve_seconds": self.seconds}
+        d.update(
+            algo=self.name,
+            method=self.method,
+            objective_s=float(self.objective_s),
+            notes=list(self.notes),
+            roles=dict(sorted(self.roles.items())),
+            pinned=dict(self.pinned),
+        )
+        return d
+
+
+# --- restricting a strategy graph ------------------------------------------------------
+
+
+@dataclass
+class Restriction:
+    """A family of plans: allowed strategies per representative, forbidden edge pairs.
+
+    ``allowed[rep]``: sorted strategy indices ``rep`` may take (absent: all).
+    ``forbidden[i]``: boolean ``P x Q`` mask over ``sg.edges[i].cost`` of the
+    (produced, wanted) placement pairs the family excludes.
+    """
+
+    allowed: dict[str, np.ndarray] = field(default_factory=dict)
+    forbidden: dict[int, np.ndarray] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    pinned: dict[str, int] = field(default_factory=dict)
+
+    def allow(self, sg: StrategyGraph, rep: str, ok: Callable[[int], bool], kind: str) -> bool:
+        """Restrict ``rep`` to the strategies where ``ok(index)``; False (no change) if none."""
+        current = self.allowed.get(rep)
+        if current is None:
+            current = np.arange(len(sg.nodes[rep].strategies))
+        keep = np.array([i for i in current if ok(int(i))], dtype=np.int64)
+        if len(keep) == 0:
+            return False
+        if len(keep) < len(current):
+            self.allowed[rep] = keep
+            self.pinned[kind] = self.pinned.get(kind, 0) + 1
+        return True
+
+    def forbid(self, index: int, edge: Edge, bad: Callable[[Placements, Placements], bool]) -> None:
+        """Forbid the pairs ``(p, q)`` of edge ``index`` where ``bad(p, q)``."""
+        mask = np.array(
+            [[bad(p, q) for q in edge.dst_placements] for p in edge.src_placements], dtype=bool
+        ).reshape(edge.cost.shape)
+        if mask.any():
+            self.forbidden[index] = self.forbidden.get(index, np.zeros_like(mask)) | mask
+
+
+def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
+    """A copy of ``sg`` whose representatives keep only their allowed strategies.
+
+    Representative ``rep`` keeps ``r.allowed[rep]`` (in that order); every node merged
+    into it keeps its own strategy list with ``choice`` re-indexed. Forbidden edge pairs
+    cost ``inf`` (the ILP gives them no variable). All other costs are ``sg``'s, so the
+    restricted ILP's objective of a choice equals :func:`~autoshard.solver.ilp.evaluate` on
+    ``sg`` of the same choice mapped back with :func:`unrestrict_choice`.
+    """
+    keep = {rep: r.allowed.get(rep) for rep in sg.reps}
+    nodes: dict[str, NodeStrategies] = {}
+    for name, ns in sg.nodes.items():
+        k = keep[ns.rep]
+        if k is None:
+            nodes[name] = ns
+        elif name == ns.rep:
+            nodes[name] = NodeStrategies(
+                name,
+                [ns.strategies[ns.choice[i]] for i in k],
+                ns.compute_s[ns.choice[k]],
+                name,
+                np.arange(len(k)),
+                ns.fallback,
+            )
+        else:
+            nodes[name] = NodeStrategies(
+                name, ns.strategies, ns.compute_s, ns.rep, ns.choice[k], ns.fallback
+            )
+    edges = []
+    for i, e in enumerate(sg.edges):
+        ks, kd = keep[e.src], keep[e.dst]
+        cost = e.cost
+        if i in r.forbidden:
+            cost = np.where(r.forbidden[i], np.inf, cost)
+        edges.append(
+            Edge(
+                src=e.src,
+                dst=e.dst,
+                tensor=e.tensor,
+                src_placements=e.src_placements,
+                dst_placements=e.dst_placements,
+                src_groups=e.src_groups if ks is None else e.src_groups[ks],
+                dst_groups=e.dst_groups if kd is None else e.dst_groups[kd],
+                cost=cost,
+                producer=e.producer,
+                consumer=e.consumer,
+                members=e.members,
+                overlap=e.overlap,
+                hide_share=e.hide_share,
+            )
+        )
+
+    def kept(per_rep: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {rep: v if keep[rep] is None else v[keep[rep]] for rep, v in per_rep.items()}
+
+    return StrategyGraph(
+        graph=sg.graph,
+        mesh_shape=sg.mesh_shape,
+        nodes=nodes,
+        free=sg.free,
+        edges=edges,
+        fallback_ops=sg.fallback_ops,
+        seconds=sg.seconds,
+        rule_calls=sg.rule_calls,
+        cache_hits=sg.cache_hits,
+        stats=dict(sg.stats),
+        extra_cost=kept(sg.extra_cost),
+        tied_layers=sg.tied_layers,
+        bucket_bytes=sg.bucket_bytes,
+        overlap=sg.overlap,
+    )
+
+
+def unrestrict_choice(r: Restriction, choice: dict[str, int]) -> dict[str, int]:
+    """Map a choice on the restricted graph back to strategy indices of the full graph."""
+    out = {}
+    for rep, i in choice.items():
+        k = r.allowed.get(rep)
+        out[rep] = int(k[i]) if k is not None else int(i)
+    return out
+
+
+def restrict_memory(
+    sg: StrategyGraph, r: Restriction, memory: tuple[np.ndarray, float] | None
+) -> tuple[np.ndarray, float] | None:
+    """Restrict a memory row over the full graph's strategies (ILP order) to the family's."""
+    if memory is None:
+        return None
+    m, budget = memory
+    parts, pos = [], 0
+    for rep in sg.reps:
+        n = len(sg.nodes[rep].strategies)
+        block = np.asarray(m[pos : pos + n])
+        k = r.allowed.get(rep)
+        parts.append(block if k is None else block[k])
+        pos += n
+    return (np.concatenate(parts) if parts else np.zeros(0), budget)
+
+
+# --- placement helpers -----------------------------------------------------------------
+
+
+def _is_r(p: Placement) -> bool:
+    return isinstance(p, Replicate)
+
+
+def _is_p(p: Placement) -> bool:
+    return isinstance(p, Partial)
+
+
+def _is_s(p: Placement, dim: int | None = None) -> bool:
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def _used_as_stored(p: Placements, q: Placements) -> bool:
+    """Per mesh dim: the consumer wants what is stored, or reads a replicated value as Partial."""
+    return all(a == b or (_is_r(a) and _is_p(b)) for a, b in zip(p, q, strict=True))
+
+
+def _gathered(p: Placements, q: Placements) -> bool:
+    """Per mesh dim: the consumer wants the whole tensor (or a replicated one as Partial)."""
+    return all(_is_r(b) or (_is_r(a) and _is_p(b)) for a, b in zip(p, q, strict=True))
+
+
+def shard_dim0(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: Iterable[int]
+) -> Placements:
+    """``S(0)`` on each mesh dim of ``dims`` (in order) while the devices divide ``shape[0]``.
+
+    ``R`` on every other mesh dim, and on all of them for a 0-d tensor.
+    """
+    out: list[Placement] = [Replicate()] * len(mesh_shape)
+    if not shape:
+        return tuple(out)
+    div = 1
+    for d in dims:
+        if shape[0] % (div * mesh_shape[d]) == 0:
+            div *= mesh_shape[d]
+            out[d] = Shard(0)
+    return tuple(out)
+
+
+def _kind(sg: StrategyGraph, rep: str) -> str:
+    info = sg.graph.nodes.get(rep)
+    return info.kind if info is not None else "output"
+
+
+def _out(sg: StrategyGraph, rep: str, i: int) -> Placements:
+    return sg.nodes[rep].strategies[i].outputs[0]
+
+
+def _pin_placeholder(
+    r: Restriction, sg: StrategyGraph, rep: str, want: Placements, kind: str
+) -> None:
+    if not r.allow(sg, rep, lambda i: _out(sg, rep, i) == want, kind):
+        info = sg.graph.nodes[rep]
+        have = ", ".join(_short(_out(sg, rep, i)) for i in range(len(sg.nodes[rep].strategies)))
+        r.notes.append(
+            f"{info.kind} {info.fqn} {info.results[0].shape}: {_short(want)} is not among its "
+            f"placements ({have}); left to the ILP"
+        )
+
+
+def _short(ps: Placements) -> str:
+    return short(ps)
+
+
+def _restrict_param_uses(r: Restriction, sg: StrategyGraph, use: Callable) -> None:
+    params = {rep for rep in sg.reps if _kind(sg, rep) == "param"}
+    for i, e in enumerate(sg.edges):
+        if e.src in params:
+            r.forbid(i, e, lambda p, q: not use(p, q))
+
+
+def _placeholders(sg: StrategyGraph, kind: str) -> list[str]:
+    return [rep for rep in sg.reps if _kind(sg, rep) == kind]
+
+
+# --- the families ----------------------------------------------------------------------
+
+
+def _replicate(sg: StrategyGraph, mesh: MeshSpec) -> Restriction:
+    r = Restriction()
+    missing = 0
+    for rep in sg.reps:
+        strategies = sg.nodes[rep].strategies
+
+        def all_r(i: int, strategies=strategies) -> bool:
+            s = strategies[i]
+            tensors = [p for p in s.outputs if p is not None] + list(s.inputs)
+            return all(_is_r(x) for ps in tensors for x in ps)
+
+        if not r.allow(sg, rep, all_r, "all_replicate"):
+            missing += 1
+    if missing:
+        r.notes.append(f"{missing} nodes have no all-Replicate strategy; left to the ILP")
+    return r
+
+
+def _data_parallel(sg: StrategyGraph, mesh: MeshSpec, fsdp: bool) -> Restriction:
+    r = Restriction()
+    dims = range(mesh.ndim)
+    for rep in _placeholders(sg, "input"):
+        shape = sg.graph.nodes[rep].results[0].shape
+        _pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dims), "inputs")
+    for rep in _placeholders(sg, "param"):
+        shape = sg.graph.nodes[rep].results[0].shape
+        want = shard_dim0(shape, mesh.shape, dims) if fsdp else (Replicate(),) * mesh.ndim
+        _pin_placeholder(r, sg, rep, want, "parameters")
+    _restrict_param_uses(r, sg, _gathered if fsdp else _used_as_stored)
+    return r
+
+
+# --- tensor parallelism: roles from the graph's structure ------------------------------
+
+# ops that only move or relabel elements (no reduction across a dim they keep)
+_LAYOUT_OPS = {
+    "detach",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "clone",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+    "_to_copy",
+    "contiguous",
+    "slice",
+    "select",
+    "cat",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+}
+# ops a tensor-parallel region may contain besides pointwise and layout ops (attention)
+_REGION_OPS = {
+    "_softmax",
+    "_safe_softmax",
+    "softmax",
+    "_softmax_backward_data",
+    "bmm",
+    "baddbmm",
+    "mm",
+    "addmm",
+    "matmul",
+}
+_WEIGHT_CHAIN_OPS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "clone",
+    "alias",
+    "_to_copy",
+    "contiguous",
+    "unsqueeze",
+    "squeeze",
+}
+_PARAM_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    if node.target is operator.getitem:
+        return "getitem"
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None)
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+@dataclass
+class TensorParallel:
+    """Matmul roles found from the graph.
+
+    ``roles``: matmul node -> ``"column"`` or ``"row"``. ``weight``: matmul node ->
+    ``(activation operand index, weight operand index, weight is the right operand)``,
+    indices into the node's tensor arguments. ``pairs``: ``(columns, row)`` in graph order;
+    a standalone column has row ``None``. ``region``: nodes inside the tensor-parallel
+    regions (strictly between a pair's columns and row, or after a standalone column).
+    """
+
+    roles: dict[str, str] = field(default_factory=dict)
+    weight: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    pairs: list[tuple[tuple[str, ...], str | None]] = field(default_factory=list)
+    region: dict[tuple[tuple[str, ...], str | None], set[str]] = field(default_factory=dict)
+
+
+def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
+    """Megatron's column/row pairs, from the graph's structure only.
+
+    A *parameter matmul* is an ``mm``/``addmm`` one of whose operands is a parameter
+    reached through layout ops only (``t``, ``view``, ``permute``, ...). Walking back from
+    a parameter matmul's activation operand through pointwise ops, layout ops, softmax and
+    activation-by-activation matmuls (``bmm``: attention), if every path ends at parameter
+    matmuls (the *columns*), or at parameters, buffers and nodes computed from them alone
+    (biases, masks, rotary tables), the matmul is the *row* of those columns. Any other op
+    on the way (a norm, an embedding, a reduction, a graph input) means it is not. Rows
+    are taken in graph order; a matmul already a row cannot be a column (three linears
+    in a row give one pair and one unpaired). A parameter matmul left over whose output
+    reaches the graph's output through such ops only is a standalone column (an LM head).
+    Only forward matmuls get roles: in a training graph each backward matmul reads a
+    weight whose placement the forward role fixed, which makes it column- or row-like.
+    """
+    graph = sg.graph
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    tp = TensorParallel()
+
+    purely_free: dict[str, bool] = {}
+
+    def is_leaf(n: torch.fx.Node) -> bool:
+        """A parameter, a buffer, or a node computed from those and factory ops alone."""
+        if n.name in purely_free:
+            return purely_free[n.name]
+        info = graph.nodes.get(n.name)
+        if n.op == "placeholder":
+            ok = info is not None and info.kind in ("param", "buffer")
+        elif n.op == "call_function":
+            ok = n.name in sg.free and all(is_leaf(a) for a in n.all_input_nodes)
+        else:
+            ok = False
+        purely_free[n.name] = ok
+        return ok
+
+    def param_chain(n: torch.fx.Node) -> bool:
+        while n.op == "call_function" and _op_name(n) in _WEIGHT_CHAIN_OPS:
+            if len(n.all_input_nodes) != 1:
+                return False
+            n = n.all_input_nodes[0]
+        info = graph.nodes.get(n.name)
+        return n.op == "placeholder" and info is not None and info.kind == "param"
+
+    for n in graph.graph_module.graph.nodes:
+        if n.op != "call_function" or n.target not in _PARAM_MATMULS or n.name not in sg.nodes:
+            continue
+        if getattr(graph.nodes[n.name], "backward", False):
+            continue  # backward matmuls follow from the weights' placements
+        a_idx, b_idx = _PARAM_MATMULS[n.target]
+        args = [fx_nodes[a] for a in graph.nodes[n.name].arg_nodes]
+        if len(args) <= b_idx:
+            continue
+        pa, pb = param_chain(args[a_idx]), param_chain(args[b_idx])
+        if pa != pb:
+            tp.weight[n.name] = (a_idx, b_idx, True) if pb else (b_idx, a_idx, False)
+
+    def transparent(n: torch.fx.Node) -> bool:
+        name = _op_name(n)
+        return (
+            _pointwise(n)
+            or name in _LAYOUT_OPS
+            or name == "getitem"
+            or (name in _REGION_OPS and n.name not in tp.weight)
+        )
+
+    def walk_back(start: torch.fx.Node) -> tuple[set[str], set[str]] | None:
+        columns: set[str] = set()
+        region: set[str] = set()
+        stack, seen = [start], set()
+        while stack:
+            n = stack.pop()
+            if n.name in seen:
+                continue
+            seen.add(n.name)
+            if is_leaf(n):
+                continue
+            if n.op != "call_function":
+                return None
+            if n.name in tp.weight:
+                if tp.roles.get(n.name) == "row":
+                    return None
+                columns.add(n.name)
+                continue
+            if not transparent(n):
+                return None
+            region.add(n.name)
+            stack.extend(n.all_input_nodes)
+        return (columns, region) if columns else None
+
+    users: dict[str, list[torch.fx.Node]] = {}
+    for n in graph.graph_module.graph.nodes:
+        for a in n.all_input_nodes:
+            users.setdefault(a.name, []).append(n)
+
+    def walk_forward(start: torch.fx.Node) -> set[str] | None:
+        region: set[str] = set()
+        stack, seen = list(users.get(start.name, [])), set()
+        reached_output = False
+        while stack:
+            n = stack.pop()
+            if n.name in seen:
+                continue
+            seen.add(n.name)
+            if n.op == "output":
+                reached_output = True
+                continue
+            if n.op != "call_function" or n.name in tp.weight or not transparent(n):
+                if _op_name(n) == "_assert_tensor_metadata":
+                    continue
+                return None
+            region.add(n.name)
+            stack.extend(users.get(n.name, []))
+        return region if reached_output else None
+
+    for name, (x_idx, _, _) in tp.weight.items():
+        if name in tp.roles:
+            continue
+        found = walk_back(fx_nodes[graph.nodes[name].arg_nodes[x_idx]])
+        if found is None:
+            continue
+        columns, region = found
+        if any(tp.roles.get(c) == "row" for c in columns):
+            continue
+        for c in columns:
+            tp.roles[c] = "column"
+        tp.roles[name] = "row"
+        key = (tuple(sorted(columns)), name)
+        tp.pairs.append(key)
+        tp.region[key] = region
+    for name in tp.weight:
+        if name in tp.roles:
+            continue
+        region = walk_forward(fx_nodes[name])
+        if region is not None:
+            tp.roles[name] = "column"
+            key = ((name,), None)
+            tp.pairs.append(key)
+            tp.region[key] = region
+    return tp
+
+
+def _role_ok(role: str, weight: tuple[int, int, bool], tp_dim: int) -> Callable[[Any], bool]:
+    """Whether a matmul strategy plays ``role`` on mesh dim ``tp_dim``."""
+    x_idx, w_idx, w_right = weight
+    # operands of mm as (left, right); the output is (rows of left, cols of right)
+    left, right = (x_idx, w_idx) if w_right else (w_idx, x_idx)
+
+    def ok(s) -> bool:
+        a, b, o = s.inputs[left][tp_dim], s.inputs[right][tp_dim], s.outputs[0][tp_dim]
+        if role == "row":
+            return _is_s(a, 1) and _is_s(b, 0) and _is_p(o)
+        if w_right:  # column: shard W's output features (right operand's dim 1)
+            return _is_r(a) and _is_s(b, 1) and _is_s(o, 1)
+        return _is_s(a, 0) and _is_r(b) and _is_s(o, 0)
+
+    return ok
+
+
+def _megatron(
+    sg: StrategyGraph, mesh: MeshSpec, sequence_parallel: bool, pin_outside: bool = True
+) -> tuple[Restriction, dict]:
+    r = Restriction()
+    ndim = mesh.ndim
+    t = ndim - 1
+    dp = range(ndim - 1)
+    tp = find_tensor_parallel(sg)
+    # training graphs: the backward pass is not pinned (its matmuls follow the weights'
+    # placements, its activation gradients are placed by propagation)
+    backward = {
+        rep
+        for rep in sg.reps
+        if rep in sg.graph.nodes and getattr(sg.graph.nodes[rep], "backward", False)
+    }
+    param_uses: dict[str, set[str]] = {}
+    for e in sg.edges:
+        if _kind(sg, e.src) == "param" and e.dst not in backward:
+            param_uses.setdefault(e.src, set()).add(e.dst)
+    undivided: list[str] = []
+    shared_weights: list[str] = []
+
+    def members_of(key) -> list[str]:
+        return list(key[0]) + ([key[1]] if key[1] is not None else [])
+
+    def inside_of(key) -> set[str]:
+        """Representatives of a group's matmuls and region (repeated layers may share them)."""
+        nodes = members_of(key) + [n for n in tp.region[key] if n in sg.nodes]
+        return {sg.nodes[n].rep for n in nodes}
+
+    def role_ok(m: str) -> Callable[[int], bool]:
+        """Whether ``m`` plays its role when its representative takes strategy ``i``."""
+        ns, check = sg.nodes[m], _role_ok(tp.roles[m], tp.weight[m], t)
+        return lambda i: check(ns.strategies[ns.choice[i]])
+
+    # 1. groups whose matmuls have the role's strategy (the shapes divide)
+    groups = []
+    for key in tp.pairs:
+        members = members_of(key)
+        if all(
+            any(role_ok(m)(i) for i in range(len(sg.nodes[sg.nodes[m].rep].strategies)))
+            for m in members
+        ):
+            groups.append(key)
+            continue
+        undivided.append(" ".join(f"{m}{list(sg.graph.nodes[m].args[-1].shape)}" for m in members))
+    # 2. drop groups whose weights are also read outside every group (e.g. an LM head tied
+    # to the embedding: one placement cannot serve both), until none is left to drop
+    while True:
+        covered = set().union(*(inside_of(k) for k in groups))
+        bad = []
+        for key in groups:
+            members = {sg.nodes[m].rep for m in members_of(key)}
+            shared = sorted(
+                sg.graph.nodes[p].fqn or p
+                for p, uses in param_uses.items()
+                if uses & members and not uses <= covered
+            )
+            if shared:
+                bad.append(key)
+                shared_weights.extend(shared)
+        if not bad:
+            break
+        groups = [k for k in groups if k not in bad]
+    if undivided:
+        r.notes.append(
+            f"{len(undivided)} tensor-parallel matmul groups left to propagation: the shapes "
+            f"do not divide by {mesh.shape[t]} on mesh dim {t} (e.g. "
+            + "; ".join(undivided[:2])
+            + ")"
+        )
+    if shared_weights:
+        r.notes.append(
+            f"{len(shared_weights)} weights also read outside the tensor-parallel regions "
+            f"(tied?) left replicated on mesh dim {t}: "
+            + ", ".join(shared_weights[:3])
+            + (", ..." if len(shared_weights) > 3 else "")
+        )
+    # 3. pin the roles (on the representatives: a repeated layer follows its first)
+    roles: dict[str, str] = {}
+    region_reps: set[str] = set()
+    head_reps: set[str] = set()  # standalone columns and the ops after them
+    for key in groups:
+        for m in members_of(key):
+            if not r.allow(sg, sg.nodes[m].rep, role_ok(m), "matmuls"):
+                r.notes.append(f"{m}: its role conflicts with a repeated layer's; not pinned")
+                continue
+            roles[m] = tp.roles[m]
+        region_reps |= inside_of(key)
+        if key[1] is None:
+            head_reps |= inside_of(key)
+
+    for rep in _placeholders(sg, "input"):
+        shape = sg.graph.nodes[rep].results[0].shape
+        _pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dp), "inputs")
+
+    # parameters: R on the DP dims; on the TP dim R unless they feed a tensor-parallel matmul
+    role_reps = {sg.nodes[m].rep for m in roles}
+    feeds_role: set[str] = {e.src for e in sg.edges if e.dst in role_reps}
+    for rep in _placeholders(sg, "param"):
+
+        def param_ok(i: int, rep=rep) -> bool:
+            ps = _out(sg, rep, i)
+            return all(_is_r(ps[d]) for d in dp) and (rep in feeds_role or _is_r(ps[t]))
+
+        r.allow(sg, rep, param_ok, "parameters")
+    _restrict_param_uses(r, sg, _used_as_stored)
+
+    # every other op: replicated on the TP dim (megatron) or sharded on it (sequence parallel)
+    # Graph outputs count as outside ops (what the model returns is replicated, or sequence
+    # sharded, on the TP dim) unless a tensor-parallel region feeds them: a vocab-parallel
+    # LM head returns its logits sharded, as Megatron's gather_output=False.
+    region_reps.update(
+        e.dst for e in sg.edges if e.src in head_reps and _kind(sg, e.dst) == "output"
+    )
+    outside = [
+        rep
+        for rep in sg.reps
+        if _kind(sg, rep) in ("op", "output") and rep not in region_reps and rep not in backward
+    ]
+    if not pin_outside:
+        outside = []
+        r.notes.append(
+            "pinning the ops outside the tensor-parallel regions to the TP dim left no plan; "
+            "they were left to the ILP"
+        )
+    unpinned = 0
+    for rep in outside:
+        ns = sg.nodes[rep]
+
+        def tensors(i: int, ns=ns) -> list[Placements]:
+            s = ns.strategies[i]
+            return [p for p in s.outputs if p is not None] or list(s.inputs)
+
+        def rep_on_tp(i: int) -> bool:
+            return all(_is_r(p[t]) for p in tensors(i))
+
+        def shard_on_tp(i: int) -> bool:
+            return all(_is_s(p[t]) for p in tensors(i))
+
+        if sequence_parallel and r.allow(sg, rep, shard_on_tp, "sequence_parallel"):
+            continue
+        if not r.allow(sg, rep, rep_on_tp, "replicated_on_tp"):
+            unpinned += 1
+    if unpinned:
+        r.notes.append(
+            f"{unpinned} ops outside the tensor-parallel regions have no strategy "
+            "replicated on the TP dim; left to propagation"
+        )
+    if not roles:
+        r.notes.append(
+            "no column/row matmul pairs found: tensor parallel degenerates to "
+            "replicated compute on the TP dim"
+        )
+    return r, roles
+
+
+# --- entry points ----------------------------------------------------------------------
+
+
+def _restriction(
+    sg: StrategyGraph, name: str, mesh: MeshSpec, relax: bool = False
+) -> tuple[Restriction, dict]:
+    if tuple(sg.mesh_shape) != tuple(mesh.shape):
+        raise AutoshardError(
+            f"the strategies were built for mesh {'x'.join(map(str, sg.mesh_shape))} but the "
+            f"mesh is {mesh.shape_str}"
+        )
+    if name == "replicate":
+        return _replicate(sg, mesh), {}
+    if name == "ddp":
+        return _data_parallel(sg, mesh, fsdp=False), {}
+    if name == "fsdp":
+        return _data_parallel(sg, mesh, fsdp=True), {}
+    if name == "megatron":
+        return _megatron(sg, mesh, sequence_parallel=False, pin_outside=not relax)
+    if name == "megatron_sp":
+        return _megatron(sg, mesh, sequence_parallel=True, pin_outside=not relax)
+    raise AutoshardError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
+
+
+def propagate(sg: StrategyGraph) -> dict[str, int]:
+    """DTensor-style propagation: each representative, in graph order, its cheapest strategy.
+
+    As DTensor's sharding propagation does, a node takes the strategy that needs the least
+    resharding (seconds) of the inputs whose producers have already chosen; among equals,
+    the least compute; then the earliest. Edges from later nodes (a gradient into its
+    parameter) are not looked ahead to. A source (parameter or input) left with several
+    strategies by the pins is decided by its first consumer: the pair of their strategies
+    with the least resharding.
+
+    Raises:
+        AutoshardError: some node has no strategy its inputs can be resharded into
+            (e.g. every allowed strategy wants a ``Partial`` input that is not produced).
+    """
+    into: dict[str, list[Edge]] = {}
+    for e in sg.edges:
+        into.setdefault(e.dst, []).append(e)
+    order = {r: i for i, r in enumerate(sg.reps)}
+    # sources: read nothing earlier (a parameter's only inputs are its gradient, later on)
+    lazy = {
+        r
+        for r in sg.reps
+        if len(sg.nodes[r].strategies) > 1 and all(order[e.src] > order[r] for e in into.get(r, []))
+    }
+    choice: dict[str, int] = {}
+    for rep in sg.reps:
+        if rep in lazy:
+            continue
+        compute = sg.rep_cost(rep).astype(float)
+        reshard = np.zeros_like(compute)
+        open_sources = []
+        for e in into.get(rep, []):
+            if e.src == rep:  # repeated layers tied to one variable: an edge into itself
+                reshard = reshard + e.cost[e.src_groups, e.dst_groups]
+            elif e.src in choice:
+                reshard = reshard + e.cost[e.src_groups[choice[e.src]], e.dst_groups]
+            elif e.src in lazy:
+                # cost[i, j] over the source's strategies i and ours j: best i for each j
+                pair = e.cost[e.src_groups][:, e.dst_groups]
+                reshard = reshard + pair.min(axis=0)
+                open_sources.append((e.src, pair))
+        least = reshard.min()
+        if not np.isfinite(least):
+            raise AutoshardError(f"no strategy of {rep} accepts its inputs' placements")
+        near = np.isclose(reshard, least, rtol=1e-9, atol=1e-15)
+        j = int(np.argmin(np.where(near, compute, np.inf)))
+        choice[rep] = j
+        for src, pair in open_sources:
+            if src not in choice:  # the first consumer decides
+                choice[src] = int(np.argmin(pair[:, j]))
+    for rep in lazy:
+        choice.setdefault(rep, 0)
+    return choice
+
+
+METHODS = ("propagate", "ilp")
+
+
+def run_baseline(
+    sg: StrategyGraph,
+    name: str,
+    mesh: MeshSpec,
+    options: SolverOptions | None = None,
+    memory: tuple[np.ndarray, float] | None = None,
+    method: str = "propagate",
+) -> BaselineResult:
+    """Baseline ``name`` on ``sg``: its pins, then :func:`propagate` (or the restricted ILP).
+
+    Args:
+        sg: the strategy graph (the same one the ILP solves).
+        name: one of :data:`BASELINES`.
+        mesh: the mesh ``sg`` was built for (its last dim is the TP dim).
+        options: the ILP's time limit and gap (``method="ilp"``, or the fallback).
+        memory: optional ``(bytes per strategy over the full graph's x, budget bytes)``;
+            only ``method="ilp"`` honours it.
+        method: ``propagate`` (DTensor's rule, the default) or ``ilp`` (the best plan of
+            the family). When propagation meets a node its inputs cannot reach, the
+            restricted ILP decides instead (and a note says so).
+
+    Raises:
+        AutoshardError: an unknown name or method, a mesh that is not ``sg``'s, or no plan
+            of the family satisfies the constraints (the message names the family).
+    """
+    if method not in METHODS:
+        raise AutoshardError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    t0 = time.perf_counter()
+    r, roles = _restriction(sg, name, mesh)
+    sub = restrict(sg, r)
+    result = None
+    if method == "propagate":
+        try:
+            sub_choice = propagate(sub)
+        except AutoshardError as exc:
+            r.notes.append(f"propagation stopped ({exc}); the restricted ILP decided instead")
+            method = "ilp"
+    if method == "ilp":
+        try:
+            result = solve(sub, options, restrict_memory(sg, r, memory))
+        except AutoshardError as exc:
+            if not name.startswith("megatron"):
+                raise AutoshardError(f"baseline {name}: {exc}") from exc
+            # the TP-dim pins of the ops between regions conflict: relax them
+            r, roles = _restriction(sg, name, mesh, relax=True)
+            sub = restrict(sg, r)
+            try:
+                result = solve(sub, options, restrict_memory(sg, r, memory))
+            except AutoshardError as exc2:
+                raise AutoshardError(f"baseline {name}: {exc2}") from exc2
+        sub_choice = result.choice
+    choice = unrestrict_choice(r, sub_choice)
+    cost = evaluate(sg, choice)
+    if not math.isclose(cost, evaluate(sub, sub_choice), rel_tol=1e-9, abs_tol=1e-15):
+        raise AssertionError(f"baseline {name}: restricted and full costs differ")  # a bug
+    return BaselineResult(
+        name, choice, cost, method, result, time.perf_counter() - t0, r.notes, roles, r.pinned
+    )
+
+
+# the hand-written plans the ILP starts from (replicate is never better than ddp's split)
+START_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "megatron", "megatron_sp")
+
+
+def hand_plan_starts(
+    sg: StrategyGraph, mesh: MeshSpec
+) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """The choice of every hand-written family in :data:`START_FAMILIES` on ``sg`` (DTensor
+    propagation from the family's pins), for :func:`autoshard.solver.ilp.solve`'s ``starts``;
+    and one note per family that has no plan on this graph (its error)."""
+    starts: dict[str, dict[str, int]] = {}
+    notes: list[str] = []
+    for name in START_FAMILIES:
+        try:
+            starts[name] = run_baseline(sg, name, mesh).choice
+        except AutoshardError as exc:  # the family cannot place this graph: say why
+            notes.append(f"{name}: {exc}")
+    return starts, notes
+
+
+def baseline_choice(sg: StrategyGraph, name: str, mesh: MeshSpec) -> dict[str, int]:
+    """A strategy index for every representative of ``sg``: the best plan of baseline ``name``.
+
+    See the module docstring for each family. The result is a point of the ILP's search
+    space; price it with :func:`autoshard.solver.ilp.evaluate`, expand it with
+    :func:`autoshard.plan.plan.build_plan`.
+
+    Raises:
+        AutoshardError: an unknown name (the message lists the names), or see
+            :func:`run_baseline`.
+    """
+    return run_baseline(sg, name, mesh).choice
+
+
+def plan_for_algo(
+    sg: StrategyGraph,
+    algo: str,
+    mesh: MeshSpec,
+    solver_options: SolverOptions | None = None,
+    memory: tuple[np.ndarray, float] | None = None,
+    finish: Callable[[StrategyGraph, dict[str, int], str], Plan] | None = None,
+) -> tuple[Plan, dict[str, Any]]:
+    """The plan of ``algo`` (``ilp`` or a baseline) on ``sg``, and its solver statistics.
+
+    What ``autoshard solve --algo`` exports. ``memory``: the ILP's budget row (the ILP
+    honours it; a baseline is what it is, and its plan says whether it fits). ``finish``:
+    ``(sg, choice, name) -> Plan`` (e.g. :func:`autoshard.solver.solve.finish_plan` with the
+    training memory kinds); default :func:`~autoshard.plan.plan.build_plan`. The statistics are
+    plain builtins: the ILP's (status, objective, gap, sizes, seconds), plus for a
+    baseline ``method``, ``notes``, ``roles`` and ``pinned``.
+
+    Raises:
+        AutoshardError: an unknown ``algo`` (the message lists them), or an infeasible ILP.
+    """
+    if finish is None:
+
+        def finish(sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
+            return build_plan(sg, choice, mesh, name=name)
+
+    if algo == "ilp":
+        starts, _ = hand_plan_starts(sg, mesh)
+        result = solve(sg, solver_options, memory, starts)
+        stats = asdict(result)
+        stats.pop("choice")
+        stats["algo"] = "ilp"
+        return finish(sg, result.choice, "ilp"), stats
+    if algo not in BASELINES:
+        raise AutoshardError(f"unknown --algo {algo!r}; choose one of {', '.join(ALGOS)}")
+    b = run_baseline(sg, algo, mesh, solver_options)
+    return finish(sg, b.choice, algo), b.solver_stats()

@@ -1,0 +1,719 @@
+"""The sharding ILP: one strategy per node, cheapest total time, built vectorised.
+
+Mathematics (the method that builds each part is named in brackets):
+
+* For every representative node ``v`` with strategies ``1..k_v`` a boolean vector
+  ``s_v``; all of them are concatenated into ONE boolean vector ``x``
+  [``_node_blocks``]. Each node picks exactly one strategy:
+  ``sum(s_v) = 1`` [``_one_strategy_rows``].
+* For every edge ``(u -> v)`` (a tensor ``u`` produces and ``v`` reads) the
+  strategies of ``u`` are grouped by the placement they *produce* (``a = 1..P``)
+  and those of ``v`` by the placement they *want* (``b = 1..Q``). A nonnegative
+  matrix ``e_uv`` (``P x Q``, concatenated into one vector ``y``) with
+  row sums ``sum_b e_uv[a, b] = sum_{i: group(i) = a} s_u[i]`` and column sums
+  ``sum_a e_uv[a, b] = sum_{j: group(j) = b} s_v[j]`` [``_edge_rows``]. Once ``x`` is
+  integral exactly one entry of ``e_uv`` is 1, so ``y`` needs no integrality; this
+  transportation form is tighter than MASE's three-inequality linearisation of
+  ``s_u[i] * s_v[j]`` and, grouping by placement, much smaller than the
+  ``k_u x k_v`` strategy pairs. Pairs that cannot be resharded (anything into
+  ``Partial``) get no variable at all.
+* Optional memory budget: ``m . x <= budget`` with ``m`` the bytes a strategy
+  keeps on one device (:func:`autoshard.cost.memory.memory_rows`); when infeasible, the
+  least ``m . x`` any plan reaches is reported [``_least_memory``].
+* Minimise ``c . x + r . y - sum(z)``: ``c`` the compute seconds of each strategy
+  (roofline of its local shard, plus every node merged into it, plus the AdamW step of
+  a parameter's shard), ``r`` the resharding seconds of each (produced, wanted) pair
+  (alpha-beta ring model in sequence, gradients bucketed, :mod:`autoshard.cost.mesh`).
+* Overlap [``_overlap_rows``]: ``z >= 0`` the seconds of gradient reductions and
+  parameter gathers hidden under compute, bounded by each edge's communication, by its
+  share of the compute that can hide it, and by that compute in total
+  (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
+
+Solved with cvxpy + HiGHS (``mip_rel_gap``, ``time_limit``). A hit time limit
+returns the incumbent with its gap; no incumbent or infeasibility raises
+:class:`~autoshard.errors.AutoshardError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import cvxpy as cp
+import numpy as np
+import scipy.sparse as sp
+
+from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
+from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.plan.plan import local_bytes
+from autoshard.solver.options import SolverOptions
+from autoshard.strategies.graph import StrategyGraph
+from autoshard.units import format_bytes
+
+SCALE = 1e6  # the ILP's objective is in microseconds
+
+
+@dataclass
+class ILPResult:
+    """The chosen strategy per representative node and the solver's report.
+
+    ``choice``: representative name -> chosen strategy index. ``objective_s``: the
+    ILP objective (s). ``gap``: relative MIP gap of the returned plan (0 when proven
+    optimal). ``status``: ``optimal``, ``within_gap`` or ``time_limit``. ``start``: the
+    name of the hand-written plan given as the search's incumbent (see :func:`solve`);
+    ``choice`` is that plan itself when the search found nothing better.
+    """
+
+    choice: dict[str, int]
+    objective_s: float
+    status: str
+    gap: float
+    num_variables: int
+    num_constraints: int
+    build_seconds: float
+    solve_seconds: float
+    bound_s: float | None = None
+    start: str | None = None  # the hand-written plan the search started from
+    start_objective_s: float | None = None  # its objective (s)
+
+
+@dataclass
+class _Problem:
+    reps: list[str]
+    offsets: dict[str, int]
+    n_x: int
+    n_y: int
+    c: np.ndarray
+    r: np.ndarray
+    A: sp.csr_matrix
+    b: np.ndarray
+    edge_offsets: list[int]
+    keep: list[np.ndarray]
+    overlap: _OverlapRows | None = None
+
+
+@dataclass(frozen=True)
+class _OverlapRows:
+    """The savings part of the ILP (:mod:`autoshard.cost.overlap`): ``K`` overlappable edges."""
+
+    comm: sp.csr_matrix  # (K, n_y): row e holds edge e's resharding seconds over its y block
+    share: np.ndarray  # (K,) f_e
+    gradient: np.ndarray  # (K,) bool: a gradient reduction (else a parameter gather)
+    c_all: np.ndarray  # (n_x,) compute seconds per strategy
+    c_bwd: np.ndarray  # (n_x,) backward compute seconds per strategy
+
+
+def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps):
+    """[``_overlap_rows``] the savings constraints' data, or None when nothing can hide."""
+    idx = overlappable(sg)
+    if not idx:
+        return None
+    rows, cols, data = [], [], []
+    for k, i in enumerate(idx):
+        start, n = edge_offsets[i], len(keeps[i])
+        rows.append(np.full(n, k))
+        cols.append(np.arange(start, start + n))
+        data.append(r[start : start + n])
+    comm = sp.csr_matrix(
+        (np.concatenate(data), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(len(idx), len(r)),
+    )
+    vectors = compute_vectors(sg)
+    c_all, c_bwd = np.zeros(n_x), np.zeros(n_x)
+    for rep in reps:
+        a, b = vectors[rep]
+        c_all[offsets[rep] : offsets[rep] + len(a)] = a
+        c_bwd[offsets[rep] : offsets[rep] + len(b)] = b
+    return _OverlapRows(
+        comm,
+        np.array([sg.edges[i].hide_share for i in idx]),
+        np.array([sg.edges[i].overlap == GRADIENT for i in idx]),
+        c_all,
+        c_bwd,
+    )
+
+
+def _node_blocks(sg: StrategyGraph) -> tuple[list[str], dict[str, int], np.ndarray]:
+    reps = sg.reps
+    offsets, pos = {}, 0
+    for r in reps:
+        offsets[r] = pos
+        pos += len(sg.nodes[r].strategies)
+    c = np.concatenate([sg.rep_cost(r) for r in reps]) if reps else np.zeros(0)
+    return reps, offsets, c
+
+
+def _choice(sg: StrategyGraph, prob: _Problem, xv: np.ndarray) -> dict[str, int]:
+    """Each representative's strategy: the largest entry of its block of ``x``."""
+    return {
+        r: int(np.argmax(xv[prob.offsets[r] : prob.offsets[r] + len(sg.nodes[r].strategies)]))
+        for r in prob.reps
+    }
+
+
+def _one_strategy_rows(reps, offsets, sg, n_x) -> sp.csr_matrix:
+    rows, cols = [], []
+    for i, r in enumerate(reps):
+        k = len(sg.nodes[r].strategies)
+        rows.append(np.full(k, i))
+        cols.append(np.arange(offsets[r], offsets[r] + k))
+    if not rows:
+        return sp.csr_matrix((0, n_x))
+    return sp.csr_matrix(
+        (np.ones(sum(len(x) for x in rows)), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(len(reps), n_x),
+    )
+
+
+def _edge_rows(sg, offsets, n_x) -> tuple[sp.csr_matrix, np.ndarray, list[int], list[np.ndarray]]:
+    """Row- and column-sum constraints of every edge, over ``[x; y]``."""
+    data, rows, cols = [], [], []
+    r_costs, edge_offsets, keeps = [], [], []
+    row = 0
+    y_pos = 0
+    for e in sg.edges:
+        P, Q = e.cost.shape
+        keep = np.isfinite(e.cost).ravel()
+        idx = np.flatnonzero(keep)
+        a_of, b_of = idx // Q, idx % Q
+        ycols = n_x + y_pos + np.arange(len(idx))
+        # row sums: sum_b e[a, b] - sum_{i in group a} s_u[i] = 0
+        rows.append(row + a_of)
+        cols.append(ycols)
+        data.append(np.ones(len(idx)))
+        rows.append(row + e.src_groups)
+        cols.append(offsets[e.src] + np.arange(len(e.src_groups)))
+        data.append(-np.ones(len(e.src_groups)))
+        row += P
+        # column sums: sum_a e[a, b] - sum_{j in group b} s_v[j] = 0
+        rows.append(row + b_of)
+        cols.append(ycols)
+        data.append(np.ones(len(idx)))
+        rows.append(row + e.dst_groups)
+        cols.append(offsets[e.dst] + np.arange(len(e.dst_groups)))
+        data.append(-np.ones(len(e.dst_groups)))
+        row += Q
+        r_costs.append(e.cost.ravel()[idx])
+        edge_offsets.append(y_pos)
+        keeps.append(idx)
+        y_pos += len(idx)
+    n_y = y_pos
+    if not rows:
+        return sp.csr_matrix((0, n_x)), np.zeros(0), [], []
+    A = sp.csr_matrix(
+        (np.concatenate(data), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(row, n_x + n_y),
+    )
+    return A, np.concatenate(r_costs), edge_offsets, keeps
+
+
+def build_problem(sg: StrategyGraph) -> _Problem:
+    """Assemble the sparse equality system and cost vectors (no cvxpy yet)."""
+    reps, offsets, c = _node_blocks(sg)
+    n_x = len(c)
+    A_edges, r, edge_offsets, keeps = _edge_rows(sg, offsets, n_x)
+    n_y = len(r)
+    A_one = _one_strategy_rows(reps, offsets, sg, n_x)
+    A_one = sp.hstack([A_one, sp.csr_matrix((A_one.shape[0], n_y))], format="csr")
+    A = sp.vstack([A_one, A_edges], format="csr")
+    b = np.concatenate([np.ones(A_one.shape[0]), np.zeros(A_edges.shape[0])])
+    overlap = _overlap_rows(sg, reps, offsets, n_x, r, edge_offsets, keeps)
+    return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap)
+
+
+def _cvx_problem(
+    prob: _Problem,
+    boolean: bool = True,
+    memory: tuple[np.ndarray, float] | None = None,
+    fixed: np.ndarray | None = None,
+    memory_objective: np.ndarray | None = None,
+) -> tuple[cp.Problem, cp.Variable]:
+    """The cvxpy problem over ``[x; y]`` [``_node_blocks``, ``_edge_rows``], and ``x``.
+
+    ``boolean=False`` is the LP relaxation (``0 <= x <= 1``); ``memory`` adds the budget
+    row; ``fixed`` pins those entries of ``x`` to 1; ``memory_objective`` minimises bytes
+    instead of time. The time objective is in microseconds: HiGHS's absolute tolerances
+    (``mip_abs_gap`` 1e-6) would otherwise stop it a whole objective away from the optimum.
+    """
+    x = cp.Variable(prob.n_x, boolean=True) if boolean else cp.Variable(prob.n_x, nonneg=True)
+    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
+    z = cp.hstack([x, y]) if y is not None else x
+    constraints = [prob.A @ z == prob.b]
+    if not boolean:
+        constraints.append(x <= 1)
+    if fixed is not None and len(fixed):
+        constraints.append(x[fixed] == 1)
+    if memory is not None:
+        constraints.append(memory[0] @ x <= memory[1])
+    saved = 0
+    ov = prob.overlap
+    if ov is not None and y is not None:
+        # [_overlap_rows] savings z (microseconds, as the objective), the compute that can
+        # hide them as two scalars (one dense row each instead of one per edge)
+        z = cp.Variable(len(ov.share), nonneg=True)
+        c_all, c_bwd = cp.Variable(), cp.Variable()
+        grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
+        constraints += [
+            c_all == SCALE * ov.c_all @ x,
+            c_bwd == SCALE * ov.c_bwd @ x,
+            z <= SCALE * ov.comm @ y,
+            cp.sum(z) <= c_all,
+        ]
+        if len(grad):
+            constraints += [z[grad] <= ov.share[grad] * c_bwd, cp.sum(z[grad]) <= c_bwd]
+        if len(gather):
+            constraints.append(z[gather] <= ov.share[gather] * c_all)
+        saved = cp.sum(z)
+    if memory_objective is not None:
+        objective = memory_objective @ x
+    else:
+        objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0) - saved
+    return cp.Problem(cp.Minimize(objective), constraints), x
+
+
+def solve(
+    sg: StrategyGraph,
+    options: SolverOptions | None = None,
+    memory: tuple[np.ndarray, float] | None = None,
+    starts: dict[str, dict[str, int]] | None = None,
+) -> ILPResult:
+    """Solve the sharding ILP of ``sg``, never returning a plan above a given start.
+
+    ``starts``: named feasible points of the ILP (hand-written plans: DDP, FSDP,
+    Megatron, ...; a choice per representative); when some communication can hide under
+    compute, the optimum of the ILP without the overlap savings joins them (solved first,
+    within the same time limit). The cheapest that fits ``memory`` is the search's
+    incumbent: HiGHS's ``objective_bound`` cuts every branch that cannot beat
+    it, and it is the fallback. Whatever the time limit, the plan returned is at or below
+    every start that fits (``ILPResult.start`` names the one it started from). cvxpy
+    passes HiGHS no user-given MIP start (its ``warm_start`` reuses its own last
+    solution), so the start enters as the cut-off and the fallback.
+
+    Raises:
+        AutoshardError: as :func:`_search`, when no start fits either.
+    """
+    options = options or SolverOptions()
+    t0 = time.perf_counter()
+    starts = dict(starts or {})
+    plain: ILPResult | None = None
+    if overlappable(sg):
+        # The savings variables make the LP relaxation fractional and slow on large meshes
+        # (the Llama-7B shape on 8x8: no plan within 120 s, against 14 s without them).
+        # Solve without them first; that plan, priced with overlap, is one more start.
+        try:
+            plain = _search(replace(sg, overlap=False), options, memory, None)
+            starts[NO_OVERLAP_START] = plain.choice
+        except MemoryBudgetError:
+            raise
+        except AutoshardError:  # no plan in the time limit: the hand-written starts remain
+            pass
+        # the search with overlap, cut off at the best start, gets what is left of the time
+        # limit (capping it at twice the first search's time lost the Llama-7B shape's
+        # 2x4 plan: 257 ms kept instead of 193 ms found at 50 s)
+        left = options.time_limit_s - (time.perf_counter() - t0)
+        options = replace(options, time_limit_s=max(1.0, left))
+    start = _best_start(sg, starts, memory)
+    try:
+        result = _search(sg, options, memory, start)
+    except MemoryBudgetError:
+        raise  # no start fits either: _best_start checked the same budget
+    except AutoshardError:
+        if start is None:
+            raise
+        result = start  # the search found no plan in time: keep the start
+        if plain is not None:  # the problem's size and build time, from the first search
+            result = replace(
+                start,
+                num_variables=plain.num_variables,
+                num_constraints=plain.num_constraints,
+                build_seconds=plain.build_seconds,
+            )
+    if start is not None and result is not start and start.objective_s < result.objective_s:
+        # the search stopped above the start (a gap or a time limit): keep the start, with
+        # its gap to the search's bound
+        bound = result.bound_s
+        finite = bound is not None and math.isfinite(bound)
+        gap = max(0.0, 1 - bound / start.objective_s) if finite else math.nan
+        kept = "within_gap" if gap <= options.mip_gap else "time_limit"
+        result = replace(
+            result, choice=start.choice, objective_s=start.objective_s, gap=gap, status=kept
+        )
+    if start is not None:
+        result = replace(result, start=start.start, start_objective_s=start.objective_s)
+    # every phase's seconds (the search without overlap included) but the last build
+    return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
+
+
+# the name of the start solved without the overlap savings (see solve)
+NO_OVERLAP_START = "ILP without overlap"
+
+
+def _best_start(sg: StrategyGraph, starts: dict[str, dict[str, int]], memory) -> ILPResult | None:
+    """The cheapest of ``starts`` that fits the memory budget, as an ILP result."""
+    best: ILPResult | None = None
+    for name, choice in starts.items():
+        cost = evaluate(sg, choice)
+        if not math.isfinite(cost):
+            continue
+        if memory is not None:
+            m, budget = memory
+            prob_offsets = _offsets(sg)
+            used = sum(float(m[prob_offsets[r] + c]) for r, c in choice.items())
+            if used > budget * (1 + 1e-9):
+                continue
+        if best is None or cost < best.objective_s:
+            best = ILPResult(
+                choice=dict(choice),
+                objective_s=cost,
+                status="time_limit",
+                gap=math.nan,
+                num_variables=0,
+                num_constraints=0,
+                build_seconds=0.0,
+                solve_seconds=0.0,
+                start=name,
+            )
+    return best
+
+
+def _offsets(sg: StrategyGraph) -> dict[str, int]:
+    offsets, pos = {}, 0
+    for r in sg.reps:
+        offsets[r] = pos
+        pos += len(sg.nodes[r].strategies)
+    return offsets
+
+
+def _search(
+    sg: StrategyGraph,
+    options: SolverOptions | None = None,
+    memory: tuple[np.ndarray, float] | None = None,
+    start: ILPResult | None = None,
+) -> ILPResult:
+    """Search the sharding ILP of ``sg`` (``start``: an incumbent plan, or None).
+
+    First the LP relaxation: an integral LP solution is optimal; otherwise relax-and-fix
+    (the MIP over the nodes the LP left fractional) gives a plan, returned when it lies
+    within ``mip_gap`` of the LP bound. Otherwise the full MIP runs with that plan's
+    objective as HiGHS's ``objective_bound`` (it prunes every branch that cannot beat it),
+    and the better of the two plans is returned: a full MIP that finds nothing better
+    proves the relax-and-fix plan optimal, or runs out of time with it in hand.
+
+    Args:
+        sg: strategies, costs and edges.
+        options: time limit and MIP gap.
+        memory: optional ``(bytes per strategy over x, budget bytes)``.
+
+    Raises:
+        AutoshardError: infeasible (e.g. the memory budget), or no plan found
+            within the time limit.
+    """
+    options = options or SolverOptions()
+    t0 = time.perf_counter()
+    deadline = t0 + options.time_limit_s  # one budget for the LP, relax-and-fix and the MIP
+    prob = build_problem(sg)
+    incumbent: ILPResult | None = start
+    if options.lp_first:
+        found = _lp_first(sg, prob, options, memory, t0, deadline)
+        if found is not None and found.status != "incumbent":
+            return found
+        if found is not None and (incumbent is None or found.objective_s < incumbent.objective_s):
+            incumbent = found
+    problem, x = _cvx_problem(prob, memory=memory)
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    cutoff = {}
+    if incumbent is not None:
+        cutoff["objective_bound"] = incumbent.objective_s * SCALE * (1 + 1e-9)
+    try:
+        problem.solve(
+            solver=cp.HIGHS,
+            time_limit=_left(deadline),
+            mip_rel_gap=float(options.mip_gap),
+            mip_abs_gap=0.0,
+            **cutoff,
+        )
+    except cp.error.SolverError as exc:
+        if incumbent is not None:
+            return _finish_incumbent(
+                incumbent, None, proven=False, solve_s=time.perf_counter() - t1
+            )
+        raise AutoshardError(f"the ILP solver failed: {exc}") from exc
+    solve_s = time.perf_counter() - t1
+    status = problem.status
+    if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
+        if incumbent is not None:  # nothing beats the cutoff: the incumbent is optimal
+            return _finish_incumbent(incumbent, None, proven=True, solve_s=solve_s)
+        if memory is not None:
+            least = _least_memory(prob, memory[0], options)
+            raise MemoryBudgetError(
+                f"no plan fits the memory budget of {format_bytes(memory[1])} per device: the "
+                f"smallest any plan in the search space reaches is {format_bytes(least)}; "
+                "raise --memory-budget, use more devices, or a smaller --dtype",
+                least,
+            )
+        raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")
+    bound, gap = _bound_and_gap(problem)
+    bound = bound / SCALE if bound is not None else None
+    choice = _valid_choice(sg, prob, x.value)
+    objective = evaluate(sg, choice) if choice is not None else math.inf
+    if (
+        memory is not None
+        and choice is not None
+        and _memory(prob, memory[0], choice) > memory[1] * (1 + 1e-9)
+    ):
+        objective = math.inf  # a solution HiGHS left over its budget row (tolerances)
+    if not math.isfinite(objective) or (
+        incumbent is not None and objective >= incumbent.objective_s
+    ):
+        if incumbent is not None:  # the MIP ended optimal: nothing beats the incumbent
+            proven = status == cp.OPTIMAL and x.value is not None
+            return _finish_incumbent(incumbent, bound, proven=proven, solve_s=solve_s)
+        raise AutoshardError(
+            f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
+            f"(status {status}); raise --time-limit"
+        )
+    choice = prefer_smaller_shards(sg, choice)  # never breaks the budget
+    objective = evaluate(sg, choice)
+    status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
+    if status_text == "optimal" and gap is not None and gap > 1e-9:
+        status_text = "within_gap"
+    if status_text == "optimal" and gap is None:
+        gap = 0.0
+    return ILPResult(
+        choice=choice,
+        objective_s=objective,
+        status=status_text,
+        gap=float(gap) if gap is not None else math.nan,
+        num_variables=prob.n_x + prob.n_y,
+        num_constraints=prob.A.shape[0] + (1 if memory is not None else 0),
+        build_seconds=build_s,
+        solve_seconds=solve_s,
+        bound_s=bound,
+    )
+
+
+def _valid_choice(sg: StrategyGraph, prob: _Problem, xv: np.ndarray | None) -> dict | None:
+    """The choice an integral ``x`` encodes, or None when ``x`` is missing or not a plan
+    (HiGHS stopped by its time limit before any feasible point hands back zeros)."""
+    if xv is None:
+        return None
+    for r in prob.reps:
+        block = xv[prob.offsets[r] : prob.offsets[r] + len(sg.nodes[r].strategies)]
+        if abs(block.sum() - 1) > 1e-6 or block.max() < 1 - 1e-6:
+            return None
+    return _choice(sg, prob, xv)
+
+
+def _memory(prob: _Problem, m: np.ndarray, choice: dict[str, int]) -> float:
+    return float(sum(m[prob.offsets[r] + c] for r, c in choice.items()))
+
+
+def _finish_incumbent(
+    inc: ILPResult, mip_bound: float | None, proven: bool, solve_s: float
+) -> ILPResult:
+    """The relax-and-fix plan as the answer, with its gap to the best bound known.
+
+    ``proven``: the MIP cut off at the plan's objective ended (infeasible: nothing better
+    exists, gap 0; or optimal within its gap, whose bound then holds for the plan too).
+    Otherwise the MIP ran out of time without beating it: status ``time_limit``.
+    """
+    cost = inc.objective_s
+    bounds = [b for b in (inc.bound_s, mip_bound) if b is not None and math.isfinite(b)]
+    if proven and (mip_bound is None or not math.isfinite(mip_bound)):
+        bound = cost
+    elif bounds:
+        bound = max(bounds)
+    else:  # a start the search never bounded (the LP did not finish)
+        return replace(inc, status="time_limit", gap=math.nan, solve_seconds=solve_s)
+    gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
+    status = ("optimal" if gap <= 1e-9 else "within_gap") if proven else "time_limit"
+    return replace(
+        inc, status=status, gap=gap, bound_s=bound, solve_seconds=inc.solve_seconds + solve_s
+    )
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` for the next solver call (at least 1)."""
+    return max(1.0, deadline - time.perf_counter())
+
+
+def _lp_first(
+    sg, prob: _Problem, options: SolverOptions, memory, t0: float, deadline: float
+) -> ILPResult | None:
+    """The LP relaxation; its plan when integral, or rounded within ``mip_gap``.
+
+    Returns None when the LP fails, or a result whose status is ``incumbent`` when
+    relax-and-fix found a plan outside the gap (the full MIP may still beat it).
+    """
+    problem, x = _cvx_problem(prob, boolean=False, memory=memory)
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    try:
+        problem.solve(solver=cp.HIGHS, time_limit=_left(deadline))
+    except cp.error.SolverError:
+        return None
+    if problem.status != cp.OPTIMAL or x.value is None:
+        return None  # infeasible or odd: the MIP path reports it properly
+    xv = x.value
+    bound = float(problem.value) / SCALE
+    integral = bool(np.all((xv < 1e-6) | (xv > 1 - 1e-6)))
+    if not integral:
+        # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
+        decided = np.flatnonzero(xv > 1 - 1e-6)
+        xv = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
+        if xv is None:
+            return None
+    choice = prefer_smaller_shards(sg, _choice(sg, prob, xv))  # never breaks the budget
+    cost = evaluate(sg, choice)
+    if memory is not None:
+        m, budget = memory
+        picked = np.zeros(prob.n_x)
+        for rname, c in choice.items():
+            picked[prob.offsets[rname] + c] = 1
+        if m @ picked > budget * (1 + 1e-9):
+            return None
+    if not math.isfinite(cost):
+        return None
+    gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
+    status = "optimal" if integral or gap <= 1e-12 else "within_gap"
+    if not integral and gap > options.mip_gap:
+        status = "incumbent"
+    return ILPResult(
+        choice=choice,
+        objective_s=cost,
+        status=status,
+        gap=0.0 if integral else gap,
+        num_variables=prob.n_x + prob.n_y,
+        num_constraints=prob.A.shape[0] + (1 if memory is not None else 0),
+        build_seconds=build_s,
+        solve_seconds=time.perf_counter() - t1,
+        bound_s=bound,
+    )
+
+
+def _fixed_mip(
+    prob: _Problem, memory, decided: np.ndarray, options: SolverOptions, time_limit: float
+):
+    """The MIP with the variables in ``decided`` fixed to 1; x's values, or None.
+
+    Solved to ``mip_gap`` (the caller measures the plan against the LP bound anyway)
+    within ``time_limit`` seconds; a plan found when the time runs out is still returned
+    (its gap is measured by the caller)."""
+    problem, x = _cvx_problem(prob, memory=memory, fixed=decided)
+    try:
+        problem.solve(
+            solver=cp.HIGHS,
+            time_limit=time_limit,
+            mip_rel_gap=float(options.mip_gap),
+            mip_abs_gap=0.0,
+        )
+    except cp.error.SolverError:
+        return None
+    if problem.status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
+        return None
+    return x.value
+
+
+def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
+    """The least ``m . x`` over every plan (the same ILP, memory as the objective)."""
+    problem, _ = _cvx_problem(prob, memory_objective=m)
+    problem.solve(solver=cp.HIGHS, time_limit=float(options.time_limit_s))
+    return float(problem.value)
+
+
+def _bound_and_gap(problem: cp.Problem) -> tuple[float | None, float | None]:
+    """HiGHS's dual bound and relative gap, when cvxpy exposes them."""
+    stats = problem.solver_stats
+    extra = getattr(stats, "extra_stats", None)
+    info = None
+    if extra is not None and hasattr(extra, "mip_gap"):
+        info = extra  # cvxpy hands back HiGHS's HighsInfo
+    elif extra is not None and hasattr(extra, "getInfo"):
+        info = extra.getInfo()
+    if info is None:
+        return None, None
+    bound = getattr(info, "mip_dual_bound", None)
+    gap = getattr(info, "mip_gap", None)
+    if gap is not None and (gap < 0 or gap > 1e20):
+        gap = None
+    if bound is not None and not bound > 0:  # every cost is >= 0: 0 is a bound anyway
+        bound = 0.0 if math.isfinite(bound) or bound < 0 else None
+    return bound, gap
+
+
+def prefer_smaller_shards(sg: StrategyGraph, choice: dict[str, int], tol: float = 1e-12) -> dict:
+    """Among plans of equal time, prefer parameters and inputs held in smaller pieces.
+
+    Slicing a replicated tensor is free, so storing a weight whole or sharded often
+    costs the same time; the solver then picks either. One greedy pass moves each
+    parameter and input to the placement with the fewest bytes per device whose
+    change does not raise the objective by more than ``tol`` seconds. Returns a new
+    choice.
+    """
+    original, choice = choice, dict(choice)
+    if sg.graph is None:  # a bare strategy graph (tests): nothing to compare
+        return choice
+    incident: dict[str, list] = {}
+    for e in sg.edges:
+        incident.setdefault(e.src, []).append(e)
+        incident.setdefault(e.dst, []).append(e)
+
+    def local_cost(rep: str, i: int) -> float:
+        c = float(sg.rep_cost(rep)[i])
+        for e in incident.get(rep, ()):
+            a = e.src_groups[i if e.src == rep else choice[e.src]]
+            b = e.dst_groups[i if e.dst == rep else choice[e.dst]]
+            c += float(e.cost[a, b])
+        return c
+
+    for name, info in sg.graph.nodes.items():
+        if info.kind not in ("param", "input") or name not in sg.nodes:
+            continue
+        ns = sg.nodes[name]
+        if ns.rep != name:
+            continue
+        t = info.results[0]
+        size = [local_bytes(t, s.outputs[0], sg.mesh_shape) for s in ns.strategies]
+        now = local_cost(name, choice[name])
+        best = choice[name]
+        for i in sorted(range(len(ns.strategies)), key=lambda j: size[j]):
+            if size[i] >= size[best]:
+                break
+            if local_cost(name, i) <= now + tol:
+                best = i
+                break
+        choice[name] = best
+    if sg.overlap and evaluate(sg, choice) > evaluate(sg, original) + tol:
+        return dict(original)  # the local check does not see hidden communication move
+    return choice
+
+
+def evaluate(sg: StrategyGraph, choice: dict[str, int]) -> float:
+    """The objective (s) of a given choice, as the ILP counts it: compute (with the
+    optimizer step) plus resharding, less the communication hidden under compute
+    (:func:`autoshard.cost.overlap.hidden_seconds`)."""
+    total = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
+    for e in sg.edges:
+        total += float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
+    if sg.overlap and sg.graph is not None:
+        total -= hidden_seconds(sg, choice).total_s
+    return total
+
+
+def brute_force(sg: StrategyGraph, limit: int = 200_000) -> tuple[dict[str, int], float]:
+    """Exhaustive minimum of :func:`evaluate` (tests only; at most ``limit`` plans)."""
+    reps = sg.reps
+    sizes: Sequence[int] = [len(sg.nodes[r].strategies) for r in reps]
+    if math.prod(sizes) > limit:
+        raise ValueError(f"{math.prod(sizes)} plans exceed the brute-force limit {limit}")
+    best, best_cost = None, math.inf
+    for combo in itertools.product(*[range(k) for k in sizes]):
+        choice = dict(zip(reps, combo, strict=True))
+        cost = evaluate(sg, choice)
+        if cost < best_cost:
+            best, best_cost = choice, cost
+    return best, best_cost

@@ -1,0 +1,646 @@
+"""Preload a stored solution onto a freshly traced graph (``autoshard solve --preload``).
+
+A solution file (``autoshard.solution/1``, or a bare MASE node dict) holds, per graph
+node, the placements of its tensor arguments (``data_in_<k>``) and results
+(``data_out_<k>``). :func:`choice_from_solution` turns them back into one strategy
+index per representative node of a :class:`~autoshard.strategies.graph.StrategyGraph`, the
+same ``choice`` the ILP returns, so :func:`~autoshard.plan.plan.build_plan` prices it with
+the current mesh and device exactly as it prices a solved plan.
+
+Matching stored nodes to graph nodes
+------------------------------------
+Node names of an exported graph are global counters (``addmm_7``), so they shift when
+the number of repeated blocks changes: ``mm`` after two GPT-2 blocks is not ``mm``
+after four. An ``autoshard.solution/1`` file is therefore matched by *position*: its
+nodes are in graph order and carry their op and their block index (``layer``), so the
+k-th node of block ``L`` in the file is the k-th node of block ``L`` in the graph, and
+the k-th node outside every block is the k-th node outside every block. The op, the
+parameter FQN relative to its block and every shape must then agree. A bare MASE dict
+has no op, order or block index: its nodes are matched by name, so it must come from
+a graph with the same node names.
+
+Filling repeated blocks
+-----------------------
+Two blocks are *identical* when their node sequences agree in kind, op, module path
+relative to the block's prefix (``attn.c_attn``, found from the module tree by
+:func:`autoshard.trace.tracer.find_block_prefixes`) and shapes. A representative node the
+solution lacks takes the strategy of the same node (same position) of the nearest
+identical block the solution covers, looking first at lower block indices, so a
+solution made for 2 blocks extends to 12 (blocks 2-11 copy block 1). No model-specific
+name is used. Stored blocks the model does not have (a 12-block solution on a 2-block
+model) are dropped with a note.
+
+Everything else that does not fit is one :class:`~autoshard.errors.AutoshardError`
+listing what does not match (at most :data:`MAX_LISTED` entries, then how many more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor import Placement
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.placements import short
+from autoshard.plan.formats import load_solution
+from autoshard.plan.plan import build_plan
+from autoshard.solver.ilp import ILPResult, evaluate
+from autoshard.solver.solve import SolveResult, peak_rss_bytes, strategies, trace
+from autoshard.strategies.graph import Strategy, StrategyGraph
+from autoshard.trace.tracer import NodeInfo, TracedGraph
+
+Placements = tuple[Placement, ...]
+
+MAX_LISTED = 10
+"""At most this many mismatches are listed in one error; the rest are counted."""
+
+_OUTSIDE = None  # the "layer" of nodes outside every repeated block
+
+
+@dataclass
+class PreloadResult:
+    """A stored solution mapped onto a strategy graph.
+
+    Attributes:
+        choice: representative node -> strategy index, complete: usable by
+            :func:`autoshard.plan.plan.build_plan` and :func:`autoshard.solver.ilp.evaluate`.
+        filled: non-free graph nodes (representatives and the nodes merged into them)
+            that the solution lacks and that took their strategy from the same node of
+            an identical repeated block.
+        matched: non-free graph nodes whose placements the solution gives.
+        dropped: stored nodes of blocks the model does not have (a solution made for
+            more blocks than the model has).
+        sources: filled block index -> the block index it was copied from.
+        notes: warnings and facts for the report, one line each.
+    """
+
+    choice: dict[str, int]
+    filled: int = 0
+    matched: int = 0
+    dropped: int = 0
+    sources: dict[int, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------
+# Graph structure: positions and block signatures
+
+
+@dataclass
+class _Layout:
+    """Where each graph node sits: (layer or None, index within that layer's nodes)."""
+
+    slot: dict[str, tuple[int | None, int]]
+    at: dict[tuple[int | None, int], str]
+    identical: dict[int, list[int]]  # layer -> the layers with the same signature (incl. itself)
+    prefix: dict[int, str]  # layer -> module FQN of the block
+    sizes: dict[int | None, int]  # layer -> how many graph nodes it has
+
+
+def _relative(path: str | None, prefix: str | None) -> str | None:
+    """``path`` relative to the block prefix: ``transformer.h.3.attn`` -> ``attn``."""
+    if path is None or prefix is None:
+        return path
+    if path == prefix:
+        return ""
+    if path.startswith(prefix + "."):
+        return path[len(prefix) + 1 :]
+    return path
+
+
+def _signature(info: NodeInfo, prefix: str | None) -> tuple:
+    """What must agree between the same node of two identical blocks."""
+    shapes = tuple(t.shape if t is not None else None for t in info.args) + tuple(
+        r.shape if r is not None else None for r in info.results
+    )
+    rel = _relative(info.fqn if info.kind in ("param", "buffer") else info.module_path, prefix)
+    return (info.kind, info.op_name, rel, shapes)
+
+
+def _layout(graph: TracedGraph) -> _Layout:
+    prefix = {layer: p for p, layer in graph.block_prefixes.items()}
+    slot: dict[str, tuple[int | None, int]] = {}
+    at: dict[tuple[int | None, int], str] = {}
+    count: dict[int | None, int] = defaultdict(int)
+    sigs: dict[int, list[tuple]] = defaultdict(list)
+    for name, info in graph.nodes.items():
+        key = (info.layer, count[info.layer])
+        count[info.layer] += 1
+        slot[name] = key
+        at[key] = name
+        if info.layer is not None:
+            sigs[info.layer].append(_signature(info, prefix.get(info.layer)))
+    by_sig: dict[tuple, list[int]] = defaultdict(list)
+    for layer in sorted(sigs):
+        by_sig[tuple(sigs[layer])].append(layer)
+    identical = {layer: group for group in by_sig.values() for layer in group}
+    return _Layout(slot, at, identical, prefix, dict(count))
+
+
+# ------------------------------------------------------------------------------------
+# Error collection
+
+
+class _Problems:
+    """Mismatches by category, raised together as one capped error."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, list[str]] = defaultdict(list)
+
+    def add(self, category: str, text: str) -> None:
+        self.items[category].append(text)
+
+    def __bool__(self) -> bool:
+        return any(self.items.values())
+
+    def raise_if_any(self, source: str) -> None:
+        """Raise one AutoshardError listing at most MAX_LISTED mismatches, then a count."""
+        if not self:
+            return
+        total = sum(len(v) for v in self.items.values())
+        lines: list[str] = []
+        shown = 0
+        for category, texts in self.items.items():
+            take = texts[: max(0, MAX_LISTED - shown)]
+            if take:
+                lines.append(f"{category} ({len(texts)}):")
+                lines.extend(f"  {t}" for t in take)
+                shown += len(take)
+        if total > shown:
+            lines.append(f"  ... and {total - shown} more")
+        plural = "es" if total != 1 else ""
+        raise AutoshardError(
+            f"{source} does not fit this model and mesh ({total} mismatch{plural}):\n"
+            + "\n".join(lines)
+        )
+
+
+def _fmt(ps: Any) -> str:
+    if isinstance(ps, tuple) and all(isinstance(p, Placement) for p in ps):
+        return short(ps)
+    return repr(ps)
+
+
+def _fmt_strategy(s: Strategy) -> str:
+    ins = ", ".join(_fmt(p) for p in s.inputs)
+    outs = ", ".join(_fmt(p) for p in s.outputs if p is not None)
+    return f"args ({ins}) -> results ({outs})"
+
+
+# ------------------------------------------------------------------------------------
+# Mesh
+
+
+def _check_mesh(solution: Mapping[str, Any], mesh: MeshSpec, notes: list[str]) -> None:
+    stored = solution.get("mesh")
+    if stored is None:
+        ndims = {
+            len(ps)
+            for entry in solution["nodes"].values()
+            for part in ("args", "results")
+            for ps in entry.get(part, {}).values()
+        }
+        if ndims and ndims != {mesh.ndim}:
+            found = ", ".join(str(n) for n in sorted(ndims))
+            raise AutoshardError(
+                f"the solution has no mesh and its placements are for {found}-D meshes, "
+                f"but this solve's mesh {mesh.shape_str} has {mesh.ndim} dims: "
+                f"pass --mesh with {found} dims"
+            )
+        notes.append(
+            f"the solution has no mesh (a bare MASE dict): assumed it was made for this "
+            f"{mesh.shape_str} mesh"
+        )
+        return
+    shape = tuple(stored.get("shape", ()))
+    if shape != tuple(mesh.shape):
+        have = "x".join(map(str, shape))
+        raise AutoshardError(
+            f"the solution was made for a {have} mesh, but this solve's mesh is "
+            f"{mesh.shape_str}: pass --mesh {have}, or solve again without --preload"
+        )
+    try:
+        stored_mesh = MeshSpec.from_dict(stored)
+    except AutoshardError:
+        return
+    if (stored_mesh.bandwidth, stored_mesh.latency) != (mesh.bandwidth, mesh.latency):
+        notes.append(
+            f"the solution was solved for {stored_mesh.describe()}; it is priced here on "
+            f"{mesh.describe()}, where solving again may find a faster plan"
+        )
+
+
+# ------------------------------------------------------------------------------------
+# Stored node -> graph node
+
+
+def _stored_shapes(info: NodeInfo) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for k, t in enumerate(info.args):
+        if t is not None:
+            out[f"data_in_{k}"] = list(t.shape)
+    for k, r in enumerate(info.results):
+        if r is not None:
+            out[f"data_out_{k}"] = list(r.shape)
+    return out
+
+
+def _match_nodes(
+    graph: TracedGraph,
+    layout: _Layout,
+    nodes: Mapping[str, Mapping[str, Any]],
+    problems: _Problems,
+) -> tuple[dict[str, tuple[str, Mapping[str, Any]]], int, set[int]]:
+    """Graph node -> (stored name, stored entry); stored nodes dropped; stored layers."""
+    positional = all("op" in e for e in nodes.values())
+    graph_layers = {layer for layer, _ in layout.slot.values() if layer is not None}
+    matched: dict[str, tuple[str, Mapping[str, Any]]] = {}
+    dropped = 0
+    stored_layers: set[int] = set()
+    count: dict[int | None, int] = defaultdict(int)
+    if positional:
+        sizes: dict[int | None, int] = defaultdict(int)
+        for entry in nodes.values():
+            layer = entry.get("layer", _OUTSIDE)
+            sizes[layer if layer is None or type(layer) is int else -1] += 1
+        for layer, n in sizes.items():
+            have = layout.sizes.get(layer, 0)
+            if (layer is None or layer in graph_layers) and n != have:
+                where = f"block {layer}" if layer is not None else "outside the repeated blocks"
+                problems.add(
+                    "parts of different size",
+                    f"{where}: {n} nodes in the solution, {have} in the graph",
+                )
+    for sname, entry in nodes.items():
+        if positional:
+            layer = entry.get("layer", _OUTSIDE)
+            if layer is not None and (type(layer) is not int or layer < 0):
+                problems.add(
+                    "nodes unknown to the graph",
+                    f"{sname!r} has layer {layer!r}; expected a block index (an int >= 0)",
+                )
+                continue
+            key = (layer, count[layer])
+            count[layer] += 1
+            if layer not in graph_layers and layer is not None:
+                if graph_layers:
+                    dropped += 1  # a block the model does not have: a different layer count
+                else:
+                    problems.add(
+                        "nodes unknown to the graph",
+                        f"{sname!r} ({entry['op']}) belongs to block {layer}, but the model "
+                        "has no repeated blocks",
+                    )
+                continue
+            gname = layout.at.get(key)
+            if gname is None:
+                where = f"block {layer}" if layer is not None else "outside the blocks"
+                problems.add(
+                    "nodes unknown to the graph",
+                    f"{sname!r} ({entry['op']}) is node {key[1]} {where}, which has only "
+                    f"{layout.sizes.get(layer, 0)} nodes in the graph",
+                )
+                continue
+            info = graph.nodes[gname]
+            if entry["op"] != info.op_name:
+                problems.add(
+                    "ops that differ",
+                    f"{sname!r} is {entry['op']} in the solution, but the graph's node at "
+                    f"that place, {gname!r}, is {info.op_name}",
+                )
+                continue
+            target = entry.get("target")
+            if target is not None and info.kind in ("param", "buffer", "input"):
+                prefix = layout.prefix.get(layer) if layer is not None else None
+                if _relative(target, prefix) != _relative(info.fqn, prefix):
+                    problems.add(
+                        "ops that differ",
+                        f"{sname!r} is {info.kind} {target!r} in the solution, but the graph "
+                        f"has {info.fqn!r} at that place",
+                    )
+                    continue
+        else:
+            if sname not in graph.nodes:
+                problems.add(
+                    "nodes unknown to the graph",
+                    f"{sname!r} (a bare MASE dict is matched by node name)",
+                )
+                continue
+            gname, info = sname, graph.nodes[sname]
+        if info.layer is not None:
+            stored_layers.add(info.layer)
+        if "shapes" in entry:
+            want = _stored_shapes(info)
+            have = {k: list(v) for k, v in entry["shapes"].items()}
+            if have != want:
+                diff = [
+                    f"{k} {have.get(k)} in the solution, {want.get(k)} in the graph"
+                    for k in sorted(set(have) | set(want))
+                    if have.get(k) != want.get(k)
+                ]
+                named = f"{sname!r}" if sname == gname else f"{sname!r} (graph {gname!r})"
+                problems.add("shapes that differ", f"{named}: " + "; ".join(diff))
+                continue
+        matched[gname] = (sname, entry)
+    return matched, dropped, stored_layers
+
+
+def _stored_strategy(
+    node: str, sg: StrategyGraph, matched: Mapping[str, tuple[str, Mapping[str, Any]]]
+) -> tuple[str, Strategy | str] | None:
+    """The strategy the solution gives ``node`` (a node of ``sg.nodes``), if it gives one.
+
+    Returns (stored name, Strategy), (stored name, reason) when the entry is malformed for
+    this node, or None when the solution has no placements for it.
+    """
+    template = sg.nodes[node].strategies[0]
+    if node not in sg.graph.nodes:  # an output sink "output.<k>"
+        out_name, _, k = node.rpartition(".")
+        hit = matched.get(out_name)
+        if hit is None:
+            return None
+        sname, entry = hit
+        ps = entry.get("args", {}).get(f"data_in_{k}")
+        if ps is None:
+            return None
+        return f"{sname}.{k}", Strategy((), (tuple(ps),))
+    hit = matched.get(node)
+    if hit is None:
+        return None
+    sname, entry = hit
+    args, results = entry.get("args", {}), entry.get("results", {})
+    if not args and not results:
+        return None  # stored as free
+    n_in, n_out = len(template.inputs), len(template.outputs)
+    want_in = {f"data_in_{k}" for k in range(n_in)}
+    want_out = {f"data_out_{k}" for k, p in enumerate(template.outputs) if p is not None}
+    if set(args) != want_in or set(results) != want_out:
+        return sname, (
+            f"has args {sorted(args)} and results {sorted(results)}, but the node has "
+            f"args {sorted(want_in)} and results {sorted(want_out)}"
+        )
+    outputs = tuple(
+        tuple(results[f"data_out_{k}"]) if f"data_out_{k}" in results else None
+        for k in range(n_out)
+    )
+    inputs = tuple(tuple(args[f"data_in_{k}"]) for k in range(n_in))
+    return sname, Strategy(outputs, inputs)
+
+
+# ------------------------------------------------------------------------------------
+# The mapping
+
+
+def _node_strategy(sg: StrategyGraph, node: str, choice: Mapping[str, int]) -> Strategy:
+    ns = sg.nodes[node]
+    return ns.strategies[ns.choice[choice[ns.rep]]]
+
+
+def choice_from_solution(
+    sg: StrategyGraph, solution: Mapping[str, Any], mesh: MeshSpec, source: str = "the solution"
+) -> PreloadResult:
+    """Map a stored solution's placements onto ``sg``: one strategy index per representative.
+
+    Args:
+        sg: the strategy graph of the freshly traced model, for ``mesh``.
+        solution: what :func:`autoshard.plan.formats.load_solution` returns (an
+            ``autoshard.solution/1`` dict, or ``{"format": "mase", "nodes": ...}``).
+        mesh: the mesh of this solve; its shape must be the solution's.
+        source: how errors name the solution (e.g. its path).
+
+    Each representative takes the strategy whose argument and result placements equal
+    its stored entry; nodes merged into it must agree with that strategy. Where the
+    representative has no entry, the entries of the nodes merged into it decide. Nodes
+    the solution lacks take the strategy of the same node of the nearest identical
+    repeated block (see the module docstring).
+
+    Returns:
+        A :class:`PreloadResult` whose ``choice`` covers every representative.
+
+    Raises:
+        AutoshardError: the mesh shape differs (both shapes named); a bare MASE dict has
+            placements for another number of mesh dims; and, listed together (at most
+            :data:`MAX_LISTED`, then a count): stored nodes unknown to the graph (beyond
+            blocks the model lacks), ops or shapes that differ, stored placements that are
+            not a strategy of their node, merged nodes that disagree with their
+            representative, and graph nodes that neither the solution nor an identical
+            block gives.
+    """
+    if tuple(sg.mesh_shape) != tuple(mesh.shape):
+        raise AutoshardError(
+            f"the strategy graph is for a {'x'.join(map(str, sg.mesh_shape))} mesh but the "
+            f"mesh given is {mesh.shape_str}"
+        )
+    if not isinstance(solution, Mapping) or not isinstance(solution.get("nodes"), Mapping):
+        raise AutoshardError(f"{source} has no 'nodes': load it with autoshard.plan.formats")
+    notes: list[str] = []
+    _check_mesh(solution, mesh, notes)
+    graph = sg.graph
+    stored_model = solution.get("model")
+    if stored_model is not None and stored_model != graph.model_name:
+        notes.append(
+            f"the solution was made for model {stored_model!r}, this is {graph.model_name!r}"
+        )
+
+    layout = _layout(graph)
+    problems = _Problems()
+    matched, dropped, stored_layers = _match_nodes(graph, layout, solution["nodes"], problems)
+    problems.raise_if_any(source)
+
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, ns in sg.nodes.items():
+        members[ns.rep].append(name)
+    stored: dict[str, tuple[str, Strategy]] = {}
+    for name in sg.nodes:
+        got = _stored_strategy(name, sg, matched)
+        if got is None:
+            continue
+        sname, s = got
+        if isinstance(s, str):
+            problems.add("entries that do not fit their node", f"{sname!r} {s}")
+        else:
+            stored[name] = (sname, s)
+    problems.raise_if_any(source)
+
+    # 1. representatives the solution gives (their own entry, else their merged nodes')
+    choice: dict[str, int] = {}
+    for rep in sg.reps:
+        ns = sg.nodes[rep]
+        if rep in stored:
+            sname, s = stored[rep]
+            try:
+                choice[rep] = ns.strategies.index(s)
+            except ValueError:
+                problems.add(
+                    "placements that are not a strategy of their node",
+                    f"{sname!r}: {_fmt_strategy(s)} is not one of the "
+                    f"{len(ns.strategies)} strategies of {rep!r}",
+                )
+            continue
+        given = [m for m in members[rep] if m in stored]
+        if not given:
+            continue
+        fits = [
+            i
+            for i in range(len(ns.strategies))
+            if all(sg.nodes[m].strategies[sg.nodes[m].choice[i]] == stored[m][1] for m in given)
+        ]
+        if fits:
+            choice[rep] = fits[0]
+        else:
+            names = ", ".join(repr(stored[m][0]) for m in given[:3])
+            problems.add(
+                "placements that are not a strategy of their node",
+                f"{names}: no strategy of {rep!r} (which they follow) gives these placements",
+            )
+    problems.raise_if_any(source)
+    from_solution = set(choice)
+
+    # 2. fill the rest from the same node of the nearest identical block the solution covers
+    filled_reps: set[str] = set()
+    sources: dict[int, int] = {}
+    for rep in sg.reps:
+        if rep in choice:
+            continue
+        info = graph.nodes.get(rep)
+        layer = info.layer if info is not None else None
+        src = None
+        if layer is not None:
+            index = layout.slot[rep][1]
+            group = [
+                g for g in layout.identical.get(layer, []) if g != layer and g in stored_layers
+            ]
+            order = sorted((g for g in group if g < layer), reverse=True) + sorted(
+                g for g in group if g > layer
+            )
+            for g in order:
+                twin = layout.at[(g, index)]
+                if twin in sg.nodes and sg.nodes[twin].rep in from_solution:
+                    src = (g, twin)
+                    break
+        if src is None:
+            where = f"block {layer}" if layer is not None else "outside the repeated blocks"
+            why = (
+                "and no identical block in the solution has it"
+                if layer is not None
+                else "and only nodes of repeated blocks can be filled"
+            )
+            problems.add(
+                "nodes the solution lacks",
+                f"{rep!r} ({info.op_name if info else 'output'}, {where}) {why}",
+            )
+            continue
+        g, twin = src
+        want = _node_strategy(sg, twin, choice)
+        try:
+            choice[rep] = sg.nodes[rep].strategies.index(want)
+        except ValueError:
+            problems.add(
+                "nodes the solution lacks",
+                f"{rep!r} (block {layer}): {_fmt_strategy(want)} of {twin!r} (block {g}) is "
+                "not one of its strategies",
+            )
+            continue
+        filled_reps.add(rep)
+        sources.setdefault(layer, g)
+    problems.raise_if_any(source)
+
+    # 3. every node the solution gives must agree with its representative's choice
+    for name, (sname, s) in stored.items():
+        got = _node_strategy(sg, name, choice)
+        if got != s:
+            rep = sg.nodes[name].rep
+            problems.add(
+                "merged nodes that disagree with their representative",
+                f"{sname!r}: stored {_fmt_strategy(s)}, but the choice of {rep!r}, which it "
+                f"follows, gives {_fmt_strategy(got)}",
+            )
+    problems.raise_if_any(source)
+
+    matched_n = sum(1 for n in sg.nodes if n in stored)
+    filled = sum(1 for n, ns in sg.nodes.items() if n not in stored and ns.rep in filled_reps)
+    if dropped:
+        have = "block" if len(layout.identical) == 1 else "blocks"
+        notes.append(
+            f"{dropped} stored nodes of blocks the model does not have were dropped "
+            f"(the model has {len(layout.identical)} {have})"
+        )
+    if filled:
+        by_src: dict[int, list[int]] = defaultdict(list)
+        for layer, g in sorted(sources.items()):
+            by_src[g].append(layer)
+        how = "; ".join(f"{_ranges(layers)} from block {g}" for g, layers in sorted(by_src.items()))
+        notes.append(f"{filled} nodes filled from identical repeated blocks ({how})")
+    return PreloadResult(
+        choice=choice,
+        filled=filled,
+        matched=matched_n,
+        dropped=dropped,
+        sources=dict(sorted(sources.items())),
+        notes=notes,
+    )
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``"blocks 2-4, 7"``."""
+    parts: list[str] = []
+    start = prev = layers[0]
+    for x in layers[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if x is not None:
+            start = prev = x
+    return ("block " if len(layers) == 1 else "blocks ") + ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------
+# The whole preload pipeline (what ``autoshard solve --preload`` runs)
+
+
+def plan_preloaded(config, solution_path: str | Path, progress=None):
+    """Trace and strategise ``config``'s model, then take the plan from a solution file.
+
+    The counterpart of :func:`autoshard.solver.solve.plan_model` without the ILP: returns
+    ``(SolveResult, PreloadResult)``; the result's ``ilp`` has status ``"preloaded"``,
+    the objective of the preloaded choice (:func:`autoshard.solver.ilp.evaluate`), no
+    variables and zero solver seconds.
+
+    Raises:
+        AutoshardError: the file cannot be loaded safely (see
+            :func:`autoshard.plan.formats.load_solution`) or does not fit (see
+            :func:`choice_from_solution`).
+    """
+    solution = load_solution(solution_path)  # fail on a bad file before tracing
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    graph = trace(config, progress)
+    seconds["trace"] = time.perf_counter() - t
+    t = time.perf_counter()
+    # untied: a stored plan may place each layer differently
+    sg = strategies(dataclasses.replace(config, tie=False), graph, progress)
+    seconds["strategies"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pre = choice_from_solution(sg, solution, config.mesh, source=str(solution_path))
+    seconds["preload"] = time.perf_counter() - t
+    ilp = ILPResult(
+        choice=pre.choice,
+        objective_s=evaluate(sg, pre.choice),
+        status="preloaded",
+        gap=0.0,
+        num_variables=0,
+        num_constraints=0,
+        build_seconds=0.0,
+        solve_seconds=0.0,
+    )
+    plan = build_plan(sg, pre.choice, config.mesh, name="preloaded")
+    seconds["total"] = sum(seconds.values())
+    return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes()), pre

@@ -1,0 +1,258 @@
+"""The ``solve`` pipeline: model file -> trace -> strategies -> ILP -> plan.
+
+Each stage takes the previous stage's typed result. :func:`plan_model` is what
+the CLI, the benchmark and the tests call; it does not print (progress goes
+through the optional ``progress`` callback) and does not write files.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Replicate
+
+from autoshard.cost.collectives import comm_model
+from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
+from autoshard.cost.memory import MemoryModel, ilp_row, memory_by_kind, memory_rows
+from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.model.model_file import instantiate, load_model_file, split_microbatches
+from autoshard.plan.plan import Plan, build_plan
+from autoshard.solver.baselines import hand_plan_starts, plan_for_algo
+from autoshard.solver.ilp import ILPResult, solve
+from autoshard.solver.options import SolverOptions
+from autoshard.strategies.graph import StrategyGraph, build_strategy_graph
+from autoshard.trace.tracer import TracedGraph, reduce_depth, trace_model
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class SolveConfig:
+    """What to plan and how.
+
+    ``input_placement``: ``"free"`` lets the ILP choose the inputs' placements;
+    ``"replicate"`` fixes every input to ``Replicate`` on every mesh dim.
+    ``output_placement``: likewise for the outputs (``"free"`` still forbids
+    ``Partial``: the plan always pays to reduce outputs).
+    """
+
+    model_path: Path
+    mesh: MeshSpec
+    device: DeviceSpec = field(default_factory=lambda: get_device(DEFAULT_DEVICE))
+    input_placement: str = "free"
+    output_placement: str = "free"
+    solver: SolverOptions = field(default_factory=SolverOptions)
+    mode: str = "train"
+    dtype: torch.dtype | None = None
+    memory_budget: float | None = None
+    tie: bool = True
+    bucket_bytes: float = DDP_BUCKET_BYTES
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("train", "infer"):
+            raise AutoshardError(f"--mode must be train or infer, got {self.mode!r}")
+        if not self.bucket_bytes >= 0:
+            raise AutoshardError(f"--bucket-size must be >= 0 bytes, got {self.bucket_bytes}")
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise AutoshardError(f"--memory-budget must be positive, got {self.memory_budget}")
+        for what, value in (("input", self.input_placement), ("output", self.output_placement)):
+            if value not in ("free", "replicate"):
+                raise AutoshardError(
+                    f"{what} placement must be 'free' or 'replicate', got {value!r}"
+                )
+
+    def budget(self) -> float:
+        """Memory budget per device (bytes): ``memory_budget`` or the device's capacity."""
+        return float(self.memory_budget or self.device.memory_bytes)
+
+    def compute_dtype(self, graph: TracedGraph) -> torch.dtype:
+        """The dtype the step computes in: ``dtype`` when given, else the first
+        floating-point parameter's (float32 when there is none)."""
+        if self.dtype is not None:
+            return self.dtype
+        for info in graph.nodes.values():
+            if info.kind == "param" and info.results[0].dtype.is_floating_point:
+                return info.results[0].dtype
+        return torch.float32
+
+    def memory_model(self) -> MemoryModel:
+        return MemoryModel(self.mode)
+
+    def cost_model(self) -> dict[str, Any]:
+        """The cost-model parameters, as plain builtins for the solution file."""
+        return {
+            "device": self.device.to_dict(),
+            "mode": self.mode,
+            "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else "model",
+            "memory_budget_bytes": self.budget(),
+            "input_placement": self.input_placement,
+            "output_placement": self.output_placement,
+            "bucket_bytes": self.bucket_bytes,
+            "overlap": self.overlap,
+            "mesh": self.mesh.to_dict(),
+        }
+
+
+@dataclass
+class SolveResult:
+    """Everything a solve produced, with the seconds each phase took."""
+
+    config: SolveConfig
+    graph: TracedGraph
+    sg: StrategyGraph
+    ilp: ILPResult
+    plan: Plan
+    seconds: dict[str, float]
+    peak_rss_bytes: int
+
+    def solver_stats(self) -> dict[str, Any]:
+        """Solver statistics as plain builtins (for the solution file and the report)."""
+        d = asdict(self.ilp)
+        d.pop("choice")
+        return d
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (bytes; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def trace(
+    config: SolveConfig, progress: Progress | None = None, microbatches: int = 1
+) -> TracedGraph:
+    """Load the model file, build it on meta, trace and annotate it.
+
+    With ``microbatches`` > 1 the graph is that of one micro-batch: every example input
+    split into that many chunks along dim 0 (as a pipeline schedule splits the batch).
+
+    Raises:
+        AutoshardError: a bad model file, an untraceable model, a batch the micro-batches
+            do not divide.
+    """
+    if progress:
+        progress("trace", 0, 1)
+    loaded = instantiate(load_model_file(config.model_path), device="meta")
+    if microbatches > 1:
+        loaded.inputs = split_microbatches(loaded.inputs, microbatches, loaded.input_names)[0]
+    # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
+    depth = reduce_depth(loaded.module) if config.tie else None
+    if config.dtype is not None:
+        loaded.module.to(config.dtype)
+        loaded.inputs = tuple(
+            x.to(config.dtype) if x.is_floating_point() else x for x in loaded.inputs
+        )
+    graph = trace_model(loaded, config.mode, depth)
+    if progress:
+        progress("trace", 1, 1)
+    return graph
+
+
+def strategies(
+    config: SolveConfig, graph: TracedGraph, progress: Progress | None = None
+) -> StrategyGraph:
+    """Generate, cost and shrink the strategies of ``graph`` for ``config``'s mesh and device."""
+    rep = (Replicate(),) * config.mesh.ndim
+    bucket = config.bucket_bytes if config.mode == "train" else 0.0
+    sg = build_strategy_graph(
+        graph,
+        config.mesh.shape,
+        compute_time=config.device.compute_time,
+        redistribute_cost=comm_model(config.mesh).redistribute_cost,
+        fixed_inputs=rep if config.input_placement == "replicate" else None,
+        fixed_outputs=rep if config.output_placement == "replicate" else None,
+        tie=config.tie,
+        progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
+        bucketed_cost=functools.partial(comm_model(config.mesh).bucketed_cost, bucket_bytes=bucket),
+    )
+    sg.bucket_bytes = bucket
+    sg.overlap = config.overlap and config.mode == "train"
+    return sg
+
+
+def finish_plan(config: SolveConfig, sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
+    """:func:`build_plan` plus the training memory kinds and the budget check."""
+    plan = build_plan(sg, choice, config.mesh, name=name)
+    plan.peak_flops = config.device.peak(config.compute_dtype(sg.graph))
+    mem = memory_by_kind(sg, choice, config.memory_model())
+    plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
+    plan.extra["saved_activations"] = mem.get("saved_activations")
+    plan.extra["budget"] = config.budget()
+    return plan
+
+
+def _graph_and_strategies(
+    config: SolveConfig, progress: Progress | None, seconds: dict[str, float]
+) -> tuple[TracedGraph, StrategyGraph]:
+    """Trace and generate strategies, timing each into ``seconds``."""
+    t = time.perf_counter()
+    graph = trace(config, progress)
+    seconds["trace"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sg = strategies(config, graph, progress)
+    seconds["strategies"] = time.perf_counter() - t
+    return graph, sg
+
+
+def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveResult:
+    """Run the whole pipeline and return the optimal plan with its statistics.
+
+    Raises:
+        AutoshardError: a bad model file, an untraceable model, an infeasible ILP.
+    """
+    seconds: dict[str, float] = {}
+    graph, sg = _graph_and_strategies(config, progress, seconds)
+    if progress:
+        progress("solve", 0, 1)
+    row = ilp_row(sg, memory_rows(sg, config.memory_model()))
+    t = time.perf_counter()
+    starts, _ = hand_plan_starts(sg, config.mesh)  # the ILP is never above a hand plan
+    seconds["hand_plans"] = time.perf_counter() - t
+    result = solve(sg, config.solver, memory=(row, config.budget()), starts=starts)
+    if progress:
+        progress("solve", 1, 1)
+    seconds["ilp_build"] = result.build_seconds
+    seconds["solve"] = result.solve_seconds
+    plan = finish_plan(config, sg, result.choice, "ilp")
+    seconds["total"] = sum(seconds.values())
+    return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes())
+
+
+def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = None) -> SolveResult:
+    """A hand-written-style plan (``replicate``, ``ddp``, ``fsdp``, ``megatron``,
+    ``megatron_sp``) on the same graph and cost model, for ``solve --algo``.
+
+    Raises:
+        AutoshardError: an unknown ``algo`` (the message lists them).
+    """
+    seconds: dict[str, float] = {}
+    graph, sg = _graph_and_strategies(config, progress, seconds)
+    t = time.perf_counter()
+    plan, stats = plan_for_algo(
+        sg,
+        algo,
+        config.mesh,
+        config.solver,
+        finish=lambda g, c, n: finish_plan(config, g, c, n),
+    )
+    seconds["baseline"] = time.perf_counter() - t
+    seconds["total"] = sum(seconds.values())
+    ilp = ILPResult(
+        choice=plan.choice,
+        objective_s=plan.step_time_s,
+        status=f"baseline {algo}",
+        gap=0.0,
+        num_variables=0,
+        num_constraints=0,
+        build_seconds=0.0,
+        solve_seconds=0.0,
+    )
+    return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes())

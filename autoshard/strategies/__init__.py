@@ -1,0 +1,1 @@
+"""Strategy generation: candidate placements per node and the edges between them."""

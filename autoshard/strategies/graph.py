@@ -1,0 +1,761 @@
+"""Candidate strategies for every node, shrunk before the ILP sees them.
+
+A *strategy* of a node is one choice of placements (one per mesh dim) for each of
+its tensor inputs and outputs. They come from PyTorch's own DTensor sharding
+rules (through :mod:`autoshard._torch_private`), from autoshard's small table of
+rules where PyTorch has none or a broken one (:data:`OWN_RULES`), and otherwise
+from a replicate fallback (everything ``Replicate``) that is counted and
+reported, never silent.
+
+Shrinking, as Alpa does (Zheng et al., OSDI'22, section 4.1):
+
+* **free nodes**: factory ops (``arange``, ``full``, ...), buffers and every op
+  computed only from them (masks, position ids) cost nothing to produce in any
+  placement on every device, so they get no variable and no resharding edge;
+* **duplicates** are dropped (same input and output placements);
+* **follow nodes**: an op with one tensor input whose rule maps each placement its
+  producer can give to exactly one strategy, with no resharding (views,
+  transposes, elementwise ops, softmax), is merged into its producer: it gets no
+  variable, its strategy is a function of the producer's;
+* generation is **cached** by (op, argument shapes and values, input candidates), so
+  repeated layers cost one layer of rule calls.
+
+Variables belong to *representative* nodes; every other non-free node maps each
+strategy of its representative to one of its own (``choice``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autoshard import _torch_private as tp
+from autoshard.cost.overlap import GATHER, GRADIENT, hide_share_fn
+from autoshard.trace.tracer import VIEW_OPS, TensorInfo, TracedGraph, op_flops
+
+Placements = tuple[Placement, ...]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of a node's tensor outputs and tensor inputs (one tuple per tensor)."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+
+@dataclass
+class NodeStrategies:
+    """The strategies of one node and how it is tied to its representative.
+
+    ``rep``: the node whose variable decides this node (itself for a
+    representative). ``choice[i]``: index into ``strategies`` when the
+    representative picks its strategy ``i``. ``compute_s[j]``: roofline time of
+    strategy ``j`` on one device, seconds (for a parameter in training: its AdamW step,
+    :func:`adamw_step_time`).
+    """
+
+    name: str
+    strategies: list[Strategy]
+    compute_s: np.ndarray
+    rep: str
+    choice: np.ndarray
+    fallback: bool = False
+
+
+@dataclass
+class Edge:
+    """A tensor flowing from representative ``src`` to representative ``dst``.
+
+    ``src_groups[i]``: index of the distinct source placement produced when ``src``
+    picks strategy ``i``; ``dst_groups[j]`` likewise for the placement ``dst``'s
+    strategy ``j`` wants. ``cost[a, b]``: seconds to reshard source placement
+    ``a`` into wanted placement ``b`` (``inf`` when impossible).
+    """
+
+    src: str
+    dst: str
+    tensor: TensorInfo
+    src_placements: list[Placements]
+    dst_placements: list[Placements]
+    src_groups: np.ndarray
+    dst_groups: np.ndarray
+    cost: np.ndarray
+    producer: str = ""  # the node (maybe merged) that produces the tensor
+    consumer: str = ""  # the node (maybe merged) that reads it
+    members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
+    overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.cost.overlap)
+    hide_share: float = 0.0  # f_e of autoshard.cost.overlap, summed over merged edges
+
+
+@dataclass
+class StrategyGraph:
+    """Everything the ILP needs: per representative a cost vector, edges between them."""
+
+    graph: TracedGraph
+    mesh_shape: tuple[int, ...]
+    nodes: dict[str, NodeStrategies]
+    free: set[str]
+    edges: list[Edge]
+    fallback_ops: Counter
+    seconds: float
+    rule_calls: int = 0
+    cache_hits: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+    extra_cost: dict[str, np.ndarray] = field(default_factory=dict)
+    tied_layers: int = 0
+    bucket_bytes: float = 0.0  # gradient bucket size the gradient edges were priced with
+    overlap: bool = False  # whether gradient reductions and gathers hide (autoshard.cost.overlap)
+
+    @property
+    def reps(self) -> list[str]:
+        """Representative node names, topological order."""
+        return [n for n, s in self.nodes.items() if s.rep == n]
+
+    def rep_cost(self, rep: str) -> np.ndarray:
+        """Compute seconds of ``rep``'s strategies, with every node merged into it."""
+        return self._rep_costs()[rep]
+
+    def _rep_costs(self) -> dict[str, np.ndarray]:
+        if "_rep_cost_cache" not in self.__dict__:
+            costs = {r: np.zeros(len(self.nodes[r].strategies)) for r in self.reps}
+            for ns in self.nodes.values():
+                costs[ns.rep] += ns.compute_s[ns.choice]
+            for rep, extra in self.extra_cost.items():
+                costs[rep] += extra
+            self.__dict__["_rep_cost_cache"] = costs
+        return self.__dict__["_rep_cost_cache"]
+
+
+def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every Replicate/Shard placement of a tensor of ``shape`` that shards evenly.
+
+    A tensor dim may be sharded over several mesh dims (its size must divide by
+    their product). Partial is excluded: only ops produce partial values.
+    """
+    per_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    out = []
+    for combo in itertools.product(per_dim, repeat=len(mesh_shape)):
+        div = [1] * len(shape)
+        for p, n in zip(combo, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                div[p.dim] *= n
+        if all(s % d == 0 for s, d in zip(shape, div, strict=True)):
+            out.append(combo)
+    return out
+
+
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple:
+    """Shape of the shard one device holds (even sharding; ceil otherwise)."""
+    local = list(shape)
+    for p, n in zip(placements, mesh_shape, strict=True):
+        if isinstance(p, Shard) and p.dim < len(local):
+            local[p.dim] = -(-local[p.dim] // n)
+    return tuple(local)
+
+
+# --- autoshard's own rules: ops PyTorch has no (working) rule for ---------------------
+
+OwnRule = Callable[
+    [Any, list[TensorInfo], list[TensorInfo | None], tuple[int, ...]], list[Strategy]
+]
+
+
+def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
+    """``nll_loss_forward(input[N, C], target[N], weight?, reduction, ignore_index)``.
+
+    PyTorch's rule indexes the target's strategy by the input's index and breaks
+    with several input strategies. Here: batch-sharded input and target give a
+    partial loss (sum reduction: partial sum; mean: partial of local means, which
+    is only exact for equal shards, as DTensor itself assumes), replicated gives
+    replicated. Outputs: (loss, total_weight).
+    """
+    rep = (Replicate(),) * len(mesh_shape)
+    n_in = len(args)
+    out = [Strategy((rep, rep), (rep,) * n_in)]
+    for combo in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
+        if all(isinstance(p, Replicate) for p in combo):
+            continue
+        if args[0].shape[0] % math.prod(
+            n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard)
+        ):
+            continue
+        partial = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
+        ins = (combo, combo) + (rep,) * (n_in - 2)
+        out.append(Strategy((partial, partial), ins))
+    return out
+
+
+OWN_RULES: dict[Any, OwnRule] = {
+    aten.nll_loss_forward.default: _nll_loss_forward_rule,
+}
+
+
+def _replicate_fallback(n_in: int, results: list[TensorInfo | None], ndim: int) -> list[Strategy]:
+    rep = (Replicate(),) * ndim
+    return [Strategy(tuple(rep if r is not None else None for r in results), (rep,) * n_in)]
+
+
+# --- generation --------------------------------------------------------------------
+
+
+def _static_key(value: Any, infos: dict[str, TensorInfo]) -> Any:
+    """Hashable form of a node argument: tensors become (shape, dtype)."""
+    if isinstance(value, torch.fx.Node):
+        t = infos.get(value.name)
+        return ("T", t.shape, str(t.dtype)) if t is not None else ("N", value.name)
+    if isinstance(value, (list, tuple)):
+        return tuple(_static_key(v, infos) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _static_key(v, infos)) for k, v in value.items()))
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(value)
+    return value
+
+
+def _to_meta_args(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        v = value.meta.get("val")
+        return tp.tensor_meta(v) if isinstance(v, torch.Tensor) else v
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta_args(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta_args(v) for k, v in value.items()}
+    return value
+
+
+def _out_meta(node: torch.fx.Node) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return tuple(tp.tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return tp.tensor_meta(val) if isinstance(val, torch.Tensor) else None
+
+
+def build_strategy_graph(
+    graph: TracedGraph,
+    mesh_shape: Sequence[int],
+    compute_time: Callable[[float, float, torch.dtype], float],
+    redistribute_cost: Callable[[Placements, Placements, tuple[int, ...], int], float],
+    fixed_inputs: Placements | None = None,
+    fixed_outputs: Placements | None = None,
+    tie: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    bucketed_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
+) -> StrategyGraph:
+    """Generate, cost and shrink the strategies of every node of ``graph``.
+
+    Args:
+        graph: the traced graph.
+        mesh_shape: devices per mesh dim, e.g. ``(2, 4)``.
+        compute_time: ``(flops, bytes, dtype) -> seconds`` on one device (roofline).
+        redistribute_cost: ``(src, dst, global shape, itemsize) -> seconds``.
+        fixed_inputs: when given, every user input must have these placements
+            (e.g. all ``Replicate``); ``None`` lets the ILP choose.
+        fixed_outputs: likewise for the model's outputs; ``None`` allows any
+            placement but ``Partial`` (outputs are always reduced).
+        tie: share one variable per node among identical repeated layers
+            (:func:`tie_layers`).
+        progress: called with (nodes done, nodes total).
+        bucketed_cost: like ``redistribute_cost``, for the collectives that go in buckets:
+            a gradient's reduction and a parameter's gather (:func:`bucketed_use`,
+            :meth:`~autoshard.cost.collectives.CommModel.bucketed_cost`); ``None`` prices
+            them as any resharding.
+
+    Returns:
+        The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
+        replicate fallback.
+    """
+    t0 = time.perf_counter()
+    mesh_shape = tuple(mesh_shape)
+    ndim = len(mesh_shape)
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    infos = {
+        name: info.results[0]
+        for name, info in graph.nodes.items()
+        if info.results and info.results[0] is not None
+    }
+    nodes: dict[str, NodeStrategies] = {}
+    free: set[str] = set()
+    fallback: Counter = Counter()
+    cache: dict[Any, tuple[list[Strategy], bool]] = {}
+    cost_cache: dict[Any, np.ndarray] = {}
+    calls = hits = 0
+    # producer output placements available to consumers: node -> output index -> list
+    stats = Counter()
+    # every name of a tied parameter -> its canonical name; canonical -> first graph node
+    tied = {alias: owner for owner, names in graph.param_names.items() for alias in names}
+    # a traced FQN that owns a group is its own tensor, even when a depth-reduced graph's
+    # renumbered name (the last block's "h.3") is also a real name of the middle block's
+    tied.update({owner: owner for owner in graph.param_names})
+    param_node: dict[str, str] = {}
+
+    def out_cands(name: str, index: int) -> list[Placements]:
+        ns = nodes[name]
+        seen = dict.fromkeys(ns.strategies[c].outputs[index] for c in ns.choice)
+        return [p for p in seen if p is not None]
+
+    with tp.fake_mesh(mesh_shape) as mesh:
+        total = len(graph.nodes)
+        for done, (name, info) in enumerate(graph.nodes.items()):
+            if progress and done % 50 == 0:
+                progress(done, total)
+            if info.kind == "buffer":
+                free.add(name)
+                continue
+            if info.kind == "param" and tied.get(info.fqn) in param_node:
+                # a tied parameter appears once per name in the graph: one placement for all
+                first = nodes[param_node[tied[info.fqn]]]
+                nodes[name] = NodeStrategies(  # one tensor: one optimizer step, the first's
+                    name, first.strategies, np.zeros_like(first.compute_s), first.rep, first.choice
+                )
+                continue
+            if info.kind == "param":
+                param_node.setdefault(tied.get(info.fqn, info.fqn), name)
+            if info.kind in ("param", "input"):
+                shape = info.results[0].shape
+                if info.kind == "input" and fixed_inputs is not None:
+                    cands = [tuple(fixed_inputs)]
+                else:
+                    cands = all_placements(shape, mesh_shape)
+                strategies = [Strategy((c,), ()) for c in cands]
+                # a parameter's own cost is its optimizer step (training); an input's is 0
+                step = np.zeros(len(strategies))
+                if info.kind == "param" and graph.mode == "train":
+                    t = info.results[0]
+                    step = np.array(
+                        [adamw_step_time(t, c, mesh_shape, compute_time) for c in cands]
+                    )
+                nodes[name] = NodeStrategies(
+                    name, strategies, step, name, np.arange(len(strategies))
+                )
+                continue
+            if info.kind == "output":
+                for k, (arg, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                    if arg in free or t is None:
+                        continue
+                    sink = f"{name}.{k}"
+                    grad_of = info.grad_of[k] if k < len(info.grad_of) else None
+                    if grad_of is not None:
+                        # a gradient must end with its parameter's placement: the sink
+                        # follows the parameter, and the edge into it prices the gradient
+                        # reduction (Partial -> Replicate all-reduce, -> Shard reduce-scatter)
+                        pn = nodes[param_node[tied.get(grad_of, grad_of)]]
+                        strategies = [Strategy((), (s.outputs[0],)) for s in pn.strategies]
+                        nodes[sink] = NodeStrategies(
+                            sink, strategies, np.zeros(len(strategies)), pn.rep, pn.choice.copy()
+                        )
+                        continue
+                    if fixed_outputs is not None:
+                        cands = [tuple(fixed_outputs)]
+                    else:
+                        cands = all_placements(t.shape, mesh_shape)
+                    strategies = [Strategy((), (c,)) for c in cands]
+                    nodes[sink] = NodeStrategies(
+                        sink,
+                        strategies,
+                        np.zeros(len(strategies)),
+                        sink,
+                        np.arange(len(strategies)),
+                    )
+                continue
+
+            node = fx_nodes[name]
+            if node.target is operator.getitem:
+                src, idx = node.args[0].name, node.args[1]
+                if src in free:
+                    free.add(name)
+                    continue
+                ps = nodes[src]
+                strategies = [Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies]
+                nodes[name] = NodeStrategies(
+                    name, strategies, np.zeros(len(strategies)), ps.rep, ps.choice.copy()
+                )
+                continue
+            if all(r is None for r in info.results) or all(a in free for a in info.arg_nodes):
+                free.add(name)  # factory op, assertion, or computed from free nodes only
+                continue
+
+            # candidate placements of each tensor input
+            cand_lists: list[list[Placements]] = []
+            for a, t in zip(info.arg_nodes, info.args, strict=True):
+                if a in free:
+                    cand_lists.append(all_placements(t.shape, mesh_shape))
+                else:
+                    cand_lists.append(out_cands(a, 0))
+
+            target = node.target
+            own = OWN_RULES.get(target)
+            key = (
+                target,
+                _static_key(node.args, infos),
+                _static_key(dict(node.kwargs), infos),
+                # rules given per mesh dim enumerate every combination whatever the
+                # inputs' candidates, so the candidates only key the other rules
+                None if own or tp.is_single_dim(target) else tuple(map(tuple, cand_lists)),
+            )
+            cached = cache.get(key)
+            if cached is None:
+                calls += 1
+                strategies = _generate(node, info, mesh, mesh_shape, cand_lists, own)
+                used_fallback = strategies is None
+                if used_fallback:
+                    strategies = _replicate_fallback(len(info.args), info.results, ndim)
+                cache[key] = (strategies, used_fallback)
+            else:
+                hits += 1
+                strategies, used_fallback = cached
+            if used_fallback:
+                fallback[str(target)] += 1
+
+            ckey = (key[0], key[1], key[2], len(strategies), id(strategies))
+            compute = cost_cache.get(ckey)
+            if compute is None:
+                compute = np.array(
+                    [_compute_cost(node, info, s, mesh_shape, compute_time) for s in strategies]
+                )
+                cost_cache[ckey] = compute
+
+            # follow node: one non-free tensor input, each producer placement maps to one
+            # strategy with no resharding
+            nonfree = [i for i, a in enumerate(info.arg_nodes) if a not in free]
+            merged = False
+            if len(nonfree) == 1 and len(info.arg_nodes) == 1:
+                src = info.arg_nodes[0]
+                ps = nodes[src]
+                by_input: dict[Placements, int] = {}
+                ambiguous = set()
+                for j, s in enumerate(strategies):
+                    p = s.inputs[0]
+                    if p in by_input and strategies[by_input[p]].outputs != s.outputs:
+                        ambiguous.add(p)
+                    by_input.setdefault(p, j)
+                produced = [ps.strategies[c].outputs[0] for c in ps.choice]
+                if all(p in by_input and p not in ambiguous for p in produced):
+                    choice = np.array([by_input[p] for p in produced], dtype=np.int64)
+                    nodes[name] = NodeStrategies(
+                        name, strategies, compute, ps.rep, choice, used_fallback
+                    )
+                    merged = True
+                    stats["merged"] += 1
+            if not merged:
+                nodes[name] = NodeStrategies(
+                    name, strategies, compute, name, np.arange(len(strategies)), used_fallback
+                )
+        if progress:
+            progress(total, total)
+
+    for name, m in graph.multiplicity.items():
+        if name in nodes and m != 1:  # a traced middle block standing for m real ones
+            nodes[name].compute_s = nodes[name].compute_s * m
+    tied = tie_layers(graph, nodes) if tie else 0
+    edges, extra = _build_edges(graph, nodes, free, redistribute_cost, bucketed_cost)
+    sg = StrategyGraph(
+        graph=graph,
+        mesh_shape=mesh_shape,
+        nodes=nodes,
+        free=free,
+        edges=edges,
+        fallback_ops=fallback,
+        seconds=time.perf_counter() - t0,
+        rule_calls=calls,
+        cache_hits=hits,
+        extra_cost=extra,
+        tied_layers=tied,
+    )
+    sg.stats = {
+        "nodes": len(graph.nodes),
+        "free": len(free),
+        "merged": stats["merged"],
+        "variables_nodes": len(sg.reps),
+        "strategies": sum(len(nodes[r].strategies) for r in sg.reps),
+        "edges": len(edges),
+        "edge_pairs": int(sum(np.isfinite(e.cost).sum() for e in edges)),
+        "tied_layers": tied,
+    }
+    return sg
+
+
+def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:
+    """Strategies for one op, deduplicated; ``None`` when no rule gives any."""
+    if own is not None:
+        found = own(node, info.args, info.results, mesh_shape)
+    elif tp.has_rule(node.target):
+        try:
+            rs = tp.rule_strategies(
+                node.target,
+                _to_meta_args(tuple(node.args)),
+                _to_meta_args(dict(node.kwargs)),
+                mesh,
+                dict(enumerate(cand_lists)),
+                _out_meta(node),
+            )
+        except Exception:  # a rule that cannot handle these arguments: fall back
+            return None
+        found = [Strategy(r.outputs, r.inputs) for r in rs]
+    else:
+        return None
+    n_in = len(info.args)
+    out = []
+    seen = set()
+    for s in found:
+        if len(s.inputs) != n_in or s in seen:
+            continue
+        if not _even(s, info, mesh_shape):
+            continue
+        seen.add(s)
+        out.append(s)
+    return out or None
+
+
+def _even(s: Strategy, info, mesh_shape) -> bool:
+    """Every sharded tensor dim divides evenly by the devices sharding it."""
+    tensors = list(zip(s.inputs, info.args, strict=True)) + [
+        (p, r) for p, r in zip(s.outputs, info.results, strict=False) if p is not None and r
+    ]
+    for ps, t in tensors:
+        if t is None:
+            continue
+        div = [1] * max(len(t.shape), 1)
+        for p, n in zip(ps, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                if p.dim >= len(t.shape):
+                    return False
+                div[p.dim] *= n
+        if any(sz % d for sz, d in zip(t.shape, div, strict=False)):
+            return False
+    return True
+
+
+def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
+    """Roofline seconds of strategy ``s`` on one device: its local shard of the op.
+
+    Views (``view``, ``t``, ``permute``, ``expand``, ...) alias their input: 0 s.
+    """
+    if str(node.target) in VIEW_OPS:
+        return 0.0
+    args = [
+        TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
+        for t, p in zip(info.args, s.inputs, strict=True)
+    ]
+    results = [
+        TensorInfo(local_shape(r.shape, p, mesh_shape), r.dtype) if r is not None and p else r
+        for r, p in zip(info.results, s.outputs + (None,) * len(info.results), strict=False)
+    ]
+    flops = op_flops(node, args, results)
+    nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
+    dtype = next((r.dtype for r in results if r is not None), torch.float32)
+    return compute_time(flops, nbytes, dtype)
+
+
+def adamw_step_time(
+    t: TensorInfo,
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    compute_time: Callable[[float, float, torch.dtype], float],
+) -> float:
+    """Seconds of one AdamW step on the shard of parameter ``t`` one device holds.
+
+    ``torch.optim.AdamW`` reads the parameter, its gradient and both moments and writes
+    the parameter and both moments: ``2 p + g + 16`` bytes per element with fp32 moments
+    (28 for fp32 parameters), plus 8 (read and write an fp32 master copy) when the
+    parameter is not fp32 (ZeRO, Rajbhandari et al., SC'20, section 3.1). About 10
+    FLOPs per element against 28 bytes: memory-bound, so the roofline's byte term
+    (``compute_time(0, bytes, dtype)``).
+    """
+    p = t.itemsize
+    per_element = 2 * p + p + 16 + (8 if t.dtype != torch.float32 else 0)
+    local = math.prod(local_shape(t.shape, placements, mesh_shape))
+    return compute_time(0.0, per_element * local, t.dtype)
+
+
+def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
+    """Share variables among identical repeated layers (Alpa-style layer tying).
+
+    The nodes of each repeated block, in graph order, are matched by position with
+    those of an earlier block (the first that matches). When every representative of
+    block ``L`` has, at the same position, a representative of that block with the same
+    op, shapes and strategy list, block ``L``'s representatives are replaced by that
+    block's: its nodes then follow its variables (their ``choice`` arrays stay valid,
+    the strategy lists being equal). Costs still count every layer (they are
+    summed per representative); edges between layers stay edges, now between the
+    reference block's variables (see :func:`_build_edges`). Mutates ``nodes``.
+
+    Returns:
+        The number of layers tied to an earlier one.
+    """
+    by_layer: dict[int, list[str]] = {}
+    for name in nodes:
+        base = name.split(".")[0] if name not in graph.nodes else name
+        info = graph.nodes.get(base)
+        if info is not None and info.layer is not None and base == name:
+            by_layer.setdefault(info.layer, []).append(name)
+    if len(by_layer) < 2:
+        return 0
+
+    def sig(n: str) -> tuple:
+        i = graph.nodes[n]
+        return (i.kind, i.op_name, tuple(i.args), tuple(i.results), i.backward)
+
+    def match(ref: list[str], cur: list[str]) -> dict[str, str] | None:
+        if len(cur) != len(ref):
+            return None
+        local: dict[str, str] = {}
+        for a, b in zip(ref, cur, strict=True):
+            if sig(a) != sig(b):
+                return None
+            na, nb = nodes[a], nodes[b]
+            if nb.rep == b:
+                if na.rep != a or na.strategies != nb.strategies:
+                    return None
+                local[b] = a
+        return local
+
+    # each layer ties to the first earlier layer it matches; one that matches none is a
+    # new reference (the first block, holding the embeddings' backward, may differ from
+    # the blocks after it, which still share one plan)
+    refs: list[list[str]] = []
+    mapping: dict[str, str] = {}
+    tied = 0
+    for layer in sorted(by_layer):
+        cur = by_layer[layer]
+        for ref in refs:
+            local = match(ref, cur)
+            if local is not None:
+                mapping.update(local)
+                tied += 1
+                break
+        else:
+            refs.append(cur)
+    for ns in nodes.values():
+        ns.rep = mapping.get(ns.rep, ns.rep)
+    return tied
+
+
+def bucketed_use(
+    graph: TracedGraph, nodes: dict[str, NodeStrategies], producer: str, consumer: str
+) -> str:
+    """How a tensor use's collectives run: ``"gradient"`` into a gradient output (DDP's
+    bucketed reduction), ``"gather"`` when the producer's variable is a parameter (FSDP's
+    grouped all-gather), ``""`` otherwise (an activation, on the critical path). Both
+    bucketed kinds can hide under compute (:mod:`autoshard.cost.overlap`)."""
+    if is_gradient_sink(graph, consumer):
+        return GRADIENT
+    info = graph.nodes.get(nodes[producer].rep)
+    return GATHER if info is not None and info.kind == "param" else ""
+
+
+def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
+    """Whether ``name`` is an output sink ``output.<k>`` holding a parameter's gradient."""
+    base, _, k = name.rpartition(".")
+    info = graph.nodes.get(base)
+    return (
+        info is not None
+        and info.kind == "output"
+        and k.isdigit()
+        and int(k) < len(info.grad_of)
+        and info.grad_of[int(k)] is not None
+    )
+
+
+def _build_edges(
+    graph, nodes, free, redistribute_cost, bucketed_cost=None
+) -> tuple[list[Edge], dict]:
+    """Edges between representatives, and linear costs of edges inside one
+    (:func:`merge_edges`): one edge per tensor read, its cost matrix over the distinct
+    produced and wanted placements (cached by placements, shape and dtype). Edges into a
+    gradient output or out of a parameter are priced by ``bucketed_cost`` when given."""
+    consumers: list[tuple[str, int, str, TensorInfo]] = []
+    for name, info in graph.nodes.items():
+        if info.kind == "op" and name in nodes:
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                consumers.append((name, k, a, t))
+        elif info.kind == "output":
+            for k, (a, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+                if f"{name}.{k}" in nodes:
+                    consumers.append((f"{name}.{k}", 0, a, t))
+    cost_cache: dict[tuple, np.ndarray] = {}
+    share = hide_share_fn(graph)
+
+    def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
+        src, dst = nodes[src_name], nodes[dst_name]
+        s_rep, d_rep = nodes[src.rep], nodes[dst.rep]
+        produced = [src.strategies[src.choice[i]].outputs[0] for i in range(len(s_rep.strategies))]
+        wanted = [dst.strategies[dst.choice[j]].inputs[k] for j in range(len(d_rep.strategies))]
+        p_list = list(dict.fromkeys(produced))
+        q_list = list(dict.fromkeys(wanted))
+        kind = bucketed_use(graph, nodes, src_name, dst_name)
+        bucketed = bool(kind) and bucketed_cost is not None
+        price = bucketed_cost if bucketed else redistribute_cost
+        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize, bucketed)
+        cost = cost_cache.get(ckey)
+        if cost is None:
+            cost = np.array([[price(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list])
+            cost_cache[ckey] = cost
+        m = graph.mult(dst_name)
+        p_index = {p: i for i, p in enumerate(p_list)}
+        q_index = {q: i for i, q in enumerate(q_list)}
+        return Edge(
+            src=src.rep,
+            dst=dst.rep,
+            tensor=t,
+            src_placements=p_list,
+            dst_placements=q_list,
+            src_groups=np.array([p_index[p] for p in produced], dtype=np.int64),
+            dst_groups=np.array([q_index[q] for q in wanted], dtype=np.int64),
+            cost=cost * m if m != 1 else cost,
+            producer=src_name,
+            consumer=dst_name,
+            members=[t],
+            overlap=kind,
+            hide_share=m * share(kind, src_name, dst_name) if kind else 0.0,
+        )
+
+    return merge_edges(edge(*c) for c in consumers if c[2] not in free)
+
+
+def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray]]:
+    """Edges between representatives, and the linear costs of edges inside one.
+
+    An edge whose two ends follow one variable (a follow node, or tied layers) costs a
+    fixed amount per strategy of it, zero for follow nodes: that goes into the returned
+    linear costs (representative -> seconds per strategy). Edges with the same endpoints,
+    placements and grouping of strategies (e.g. the same edge in every tied layer) are
+    merged by summing their cost matrices: their transportation variables would be equal
+    anyway. The given edges are not modified.
+    """
+    merged: dict[tuple, Edge] = {}
+    extra: dict[str, np.ndarray] = {}
+    for e in edges:
+        if e.src == e.dst:
+            per = e.cost[e.src_groups, e.dst_groups]
+            if np.any(per):
+                extra[e.src] = extra.get(e.src, 0) + per
+            continue
+        key = (
+            e.src,
+            e.dst,
+            tuple(e.src_placements),
+            tuple(e.dst_placements),
+            e.src_groups.tobytes(),
+            e.dst_groups.tobytes(),
+        )
+        kept = merged.get(key)
+        if kept is None:
+            merged[key] = replace(e, members=list(e.members))
+        else:
+            kept.cost = kept.cost + e.cost
+            kept.members.extend(e.members)
+            kept.hide_share += e.hide_share
+    return list(merged.values()), extra

@@ -1,0 +1,1 @@
+"""Tracing: torch.export to an ATen graph on the meta device, with shapes and FLOPs."""

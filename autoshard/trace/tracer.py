@@ -1,0 +1,608 @@
+"""Trace a model into a core-ATen graph on the meta device and annotate every node.
+
+``torch.export.export`` on the meta device (no weights allocated), then
+``run_decompositions()`` to core ATen (``addmm``, ``bmm``, ``view``,
+``native_layer_norm``, ...), which is what DTensor has sharding rules for.
+
+Each node gets MASE-style metadata (:class:`NodeInfo`): per tensor argument and
+result its shape, dtype and bytes; the FLOPs of the op; the module path (FQN) it
+came from; and the index of the repeated block (layer) it belongs to. Repeated
+blocks are found from the module tree (a container whose children are named
+``0, 1, 2, ...`` and share one class) and checked against the graph (each block
+must trace to the same op sequence); no model-specific names are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+import re
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+from torch.utils.flop_counter import flop_registry
+
+from autoshard import _torch_private as tp
+from autoshard.errors import AutoshardError
+from autoshard.model.model_file import LoadedModel
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape (global), dtype and size in bytes of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass
+class NodeInfo:
+    """MASE-style metadata of one graph node.
+
+    ``args``: one :class:`TensorInfo` per tensor argument (flattened order of
+    ``args`` then ``kwargs``); ``arg_nodes`` the producing node names, same order.
+    ``results``: one per output (``None`` for a non-tensor output).
+    ``flops``: floating-point operations of the whole (unsharded) op (:func:`op_flops`);
+    ``counted_flops``: the part ``FlopCounterMode`` counts (matmul-like ops, else 0).
+    ``kind``: ``param``, ``buffer``, ``input``, ``op`` or ``output``.
+    """
+
+    name: str
+    kind: str
+    target: Any
+    args: list[TensorInfo] = field(default_factory=list)
+    arg_nodes: list[str] = field(default_factory=list)
+    results: list[TensorInfo | None] = field(default_factory=list)
+    flops: float = 0.0
+    counted_flops: float = 0.0
+    module_path: str | None = None
+    layer: int | None = None
+    fqn: str | None = None  # parameter/buffer FQN or user-input name
+    backward: bool = False  # part of the backward pass (joint graph)
+    grad_of: list[str | None] = field(default_factory=list)  # output node: per arg
+
+    @property
+    def op_name(self) -> str:
+        return str(self.target) if self.kind == "op" else self.kind
+
+
+@dataclass
+class TracedGraph:
+    """A traced, annotated graph.
+
+    ``nodes`` is in topological order. ``param_names``: parameter FQN -> every name
+    under which the model holds that tensor (tied weights appear once in the graph).
+    """
+
+    model_name: str
+    graph_module: torch.fx.GraphModule
+    nodes: dict[str, NodeInfo]
+    input_names: tuple[str, ...]
+    param_names: dict[str, list[str]]
+    block_prefixes: dict[str, int]
+    num_layers: int
+    trace_seconds: float
+    mode: str = "infer"
+    multiplicity: dict[str, int] = field(default_factory=dict)
+    depth: DepthReduction | None = None
+
+    def mult(self, node: str) -> int:
+        """How many real nodes ``node`` stands for (1 unless the depth was reduced)."""
+        if node in self.nodes:
+            return self.multiplicity.get(node, 1)
+        base, _, k = node.rpartition(".")  # an output sink "output.<k>": its producer's
+        out = self.nodes.get(base)
+        if out is not None and k.isdigit() and int(k) < len(out.arg_nodes):
+            return self.multiplicity.get(out.arg_nodes[int(k)], 1)
+        return 1
+
+    @property
+    def step_flops(self) -> float:
+        """Global FLOPs of the traced step (forward, plus backward in training) as
+        ``torch.utils.flop_counter.FlopCounterMode`` counts them: matmul-like ops only,
+        each node times the real nodes it stands for (:meth:`mult`)."""
+        return float(sum(i.counted_flops * self.mult(n) for n, i in self.nodes.items()))
+
+    def saved_for_backward(self) -> list[str]:
+        """Forward op outputs a backward op reads, in graph order (empty in inference).
+
+        They stay live from the forward pass to the backward pass.
+        """
+        saved = set()
+        for info in self.nodes.values():
+            if info.kind == "op" and info.backward:
+                saved.update(
+                    a
+                    for a in info.arg_nodes
+                    if self.nodes[a].kind == "op" and not self.nodes[a].backward
+                )
+        return [n for n in self.nodes if n in saved]
+
+    def users(self) -> dict[str, list[str]]:
+        """Node name -> names of the nodes that read it."""
+        out: dict[str, list[str]] = defaultdict(list)
+        for info in self.nodes.values():
+            for a in dict.fromkeys(info.arg_nodes):
+                out[a].append(info.name)
+        return out
+
+
+def _tensor_info(value: Any) -> TensorInfo | None:
+    if isinstance(value, torch.Tensor):
+        return TensorInfo(tuple(int(s) for s in value.shape), value.dtype)
+    return None
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, torch.fx.Node)
+
+
+def tensor_arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor-valued argument nodes of ``node``, flattened (args then kwargs)."""
+    leaves, _ = torch.utils._pytree.tree_flatten((list(node.args), dict(node.kwargs)))
+    return [x for x in leaves if _is_node(x) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
+def counted_flops(node: torch.fx.Node, args: list[TensorInfo], results: list[TensorInfo | None]):
+    """FLOPs of ``node`` as ``torch.utils.flop_counter.FlopCounterMode`` counts them, on the
+    given (global or local) shapes; ``None`` for an op the counter does not count.
+
+    The counter's own formula (``flop_registry``, keyed by overload packet: mm, addmm, bmm,
+    baddbmm, convolution and its backward, the SDPA variants and their backwards) is
+    called the way the counter calls it: the node's arguments with each tensor argument
+    replaced by a meta tensor of the given shape, and ``out_val`` the result(s). 2 FLOPs
+    per multiply-add.
+
+    Args:
+        node: the graph node (its non-tensor arguments: strides, flags, ...).
+        args: one :class:`TensorInfo` per tensor argument, in :func:`tensor_arg_nodes` order.
+        results: one per output (``None`` for a non-tensor output).
+
+    Raises:
+        Any error the formula raises: a formula that cannot price an op is a bug here
+        (it once priced every matmul at one FLOP per element), never a fallback.
+    """
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return None
+    tensors = iter(torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args)
+    wanted = {id(n) for n in tensor_arg_nodes(node)}
+
+    def arg(x: Any) -> Any:
+        if _is_node(x):
+            return next(tensors) if id(x) in wanted else x.meta.get("val")
+        return x
+
+    call_args, call_kwargs = torch.utils._pytree.tree_map(
+        arg, (tuple(node.args), dict(node.kwargs))
+    )
+    outs = [
+        None if r is None else torch.empty(r.shape, dtype=r.dtype, device="meta") for r in results
+    ]
+    out_val = outs[0] if not isinstance(node.meta.get("val"), (tuple, list)) else tuple(outs)
+    return float(formula(*call_args, out_val=out_val, **call_kwargs))
+
+
+def op_flops(
+    node: torch.fx.Node, args: list[TensorInfo], results: list[TensorInfo | None]
+) -> float:
+    """FLOPs of one op on the given (global or local) shapes.
+
+    Ops ``FlopCounterMode`` counts (matmul-like) use its formulas (:func:`counted_flops`).
+    Every other op counts one FLOP per output element, or per input element when that is
+    larger (reductions): a common approximation for memory-bound ops, whose roofline time
+    is set by their bytes anyway.
+    """
+    counted = counted_flops(node, args, results)
+    if counted is not None:
+        return counted
+    out_elems = sum(r.numel for r in results if r is not None)
+    in_elems = max((a.numel for a in args), default=0)
+    return float(max(out_elems, in_elems))
+
+
+_aten = torch.ops.aten
+
+# ops whose output aliases (a view of) their input: no new memory, no memory traffic
+VIEW_OPS = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.permute.default",
+    "aten.t.default",
+    "aten.expand.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.slice.Tensor",
+    "aten.alias.default",
+    "aten.transpose.int",
+    "aten.select.int",
+    "aten.split_with_sizes.default",
+    "aten.split.Tensor",
+    "<built-in function getitem>",
+}
+
+
+def _module_path(node: torch.fx.Node, strip: str = "") -> str | None:
+    """FQN of the innermost module the node came from (backward nodes: their forward's)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    if not isinstance(path, str):
+        return None
+    if strip and (path == strip or path.startswith(strip + ".")):
+        path = path[len(strip) + 1 :]
+    return path or None
+
+
+def _grad_of_outputs(node: torch.fx.Node, grad_of: list[str | None] | None) -> list[str | None]:
+    """Per tensor argument of the output node, the parameter it is the gradient of."""
+    if grad_of is None:
+        return []
+    leaves, _ = torch.utils._pytree.tree_flatten(list(node.args))
+    out = []
+    for i, x in enumerate(leaves):
+        if _is_node(x):
+            out.append(grad_of[i] if i < len(grad_of) else None)
+    return out
+
+
+def find_block_prefixes(module: torch.nn.Module) -> dict[str, int]:
+    """Module FQN of each repeated block -> its index.
+
+    A repeated block is a child named by an integer of a container with at least
+    two integer-named children of one class (``nn.ModuleList`` / ``nn.Sequential``
+    of layers). The container with the most such children wins.
+    """
+    best: dict[str, int] = {}
+    for name, mod in module.named_modules():
+        children = list(mod.named_children())
+        numbered = [(k, c) for k, c in children if k.isdigit()]
+        if len(numbered) < 2 or len({type(c) for _, c in numbered}) != 1:
+            continue
+        if len(numbered) > len(best):
+            prefix = f"{name}." if name else ""
+            best = {f"{prefix}{k}": int(k) for k, _ in numbered}
+    return best
+
+
+def _layer_of(path: str | None, blocks: dict[str, int], pattern: re.Pattern | None) -> int | None:
+    if not path or pattern is None:
+        return None
+    m = pattern.match(path)
+    return blocks.get(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class DepthReduction:
+    """A model traced with fewer repeated blocks than it has.
+
+    ``stands_for[i]``: the real block indices traced block ``i`` stands for. The
+    traced blocks are the first two, one middle block standing for all the others but
+    the last, and the last: ``[0], [1], [2..L-2], [L-1]``. ``prefix``: the
+    container's FQN (e.g. ``transformer.h``); ``num_blocks``: ``L``.
+    """
+
+    prefix: str
+    num_blocks: int
+    stands_for: tuple[tuple[int, ...], ...]
+
+    def real_names(self, fqn: str) -> list[str]:
+        """Every real FQN a traced FQN stands for (itself outside the blocks)."""
+        head = self.prefix + "." if self.prefix else ""
+        if not fqn.startswith(head):
+            return [fqn]
+        index, _, rest = fqn[len(head) :].partition(".")
+        if not index.isdigit() or int(index) >= len(self.stands_for):
+            return [fqn]
+        tail = "." + rest if rest else ""
+        return [f"{head}{j}{tail}" for j in self.stands_for[int(index)]]
+
+
+def reduce_depth(module: torch.nn.Module, keep: int = 4) -> DepthReduction | None:
+    """Keep blocks 0, 1, 2 and L-1 of the model's repeated blocks (in place).
+
+    Identical middle blocks cost the same and get the same plan, so one traced middle
+    block stands for all of them; its costs are counted ``L - 3`` times (see
+    :attr:`TracedGraph.multiplicity`). Returns ``None`` (and changes nothing) when the
+    model has at most ``keep`` blocks or its blocks are not an ``nn.ModuleList`` /
+    ``nn.Sequential``.
+    """
+    blocks = find_block_prefixes(module)
+    n = len(blocks)
+    if n <= keep:
+        return None
+    prefix = next(iter(blocks)).rpartition(".")[0]
+    container = module.get_submodule(prefix) if prefix else module
+    if type(container) not in (torch.nn.ModuleList, torch.nn.Sequential):
+        return None
+    kept = [0, 1, 2, n - 1]
+    smaller = (
+        type(container)(*[container[i] for i in kept])
+        if isinstance(container, torch.nn.Sequential)
+        else torch.nn.ModuleList([container[i] for i in kept])
+    )
+    parent_path, _, attr = prefix.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    setattr(parent, attr, smaller)
+    stands_for = ((0,), (1,), tuple(range(2, n - 1)), (n - 1,))
+    return DepthReduction(prefix, n, stands_for)
+
+
+class _LossWrapper(torch.nn.Module):
+    """The model plus a scalar loss for the joint graph: the mean of its first output.
+
+    A model returning a scalar (e.g. a HuggingFace model given labels) keeps it. The
+    mean stands in for the user's loss: it costs one cheap reduction and gives every
+    output element a gradient, which is what the backward pass's cost depends on.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        out = self.model(*args)
+        leaves, _ = torch.utils._pytree.tree_flatten(out)
+        t = next((x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+        if t is None:
+            raise TypeError("the model returns no floating-point tensor to train on")
+        return t if t.dim() == 0 else t.float().mean()
+
+
+def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return AutoshardError(
+        f"{what} could not trace {loaded.name}: {type(exc).__name__}: {first} "
+        "(make the model traceable: no data-dependent Python control flow; "
+        "see docs/model-file.md)"
+    )
+
+
+def _export_inference(loaded: LoadedModel):
+    """Forward graph: ``torch.export`` + core-ATen decompositions."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(loaded.module, loaded.inputs)
+            ep = ep.run_decompositions()
+    except Exception as exc:  # torch raises many types here
+        raise _export_error(loaded, exc, "torch.export") from exc
+    sig = ep.graph_signature
+    kinds: dict[str, tuple[str, str]] = {}
+    user_inputs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            kinds[spec.arg.name] = ("param", spec.target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kinds[spec.arg.name] = ("buffer", spec.target)
+    labels = []
+    for i, spec in enumerate(user_inputs):
+        label = loaded.input_names[i] if i < len(loaded.input_names) else spec.arg.name
+        kinds[spec.arg.name] = ("input", label)
+        labels.append(label)
+    return ep.graph_module, kinds, tuple(labels), None, lambda: None
+
+
+def _export_joint(loaded: LoadedModel):
+    """Joint forward+backward graph of one training step (see DESIGN.md).
+
+    ``torch.export`` first (HF models fail in the joint export directly), then
+    ``aot_export_joint_with_descriptors`` on ``ep.module()``; its placeholders and
+    outputs carry descriptors pairing parameters with their gradients. Returns a
+    closer for the joint export's context, to call once annotation is done.
+    """
+    stack = contextlib.ExitStack()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(_LossWrapper(loaded.module), loaded.inputs)
+            joint = tp.export_joint(stack, ep.module(), loaded.inputs)
+    except Exception as exc:
+        stack.close()
+        raise _export_error(loaded, exc, "the joint forward/backward export") from exc
+    gm = joint.graph_module
+    kinds: dict[str, tuple[str, str]] = {}
+    labels = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        kind, target = tp.describe_input(node)
+        if kind == "param" or kind == "buffer":
+            kinds[node.name] = (kind, target.removeprefix("model."))
+        elif kind == "input":
+            i = int(target)
+            label = loaded.input_names[i] if i < len(loaded.input_names) else node.name
+            kinds[node.name] = ("input", label)
+            labels.append(label)
+        else:  # tangents of the loss and anything else: computed locally, free
+            kinds[node.name] = ("buffer", node.name)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grad_of = [
+        (g.removeprefix("model.") if g is not None else None) for g in tp.describe_outputs(out)
+    ]
+    return gm, kinds, tuple(labels), grad_of, stack.close
+
+
+def trace_model(
+    loaded: LoadedModel, mode: str = "infer", depth: DepthReduction | None = None
+) -> TracedGraph:
+    """Trace ``loaded.module`` on its inputs (meta device) and annotate the graph.
+
+    ``mode="infer"``: the forward graph in core ATen. ``mode="train"``: the joint
+    forward+backward graph of one step, loss = mean of the first output; its
+    output node's ``grad_of`` names the parameter each gradient output belongs to.
+
+    Raises:
+        AutoshardError: when the model cannot be traced (torch's first line and what
+            to try), or ``mode`` is unknown.
+    """
+    if mode not in ("infer", "train"):
+        raise AutoshardError(f"mode must be 'train' or 'infer', got {mode!r}")
+    t0 = time.perf_counter()
+    export = _export_joint if mode == "train" else _export_inference
+    gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
+    try:
+        graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
+    finally:
+        close()
+    if depth is not None:
+        _expand_depth(graph, depth)
+    return graph
+
+
+def _expand_depth(graph: TracedGraph, depth: DepthReduction) -> None:
+    """Multiplicities and real names for a graph traced with :func:`reduce_depth`."""
+    graph.depth = depth
+    real_first = {i: sf[0] for i, sf in enumerate(depth.stands_for)}
+    for name, info in graph.nodes.items():
+        if info.layer is not None:
+            m = len(depth.stands_for[info.layer])
+            if m != 1:
+                graph.multiplicity[name] = m
+            info.layer = real_first[info.layer]
+    graph.param_names = {
+        owner: [real for n in names for real in depth.real_names(n)]
+        for owner, names in graph.param_names.items()
+    }
+    head = depth.prefix + "." if depth.prefix else ""
+    graph.block_prefixes = {f"{head}{j}": j for j in range(depth.num_blocks)}
+    graph.num_layers = depth.num_blocks
+
+
+def _attribute_backward_glue(gm: torch.fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
+    """Give backward ops that autograd adds outside any module (gradient accumulation
+    ``add``s, ``getitem``s of backward ops) the layer of the tensors they combine, so
+    that a layer's cost includes them (which matters when one traced block stands for
+    many, :func:`reduce_depth`). Graph order makes one pass enough."""
+    for node in gm.graph.nodes:
+        info = nodes.get(node.name)
+        if info is None or info.kind != "op" or info.layer is not None or not info.backward:
+            continue
+        if node.target is operator.getitem:
+            src = nodes.get(node.args[0].name)
+            layers = {src.layer} if src is not None and src.layer is not None else set()
+        else:
+            layers = {nodes[a].layer for a in info.arg_nodes if nodes[a].layer is not None}
+        if layers:
+            # between two blocks (a residual gradient summed across a block boundary):
+            # the earlier block, the one the backward pass is entering. The sums form a
+            # chain from the last block down, so the later block would hand its index to
+            # every sum below it; with the earlier one each of the L - 1 boundaries counts
+            # once, in the block where the pipeline stage holding it runs it
+            info.layer = min(layers)
+
+
+def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> TracedGraph:
+    blocks = find_block_prefixes(loaded.module)
+    pattern = (
+        re.compile(
+            "^("
+            + "|".join(re.escape(p) for p in sorted(blocks, key=len, reverse=True))
+            + r")(\.|$)"
+        )
+        if blocks
+        else None
+    )
+
+    nodes: dict[str, NodeInfo] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            kind, fqn = placeholder_kind.get(node.name, ("input", node.name))
+            res = [_tensor_info(node.meta.get("val"))]
+            layer = _layer_of(fqn, blocks, pattern) if kind != "input" else None
+            nodes[node.name] = NodeInfo(
+                node.name,
+                kind,
+                None,
+                results=res,
+                fqn=fqn,
+                layer=layer,
+                module_path=fqn.rsplit(".", 1)[0] if kind != "input" and "." in fqn else None,
+            )
+        elif node.op == "call_function":
+            arg_nodes = tensor_arg_nodes(node)
+            args = [_tensor_info(a.meta["val"]) for a in arg_nodes]
+            val = node.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                results = [_tensor_info(v) for v in val]
+            else:
+                results = [_tensor_info(val)]
+            path = _module_path(node, strip="model" if mode == "train" else "")
+            phase = node.meta.get("partitioner_tag")
+            info = NodeInfo(
+                node.name,
+                "op",
+                node.target,
+                args=args,
+                arg_nodes=[a.name for a in arg_nodes],
+                results=results,
+                module_path=path,
+                layer=_layer_of(path, blocks, pattern),
+                backward=phase == "is_backward",
+            )
+            counted = counted_flops(node, args, results)
+            info.counted_flops = counted or 0.0
+            info.flops = counted if counted is not None else op_flops(node, args, results)
+            nodes[node.name] = info
+        elif node.op == "output":
+            leaves, _ = torch.utils._pytree.tree_flatten(list(node.args))
+            outs = [x for x in leaves if _is_node(x)]
+            nodes[node.name] = NodeInfo(
+                node.name,
+                "output",
+                None,
+                args=[_tensor_info(x.meta.get("val")) for x in outs],
+                arg_nodes=[x.name for x in outs],
+                grad_of=_grad_of_outputs(node, grad_of),
+            )
+
+    _attribute_backward_glue(gm, nodes)
+
+    param_names: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for fqn, p in loaded.module.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(fqn)
+    for names in by_id.values():
+        param_names[names[0]] = names
+    # the graph names a tied parameter by one of its FQNs: index every alias
+    graph_params = {n.fqn for n in nodes.values() if n.kind == "param"}
+    for names in list(param_names.values()):
+        owner = next((n for n in names if n in graph_params), names[0])
+        for n in names:
+            param_names.pop(n, None)
+        param_names[owner] = names
+
+    layers = {n.layer for n in nodes.values() if n.layer is not None}
+    return TracedGraph(
+        model_name=loaded.name,
+        graph_module=gm,
+        nodes=nodes,
+        input_names=input_labels,
+        param_names=param_names,
+        block_prefixes=blocks,
+        num_layers=len(layers),
+        trace_seconds=time.perf_counter() - t0,
+        mode=mode,
+    )

@@ -1,0 +1,163 @@
+"""The package's import structure: no cycles, no private names across modules, and a
+command line that loads without torch (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "autoshard"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], bool]]:
+    """(module, names, at module level) of every autoshard import that runs (not under
+    ``if TYPE_CHECKING``)."""
+    found: list[tuple[str, list[str], bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                if child.module.split(".")[0] == "autoshard":
+                    names = [a.name for a in child.names]
+                    subs = [
+                        f"{child.module}.{n}"
+                        for n in names
+                        if (PACKAGE.parent / f"{child.module}.{n}".replace(".", "/")).exists()
+                        or (
+                            PACKAGE.parent / (f"{child.module}.{n}".replace(".", "/") + ".py")
+                        ).exists()
+                    ]
+                    found.append((child.module, names, top))
+                    found.extend((s, [], top) for s in subs)
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    if a.name.split(".")[0] == "autoshard":
+                        found.append((a.name, [], top))
+            is_scope = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            visit(child, top and not is_scope)
+
+    visit(ast.parse(path.read_text()), True)
+    return found
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _graph(top_only: bool) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        deps = set()
+        for module, _, top in _imports(path):
+            if top_only and not top:
+                continue
+            # importing a.b.c runs a and a.b too; a package's __init__ is a module of its own
+            parts = module.split(".")
+            for k in range(2, len(parts) + 1):
+                dep = ".".join(parts[:k])
+                if dep in MODULES and dep != name:
+                    deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(u: str) -> list[str] | None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                return stack[stack.index(v) :] + [v]
+            if v not in state and (found := dfs(v)):
+                return found
+        stack.pop()
+        state[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if u not in state and (found := dfs(u)):
+            return found
+    return None
+
+
+def test_the_cycle_check_finds_a_planted_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("top_only", [True, False], ids=["module level", "with function level"])
+def test_no_import_cycles(top_only):
+    """Counting the imports inside functions too: none of them dodges a cycle."""
+    cycle = _cycle(_graph(top_only))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_module_imports_another_modules_private_names():
+    offenders = [
+        f"{name} imports {module}.{n}"
+        for name, path in MODULES.items()
+        for module, names, _ in _imports(path)
+        for n in names
+        if n.startswith("_") and not n.startswith("__") and module != "autoshard"
+    ]
+    assert not offenders, offenders
+
+
+def test_only_torch_private_reaches_into_torch_privates():
+    """torch's private modules (``torch._*``, ``torch.utils._pytree``...) are used through
+    autoshard/_torch_private.py only, so a torch upgrade breaks one file."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "autoshard._torch_private":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            for m in modules:
+                if m.split(".")[0] == "torch" and any(p.startswith("_") for p in m.split(".")):
+                    offenders.append(f"{name}: {m}")
+    assert not offenders, offenders
+
+
+def test_the_command_line_loads_without_torch_cvxpy_or_the_pipeline():
+    """``autoshard --help`` must answer at once: importing the CLI loads no heavy library."""
+    code = (
+        "import sys, autoshard.cli.main\n"
+        "heavy = [m for m in ('torch', 'cvxpy', 'scipy', 'numpy', 'transformers') "
+        "if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "", f"importing the CLI loads {out.stdout.strip()}"
+
+
+def test_every_command_is_registered():
+    from autoshard.cli.main import main
+
+    assert sorted(main.commands) == ["compare", "launch", "show", "solve", "stages"]
