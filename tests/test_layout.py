@@ -143,11 +143,11 @@ def test_only_torch_private_reaches_into_torch_privates():
     assert not offenders, offenders
 
 
-def test_the_command_line_loads_without_torch_cvxpy_or_the_pipeline():
+def test_the_command_line_loads_without_torch_highspy_or_the_pipeline():
     """``autoshard --help`` must answer at once: importing the CLI loads no heavy library."""
     code = (
         "import sys, autoshard.cli.main\n"
-        "heavy = [m for m in ('torch', 'cvxpy', 'scipy', 'numpy', 'transformers') "
+        "heavy = [m for m in ('torch', 'highspy', 'scipy', 'numpy', 'transformers') "
         "if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
@@ -161,3 +161,26 @@ def test_every_command_is_registered():
     from autoshard.cli.main import main
 
     assert sorted(main.commands) == ["compare", "launch", "show", "solve", "stages"]
+
+
+def test_the_public_api_plans_a_model_as_the_command_line_does(tmp_path):
+    """The docstring's example, on the MLP: the API's plan is the CLI's plan."""
+    from click.testing import CliRunner
+
+    from autoshard import api
+    from autoshard.cli.main import main
+
+    mlp = ROOT / "examples" / "mlp.py"
+    config = api.SolveConfig(model_path=mlp, mesh=api.MeshSpec.from_options("2x2"))
+    result = api.plan_model(config)
+    files = api.write_outputs(
+        result.plan, tmp_path / "api", "mlp_2x2", config.cost_model(), result.solver_stats()
+    )
+    out = CliRunner().invoke(main, ["solve", str(mlp), "--mesh", "2x2", "--out", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    via_api = api.load_sharding_map(next(f for f in files if f.suffix == ".json"))
+    via_cli = api.load_sharding_map(tmp_path / "mlp_2x2.json")
+    assert via_api.parameters == via_cli.parameters
+    assert result.plan.step_time_s > 0
+    assert sorted(api.__all__) == sorted(set(api.__all__))
+    assert all(hasattr(api, name) for name in api.__all__)

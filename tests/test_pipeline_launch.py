@@ -31,14 +31,10 @@ from autoshard.cli.launch import launch_command
 from autoshard.cli.stages import stages_command
 from autoshard.errors import AutoshardError
 from autoshard.launch.pipeline import (
-    StagePlanFile,
-    StageSpec,
     canonical_names,
     check_stage_plan,
     check_supported,
     check_world_size,
-    is_stage_plan,
-    load_stage_plan,
     pipeline_loss,
     schedule_class,
     shared_parameters,
@@ -48,6 +44,7 @@ from autoshard.launch.pipeline import (
     sum_shared_gradients,
 )
 from autoshard.model.model_file import LoadedModel, instantiate, load_model_file
+from autoshard.pipeline.stage_plan import StagePlanFile, StageSpec, is_stage_plan, load_stage_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = TORCHRUN_TIMEOUT_S

@@ -32,8 +32,9 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
     """
     # heavy (torch): only once the command runs
     from autoshard.launch.common import check_plan
-    from autoshard.launch.pipeline import is_stage_plan, prepare_launch
+    from autoshard.launch.pipeline import prepare_launch
     from autoshard.model.model_file import instantiate, load_model_file
+    from autoshard.pipeline.stage_plan import is_stage_plan
     from autoshard.plan.formats import load_sharding_map
 
     opts = RunOptions(**run)

@@ -17,6 +17,7 @@ import click
 from autoshard.errors import AutoshardError
 from autoshard.launch import pipeline, spmd
 from autoshard.launch.options import RunOptions, run_options
+from autoshard.pipeline.stage_plan import is_stage_plan
 
 
 def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
@@ -26,7 +27,7 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         AutoshardError: as :func:`autoshard.launch.spmd.run_rank` or
             :func:`autoshard.launch.pipeline.run_rank`.
     """
-    if pipeline.is_stage_plan(plan):
+    if is_stage_plan(plan):
         return pipeline.run_rank(plan, model, opts)
     return spmd.run_rank(plan, model, opts)
 

@@ -14,7 +14,6 @@ leaves out.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from autoshard import __version__
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.pipeline.stage_ilp import StagePricer
+from autoshard.pipeline.stage_plan import save_stage_plan
 from autoshard.pipeline.stages import (
     OpCost,
     StageCost,
@@ -39,14 +39,11 @@ from autoshard.pipeline.stages import (
 )
 from autoshard.placements import placements_to_str
 from autoshard.plan.export import output_stem
-from autoshard.plan.formats import STAGE_PLAN_FORMAT, atomic_write_text
+from autoshard.plan.formats import STAGE_PLAN_FORMAT
 from autoshard.plan.plan import build_plan
 from autoshard.solver.solve import strategies, trace
+from autoshard.trace.ops import is_heavy
 from autoshard.units import format_bytes, format_seconds
-
-# Ops counted as heavy by the layer clustering (matmul / convolution families).
-_HEAVY_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product")
-
 
 # --------------------------------------------------------------------------------------------
 # Layers of a traced graph
@@ -76,11 +73,6 @@ class LayerMap:
     modules: list[list[str]]
     first_module: list[str | None]
     param_layers: dict[str, set[int]]
-
-
-def _is_heavy(target: Any) -> bool:
-    name = str(target).removeprefix("aten.").split(".")[0]
-    return name in _HEAVY_OPS or name.startswith("_scaled_dot_product")
 
 
 def layer_map(graph) -> LayerMap:
@@ -126,7 +118,7 @@ def layer_map(graph) -> LayerMap:
             raise AutoshardError(f"{graph.model_name} has no ops to split into pipeline stages")
         pos = {n: k for k, n in enumerate(forward)}
         costs = [
-            OpCost(n, nodes[n].flops, _is_heavy(nodes[n].target), nodes[n].module_path)
+            OpCost(n, nodes[n].flops, is_heavy(nodes[n].target), nodes[n].module_path)
             for n in forward
         ]
         edges = []
@@ -498,7 +490,7 @@ def run_stages(
     except OSError as exc:
         raise AutoshardError(f"cannot create the output folder {out}: {exc.strerror}") from exc
     path = out / f"{output_stem(graph.model_name, mesh.shape)}_pp{best.costs.pp}.stages.json"
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    save_stage_plan(path, data)
     print_stages(console, data, path)
     return path, data
 

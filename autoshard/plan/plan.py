@@ -19,7 +19,8 @@ from autoshard.cost.collectives import comm_model
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.strategies.graph import Strategy, StrategyGraph, bucketed_use
-from autoshard.trace.tracer import VIEW_OPS, TensorInfo
+from autoshard.trace.ops import is_view
+from autoshard.trace.tracer import TensorInfo
 
 Placements = tuple[Placement, ...]
 
@@ -243,7 +244,7 @@ def peak_activation_bytes(
     frees: dict[int, float] = defaultdict(float)
     for i, n in enumerate(order):
         info = graph.nodes[n]
-        if n in node_strategy and info.kind in ("op", "input") and info.op_name not in VIEW_OPS:
+        if n in node_strategy and info.kind in ("op", "input") and not is_view(info.target):
             strat = node_strategy[n]
             size = 0.0
             for r, ps in zip(info.results, strat.outputs, strict=False):

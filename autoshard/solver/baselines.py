@@ -85,6 +85,7 @@ from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.ilp import ILPResult, evaluate, solve
 from autoshard.solver.options import ALGOS, BASELINES, SolverOptions
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
+from autoshard.trace.ops import ATTENTION_REGION_OPS, LAYOUT_OPS, WEIGHT_CHAIN_OPS, packet
 
 Placements = tuple[Placement, ...]
 
@@ -391,65 +392,7 @@ def _data_parallel(sg: StrategyGraph, mesh: MeshSpec, fsdp: bool) -> Restriction
 
 # --- tensor parallelism: roles from the graph's structure ------------------------------
 
-# ops that only move or relabel elements (no reduction across a dim they keep)
-_LAYOUT_OPS = {
-    "detach",
-    "view",
-    "_unsafe_view",
-    "reshape",
-    "t",
-    "transpose",
-    "permute",
-    "expand",
-    "clone",
-    "alias",
-    "unsqueeze",
-    "squeeze",
-    "_to_copy",
-    "contiguous",
-    "slice",
-    "select",
-    "cat",
-    "split",
-    "split_with_sizes",
-    "chunk",
-    "unbind",
-}
-# ops a tensor-parallel region may contain besides pointwise and layout ops (attention)
-_REGION_OPS = {
-    "_softmax",
-    "_safe_softmax",
-    "softmax",
-    "_softmax_backward_data",
-    "bmm",
-    "baddbmm",
-    "mm",
-    "addmm",
-    "matmul",
-}
-_WEIGHT_CHAIN_OPS = {
-    "view",
-    "_unsafe_view",
-    "reshape",
-    "t",
-    "transpose",
-    "permute",
-    "expand",
-    "clone",
-    "alias",
-    "_to_copy",
-    "contiguous",
-    "unsqueeze",
-    "squeeze",
-}
 _PARAM_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
-
-
-def _op_name(node: torch.fx.Node) -> str | None:
-    if node.target is operator.getitem:
-        return "getitem"
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", None)
 
 
 def _pointwise(node: torch.fx.Node) -> bool:
@@ -510,7 +453,7 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
         return ok
 
     def param_chain(n: torch.fx.Node) -> bool:
-        while n.op == "call_function" and _op_name(n) in _WEIGHT_CHAIN_OPS:
+        while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
             if len(n.all_input_nodes) != 1:
                 return False
             n = n.all_input_nodes[0]
@@ -531,12 +474,12 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
             tp.weight[n.name] = (a_idx, b_idx, True) if pb else (b_idx, a_idx, False)
 
     def transparent(n: torch.fx.Node) -> bool:
-        name = _op_name(n)
+        op = packet(n.target)
         return (
             _pointwise(n)
-            or name in _LAYOUT_OPS
-            or name == "getitem"
-            or (name in _REGION_OPS and n.name not in tp.weight)
+            or op in LAYOUT_OPS
+            or op is operator.getitem
+            or (op in ATTENTION_REGION_OPS and n.name not in tp.weight)
         )
 
     def walk_back(start: torch.fx.Node) -> tuple[set[str], set[str]] | None:
@@ -581,7 +524,7 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
                 reached_output = True
                 continue
             if n.op != "call_function" or n.name in tp.weight or not transparent(n):
-                if _op_name(n) == "_assert_tensor_metadata":
+                if packet(n.target) is aten._assert_tensor_metadata:
                     continue
                 return None
             region.add(n.name)

@@ -41,7 +41,8 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard import _torch_private as tp
 from autoshard.cost.overlap import GATHER, GRADIENT, hide_share_fn
-from autoshard.trace.tracer import VIEW_OPS, TensorInfo, TracedGraph, op_flops
+from autoshard.trace.ops import is_view
+from autoshard.trace.tracer import TensorInfo, TracedGraph, op_flops
 
 Placements = tuple[Placement, ...]
 
@@ -278,184 +279,17 @@ def build_strategy_graph(
         replicate fallback.
     """
     t0 = time.perf_counter()
-    mesh_shape = tuple(mesh_shape)
-    ndim = len(mesh_shape)
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
-    infos = {
-        name: info.results[0]
-        for name, info in graph.nodes.items()
-        if info.results and info.results[0] is not None
-    }
-    nodes: dict[str, NodeStrategies] = {}
-    free: set[str] = set()
-    fallback: Counter = Counter()
-    cache: dict[Any, tuple[list[Strategy], bool]] = {}
-    cost_cache: dict[Any, np.ndarray] = {}
-    calls = hits = 0
-    # producer output placements available to consumers: node -> output index -> list
-    stats = Counter()
-    # every name of a tied parameter -> its canonical name; canonical -> first graph node
-    tied = {alias: owner for owner, names in graph.param_names.items() for alias in names}
-    # a traced FQN that owns a group is its own tensor, even when a depth-reduced graph's
-    # renumbered name (the last block's "h.3") is also a real name of the middle block's
-    tied.update({owner: owner for owner in graph.param_names})
-    param_node: dict[str, str] = {}
-
-    def out_cands(name: str, index: int) -> list[Placements]:
-        ns = nodes[name]
-        seen = dict.fromkeys(ns.strategies[c].outputs[index] for c in ns.choice)
-        return [p for p in seen if p is not None]
-
-    with tp.fake_mesh(mesh_shape) as mesh:
+    b = _Builder(graph, tuple(mesh_shape), compute_time, fixed_inputs, fixed_outputs)
+    with tp.fake_mesh(b.mesh_shape) as mesh:
+        b.mesh = mesh
         total = len(graph.nodes)
         for done, (name, info) in enumerate(graph.nodes.items()):
             if progress and done % 50 == 0:
                 progress(done, total)
-            if info.kind == "buffer":
-                free.add(name)
-                continue
-            if info.kind == "param" and tied.get(info.fqn) in param_node:
-                # a tied parameter appears once per name in the graph: one placement for all
-                first = nodes[param_node[tied[info.fqn]]]
-                nodes[name] = NodeStrategies(  # one tensor: one optimizer step, the first's
-                    name, first.strategies, np.zeros_like(first.compute_s), first.rep, first.choice
-                )
-                continue
-            if info.kind == "param":
-                param_node.setdefault(tied.get(info.fqn, info.fqn), name)
-            if info.kind in ("param", "input"):
-                shape = info.results[0].shape
-                if info.kind == "input" and fixed_inputs is not None:
-                    cands = [tuple(fixed_inputs)]
-                else:
-                    cands = all_placements(shape, mesh_shape)
-                strategies = [Strategy((c,), ()) for c in cands]
-                # a parameter's own cost is its optimizer step (training); an input's is 0
-                step = np.zeros(len(strategies))
-                if info.kind == "param" and graph.mode == "train":
-                    t = info.results[0]
-                    step = np.array(
-                        [adamw_step_time(t, c, mesh_shape, compute_time) for c in cands]
-                    )
-                nodes[name] = NodeStrategies(
-                    name, strategies, step, name, np.arange(len(strategies))
-                )
-                continue
-            if info.kind == "output":
-                for k, (arg, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
-                    if arg in free or t is None:
-                        continue
-                    sink = f"{name}.{k}"
-                    grad_of = info.grad_of[k] if k < len(info.grad_of) else None
-                    if grad_of is not None:
-                        # a gradient must end with its parameter's placement: the sink
-                        # follows the parameter, and the edge into it prices the gradient
-                        # reduction (Partial -> Replicate all-reduce, -> Shard reduce-scatter)
-                        pn = nodes[param_node[tied.get(grad_of, grad_of)]]
-                        strategies = [Strategy((), (s.outputs[0],)) for s in pn.strategies]
-                        nodes[sink] = NodeStrategies(
-                            sink, strategies, np.zeros(len(strategies)), pn.rep, pn.choice.copy()
-                        )
-                        continue
-                    if fixed_outputs is not None:
-                        cands = [tuple(fixed_outputs)]
-                    else:
-                        cands = all_placements(t.shape, mesh_shape)
-                    strategies = [Strategy((), (c,)) for c in cands]
-                    nodes[sink] = NodeStrategies(
-                        sink,
-                        strategies,
-                        np.zeros(len(strategies)),
-                        sink,
-                        np.arange(len(strategies)),
-                    )
-                continue
-
-            node = fx_nodes[name]
-            if node.target is operator.getitem:
-                src, idx = node.args[0].name, node.args[1]
-                if src in free:
-                    free.add(name)
-                    continue
-                ps = nodes[src]
-                strategies = [Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies]
-                nodes[name] = NodeStrategies(
-                    name, strategies, np.zeros(len(strategies)), ps.rep, ps.choice.copy()
-                )
-                continue
-            if all(r is None for r in info.results) or all(a in free for a in info.arg_nodes):
-                free.add(name)  # factory op, assertion, or computed from free nodes only
-                continue
-
-            # candidate placements of each tensor input
-            cand_lists: list[list[Placements]] = []
-            for a, t in zip(info.arg_nodes, info.args, strict=True):
-                if a in free:
-                    cand_lists.append(all_placements(t.shape, mesh_shape))
-                else:
-                    cand_lists.append(out_cands(a, 0))
-
-            target = node.target
-            own = OWN_RULES.get(target)
-            key = (
-                target,
-                _static_key(node.args, infos),
-                _static_key(dict(node.kwargs), infos),
-                # rules given per mesh dim enumerate every combination whatever the
-                # inputs' candidates, so the candidates only key the other rules
-                None if own or tp.is_single_dim(target) else tuple(map(tuple, cand_lists)),
-            )
-            cached = cache.get(key)
-            if cached is None:
-                calls += 1
-                strategies = _generate(node, info, mesh, mesh_shape, cand_lists, own)
-                used_fallback = strategies is None
-                if used_fallback:
-                    strategies = _replicate_fallback(len(info.args), info.results, ndim)
-                cache[key] = (strategies, used_fallback)
-            else:
-                hits += 1
-                strategies, used_fallback = cached
-            if used_fallback:
-                fallback[str(target)] += 1
-
-            ckey = (key[0], key[1], key[2], len(strategies), id(strategies))
-            compute = cost_cache.get(ckey)
-            if compute is None:
-                compute = np.array(
-                    [_compute_cost(node, info, s, mesh_shape, compute_time) for s in strategies]
-                )
-                cost_cache[ckey] = compute
-
-            # follow node: one non-free tensor input, each producer placement maps to one
-            # strategy with no resharding
-            nonfree = [i for i, a in enumerate(info.arg_nodes) if a not in free]
-            merged = False
-            if len(nonfree) == 1 and len(info.arg_nodes) == 1:
-                src = info.arg_nodes[0]
-                ps = nodes[src]
-                by_input: dict[Placements, int] = {}
-                ambiguous = set()
-                for j, s in enumerate(strategies):
-                    p = s.inputs[0]
-                    if p in by_input and strategies[by_input[p]].outputs != s.outputs:
-                        ambiguous.add(p)
-                    by_input.setdefault(p, j)
-                produced = [ps.strategies[c].outputs[0] for c in ps.choice]
-                if all(p in by_input and p not in ambiguous for p in produced):
-                    choice = np.array([by_input[p] for p in produced], dtype=np.int64)
-                    nodes[name] = NodeStrategies(
-                        name, strategies, compute, ps.rep, choice, used_fallback
-                    )
-                    merged = True
-                    stats["merged"] += 1
-            if not merged:
-                nodes[name] = NodeStrategies(
-                    name, strategies, compute, name, np.arange(len(strategies)), used_fallback
-                )
+            b.add(name, info)
         if progress:
             progress(total, total)
-
+    nodes, free = b.nodes, b.free
     for name, m in graph.multiplicity.items():
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
@@ -463,21 +297,21 @@ def build_strategy_graph(
     edges, extra = _build_edges(graph, nodes, free, redistribute_cost, bucketed_cost)
     sg = StrategyGraph(
         graph=graph,
-        mesh_shape=mesh_shape,
+        mesh_shape=b.mesh_shape,
         nodes=nodes,
         free=free,
         edges=edges,
-        fallback_ops=fallback,
+        fallback_ops=b.fallback,
         seconds=time.perf_counter() - t0,
-        rule_calls=calls,
-        cache_hits=hits,
+        rule_calls=b.calls,
+        cache_hits=b.hits,
         extra_cost=extra,
         tied_layers=tied,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
         "free": len(free),
-        "merged": stats["merged"],
+        "merged": b.merged,
         "variables_nodes": len(sg.reps),
         "strategies": sum(len(nodes[r].strategies) for r in sg.reps),
         "edges": len(edges),
@@ -485,6 +319,201 @@ def build_strategy_graph(
         "tied_layers": tied,
     }
     return sg
+
+
+class _Builder:
+    """The strategies of a graph's nodes, added in topological order, one method per node
+    kind: buffers are free; parameters and inputs get every placement (a tied parameter
+    its first name's); outputs get one sink per tensor (a gradient follows its parameter);
+    ``getitem`` follows its producer; ops get their rule's strategies, merged into their
+    producer's variable when they follow it."""
+
+    def __init__(self, graph, mesh_shape, compute_time, fixed_inputs, fixed_outputs) -> None:
+        self.graph = graph
+        self.mesh_shape = mesh_shape
+        self.ndim = len(mesh_shape)
+        self.compute_time = compute_time
+        self.fixed_inputs = fixed_inputs
+        self.fixed_outputs = fixed_outputs
+        self.mesh = None  # the fake DeviceMesh, set while building
+        self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+        self.infos = {
+            name: info.results[0]
+            for name, info in graph.nodes.items()
+            if info.results and info.results[0] is not None
+        }
+        self.nodes: dict[str, NodeStrategies] = {}
+        self.free: set[str] = set()
+        self.fallback: Counter = Counter()
+        self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
+        self.cost_cache: dict[Any, np.ndarray] = {}
+        self.calls = self.hits = self.merged = 0
+        # every name of a tied parameter -> its canonical name; canonical -> first graph node
+        tied = {alias: owner for owner, names in graph.param_names.items() for alias in names}
+        # a traced FQN that owns a group is its own tensor, even when a depth-reduced graph's
+        # renumbered name (the last block's "h.3") is also a real name of the middle block's
+        tied.update({owner: owner for owner in graph.param_names})
+        self.tied = tied
+        self.param_node: dict[str, str] = {}
+
+    def add(self, name: str, info) -> None:
+        if info.kind == "buffer":
+            self.free.add(name)
+        elif info.kind == "param" and self.tied.get(info.fqn) in self.param_node:
+            self.tied_param(name, info)
+        elif info.kind in ("param", "input"):
+            self.leaf(name, info)
+        elif info.kind == "output":
+            self.output(name, info)
+        elif self.fx_nodes[name].target is operator.getitem:
+            self.getitem(name)
+        elif all(r is None for r in info.results) or all(a in self.free for a in info.arg_nodes):
+            self.free.add(name)  # factory op, assertion, or computed from free nodes only
+        else:
+            self.op(name, info)
+
+    def out_cands(self, name: str, index: int) -> list[Placements]:
+        """The placements producer ``name``'s output ``index`` may have, in order."""
+        ns = self.nodes[name]
+        seen = dict.fromkeys(ns.strategies[c].outputs[index] for c in ns.choice)
+        return [p for p in seen if p is not None]
+
+    def tied_param(self, name: str, info) -> None:
+        """A tied parameter appears once per name in the graph: one placement for all,
+        and one optimizer step (the first name's)."""
+        first = self.nodes[self.param_node[self.tied[info.fqn]]]
+        self.nodes[name] = NodeStrategies(
+            name, first.strategies, np.zeros_like(first.compute_s), first.rep, first.choice
+        )
+
+    def leaf(self, name: str, info) -> None:
+        """A parameter or an input: every placement (or the fixed inputs')."""
+        if info.kind == "param":
+            self.param_node.setdefault(self.tied.get(info.fqn, info.fqn), name)
+        shape = info.results[0].shape
+        if info.kind == "input" and self.fixed_inputs is not None:
+            cands = [tuple(self.fixed_inputs)]
+        else:
+            cands = all_placements(shape, self.mesh_shape)
+        strategies = [Strategy((c,), ()) for c in cands]
+        # a parameter's own cost is its optimizer step (training); an input's is 0
+        step = np.zeros(len(strategies))
+        if info.kind == "param" and self.graph.mode == "train":
+            t = info.results[0]
+            step = np.array(
+                [adamw_step_time(t, c, self.mesh_shape, self.compute_time) for c in cands]
+            )
+        self.nodes[name] = NodeStrategies(name, strategies, step, name, np.arange(len(strategies)))
+
+    def output(self, name: str, info) -> None:
+        """One sink per tensor the graph returns."""
+        for k, (arg, t) in enumerate(zip(info.arg_nodes, info.args, strict=True)):
+            if arg in self.free or t is None:
+                continue
+            sink = f"{name}.{k}"
+            grad_of = info.grad_of[k] if k < len(info.grad_of) else None
+            if grad_of is not None:
+                # a gradient must end with its parameter's placement: the sink follows the
+                # parameter, and the edge into it prices the gradient reduction
+                # (Partial -> Replicate all-reduce, -> Shard reduce-scatter)
+                pn = self.nodes[self.param_node[self.tied.get(grad_of, grad_of)]]
+                strategies = [Strategy((), (s.outputs[0],)) for s in pn.strategies]
+                self.nodes[sink] = NodeStrategies(
+                    sink, strategies, np.zeros(len(strategies)), pn.rep, pn.choice.copy()
+                )
+                continue
+            if self.fixed_outputs is not None:
+                cands = [tuple(self.fixed_outputs)]
+            else:
+                cands = all_placements(t.shape, self.mesh_shape)
+            strategies = [Strategy((), (c,)) for c in cands]
+            self.nodes[sink] = NodeStrategies(
+                sink, strategies, np.zeros(len(strategies)), sink, np.arange(len(strategies))
+            )
+
+    def getitem(self, name: str) -> None:
+        """``getitem`` picks one output of its producer: it follows the producer."""
+        node = self.fx_nodes[name]
+        src, idx = node.args[0].name, node.args[1]
+        if src in self.free:
+            self.free.add(name)
+            return
+        ps = self.nodes[src]
+        strategies = [Strategy((s.outputs[idx],), (s.outputs[idx],)) for s in ps.strategies]
+        self.nodes[name] = NodeStrategies(
+            name, strategies, np.zeros(len(strategies)), ps.rep, ps.choice.copy()
+        )
+
+    def op(self, name: str, info) -> None:
+        """An op: its rule's strategies (memoised by op, static arguments and the inputs'
+        candidates), each priced by the roofline, then merged into its producer's variable
+        when it follows it (:meth:`follow`)."""
+        node = self.fx_nodes[name]
+        cand_lists: list[list[Placements]] = []  # candidate placements of each tensor input
+        for a, t in zip(info.arg_nodes, info.args, strict=True):
+            if a in self.free:
+                cand_lists.append(all_placements(t.shape, self.mesh_shape))
+            else:
+                cand_lists.append(self.out_cands(a, 0))
+        target = node.target
+        own = OWN_RULES.get(target)
+        key = (
+            target,
+            _static_key(node.args, self.infos),
+            _static_key(dict(node.kwargs), self.infos),
+            # rules given per mesh dim enumerate every combination whatever the inputs'
+            # candidates, so the candidates only key the other rules
+            None if own or tp.is_single_dim(target) else tuple(map(tuple, cand_lists)),
+        )
+        cached = self.cache.get(key)
+        if cached is None:
+            self.calls += 1
+            strategies = _generate(node, info, self.mesh, self.mesh_shape, cand_lists, own)
+            used_fallback = strategies is None
+            if used_fallback:
+                strategies = _replicate_fallback(len(info.args), info.results, self.ndim)
+            self.cache[key] = (strategies, used_fallback)
+        else:
+            self.hits += 1
+            strategies, used_fallback = cached
+        if used_fallback:
+            self.fallback[str(target)] += 1
+        ckey = (key[0], key[1], key[2], len(strategies), id(strategies))
+        compute = self.cost_cache.get(ckey)
+        if compute is None:
+            compute = np.array(
+                [
+                    _compute_cost(node, info, s, self.mesh_shape, self.compute_time)
+                    for s in strategies
+                ]
+            )
+            self.cost_cache[ckey] = compute
+        if not self.follow(name, info, strategies, compute, used_fallback):
+            self.nodes[name] = NodeStrategies(
+                name, strategies, compute, name, np.arange(len(strategies)), used_fallback
+            )
+
+    def follow(self, name, info, strategies, compute, used_fallback) -> bool:
+        """A follow node: one tensor input, and each placement its producer may give maps
+        to one strategy with no resharding; it shares the producer's variable. Returns
+        whether ``name`` was merged."""
+        if len(info.arg_nodes) != 1 or info.arg_nodes[0] in self.free:
+            return False
+        ps = self.nodes[info.arg_nodes[0]]
+        by_input: dict[Placements, int] = {}
+        ambiguous = set()
+        for j, s in enumerate(strategies):
+            p = s.inputs[0]
+            if p in by_input and strategies[by_input[p]].outputs != s.outputs:
+                ambiguous.add(p)
+            by_input.setdefault(p, j)
+        produced = [ps.strategies[c].outputs[0] for c in ps.choice]
+        if not all(p in by_input and p not in ambiguous for p in produced):
+            return False
+        choice = np.array([by_input[p] for p in produced], dtype=np.int64)
+        self.nodes[name] = NodeStrategies(name, strategies, compute, ps.rep, choice, used_fallback)
+        self.merged += 1
+        return True
 
 
 def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:
@@ -543,7 +572,7 @@ def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
 
     Views (``view``, ``t``, ``permute``, ``expand``, ...) alias their input: 0 s.
     """
-    if str(node.target) in VIEW_OPS:
+    if is_view(node.target):
         return 0.0
     args = [
         TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)

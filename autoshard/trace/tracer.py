@@ -223,25 +223,6 @@ def op_flops(
 
 _aten = torch.ops.aten
 
-# ops whose output aliases (a view of) their input: no new memory, no memory traffic
-VIEW_OPS = {
-    "aten.view.default",
-    "aten._unsafe_view.default",
-    "aten.permute.default",
-    "aten.t.default",
-    "aten.expand.default",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.squeeze.dims",
-    "aten.slice.Tensor",
-    "aten.alias.default",
-    "aten.transpose.int",
-    "aten.select.int",
-    "aten.split_with_sizes.default",
-    "aten.split.Tensor",
-    "<built-in function getitem>",
-}
-
 
 def _module_path(node: torch.fx.Node, strip: str = "") -> str | None:
     """FQN of the innermost module the node came from (backward nodes: their forward's)."""
