@@ -207,7 +207,7 @@ def test_a_start_over_the_memory_budget_is_not_used():
 
 
 def test_zeros_from_a_stopped_mip_are_not_a_plan():
-    """HiGHS stopped by its time limit before any feasible point hands cvxpy zeros; they
+    """HiGHS stopped by its time limit before any feasible point hands back zeros; they
     once came back as a plan (every node's strategy 0) with objective 0."""
     from autoshard.solver.ilp import _valid_choice, build_problem
 
@@ -219,3 +219,41 @@ def test_zeros_from_a_stopped_mip_are_not_a_plan():
     for r in prob.reps:
         x[prob.offsets[r]] = 1
     assert _valid_choice(sg, prob, x) == {r: 0 for r in prob.reps}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_highs_run_agrees_with_scipy_milp(seed):
+    """autoshard.solver.highs hands matrices to HiGHS itself; scipy.optimize.milp (another
+    interface, its own bounds and integrality handling) must reach the same optimum."""
+    import scipy.sparse as sparse
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from autoshard.solver.highs import MILP, run
+
+    rng = np.random.default_rng(seed)
+    n, m = 12, 8
+    dense = np.round(rng.random((m, n)) * 4 - 1) * (rng.random((m, n)) < 0.4)
+    A = sparse.csr_matrix(dense)
+    x0 = (rng.random(n) < 0.5).astype(float)  # a feasible point by construction
+    slack = rng.integers(0, 3, m)
+    lower, upper = np.full(m, -np.inf), A @ x0 + slack
+    c = rng.normal(size=n)
+    integer = np.arange(n) < 8
+    col_upper = np.where(integer, 1.0, 3.0)
+    ours = run(MILP(c, A, lower, upper, np.zeros(n), col_upper, integer), 10.0, 0.0)
+    ref = milp(
+        c,
+        constraints=LinearConstraint(A, lower, upper),
+        integrality=integer.astype(int),
+        bounds=Bounds(np.zeros(n), col_upper),
+    )
+    assert ref.success and ours.status == "optimal"
+    assert ours.objective == pytest.approx(ref.fun, abs=1e-7)
+    assert np.all(A @ ours.x <= upper + 1e-7)
+    started = run(
+        MILP(c, A, lower, upper, np.zeros(n), col_upper, integer),
+        10.0,
+        0.0,
+        start=(np.arange(8), x0[:8]),
+    )
+    assert started.objective == pytest.approx(ref.fun, abs=1e-7)

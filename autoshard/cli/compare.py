@@ -45,7 +45,7 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
       autoshard compare examples/gpt2.py --mesh 2x4
       autoshard compare examples/mlp.py --mesh 4 --json
     """
-    # heavy (torch, cvxpy): only once the command runs
+    # heavy (torch, HiGHS): only once the command runs
     from autoshard.solver.compare import compare_plans, comparison_table, memory_budget
     from autoshard.solver.solve import strategies, trace
 

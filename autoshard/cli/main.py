@@ -4,7 +4,7 @@ Every user error is an :class:`~autoshard.errors.AutoshardError`: printed as one
 line ``error: ...`` with exit code 2; ``--debug`` shows the traceback as well.
 
 The command modules import only click, rich and autoshard's light modules (options,
-units, the mesh and device tables) at import time; each command imports torch, cvxpy and
+units, the mesh and device tables) at import time; each command imports torch, HiGHS and
 the pipeline when it runs, so that ``autoshard --help`` answers at once.
 """
 

@@ -1,6 +1,6 @@
 """The options the commands share, and what they build (a mesh, a solve config, progress).
 
-Nothing here imports torch, cvxpy or the pipeline at import time, so that ``autoshard --help``
+Nothing here imports torch, HiGHS or the pipeline at import time, so that ``autoshard --help``
 answers at once; :func:`config_from_options` imports them when a command runs.
 """
 

@@ -56,7 +56,7 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
       autoshard solve examples/mlp.py --mesh 4 --inputs replicate
       autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
     """
-    # heavy (torch, cvxpy): only once the command runs
+    # heavy (torch, HiGHS): only once the command runs
     from autoshard.plan.export import output_stem, write_outputs
     from autoshard.plan.report import print_report
     from autoshard.solver.solve import plan_model

@@ -29,7 +29,8 @@ Mathematics (the method that builds each part is named in brackets):
   share of the compute that can hide it, and by that compute in total
   (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
 
-Solved with cvxpy + HiGHS (``mip_rel_gap``, ``time_limit``). A hit time limit
+Solved by HiGHS, handed the matrices directly (:mod:`autoshard.solver.highs`:
+``mip_rel_gap``, ``time_limit``, one thread, a fixed seed). A hit time limit
 returns the incumbent with its gap; no incumbent or infeasibility raises
 :class:`~autoshard.errors.AutoshardError`.
 """
@@ -42,13 +43,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import cvxpy as cp
 import numpy as np
 import scipy.sparse as sp
 
 from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.plan.plan import local_bytes
+from autoshard.solver.highs import MILP, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.units import format_bytes
@@ -211,7 +212,7 @@ def _edge_rows(sg, offsets, n_x) -> tuple[sp.csr_matrix, np.ndarray, list[int], 
 
 
 def build_problem(sg: StrategyGraph) -> _Problem:
-    """Assemble the sparse equality system and cost vectors (no cvxpy yet)."""
+    """Assemble the sparse equality system and cost vectors."""
     reps, offsets, c = _node_blocks(sg)
     n_x = len(c)
     A_edges, r, edge_offsets, keeps = _edge_rows(sg, offsets, n_x)
@@ -224,54 +225,114 @@ def build_problem(sg: StrategyGraph) -> _Problem:
     return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap)
 
 
-def _cvx_problem(
+def _milp(
     prob: _Problem,
     boolean: bool = True,
     memory: tuple[np.ndarray, float] | None = None,
     fixed: np.ndarray | None = None,
     memory_objective: np.ndarray | None = None,
-) -> tuple[cp.Problem, cp.Variable]:
-    """The cvxpy problem over ``[x; y]`` [``_node_blocks``, ``_edge_rows``], and ``x``.
+) -> MILP:
+    """The program over columns ``[x; y; z; c_all; c_bwd]`` [``_node_blocks``,
+    ``_edge_rows``, ``_overlap_rows``]; ``x`` is the first ``prob.n_x`` columns.
 
     ``boolean=False`` is the LP relaxation (``0 <= x <= 1``); ``memory`` adds the budget
     row; ``fixed`` pins those entries of ``x`` to 1; ``memory_objective`` minimises bytes
     instead of time. The time objective is in microseconds: HiGHS's absolute tolerances
-    (``mip_abs_gap`` 1e-6) would otherwise stop it a whole objective away from the optimum.
+    (1e-6) would otherwise stop it a whole objective away from the optimum.
+
+    Rows: ``A [x; y] = b``; ``m . x <= budget``; with overlap, ``c_all = SCALE c_all . x``,
+    ``c_bwd = SCALE c_bwd . x`` (the compute that can hide communication, as two scalars:
+    one dense row each instead of one per edge), ``z_e <= SCALE comm_e . y`` (each edge
+    hides at most its communication), ``sum z <= c_all``, and per gradient reduction
+    ``z_e <= share_e c_bwd`` with ``sum z_grad <= c_bwd``, per parameter gather
+    ``z_e <= share_e c_all``. The objective subtracts ``sum z``.
     """
-    x = cp.Variable(prob.n_x, boolean=True) if boolean else cp.Variable(prob.n_x, nonneg=True)
-    y = cp.Variable(prob.n_y, nonneg=True) if prob.n_y else None
-    z = cp.hstack([x, y]) if y is not None else x
-    constraints = [prob.A @ z == prob.b]
-    if not boolean:
-        constraints.append(x <= 1)
+    n_x, n_y = prob.n_x, prob.n_y
+    ov = prob.overlap if prob.n_y else None
+    k = len(ov.share) if ov is not None else 0
+    n = n_x + n_y + (k + 2 if ov is not None else 0)
+    col_lower = np.zeros(n)
+    col_upper = np.concatenate([np.ones(n_x), np.full(n - n_x, np.inf)])
+    integer = np.zeros(n, dtype=bool)
+    integer[:n_x] = boolean
     if fixed is not None and len(fixed):
-        constraints.append(x[fixed] == 1)
+        col_lower[np.asarray(fixed)] = 1.0
+    blocks = [sp.hstack([prob.A, sp.csr_matrix((prob.A.shape[0], n - n_x - n_y))])]
+    lower, upper = [prob.b], [prob.b]
     if memory is not None:
-        constraints.append(memory[0] @ x <= memory[1])
-    saved = 0
-    ov = prob.overlap
-    if ov is not None and y is not None:
-        # [_overlap_rows] savings z (microseconds, as the objective), the compute that can
-        # hide them as two scalars (one dense row each instead of one per edge)
-        z = cp.Variable(len(ov.share), nonneg=True)
-        c_all, c_bwd = cp.Variable(), cp.Variable()
-        grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
-        constraints += [
-            c_all == SCALE * ov.c_all @ x,
-            c_bwd == SCALE * ov.c_bwd @ x,
-            z <= SCALE * ov.comm @ y,
-            cp.sum(z) <= c_all,
-        ]
-        if len(grad):
-            constraints += [z[grad] <= ov.share[grad] * c_bwd, cp.sum(z[grad]) <= c_bwd]
-        if len(gather):
-            constraints.append(z[gather] <= ov.share[gather] * c_all)
-        saved = cp.sum(z)
+        blocks.append(sp.csr_matrix(np.concatenate([memory[0], np.zeros(n - n_x)])[None, :]))
+        lower.append([-np.inf])
+        upper.append([float(memory[1])])
+    c = np.zeros(n)
     if memory_objective is not None:
-        objective = memory_objective @ x
+        c[:n_x] = memory_objective
     else:
-        objective = SCALE * prob.c @ x + (SCALE * prob.r @ y if y is not None else 0) - saved
-    return cp.Problem(cp.Minimize(objective), constraints), x
+        c[:n_x] = SCALE * prob.c
+        c[n_x : n_x + n_y] = SCALE * prob.r
+    if ov is not None:
+        z0, ca, cb = n_x + n_y, n_x + n_y + k, n_x + n_y + k + 1
+        col_lower[ca:] = -np.inf  # c_all, c_bwd: free
+        if memory_objective is None:
+            c[z0:ca] = -1.0
+        grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
+
+        def row(cols: dict[int, float] | None = None, x=None, y=None) -> sp.csr_matrix:
+            dense = np.zeros(n)
+            if x is not None:
+                dense[:n_x] = x
+            if y is not None:
+                dense[n_x : n_x + n_y] = y
+            for j, v in (cols or {}).items():
+                dense[j] = v
+            return sp.csr_matrix(dense[None, :])
+
+        blocks += [row({ca: 1.0}, x=-SCALE * ov.c_all), row({cb: 1.0}, x=-SCALE * ov.c_bwd)]
+        lower += [[0.0], [0.0]]
+        upper += [[0.0], [0.0]]
+        # z_e - SCALE comm_e . y <= 0
+        eye = sp.identity(k, format="csr")
+        blocks.append(
+            sp.hstack([sp.csr_matrix((k, n_x)), -SCALE * ov.comm, eye, sp.csr_matrix((k, 2))])
+        )
+        lower.append(np.full(k, -np.inf))
+        upper.append(np.zeros(k))
+        # sum z - c_all <= 0
+        blocks.append(row({**{z0 + e: 1.0 for e in range(k)}, ca: -1.0}))
+        lower.append([-np.inf])
+        upper.append([0.0])
+        for members, scalar, total in ((grad, cb, True), (gather, ca, False)):
+            if not len(members):
+                continue
+            # z_e - share_e * scalar <= 0
+            m = len(members)
+            sel = sp.csr_matrix((np.ones(m), (np.arange(m), z0 + members)), shape=(m, n))
+            share = sp.csr_matrix(
+                (-ov.share[members], (np.arange(m), np.full(m, scalar))), shape=(m, n)
+            )
+            blocks.append(sel + share)
+            lower.append(np.full(m, -np.inf))
+            upper.append(np.zeros(m))
+            if total:  # sum z_grad - c_bwd <= 0
+                blocks.append(row({**{z0 + e: 1.0 for e in members}, scalar: -1.0}))
+                lower.append([-np.inf])
+                upper.append([0.0])
+    return MILP(
+        c=c,
+        A=sp.vstack(blocks, format="csc"),
+        row_lower=np.concatenate([np.asarray(v, dtype=float) for v in lower]),
+        row_upper=np.concatenate([np.asarray(v, dtype=float) for v in upper]),
+        col_lower=col_lower,
+        col_upper=col_upper,
+        integer=integer,
+    )
+
+
+def _start(prob: _Problem, sg: StrategyGraph, choice: dict[str, int]) -> tuple:
+    """A plan as a partial MIP start: every column of ``x`` (HiGHS completes the rest)."""
+    xv = np.zeros(prob.n_x)
+    for r, i in choice.items():
+        xv[prob.offsets[r] + i] = 1.0
+    return np.arange(prob.n_x), xv
 
 
 def solve(
@@ -286,11 +347,11 @@ def solve(
     Megatron, ...; a choice per representative); when some communication can hide under
     compute, the optimum of the ILP without the overlap savings joins them (solved first,
     within the same time limit). The cheapest that fits ``memory`` is the search's
-    incumbent: HiGHS's ``objective_bound`` cuts every branch that cannot beat
-    it, and it is the fallback. Whatever the time limit, the plan returned is at or below
-    every start that fits (``ILPResult.start`` names the one it started from). cvxpy
-    passes HiGHS no user-given MIP start (its ``warm_start`` reuses its own last
-    solution), so the start enters as the cut-off and the fallback.
+    incumbent: HiGHS prunes every branch that cannot beat it, and it is the fallback.
+    Whatever the time limit, the plan returned is at or below
+    every start that fits (``ILPResult.start`` names the one it started from). The start is
+    HiGHS's first incumbent (``Highs.setSolution`` with its ``x``; HiGHS completes the
+    continuous columns) and the fallback.
 
     Raises:
         AutoshardError: as :func:`_search`, when no start fits either.
@@ -397,9 +458,9 @@ def _search(
 
     First the LP relaxation: an integral LP solution is optimal; otherwise relax-and-fix
     (the MIP over the nodes the LP left fractional) gives a plan, returned when it lies
-    within ``mip_gap`` of the LP bound. Otherwise the full MIP runs with that plan's
-    objective as HiGHS's ``objective_bound`` (it prunes every branch that cannot beat it),
-    and the better of the two plans is returned: a full MIP that finds nothing better
+    within ``mip_gap`` of the LP bound. Otherwise the full MIP runs with the better of that
+    plan and ``start`` as its first incumbent (it prunes every branch that cannot beat it),
+    and the better of the plans is returned: a full MIP that finds nothing better
     proves the relax-and-fix plan optimal, or runs out of time with it in hand.
 
     Args:
@@ -422,30 +483,19 @@ def _search(
             return found
         if found is not None and (incumbent is None or found.objective_s < incumbent.objective_s):
             incumbent = found
-    problem, x = _cvx_problem(prob, memory=memory)
+    milp = _milp(prob, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    cutoff = {}
-    if incumbent is not None:
-        cutoff["objective_bound"] = incumbent.objective_s * SCALE * (1 + 1e-9)
-    try:
-        problem.solve(
-            solver=cp.HIGHS,
-            time_limit=_left(deadline),
-            mip_rel_gap=float(options.mip_gap),
-            mip_abs_gap=0.0,
-            **cutoff,
-        )
-    except cp.error.SolverError as exc:
-        if incumbent is not None:
-            return _finish_incumbent(
-                incumbent, None, proven=False, solve_s=time.perf_counter() - t1
-            )
-        raise AutoshardError(f"the ILP solver failed: {exc}") from exc
+    start_cols = _start(prob, sg, incumbent.choice) if incumbent is not None else None
+    found = run(milp, _left(deadline), float(options.mip_gap), start=start_cols)
     solve_s = time.perf_counter() - t1
-    status = problem.status
-    if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
-        if incumbent is not None:  # nothing beats the cutoff: the incumbent is optimal
+    status = found.status
+    if status == "error":
+        if incumbent is not None:
+            return _finish_incumbent(incumbent, None, proven=False, solve_s=solve_s)
+        raise AutoshardError(f"the ILP solver failed: HiGHS ended with {found.model_status}")
+    if status == "infeasible":
+        if incumbent is not None:  # nothing beats the incumbent: it is optimal
             return _finish_incumbent(incumbent, None, proven=True, solve_s=solve_s)
         if memory is not None:
             least = _least_memory(prob, memory[0], options)
@@ -456,9 +506,10 @@ def _search(
                 least,
             )
         raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")
-    bound, gap = _bound_and_gap(problem)
+    bound, gap = _bound_and_gap(found.bound, found.gap)
     bound = bound / SCALE if bound is not None else None
-    choice = _valid_choice(sg, prob, x.value)
+    xv = found.x[: prob.n_x] if found.x is not None else None
+    choice = _valid_choice(sg, prob, xv)
     objective = evaluate(sg, choice) if choice is not None else math.inf
     if (
         memory is not None
@@ -470,7 +521,7 @@ def _search(
         incumbent is not None and objective >= incumbent.objective_s
     ):
         if incumbent is not None:  # the MIP ended optimal: nothing beats the incumbent
-            proven = status == cp.OPTIMAL and x.value is not None
+            proven = status == "optimal" and xv is not None
             return _finish_incumbent(incumbent, bound, proven=proven, solve_s=solve_s)
         raise AutoshardError(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
@@ -478,7 +529,7 @@ def _search(
         )
     choice = prefer_smaller_shards(sg, choice)  # never breaks the budget
     objective = evaluate(sg, choice)
-    status_text = "optimal" if status == cp.OPTIMAL else "time_limit"
+    status_text = "optimal" if status == "optimal" else "time_limit"
     if status_text == "optimal" and gap is not None and gap > 1e-9:
         status_text = "within_gap"
     if status_text == "optimal" and gap is None:
@@ -549,17 +600,14 @@ def _lp_first(
     Returns None when the LP fails, or a result whose status is ``incumbent`` when
     relax-and-fix found a plan outside the gap (the full MIP may still beat it).
     """
-    problem, x = _cvx_problem(prob, boolean=False, memory=memory)
+    milp = _milp(prob, boolean=False, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    try:
-        problem.solve(solver=cp.HIGHS, time_limit=_left(deadline))
-    except cp.error.SolverError:
-        return None
-    if problem.status != cp.OPTIMAL or x.value is None:
+    lp = run(milp, _left(deadline))
+    if lp.status != "optimal" or lp.x is None:
         return None  # infeasible or odd: the MIP path reports it properly
-    xv = x.value
-    bound = float(problem.value) / SCALE
+    xv = lp.x[: prob.n_x]
+    bound = float(lp.objective) / SCALE
     integral = bool(np.all((xv < 1e-6) | (xv > 1 - 1e-6)))
     if not integral:
         # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
@@ -603,45 +651,27 @@ def _fixed_mip(
     Solved to ``mip_gap`` (the caller measures the plan against the LP bound anyway)
     within ``time_limit`` seconds; a plan found when the time runs out is still returned
     (its gap is measured by the caller)."""
-    problem, x = _cvx_problem(prob, memory=memory, fixed=decided)
-    try:
-        problem.solve(
-            solver=cp.HIGHS,
-            time_limit=time_limit,
-            mip_rel_gap=float(options.mip_gap),
-            mip_abs_gap=0.0,
-        )
-    except cp.error.SolverError:
+    found = run(_milp(prob, memory=memory, fixed=decided), time_limit, float(options.mip_gap))
+    if found.status in ("infeasible", "error") or found.x is None:
         return None
-    if problem.status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
-        return None
-    return x.value
+    return found.x[: prob.n_x]
 
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
     """The least ``m . x`` over every plan (the same ILP, memory as the objective)."""
-    problem, _ = _cvx_problem(prob, memory_objective=m)
-    problem.solve(solver=cp.HIGHS, time_limit=float(options.time_limit_s))
-    return float(problem.value)
+    found = run(_milp(prob, memory_objective=m), float(options.time_limit_s))
+    if found.objective is None:
+        raise AutoshardError(
+            f"HiGHS found no plan at all when minimising memory ({found.model_status})"
+        )
+    return found.objective
 
 
-def _bound_and_gap(problem: cp.Problem) -> tuple[float | None, float | None]:
-    """HiGHS's dual bound and relative gap, when cvxpy exposes them."""
-    stats = problem.solver_stats
-    extra = getattr(stats, "extra_stats", None)
-    info = None
-    if extra is not None and hasattr(extra, "mip_gap"):
-        info = extra  # cvxpy hands back HiGHS's HighsInfo
-    elif extra is not None and hasattr(extra, "getInfo"):
-        info = extra.getInfo()
-    if info is None:
-        return None, None
-    bound = getattr(info, "mip_dual_bound", None)
-    gap = getattr(info, "mip_gap", None)
-    if gap is not None and (gap < 0 or gap > 1e20):
-        gap = None
-    if bound is not None and not bound > 0:  # every cost is >= 0: 0 is a bound anyway
-        bound = 0.0 if math.isfinite(bound) or bound < 0 else None
+def _bound_and_gap(bound: float | None, gap: float | None) -> tuple[float | None, float | None]:
+    """HiGHS's dual bound, clamped at 0 (every cost is >= 0, so 0 is a bound anyway), and
+    its relative gap."""
+    if bound is not None and not bound > 0:
+        bound = 0.0
     return bound, gap
 
 

@@ -1,0 +1,167 @@
+"""A mixed-integer linear program handed to HiGHS (highspy) as matrices.
+
+The sharding ILP is built vectorised as sparse matrices (:mod:`autoshard.solver.ilp`); this
+module passes them to HiGHS unchanged, the way cvxpy's HiGHS interface does, without
+cvxpy's modelling layer in between (its import alone took 1.3 s of every solve on a
+2-core machine, and it cannot pass a user's start). What it adds: a start (a feasible
+point, possibly partial, through ``Highs.setSolution``: HiGHS completes the continuous
+columns), a fixed seed and one thread so that a solve is the same on every run, and a
+status in four words.
+
+HiGHS's model statuses map to :attr:`HighsRun.status`:
+
+============================================  ==============
+``kOptimal``                                  ``optimal``
+``kInfeasible``                               ``infeasible``
+``kTimeLimit``, ``kInterrupt``, other limits  ``time_limit``
+anything else (model or solve errors, ...)    ``error``
+============================================  ==============
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = ["HighsRun", "MILP", "run"]
+
+_LIMITS = {
+    "kTimeLimit",
+    "kIterationLimit",
+    "kSolutionLimit",
+    "kObjectiveBound",
+    "kObjectiveTarget",
+    "kInterrupt",
+    "kHighsInterrupt",
+    "kMemoryLimit",
+}
+
+
+@dataclass
+class MILP:
+    """``min c.v  s.t.  row_lower <= A v <= row_upper,  col_lower <= v <= col_upper``,
+    with ``v[integer]`` integral.
+
+    Shapes: ``c``, ``col_lower``, ``col_upper``, ``integer`` ``(n,)``; ``A`` ``(m, n)``
+    sparse; ``row_lower``, ``row_upper`` ``(m,)``. Infinite bounds are ``±np.inf``.
+    """
+
+    c: np.ndarray
+    A: sp.spmatrix
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    col_lower: np.ndarray
+    col_upper: np.ndarray
+    integer: np.ndarray
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.c)
+
+    @property
+    def num_rows(self) -> int:
+        return self.A.shape[0]
+
+
+@dataclass
+class HighsRun:
+    """What one HiGHS run found.
+
+    ``status``: ``optimal``, ``infeasible``, ``time_limit`` or ``error`` (see the module
+    docstring); ``x``: the column values of the best feasible point, or None when there is
+    none; ``objective``: its objective; ``bound``: the MIP's dual bound (None for an LP);
+    ``gap``: HiGHS's relative MIP gap (None when it has none); ``model_status``: HiGHS's
+    own word, for messages.
+    """
+
+    status: str
+    x: np.ndarray | None
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    model_status: str
+
+
+def run(
+    milp: MILP,
+    time_limit: float,
+    mip_rel_gap: float | None = None,
+    start: tuple[np.ndarray, np.ndarray] | None = None,
+) -> HighsRun:
+    """Solve ``milp`` with HiGHS within ``time_limit`` seconds.
+
+    Args:
+        milp: the program.
+        time_limit: wall-clock seconds (HiGHS's ``time_limit``).
+        mip_rel_gap: relative gap at which the MIP stops (``mip_abs_gap`` is 0, so that
+            only the relative one counts).
+        start: ``(column indices, values)`` of a feasible point, possibly partial (HiGHS
+            completes the rest); the MIP's first incumbent.
+
+    Returns:
+        A :class:`HighsRun`; no exception for infeasibility or limits, which its
+        ``status`` says.
+    """
+    h = highspy.Highs()
+    for name, value in (
+        ("output_flag", False),
+        ("threads", 1),  # deterministic: the same plan on every run and machine load
+        ("random_seed", 0),
+        ("time_limit", float(time_limit)),
+        ("mip_abs_gap", 0.0),
+    ):
+        h.setOptionValue(name, value)
+    if mip_rel_gap is not None:
+        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+    lp = highspy.HighsLp()
+    lp.num_col_ = milp.num_cols
+    lp.num_row_ = milp.num_rows
+    lp.col_cost_ = np.asarray(milp.c, dtype=np.float64)
+    lp.col_lower_ = np.asarray(milp.col_lower, dtype=np.float64)
+    lp.col_upper_ = np.asarray(milp.col_upper, dtype=np.float64)
+    lp.row_lower_ = np.asarray(milp.row_lower, dtype=np.float64)
+    lp.row_upper_ = np.asarray(milp.row_upper, dtype=np.float64)
+    A = sp.csc_matrix(milp.A)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = A.indptr
+    lp.a_matrix_.index_ = A.indices
+    lp.a_matrix_.value_ = A.data.astype(np.float64)
+    mip = bool(np.any(milp.integer))
+    if mip:
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+            for i in milp.integer
+        ]
+    h.passModel(lp)
+    if start is not None and mip:
+        index, value = start
+        h.setSolution(
+            len(index), np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
+        )
+    h.run()
+    word = h.modelStatusToString(h.getModelStatus())
+    name = h.getModelStatus().name
+    info = h.getInfo()
+    if name == "kOptimal":
+        status = "optimal"
+    elif name == "kInfeasible":
+        status = "infeasible"
+    elif name in _LIMITS:
+        status = "time_limit"
+    else:
+        status = "error"
+    feasible = info.primal_solution_status == highspy.kSolutionStatusFeasible
+    x = np.array(h.getSolution().col_value) if feasible else None
+    objective = float(info.objective_function_value) if feasible else None
+    bound = gap = None
+    if mip:
+        bound = float(info.mip_dual_bound)
+        gap = float(info.mip_gap)
+        if not np.isfinite(bound):
+            bound = None
+        if not (0 <= gap < 1e20):
+            gap = None
+    return HighsRun(status, x, objective, bound, gap, word)
