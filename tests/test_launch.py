@@ -29,9 +29,10 @@ from helpers import (
 
 from autoshard.cli.launch import launch_command
 from autoshard.errors import AutoshardError
-from autoshard.launch.common import check_plan, check_world_size, compare_runs
+from autoshard.launch.check import compare_runs
 from autoshard.launch.options import RunOptions
 from autoshard.launch.torchrun import torchrun_argv
+from autoshard.launch.validate import check_plan, check_world_size
 from autoshard.model.materialize import build_skeleton, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, instantiate, load_model_file
 from autoshard.placements import placements_from_str

@@ -31,8 +31,8 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
     map's mesh on this node (torchrun --standalone) and exits with torchrun's exit code.
     """
     # heavy (torch): only once the command runs
-    from autoshard.launch.common import check_plan
     from autoshard.launch.pipeline import prepare_launch
+    from autoshard.launch.validate import check_plan
     from autoshard.model.model_file import instantiate, load_model_file
     from autoshard.pipeline.stage_plan import is_stage_plan
     from autoshard.plan.formats import load_sharding_map

@@ -20,21 +20,21 @@ sharding maps stay with :mod:`autoshard.launch`. Each rank:
    size > 1); the stage talks to its neighbours over the ``"pp"`` dim (each rank with
    the ranks of the same intra-stage coordinate), holds its parameters as DTensors on
    the intra-stage dims per the stage's ``parameters`` map
-   (:func:`autoshard.launch.common.distribute_parameters`), and sends and receives plain,
+   (:func:`autoshard.launch.steps.distribute_parameters`), and sends and receives plain,
    full tensors (:func:`run_on_mesh`: inputs become ``Replicate`` DTensors, DTensor outputs
    ``full_tensor()``);
 5. runs ``--steps`` steps of :func:`schedule_class`'s schedule: forward only, or with
-   ``--train`` loss = sum of the output (:func:`autoshard.launch.common.loss_of`) per
+   ``--train`` loss = sum of the output (:func:`autoshard.launch.steps.loss_of`) per
    micro-batch, gradients not scaled (the micro-batch losses add up to the full-batch
    loss), DTensor gradients given their parameter's placements
-   (:func:`autoshard.launch.common.sync_gradients`), gradients of parameters that several stages
+   (:func:`autoshard.launch.steps.sync_gradients`), gradients of parameters that several stages
    hold summed across them (:func:`sum_shared_gradients`; the tracer gives each stage its
    own copy), AdamW.
 
 ``--check``: every rank runs the whole model on its device with the same seed and inputs
 and compares what it owns (the last stage its output; each stage its parameters' step-1
 gradients and values after step 1, as full tensors) with
-:func:`autoshard.launch.common.compare_runs`; rank 0 prints the merged result, and beyond
+:func:`autoshard.launch.check.compare_runs`; rank 0 prints the merged result, and beyond
 tolerance every rank exits 1.
 """
 
@@ -60,25 +60,26 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from autoshard._torch_private import tree_map_only
 from autoshard.errors import AutoshardError
-from autoshard.launch.common import (
+from autoshard.launch.check import (
     CheckResult,
     Recorder,
-    check_placements,
     compare_runs,
-    distribute_parameters,
     full_tensor,
-    listing,
-    loss_of,
     max_abs_diff,
-    output_tensor,
     report_check,
     report_time,
-    run_steps,
     say,
+)
+from autoshard.launch.options import RunOptions
+from autoshard.launch.steps import (
+    distribute_parameters,
+    loss_of,
+    output_tensor,
+    run_steps,
     sync_device,
     sync_gradients,
 )
-from autoshard.launch.options import RunOptions
+from autoshard.launch.validate import check_placements, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import (
     LoadedModel,
@@ -316,7 +317,7 @@ def schedule_class(pp: int, microbatches: int) -> type:
 
 
 def pipeline_loss(output: object, target: object = None) -> torch.Tensor:
-    """The schedules' ``loss_fn``: :func:`autoshard.launch.common.loss_of` of one micro-batch's
+    """The schedules' ``loss_fn``: :func:`autoshard.launch.steps.loss_of` of one micro-batch's
     output (``target`` is ignored). A sum, so the micro-batch losses add up to the
     full-batch loss when gradients are not scaled (``scale_grads=False``)."""
     return loss_of(output)
@@ -425,7 +426,7 @@ def sum_shared_gradients(
     those of them with this rank's intra-stage coordinate, as every stage holds the
     parameter with the same placements (:func:`check_stage_plan`) and so the same shard
     on those ranks; DTensor gradients must have their parameter's placements
-    (:func:`autoshard.launch.common.sync_gradients`). Every rank must call this with the same
+    (:func:`autoshard.launch.steps.sync_gradients`). Every rank must call this with the same
     ``groups`` keys, in the same order (sorted names). A missing gradient counts as zero.
     """
     mine = _by_canonical(module, canonical)

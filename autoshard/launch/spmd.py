@@ -3,7 +3,7 @@
 Each rank checks the world size against the map's mesh, starts the process group (NCCL with
 CUDA, else gloo), builds the device mesh, materialises the model with seeded weights,
 distributes every parameter and input per the map and runs the steps
-(:mod:`autoshard.launch.common`); ``--check`` compares with a single-device run on rank 0.
+(:mod:`autoshard.launch.steps`); ``--check`` compares with a single-device run on rank 0.
 """
 
 from __future__ import annotations
@@ -18,22 +18,18 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.errors import AutoshardError
-from autoshard.launch.common import (
+from autoshard.launch.check import (
     Recorder,
-    check_plan,
-    check_world_size,
     compare_runs,
-    distribute_inputs,
-    distribute_parameters,
     full_tensor,
-    listing,
     max_abs_diff,
     report_check,
     report_time,
-    run_steps,
     say,
 )
 from autoshard.launch.options import RunOptions
+from autoshard.launch.steps import distribute_inputs, distribute_parameters, run_steps
+from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
 from autoshard.plan.formats import ShardingMap, load_sharding_map
