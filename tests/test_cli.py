@@ -136,3 +136,76 @@ def test_preload_through_the_cli_reproduces_the_plan(tmp_path, monkeypatch):
         str(tmp_path / "a" / "mlp_2x2.pkl"),
     )
     assert wrong_mesh.exit_code == 2 and "2x2" in wrong_mesh.output
+
+
+def _solve_until(marker: str, tmp_path, extra_wait: float):
+    """Start a piped `autoshard solve` of the 8-layer Llama shape, wait for a progress line
+    containing ``marker`` (plus ``extra_wait`` seconds), then press Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "AUTOSHARD_LAYERS": "8"}
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", "examples/llama.py", "--mesh", "2x4"]
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(tmp_path / "out"), "--time-limit", "300"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = []
+    for line in proc.stderr:
+        seen.append(line.rstrip("\n"))
+        if marker in line:
+            break
+    assert any(marker in s for s in seen), seen
+    time.sleep(extra_wait)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read().splitlines()
+    rc = proc.wait(timeout=60)
+    return rc, rest, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "marker, wait", [("tracing", 0.5), ("solving the ILP", 4.0)], ids=["trace", "HiGHS"]
+)
+def test_ctrl_c_exits_130_with_one_line_and_writes_nothing(tmp_path, marker, wait):
+    """Ctrl-C while tracing, and inside HiGHS (the 8-layer ILP runs about a minute): exit
+    130 within seconds, one line, no traceback, no file written."""
+    rc, rest, seconds = _solve_until(marker, tmp_path, wait)
+    assert rc == 130, rest
+    assert rest == ["interrupted (Ctrl-C): nothing was written"], rest
+    assert seconds < 15, f"took {seconds:.1f} s to stop"
+    out = tmp_path / "out"
+    assert not any(p.suffix in (".pkl", ".json") for p in out.iterdir())
+
+
+def test_a_failing_preload_never_overwrites_its_source(tmp_path):
+    """--preload X --out <X's folder> would replace X with the new solve: refused first."""
+    result = CliRunner().invoke(
+        main, ["solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "2x2", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    stored = tmp_path / "mlp_2x2.pkl"
+    before = stored.read_bytes()
+    args = ["solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "2x2"]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path), "--preload", str(stored)])
+    assert result.exit_code == 2
+    assert "is the --preload file" in result.output
+    assert stored.read_bytes() == before
+
+
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(
+        main, ["solve", "no-such-model.py", "--mesh", "2x2", "--out", str(blocker / "sub")]
+    )
+    # the --out error comes first: the missing model file is never even opened
+    assert result.exit_code == 2
+    assert result.output.startswith("error: cannot write to --out"), result.output

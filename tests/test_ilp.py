@@ -257,3 +257,31 @@ def test_highs_run_agrees_with_scipy_milp(seed):
         start=(np.arange(8), x0[:8]),
     )
     assert started.objective == pytest.approx(ref.fun, abs=1e-7)
+
+
+def test_ctrl_c_cancels_highs_at_once():
+    """A market-split instance (Cornuejols and Dawande: 6 equality rows of random
+    coefficients over 50 binaries) that HiGHS does not finish in 30 s; Ctrl-C after 1 s
+    stops it within a second and raises KeyboardInterrupt."""
+    import _thread
+    import threading
+    import time
+
+    import scipy.sparse as sparse
+
+    from autoshard.solver.highs import MILP, run
+
+    rng = np.random.default_rng(0)
+    m, n = 6, 50
+    A = rng.integers(0, 100, (m, n)).astype(float)
+    b = np.floor(A.sum(1) / 2)
+    full = sparse.hstack([sparse.csr_matrix(A), sparse.identity(m), -sparse.identity(m)])
+    c = np.concatenate([np.zeros(n), np.ones(2 * m)])  # min |slack|
+    upper = np.concatenate([np.ones(n), np.full(2 * m, np.inf)])
+    milp = MILP(c, full, b, b, np.zeros(n + 2 * m), upper, np.arange(n + 2 * m) < n)
+    timer = threading.Timer(1.0, _thread.interrupt_main)  # what SIGINT does
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run(milp, 30.0, 0.0)
+    assert time.perf_counter() - t0 < 3.0

@@ -1,7 +1,8 @@
 """The ``autoshard`` command line (click): the group and its commands, registered here.
 
 Every user error is an :class:`~autoshard.errors.AutoshardError`: printed as one
-line ``error: ...`` with exit code 2; ``--debug`` shows the traceback as well.
+line ``error: ...`` with exit code 2; ``--debug`` shows the traceback as well. Ctrl-C at
+any point prints one line and exits 130, having written nothing.
 
 The command modules import only click, rich and autoshard's light modules (options,
 units, the mesh and device tables) at import time; each command imports torch, HiGHS and
@@ -15,7 +16,7 @@ import traceback
 
 import click
 
-from autoshard import __version__
+from autoshard import __version__, interrupt
 from autoshard.cli.compare import compare_command
 from autoshard.cli.launch import launch_command
 from autoshard.cli.show import show_command
@@ -25,9 +26,11 @@ from autoshard.errors import AutoshardError
 
 
 class _Group(click.Group):
-    """Turns :class:`AutoshardError` into one line and exit code 2."""
+    """Turns :class:`AutoshardError` into one line and exit code 2, and Ctrl-C into one
+    line and exit code 130 (the shell's code for SIGINT)."""
 
     def invoke(self, ctx: click.Context):
+        interrupt.install()
         try:
             return super().invoke(ctx)
         except AutoshardError as exc:
@@ -35,6 +38,9 @@ class _Group(click.Group):
                 traceback.print_exc()
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted (Ctrl-C): nothing was written", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -6,6 +6,9 @@ answers at once; :func:`config_from_options` imports them when a command runs.
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +26,7 @@ from autoshard.cost.mesh import (
     DEFAULT_INTRA_NODE_LATENCY,
     MeshSpec,
 )
+from autoshard.errors import AutoshardError
 from autoshard.solver.options import SolverOptions
 from autoshard.units import BandwidthType, BytesType, DurationType, format_bandwidth, format_seconds
 
@@ -241,7 +245,9 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
 
 
 class Progress:
-    """rich progress for the long phases: trace, strategies, solve."""
+    """Progress of the long phases (trace, strategies, solve): a rich bar on a terminal;
+    elsewhere (a pipe, a CI log) one line when a phase starts and one with its seconds when
+    it ends, so that a piped run is never silent for minutes."""
 
     LABELS = {
         "trace": "tracing (torch.export, meta device)",
@@ -250,6 +256,8 @@ class Progress:
     }
 
     def __init__(self, console: Console) -> None:
+        self.console = console
+        self.lines = not console.is_terminal
         self.bar = RichProgress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
@@ -258,8 +266,11 @@ class Progress:
             TimeElapsedColumn(),
             console=console,
             transient=True,
+            disable=self.lines,
         )
         self.tasks: dict[str, int] = {}
+        self.started: dict[str, float] = {}
+        self.finished: set[str] = set()
 
     def __enter__(self):
         self.bar.__enter__()
@@ -269,6 +280,51 @@ class Progress:
         return self.bar.__exit__(*exc)
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        label = self.LABELS.get(phase, phase)
+        if self.lines:
+            if phase not in self.started:
+                self.started[phase] = time.perf_counter()
+                self.console.print(f"{label} ...", highlight=False)
+            if done >= total and phase not in self.finished:
+                self.finished.add(phase)
+                seconds = time.perf_counter() - self.started[phase]
+                self.console.print(f"{label}: done in {seconds:.1f} s", highlight=False)
+            return
         if phase not in self.tasks:
-            self.tasks[phase] = self.bar.add_task(self.LABELS.get(phase, phase), total=total)
+            self.tasks[phase] = self.bar.add_task(label, total=total)
         self.bar.update(self.tasks[phase], completed=done, total=total)
+
+
+def check_writable(out_dir: Path) -> None:
+    """Create ``--out`` and write a file there before any work, so that a long solve never
+    ends in a folder it cannot write.
+
+    Raises:
+        AutoshardError: the folder cannot be created or written.
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".autoshard-write-check.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise AutoshardError(
+            f"cannot write to --out {out_dir}: {exc.strerror or exc}; pick a writable folder"
+        ) from exc
+
+
+def refuse_overwriting_preload(preload: Path | None, out_dir: Path, stem: str) -> None:
+    """A solve never replaces the file it preloads.
+
+    Raises:
+        AutoshardError: ``out_dir/<stem>.pkl`` or ``.json`` is the ``--preload`` file.
+    """
+    if preload is None:
+        return
+    for suffix in (".pkl", ".json"):
+        target = out_dir / f"{stem}{suffix}"
+        if target.resolve() == Path(preload).resolve():
+            raise AutoshardError(
+                f"this solve would write {target}, which is the --preload file: give another "
+                "--out so that the stored plan is kept"
+            )

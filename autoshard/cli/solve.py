@@ -7,7 +7,15 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from autoshard.cli.options import Progress, config_from_options, mesh_options, plan_options
+from autoshard import interrupt
+from autoshard.cli.options import (
+    Progress,
+    check_writable,
+    config_from_options,
+    mesh_options,
+    plan_options,
+    refuse_overwriting_preload,
+)
 
 
 @click.command("solve")
@@ -62,8 +70,14 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
     from autoshard.solver.solve import plan_model
 
     console = Console(stderr=False, quiet=quiet)
+    check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     config = config_from_options(model_file, opts)
     mesh = config.mesh
+    # the model is named after its file: the output names are known before any work
+    suffix = "" if algo == "ilp" else algo
+    refuse_overwriting_preload(
+        preload, out_dir, output_stem(Path(model_file).stem, mesh.shape, suffix)
+    )
     notes: list[str] = []
     with Progress(Console(stderr=True, quiet=quiet)) as progress:
         if preload is not None:
@@ -78,7 +92,8 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
             notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)
-    stem = output_stem(result.graph.model_name, mesh.shape, "" if algo == "ilp" else algo)
+    stem = output_stem(result.graph.model_name, mesh.shape, suffix)
+    interrupt.check()  # a Ctrl-C some library swallowed still stops the write
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
     print_report(console, result, files)
     for note in notes:

@@ -1,4 +1,4 @@
-"""``autoshard stages``: split a model into pipeline stages, each with its intra-op plan.
+"""Pipeline pricing (``autoshard stages``): layers, each candidate stage priced, the plan.
 
 The model is traced once, on one micro-batch. Its layers are the repeated blocks the tracer
 found (``NodeInfo.layer``), or, for a model without repeated blocks, the layers that

@@ -1,4 +1,4 @@
-"""``autoshard compare``: the ILP's plan beside the hand-written baselines, on one graph.
+"""The ILP's plan beside the hand-written baselines, on one graph (``autoshard compare``).
 
 The model is traced and its strategies generated ONCE; the ILP and every baseline
 (:mod:`autoshard.solver.baselines`) are then solved on the same

@@ -85,6 +85,22 @@ class HighsRun:
     model_status: str
 
 
+def _run_interruptibly(h: highspy.Highs) -> None:
+    """``h.run()`` in highspy's solver thread, so that Ctrl-C reaches the main thread at
+    once: HiGHS is then cancelled at its next interrupt check (highspy's
+    ``HandleUserInterrupt`` callbacks) and the :class:`KeyboardInterrupt` goes on."""
+    h.HandleUserInterrupt = True
+    h.startSolve()
+    try:
+        while not h.wait(0.1)[0]:
+            pass
+    except KeyboardInterrupt:
+        h.cancelSolve()
+        while not h.wait(0.1)[0]:
+            pass
+        raise
+
+
 def run(
     milp: MILP,
     time_limit: float,
@@ -104,6 +120,9 @@ def run(
     Returns:
         A :class:`HighsRun`; no exception for infeasibility or limits, which its
         ``status`` says.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C, after HiGHS has stopped.
     """
     h = highspy.Highs()
     for name, value in (
@@ -141,7 +160,7 @@ def run(
         h.setSolution(
             len(index), np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
         )
-    h.run()
+    _run_interruptibly(h)
     word = h.modelStatusToString(h.getModelStatus())
     name = h.getModelStatus().name
     info = h.getInfo()

@@ -1,0 +1,44 @@
+"""Ctrl-C that is never lost.
+
+Python raises :class:`KeyboardInterrupt` wherever the main thread happens to be; when that is
+a finaliser or a weakref callback (torch has both), the exception is printed as "ignored"
+and the program runs on. :func:`install` makes SIGINT also record itself, and
+:func:`check` raises again where it matters: before any file is written, so an interrupted
+solve never writes a solution (``autoshard`` exits 130).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+__all__ = ["check", "install", "requested"]
+
+_requested = False
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    global _requested
+    _requested = True
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Route SIGINT through :func:`requested`'s record (main thread only; elsewhere a no-op,
+    since Python lets only the main thread set signal handlers)."""
+    global _requested
+    _requested = False
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def requested() -> bool:
+    """Whether Ctrl-C was pressed since :func:`install`."""
+    return _requested
+
+
+def check() -> None:
+    """Raise :class:`KeyboardInterrupt` if Ctrl-C was pressed, even if a library swallowed
+    the first one."""
+    if _requested:
+        raise KeyboardInterrupt
