@@ -106,6 +106,7 @@ def run(
     time_limit: float,
     mip_rel_gap: float | None = None,
     start: tuple[np.ndarray, np.ndarray] | None = None,
+    objective_bound: float | None = None,
 ) -> HighsRun:
     """Solve ``milp`` with HiGHS within ``time_limit`` seconds.
 
@@ -116,6 +117,9 @@ def run(
             only the relative one counts).
         start: ``(column indices, values)`` of a feasible point, possibly partial (HiGHS
             completes the rest); the MIP's first incumbent.
+        objective_bound: HiGHS's ``objective_bound``: every branch whose bound is not
+            below it is cut (a start's objective, slightly raised, prunes as the start
+            would once HiGHS has completed it).
 
     Returns:
         A :class:`HighsRun`; no exception for infeasibility or limits, which its
@@ -135,6 +139,8 @@ def run(
         h.setOptionValue(name, value)
     if mip_rel_gap is not None:
         h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+    if objective_bound is not None:
+        h.setOptionValue("objective_bound", float(objective_bound))
     lp = highspy.HighsLp()
     lp.num_col_ = milp.num_cols
     lp.num_row_ = milp.num_rows

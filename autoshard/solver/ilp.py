@@ -487,7 +487,8 @@ def _search(
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     start_cols = _start(prob, sg, incumbent.choice) if incumbent is not None else None
-    found = run(milp, _left(deadline), float(options.mip_gap), start=start_cols)
+    cutoff = incumbent.objective_s * SCALE * (1 + 1e-9) if incumbent is not None else None
+    found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff)
     solve_s = time.perf_counter() - t1
     status = found.status
     if status == "error":
