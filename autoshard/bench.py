@@ -178,7 +178,9 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
     """Benchmark autoshard solve on the bundled models (see docs/performance.md)."""
     if case:
         click.echo(json.dumps(run_case(case)))
-        return
+        # as the autoshard command does (cli.main.entry): no interpreter teardown
+        sys.stdout.flush()
+        os._exit(0)
     names = only.split(",") if only else list(CASES)
     rows = []
     console = Console(width=220)

@@ -1,5 +1,5 @@
 """``python -m autoshard.cli``: the ``autoshard`` command."""
 
-from autoshard.cli.main import main
+from autoshard.cli.main import entry
 
-main()
+entry()
