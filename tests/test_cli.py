@@ -209,3 +209,26 @@ def test_an_unwritable_out_is_refused_before_any_work(tmp_path):
     # the --out error comes first: the missing model file is never even opened
     assert result.exit_code == 2
     assert result.output.startswith("error: cannot write to --out"), result.output
+
+
+def test_option_errors_are_one_line_like_every_other_error():
+    """click's own usage errors (a missing or bad option) in autoshard's one-line form."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", "examples/mlp.py"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "error: Missing option '--mesh'; see `autoshard solve --help`"
+    ], out.stderr
+    cmd += ["--mesh", "2x2", "--mode", "foo"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
+    assert out.stderr.startswith("error: Invalid value for '--mode'"), out.stderr
+
+
+def test_show_on_a_model_file_says_it_is_not_a_plan_file():
+    result = CliRunner().invoke(main, ["show", str(ROOT / "examples" / "mlp.py")])
+    assert result.exit_code == 2
+    assert "is not a plan file: it is text" in result.output, result.output

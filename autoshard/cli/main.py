@@ -30,6 +30,25 @@ class _Group(click.Group):
     """Turns :class:`AutoshardError` into one line and exit code 2, and Ctrl-C into one
     line and exit code 130 (the shell's code for SIGINT)."""
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **kw):
+        """click's standalone mode, with option errors in the one-line form of every other
+        error (``error: ...; see `autoshard solve --help```) instead of click's four."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **kw)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **kw)
+        except click.UsageError as exc:
+            hint = f"; see `{exc.ctx.command_path} --help`" if exc.ctx is not None else ""
+            click.echo(f"error: {exc.format_message().rstrip('.')}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:  # Ctrl-C while click itself runs (prompts, parsing)
+            click.echo("interrupted (Ctrl-C): nothing was written", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
     def invoke(self, ctx: click.Context):
         interrupt.install()
         try:
@@ -72,7 +91,7 @@ def entry() -> None:
     ``CliRunner``) use :func:`main`, which exits normally.
     """
     try:
-        main()
+        main(prog_name="autoshard")  # also under `python -m autoshard.cli`
         code: object = 0
     except SystemExit as exc:
         code = exc.code

@@ -423,6 +423,11 @@ def loads_solution(data: bytes, source: str = "the solution") -> dict[str, Any]:
     except RecursionError:
         raise AutoshardError(f"{source} is nested too deeply to be a solution") from None
     except Exception as e:  # pickle raises many types on bad bytes: all mean "corrupt"
+        if _is_text(data):  # a model file, a log, a README: not a damaged plan
+            raise AutoshardError(
+                f"{source} is not a plan file: it is text, neither a solution pickle nor a "
+                "sharding map (JSON); give the .pkl or .json that `autoshard solve` writes"
+            ) from None
         reason = str(e) or type(e).__name__
         raise AutoshardError(
             f"{source} is truncated or corrupt ({reason}); copy it again or re-run "
@@ -438,6 +443,16 @@ def loads_solution(data: bytes, source: str = "the solution") -> dict[str, Any]:
     except RecursionError:
         raise AutoshardError(f"{source} is nested too deeply to be a solution") from None
     return _normalise_solution(obj, source)
+
+
+def _is_text(data: bytes) -> bool:
+    """UTF-8 text without control bytes other than whitespace (a pickle of protocol 2 or
+    more starts with the byte 0x80, and protocol 0 pickles load before this is asked)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(c.isprintable() or c in "\n\r\t\f" for c in text)
 
 
 def load_solution(path: str | os.PathLike[str]) -> dict[str, Any]:
