@@ -232,3 +232,26 @@ def test_show_on_a_model_file_says_it_is_not_a_plan_file():
     result = CliRunner().invoke(main, ["show", str(ROOT / "examples" / "mlp.py")])
     assert result.exit_code == 2
     assert "is not a plan file: it is text" in result.output, result.output
+
+
+def test_the_report_says_how_much_of_the_batch_each_device_loads(tmp_path):
+    """A user reading `input_ids: R·R` must learn that every rank loads the global batch."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.plan.report import inputs_line
+
+    mesh = MeshSpec.from_options("2x4")
+    plan = SimpleNamespace(mesh=mesh, inputs={"input_ids": (Shard(0), Replicate())})
+    assert inputs_line(plan) == "inputs: input_ids S(0)·R (each device loads 1/2 of it)"
+    plan.inputs = {"x": (Shard(0), Shard(1)), "y": (Replicate(), Replicate())}
+    assert inputs_line(plan) == (
+        "inputs: x S(0)·S(1) (each device loads 1/8 of it); "
+        "y R·R (each device loads the whole global tensor)"
+    )
+    args = ["solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "2x2", "--inputs", "replicate"]
+    out = CliRunner().invoke(main, [*args, "--out", str(tmp_path)])
+    assert "compute dtype float32" in out.output
+    assert "x R·R (each device loads the whole global tensor)" in out.output

@@ -82,6 +82,19 @@ def cost_table(plan: Plan) -> Table:
     return table
 
 
+def inputs_line(plan: Plan) -> str:
+    """Each input's placement and what it means for the data loader: how much of the
+    global batch every device loads."""
+    parts = []
+    for name, ps in plan.inputs.items():
+        pieces = 1
+        for n, p in zip(plan.mesh.shape, ps, strict=True):
+            pieces *= n if p.is_shard() else 1
+        share = "the whole global tensor" if pieces == 1 else f"1/{pieces} of it"
+        parts.append(f"{name} {short(ps)} (each device loads {share})")
+    return "inputs: " + "; ".join(parts) if parts else "inputs: none"
+
+
 def flops_line(plan: Plan) -> str:
     """The step's FLOPs and the MFU they imply, one line."""
     return (
@@ -120,7 +133,8 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
     )
     console.print(
         f"[bold]{sg.graph.model_name}[/bold] on mesh {mesh.shape_str} ({escape(dims)}), "
-        f"device {cfg.device.name}, mode {cfg.mode}"
+        f"device {cfg.device.name}, mode {cfg.mode}, compute dtype "
+        f"{str(cfg.compute_dtype(sg.graph)).removeprefix('torch.')}"
     )
     st = sg.stats
     console.print(
@@ -144,6 +158,7 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
         console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
     console.print(layer_table(plan))
+    console.print(inputs_line(plan), highlight=False)
     console.print(cost_table(plan))
     console.print(flops_line(plan))
     console.print(memory_table(plan))
