@@ -263,3 +263,18 @@ def test_cli_group_prints_one_line_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["show", str(path)])
     assert result.exit_code == 2
     assert "error: " in result.output and "is empty" in result.output
+
+
+def test_show_folds_identical_layers_and_sorts_naturally():
+    """12 blocks of which block 0 differs: two rows, not twelve, and `h.2` before `h.10`."""
+    from autoshard.plan.show import fold_layers
+
+    entries = {f"h.{i}.attn.weight": ("R", "S(0)") for i in range(12)}
+    entries["h.0.attn.weight"] = ("R", "R")
+    entries |= {"h.10.mlp.weight": ("S(1)",), "h.2.mlp.weight": ("S(1)",), "wte.weight": ("R",)}
+    assert fold_layers(entries) == [
+        ("h.0.attn.weight", ("R", "R")),
+        ("h.<1-11>.attn.weight", ("R", "S(0)")),
+        ("h.<2, 10>.mlp.weight", ("S(1)",)),
+        ("wte.weight", ("R",)),
+    ]

@@ -13,7 +13,7 @@ from autoshard.plan.plan import Plan
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 
-def _ranges(layers: Iterable[int]) -> str:
+def format_ranges(layers: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     xs = sorted(set(layers))
     out, start = [], None
@@ -50,7 +50,7 @@ def layer_table(plan: Plan) -> Table:
         layers, _ = rows.setdefault((fqn[len(prefix) + 1 :], short(ps)), ([], fqn))
         layers.append(blocks[prefix])
     for (sub, ps), (layers, example) in rows.items():
-        table.add_row(f"<block>.{sub}", _ranges(layers), ps, str(shapes.get(example, "")))
+        table.add_row(f"<block>.{sub}", format_ranges(layers), ps, str(shapes.get(example, "")))
     return table
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from rich.text import Text
 
 from autoshard.placements import placement_to_str, short
 from autoshard.plan.formats import ShardingMap, detect_kind, load_sharding_map, load_solution
+from autoshard.plan.report import format_ranges
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 __all__ = ["render"]
@@ -229,14 +231,45 @@ def _placement_table(
     shape: Sequence[int],
     names: Sequence[str],
 ) -> Table:
-    """One row per entry, one placement column per mesh dim (headed ``dp (2)``)."""
+    """One row per entry, one placement column per mesh dim (headed ``dp (2)``), in
+    natural order (``layers.2`` before ``layers.10``). Entries that differ only in their
+    first numeric path component (the layer index) and have the same placements share a
+    row: ``layers.<0-31>.attention.wq.weight``."""
     table = Table(title=f"{title} ({len(entries)})", title_justify="left")
     table.add_column(what, overflow="fold")
     for name, size in zip(names, shape, strict=True):
         table.add_column(f"{name} ({size})" if size else name, justify="center")
-    for key, placements in entries.items():
+    for key, placements in fold_layers(entries):
         table.add_row(_text(key), *(_text(placement_to_str(p)) for p in placements))
     return table
+
+
+def _natural(key: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def fold_layers(entries: Mapping[str, Sequence[Any]]) -> list[tuple[str, tuple]]:
+    """``(name, placements)`` rows: names equal but for their first all-digit dotted
+    component, with equal placements, folded into ``prefix.<ranges>.suffix``; rows in
+    natural order of their first name."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for key, placements in entries.items():
+        parts = key.split(".")
+        i = next((j for j, part in enumerate(parts) if part.isdigit()), None)
+        template = tuple(parts[:i] + ["*"] + parts[i + 1 :]) if i is not None else (key,)
+        number = int(parts[i]) if i is not None else -1
+        groups.setdefault((template, tuple(placements)), []).append((number, key))
+    rows: list[tuple[str, tuple, str]] = []  # (shown name, placements, first real name)
+    for (template, placements), members in groups.items():
+        members.sort()
+        if len(members) == 1:
+            rows.append((members[0][1], placements, members[0][1]))
+            continue
+        ranges = format_ranges(n for n, _ in members)
+        shown = ".".join(f"<{ranges}>" if t == "*" else t for t in template)
+        rows.append((shown, placements, members[0][1]))
+    rows.sort(key=lambda r: _natural(r[2]))
+    return [(name, placements) for name, placements, _ in rows]
 
 
 def _predicted_table(predicted: Mapping[str, Any]) -> Table:
