@@ -255,3 +255,13 @@ def test_the_report_says_how_much_of_the_batch_each_device_loads(tmp_path):
     out = CliRunner().invoke(main, [*args, "--out", str(tmp_path)])
     assert "compute dtype float32" in out.output
     assert "x R·R (each device loads the whole global tensor)" in out.output
+
+
+def test_parameter_names_wrap_instead_of_being_cut_on_a_narrow_terminal(tmp_path):
+    """At 60 columns Llama's `<block>.self_attn.q_proj.weight` used to end in an ellipsis."""
+    args = ["solve", str(ROOT / "examples" / "llama.py"), "--mesh", "2x4", "--mode", "infer"]
+    env = {"COLUMNS": "60", "AUTOSHARD_LAYERS": "2"}
+    out = CliRunner(env=env).invoke(main, [*args, "--out", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    assert "<block>.self_at" in out.output  # the parameter table is there
+    assert "…" not in out.output  # rich's ellipsis: a cut name

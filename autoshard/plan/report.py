@@ -32,10 +32,11 @@ def layer_table(plan: Plan) -> Table:
     blocks = graph.block_prefixes
     dims = " · ".join(plan.mesh.dim_names)
     table = Table(title=f"Plan: parameter placements (mesh dims {dims})", show_lines=False)
-    table.add_column("parameter")
-    table.add_column("layers")
-    table.add_column("placement", style="bold")
-    table.add_column("shape", style="dim")
+    # names wrap rather than being cut with an ellipsis on a narrow terminal
+    table.add_column("parameter", overflow="fold")
+    table.add_column("layers", overflow="fold")
+    table.add_column("placement", style="bold", no_wrap=True)
+    table.add_column("shape", style="dim", overflow="fold")
     shapes = {n.fqn: n.results[0].shape for n in graph.nodes.values() if n.kind == "param"}
     for owner, names in graph.param_names.items():
         for alias in names:
