@@ -265,3 +265,34 @@ def test_parameter_names_wrap_instead_of_being_cut_on_a_narrow_terminal(tmp_path
     assert out.exit_code == 0, out.output
     assert "<block>.self_at" in out.output  # the parameter table is there
     assert "…" not in out.output  # rich's ellipsis: a cut name
+
+
+def test_an_untraceable_model_is_one_line_naming_the_users_line(tmp_path):
+    """Data-dependent control flow: torch prints its graph twice and a warning (about 28
+    lines) before raising; autoshard says one line that points at the user's `if`."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "branchy.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Branchy(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(16, 16)\n\n"
+        "    def forward(self, x):\n"
+        "        y = self.fc(x)\n"
+        "        if y.sum() > 0:\n"
+        "            return y * 2\n"
+        "        return y\n\n\n"
+        "def build_model():\n    return Branchy()\n\n\n"
+        "def example_inputs():\n    return (torch.randn(8, 16),)\n"
+    )
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
+    out = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: ") and f"{model}:12" in lines[0], lines[0]

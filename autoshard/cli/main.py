@@ -66,8 +66,11 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="autoshard")
 @click.option("--debug", is_flag=True, help="Show tracebacks of errors.")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Show torch's own warnings, logs and graph dumps."
+)
 @click.pass_context
-def main(ctx: click.Context, debug: bool) -> None:
+def main(ctx: click.Context, debug: bool, verbose: bool) -> None:
     """Find how to shard a PyTorch model across a mesh of GPUs.
 
     \b
@@ -79,6 +82,8 @@ def main(ctx: click.Context, debug: bool) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if verbose:  # read by the tracer (autoshard.trace.tracer._quiet_torch), in any process
+        os.environ["AUTOSHARD_VERBOSE"] = "1"
 
 
 def entry() -> None:

@@ -15,8 +15,11 @@ must trace to the same op sequence); no model-specific names are used.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import math
 import operator
+import os
 import re
 import time
 import warnings
@@ -353,19 +356,55 @@ class _LossWrapper(torch.nn.Module):
 
 
 def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """One line: what failed, torch's first line, and the user's own line when torch's
+    message names it (the innermost frame outside site-packages and autoshard)."""
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = next((line for line in lines if not line.startswith("def ")), type(exc).__name__)
+    frames = [
+        (path, line)
+        for path, line in re.findall(r'File "([^"]+)", line (\d+)', text)
+        if "site-packages" not in path and "/autoshard/" not in path
+    ]
+    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
     return AutoshardError(
-        f"{what} could not trace {loaded.name}: {type(exc).__name__}: {first} "
+        f"{what} could not trace {loaded.name}{where}: {type(exc).__name__}: {first} "
         "(make the model traceable: no data-dependent Python control flow; "
-        "see docs/model-file.md)"
+        "see docs/model-file.md, 'Tracing')"
     )
+
+
+@contextlib.contextmanager
+def _quiet_torch():
+    """torch's warnings, logs and graph dumps during export stay off the terminal unless
+    ``AUTOSHARD_VERBOSE`` is set (``autoshard -v``): a failed export prints its graph twice
+    and a log warning before raising, about 30 lines before autoshard's one."""
+    if os.environ.get("AUTOSHARD_VERBOSE"):
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]
+    loggers = [lg for lg in loggers if lg.name.startswith("torch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        sink = io.StringIO()
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _export_inference(loaded: LoadedModel):
     """Forward graph: ``torch.export`` + core-ATen decompositions."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet_torch():
             ep = torch.export.export(loaded.module, loaded.inputs)
             ep = ep.run_decompositions()
     except Exception as exc:  # torch raises many types here
@@ -396,8 +435,7 @@ def _export_joint(loaded: LoadedModel):
     """
     stack = contextlib.ExitStack()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet_torch():
             ep = torch.export.export(_LossWrapper(loaded.module), loaded.inputs)
             joint = tp.export_joint(stack, ep.module(), loaded.inputs)
     except Exception as exc:
