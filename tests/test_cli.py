@@ -251,6 +251,11 @@ def test_the_report_says_how_much_of_the_batch_each_device_loads(tmp_path):
         "inputs: x S(0)·S(1) (each device loads 1/8 of it); "
         "y R·R (each device loads the whole global tensor)"
     )
+    plan.inputs = {"input_ids": (Replicate(), Shard(0))}
+    assert inputs_line(plan, {"input_ids": (3, 128)}) == (
+        "inputs: input_ids R·S(0) (each device loads 1/4 of it; its dim 0 (3) is smaller "
+        "than the 8 devices)"
+    )
     args = ["solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "2x2", "--inputs", "replicate"]
     out = CliRunner().invoke(main, [*args, "--out", str(tmp_path)])
     assert "compute dtype float32" in out.output

@@ -83,15 +83,20 @@ def cost_table(plan: Plan) -> Table:
     return table
 
 
-def inputs_line(plan: Plan) -> str:
+def inputs_line(plan: Plan, shapes: dict[str, tuple] | None = None) -> str:
     """Each input's placement and what it means for the data loader: how much of the
-    global batch every device loads."""
+    global batch every device loads; with ``shapes`` (global shape per input), a batch
+    smaller than the mesh is said, since it cannot be split over every device."""
     parts = []
+    devices = plan.mesh.num_devices
     for name, ps in plan.inputs.items():
         pieces = 1
         for n, p in zip(plan.mesh.shape, ps, strict=True):
             pieces *= n if p.is_shard() else 1
         share = "the whole global tensor" if pieces == 1 else f"1/{pieces} of it"
+        shape = (shapes or {}).get(name)
+        if shape and shape[0] < devices:
+            share += f"; its dim 0 ({shape[0]}) is smaller than the {devices} devices"
         parts.append(f"{name} {short(ps)} (each device loads {share})")
     return "inputs: " + "; ".join(parts) if parts else "inputs: none"
 
@@ -159,7 +164,12 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
         console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
     console.print(layer_table(plan))
-    console.print(inputs_line(plan), highlight=False)
+    shapes = {
+        info.fqn: tuple(info.results[0].shape)
+        for info in sg.graph.nodes.values()
+        if info.kind == "input" and info.results and info.results[0] is not None
+    }
+    console.print(inputs_line(plan, shapes), highlight=False)
     console.print(cost_table(plan))
     console.print(flops_line(plan))
     console.print(memory_table(plan))
