@@ -301,3 +301,12 @@ def test_an_untraceable_model_is_one_line_naming_the_users_line(tmp_path):
     lines = [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("error: ") and f"{model}:12" in lines[0], lines[0]
+
+
+def test_a_failed_solve_creates_no_output_folder(tmp_path):
+    out = tmp_path / "new" / "plans"
+    result = CliRunner().invoke(
+        main, ["solve", "no-such-model.py", "--mesh", "2x2", "--out", str(out)]
+    )
+    assert result.exit_code == 2
+    assert not (tmp_path / "new").exists()

@@ -296,15 +296,21 @@ class Progress:
 
 
 def check_writable(out_dir: Path) -> None:
-    """Create ``--out`` and write a file there before any work, so that a long solve never
-    ends in a folder it cannot write.
+    """Prove a file can be written in ``--out`` (or, when it does not exist yet, in its
+    nearest existing parent, where it will be created) before any work, so that a long
+    solve never ends in a folder it cannot write. Creates nothing.
 
     Raises:
-        AutoshardError: the folder cannot be created or written.
+        AutoshardError: a file stands where a folder is needed, or the folder cannot be
+            written.
     """
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".autoshard-write-check.")
+        if not existing.is_dir():
+            raise NotADirectoryError(20, f"{existing} is a file, not a folder")
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".autoshard-write-check.")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
