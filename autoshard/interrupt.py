@@ -28,7 +28,9 @@ def install() -> None:
     since Python lets only the main thread set signal handlers)."""
     global _requested
     _requested = False
-    if threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    # an ignored SIGINT (a background job of a non-interactive shell) stays ignored
+    if main and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_sigint):
         signal.signal(signal.SIGINT, _on_sigint)
 
 

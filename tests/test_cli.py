@@ -181,8 +181,8 @@ def test_ctrl_c_exits_130_with_one_line_and_writes_nothing(tmp_path, marker, wai
     assert rc == 130, rest
     assert rest == ["interrupted (Ctrl-C): nothing was written"], rest
     assert seconds < 15, f"took {seconds:.1f} s to stop"
-    out = tmp_path / "out"
-    assert not any(p.suffix in (".pkl", ".json") for p in out.iterdir())
+    out = tmp_path / "out"  # never created: nothing was written
+    assert not out.exists() or not any(p.suffix in (".pkl", ".json") for p in out.iterdir())
 
 
 def test_a_failing_preload_never_overwrites_its_source(tmp_path):
@@ -310,3 +310,59 @@ def test_a_failed_solve_creates_no_output_folder(tmp_path):
     )
     assert result.exit_code == 2
     assert not (tmp_path / "new").exists()
+
+
+def test_a_symlinked_model_file_never_overwrites_its_preload_source(tmp_path):
+    """The outputs are named after the file the link points to (mlp), not the link (m)."""
+    link = tmp_path / "m.py"
+    link.symlink_to(ROOT / "examples" / "mlp.py")
+    out = tmp_path / "out"
+    solved = CliRunner().invoke(main, ["solve", str(link), "--mesh", "4", "--out", str(out)])
+    assert solved.exit_code == 0, solved.output
+    stored = out / "mlp_4.pkl"
+    before = stored.read_bytes()
+    args = ["solve", str(link), "--mesh", "4", "--out", str(out), "--preload", str(stored)]
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2 and "is the --preload file" in again.output
+    assert stored.read_bytes() == before
+
+
+def test_bare_autoshard_prints_its_help_not_an_error():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli"], cwd=ROOT, capture_output=True, text=True
+    )
+    text = out.stdout + out.stderr
+    assert text.startswith("Usage: autoshard"), text
+    assert "error:" not in text
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """A background job of a non-interactive shell ignores SIGINT; autoshard keeps it so."""
+    import signal
+
+    from autoshard import interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        interrupt.install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.install()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_the_users_line_is_found_under_a_folder_named_autoshard(tmp_path):
+    """A clone at ~/autoshard/ holds the user's files too: only autoshard's own package,
+    Python and installed packages are left out of the error's location."""
+    from autoshard.trace.tracer import _library_file
+
+    assert not _library_file(str(tmp_path / "autoshard" / "examples" / "bad.py"))
+    assert _library_file(str(ROOT / "autoshard" / "trace" / "tracer.py"))
+    assert _library_file(__import__("torch").__file__)
+    assert _library_file(__import__("json").__file__)

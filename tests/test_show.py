@@ -278,3 +278,10 @@ def test_show_folds_identical_layers_and_sorts_naturally():
         ("h.<2, 10>.mlp.weight", ("S(1)",)),
         ("wte.weight", ("R",)),
     ]
+
+
+def test_fold_layers_takes_only_decimal_layer_indices():
+    from autoshard.plan.show import fold_layers
+
+    # "²".isdigit() is True but int("²") fails: such a name is kept as it is
+    assert fold_layers({"w.²": ("R",), "w.3": ("R",)}) == [("w.3", ("R",)), ("w.²", ("R",))]

@@ -37,6 +37,9 @@ class _Group(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode, **kw)
         try:
             code = super().main(args, prog_name, complete_var, False, **kw)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `autoshard`: the help
+            exc.show()
+            sys.exit(exc.exit_code)
         except click.UsageError as exc:
             hint = f"; see `{exc.ctx.command_path} --help`" if exc.ctx is not None else ""
             click.echo(f"error: {exc.format_message().rstrip('.')}{hint}", err=True)

@@ -304,10 +304,10 @@ def check_writable(out_dir: Path) -> None:
         AutoshardError: a file stands where a folder is needed, or the folder cannot be
             written.
     """
-    existing = out_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
     try:
+        existing = out_dir
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
         if not existing.is_dir():
             raise NotADirectoryError(20, f"{existing} is a file, not a folder")
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".autoshard-write-check.")

@@ -76,7 +76,7 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
     # the model is named after its file: the output names are known before any work
     suffix = "" if algo == "ilp" else algo
     refuse_overwriting_preload(
-        preload, out_dir, output_stem(Path(model_file).stem, mesh.shape, suffix)
+        preload, out_dir, output_stem(Path(model_file).resolve().stem, mesh.shape, suffix)
     )
     notes: list[str] = []
     with Progress(Console(stderr=True, quiet=quiet)) as progress:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import Replicate
 
-from autoshard import __version__
+from autoshard import __version__, interrupt
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.pipeline.stage_ilp import StagePricer
@@ -490,6 +490,7 @@ def run_stages(
     except OSError as exc:
         raise AutoshardError(f"cannot create the output folder {out}: {exc.strerror}") from exc
     path = out / f"{output_stem(graph.model_name, mesh.shape)}_pp{best.costs.pp}.stages.json"
+    interrupt.check()  # a Ctrl-C some library swallowed still stops the write
     save_stage_plan(path, data)
     print_stages(console, data, path)
     return path, data

@@ -245,7 +245,7 @@ def _placement_table(
 
 
 def _natural(key: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+    return [int(t) if t.isdecimal() else t for t in re.split(r"(\d+)", key)]
 
 
 def fold_layers(entries: Mapping[str, Sequence[Any]]) -> list[tuple[str, tuple]]:
@@ -255,7 +255,7 @@ def fold_layers(entries: Mapping[str, Sequence[Any]]) -> list[tuple[str, tuple]]
     groups: dict[tuple, list[tuple[int, str]]] = {}
     for key, placements in entries.items():
         parts = key.split(".")
-        i = next((j for j, part in enumerate(parts) if part.isdigit()), None)
+        i = next((j for j, part in enumerate(parts) if part.isdecimal()), None)
         template = tuple(parts[:i] + ["*"] + parts[i + 1 :]) if i is not None else (key,)
         number = int(parts[i]) if i is not None else -1
         groups.setdefault((template, tuple(placements)), []).append((number, key))

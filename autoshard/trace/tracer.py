@@ -21,10 +21,12 @@ import math
 import operator
 import os
 import re
+import sysconfig
 import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -355,6 +357,26 @@ class _LossWrapper(torch.nn.Module):
         return t if t.dim() == 0 else t.float().mean()
 
 
+_LIBRARY_DIRS = tuple(
+    str(Path(d).resolve())
+    for d in {
+        *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+        str(Path(__file__).resolve().parents[1]),  # autoshard itself
+    }
+    if d
+)
+
+
+def _library_file(path: str) -> bool:
+    """A file of Python, an installed package or autoshard itself: not the user's code."""
+    resolved = str(Path(path).resolve())
+    return (
+        "site-packages" in path
+        or "dist-packages" in path
+        or any(resolved.startswith(d + os.sep) for d in _LIBRARY_DIRS)
+    )
+
+
 def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardError:
     """One line: what failed, torch's first line, and the user's own line when torch's
     message names it (the innermost frame outside site-packages and autoshard)."""
@@ -364,7 +386,7 @@ def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardEr
     frames = [
         (path, line)
         for path, line in re.findall(r'File "([^"]+)", line (\d+)', text)
-        if "site-packages" not in path and "/autoshard/" not in path
+        if not _library_file(path)
     ]
     where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
     return AutoshardError(
