@@ -382,8 +382,8 @@ def test_corrupt_and_padded_bytes_are_clear_errors(tmp_path: Path) -> None:
     path.write_bytes(b"\x80\x04\x95" + b"\xde\xad\xbe\xef" * 8)
     with pytest.raises(AutoshardError, match="is truncated or corrupt"):
         load_solution(path)
-    path.write_bytes(b"certainly not a pickle")
-    with pytest.raises(AutoshardError, match="is truncated or corrupt"):
+    path.write_bytes(b"certainly not a pickle")  # text: not a damaged plan, not a plan at all
+    with pytest.raises(AutoshardError, match="is not a plan file: it is text"):
         load_solution(path)
     save_solution(path, make_solution())
     path.write_bytes(path.read_bytes() + b"garbage")
