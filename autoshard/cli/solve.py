@@ -74,10 +74,10 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
     config = config_from_options(model_file, opts)
     mesh = config.mesh
     # the model is named after its file: the output names are known before any work
-    suffix = "" if algo == "ilp" else algo
-    refuse_overwriting_preload(
-        preload, out_dir, output_stem(Path(model_file).resolve().stem, mesh.shape, suffix)
-    )
+    # the outputs are named after the model file (its target, when a link), as the traced
+    # graph is (model_file.load_model_file): known before any work
+    stem = output_stem(Path(model_file).resolve().stem, mesh.shape, "" if algo == "ilp" else algo)
+    refuse_overwriting_preload(preload, out_dir, stem)
     notes: list[str] = []
     with Progress(Console(stderr=True, quiet=quiet)) as progress:
         if preload is not None:
@@ -92,7 +92,6 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
             notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)
-    stem = output_stem(result.graph.model_name, mesh.shape, suffix)
     interrupt.check()  # a Ctrl-C some library swallowed still stops the write
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
     print_report(console, result, files)

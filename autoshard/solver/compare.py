@@ -91,7 +91,7 @@ def compare_plans(
     for a in algos:
         if a not in ALGOS:
             raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(ALGOS)}")
-    budget = memory_budget(config)
+    budget = config.budget()
     memory, finish = _memory_model(config, sg, budget)
     rows = []
     for i, algo in enumerate(algos):
@@ -114,11 +114,6 @@ def compare_plans(
         for r in pool:
             r.best = math.isclose(r.plan.step_time_s, fastest, rel_tol=TIE_REL_TOL, abs_tol=1e-15)
     return rows
-
-
-def memory_budget(config) -> float:
-    """Bytes per device a plan must fit in: the configured budget or the device's memory."""
-    return float(config.budget())
 
 
 def _memory_model(config, sg, budget: float):

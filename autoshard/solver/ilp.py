@@ -327,7 +327,7 @@ def _milp(
     )
 
 
-def _start(prob: _Problem, sg: StrategyGraph, choice: dict[str, int]) -> tuple:
+def _start(prob: _Problem, choice: dict[str, int]) -> tuple:
     """A plan as a partial MIP start: every column of ``x`` (HiGHS completes the rest)."""
     xv = np.zeros(prob.n_x)
     for r, i in choice.items():
@@ -486,7 +486,7 @@ def _search(
     milp = _milp(prob, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    start_cols = _start(prob, sg, incumbent.choice) if incumbent is not None else None
+    start_cols = _start(prob, incumbent.choice) if incumbent is not None else None
     cutoff = incumbent.objective_s * SCALE * (1 + 1e-9) if incumbent is not None else None
     found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff)
     solve_s = time.perf_counter() - t1
