@@ -32,6 +32,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
 )
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_map_only
 
@@ -289,3 +290,15 @@ def describe_outputs(node: torch.fx.Node) -> list[str | None]:
         else:
             out.append(None)
     return out
+
+
+def redistribute_step(value: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """``value`` with ``placements`` on its mesh, without autograd, including the moves
+    ``DTensor.redistribute`` refuses (``Replicate -> Partial``: a local split of the value,
+    which a plan may choose where an op's strategy wants a ``Partial`` input).
+
+    ``torch.distributed.tensor._redistribute.redistribute_local_tensor`` does the work.
+    """
+    target = DTensorSpec(value.device_mesh, tuple(placements), tensor_meta=value._spec.tensor_meta)
+    local = redistribute_local_tensor(value._local_tensor, value._spec, target)
+    return DTensor(local, target, requires_grad=False)

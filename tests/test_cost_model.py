@@ -396,22 +396,24 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     wte = gpt2_params["transformer.wte.weight"]
     rest = sum(gpt2_params.values()) - wte
     b = 4 * rest
-    # reduce-scatter on tp at full size, then on dp on a quarter
-    rs = 0.75 * b / BW_TP + 0.5 * (b / 4) / BW_DP + (3 * A_TP + A_DP) * b / MIB25
+    # reduce-scatter on dp at full size, then on tp on a half: (S(0), S(0)) nests tp's
+    # pieces inside dp's, so tp first would leave pieces DTensor must gather again
+    rs = 0.5 * b / BW_DP + 0.75 * (b / 2) / BW_TP + (3 * A_TP + A_DP) * b / MIB25
     wte_ar = 1.5 * 4 * wte / BW_TP + wte / BW_DP + 70e-6
     assert plan.comm_s["reduce_scatter"] == pytest.approx(rs + wte_s_rs(wte) + 15e-6, abs=1e-6)
     # the embedding's all-reduce across nodes, on the quarter left by the reduce-scatter,
     # and the loss scalar's: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2 x 40 us latency
     assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 40e-6, abs=1e-6)
     assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
-    # gathers (S(0), S(0)) -> (R, R): the slow dim first on an eighth, (B/8) / 50 GB/s,
-    # then the fast dim, 3 (B/4) / 450 GB/s: 4.1667 ps per gathered byte, and the latency
+    # gathers (S(0), S(0)) -> (R, R): the inner (fast) dim first, as DTensor must,
+    # 3 (B/8) / 450 GB/s, then the slow dim, (B/2) / 50 GB/s, and the latency
     # (20 + 3 x 5 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
     # the forward and again for the backward (2 x 339.7 MB), the position embedding once
-    # (its backward does not read it); the norms' few KiB are left out (~3 us). Then the
+    # (its backward does not read it); the norms' and biases' few KiB are left out
+    # (~10 us). Then the
     # embedding's all-reduce ends in an all-gather inside the node (0.257 ms + 15 us), the
     # loss scalar's too (15 us), and propagation gathers one activation (28 us).
-    per_byte = (1 / 8) / BW_DP + 3 * (1 / 4) / BW_TP
+    per_byte = 3 * (1 / 8) / BW_TP + (1 / 2) / BW_DP
     blocks = sum(
         n
         for k, n in gpt2_params.items()
@@ -420,7 +422,7 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     gathered = 2 * 4 * blocks + 4 * gpt2_params["transformer.wpe.weight"]
     ag = gathered * per_byte + (A_DP + 3 * A_TP) * gathered / MIB25
     ag += 0.75 * 4 * wte / BW_TP + 3 * A_TP + 3 * A_TP + 28e-6
-    assert plan.comm_s["all_gather"] == pytest.approx(ag, abs=5e-6)  # 4.07 ms
+    assert plan.comm_s["all_gather"] == pytest.approx(ag, abs=12e-6)
     assert plan.optimizer_s == pytest.approx(
         28 * (rest / 8 + wte) / H100.memory_bandwidth, abs=1e-6
     )

@@ -34,15 +34,19 @@ source              destination            collective on that mesh dim
 
 A resharding over several mesh dims is a *sequence* of single-dim collectives, each priced
 on the tensor as it is at that step (Alpa and autoparallel size each step in sequence), in
-the cheapest order (:meth:`MeshSpec._sequence`): steps that shrink the local tensor first
-(local slices, then reduce-scatters, fastest link first), then those that keep its size
-(all-reduce, all-to-all) on the smallest piece, then the all-gathers that grow it (fastest
-link last). A ``Partial -> Replicate`` mesh dim may also run as a reduce-scatter at the
-start and an all-gather at the end, so that the dims between work on the scattered piece:
+the cheapest order (:meth:`CommModel._sequence`, every order tried): usually steps that
+shrink the local tensor first (local slices, then reduce-scatters, fastest link first), then
+those that keep its size (all-reduce, all-to-all) on the smallest piece, then the all-gathers
+that grow it (fastest link last). DTensor nests shardings of one tensor dim left to right
+over the mesh dims, and a step that breaks the nesting needs the inner mesh dims gathered
+first (:meth:`CommModel._nested`): ``(S(0), S(0)) -> (R, R)`` gathers mesh dim 1 before
+mesh dim 0, whatever the links. A ``Partial -> Replicate`` mesh dim may also run as a
+reduce-scatter at the start and an all-gather at the end, so that the dims between work on the scattered piece:
 NCCL's hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes on
 ``1/n`` of the bytes, all-gather inside). Each order is optimal by an exchange argument:
 every byte term is linear in the local size, a shrinking step moved earlier never costs
-more, and two reduce-scatters on links ``i, j`` cost less with the higher bandwidth first.
+more, and two reduce-scatters on links ``i, j`` cost less with the higher bandwidth first
+(where nesting allows).
 
 Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MiB by default), and
 so do parameter all-gathers (FSDP gathers a whole block's parameters in one collective; a
@@ -228,6 +232,41 @@ class CommModel:
             raise AutoshardError(plan)
         return self._steps(plan, latency_share)
 
+    def redistribute_path(
+        self, src: Sequence[Placement], dst: Sequence[Placement], shape: Sequence[int]
+    ) -> list[tuple[Placement, ...]]:
+        """The placements after each single-mesh-dim step of the resharding
+        :meth:`redistribute_steps` prices, in the same order, ending at ``dst``: what a
+        launcher passes to ``DTensor.redistribute`` one step at a time so that the
+        collectives that run are the priced ones. Local steps (``Replicate -> Shard``
+        slices, ``Replicate -> Partial``) are included; a ``Partial -> Replicate`` dim
+        priced as a reduce-scatter then an all-gather goes through ``Shard(d)`` with
+        ``d`` the largest tensor dim the mesh dim divides (else the largest).
+
+        Raises:
+            AutoshardError: the change is impossible, or bad arguments as in
+                :meth:`redistribute_cost`.
+        """
+        shape = _whole_numbers(shape, "tensor shape")
+        plan = self._plan(src, dst, shape, 1)
+        if isinstance(plan, str):
+            raise AutoshardError(plan)
+        s = self._encode(src, len(shape), "source")
+        d = self._encode(dst, len(shape), "destination")
+        current = list(src)
+        path: list[tuple[Placement, ...]] = []
+        for kind, i, code in self._sequence(s, d):
+            if kind == "reduce_scatter" and d[i] == _R:  # the first half of a split all-reduce
+                n = self.mesh.shape[i]
+                dims = sorted(range(len(shape)), key=lambda k: (shape[k] % n == 0, shape[k]))
+                current[i] = Shard(dims[-1]) if dims else dst[i]
+            else:
+                current[i] = _placement(code, dst[i])
+            path.append(tuple(current))
+        if tuple(current) != tuple(dst):
+            path.append(tuple(dst))
+        return path
+
     def bucketed_cost(
         self,
         src: Sequence[Placement],
@@ -334,7 +373,7 @@ class CommModel:
             )
         )
         plan: list[tuple[CollectiveKind, int, float]] = []
-        for kind, i in self._sequence(s, d):
+        for kind, i, _ in self._sequence(s, d):
             n = self.mesh.shape[i]
             if kind == "slice":
                 local /= n
@@ -349,17 +388,20 @@ class CommModel:
                 local /= n
         return plan
 
-    def _sequence_uncached(self, s: tuple, d: tuple) -> tuple[tuple[str, int], ...]:
-        """The cheapest order of the single-dim steps from codes ``s`` to ``d``.
+    def _sequence_uncached(self, s: tuple, d: tuple) -> tuple[tuple[str, int, _Code], ...]:
+        """The cheapest sequence of single-dim steps from codes ``s`` to ``d``, each
+        ``(kind, mesh dim, code after)``, as DTensor runs them (:meth:`_nested`).
 
         Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
         (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
         ``all_gather``; a ``Partial -> Replicate`` dim may instead give a reduce-scatter
-        and an all-gather. Order: slices, reduce-scatters by bandwidth (highest first),
-        all-reduces and all-to-alls, all-gathers by bandwidth (highest last). Every
-        choice of splitting the all-reduces is priced on a unit tensor; the cheapest wins
-        (ties: fewer steps). The order depends on the placements and the links only, since
-        every byte term is linear in the tensor's size and latencies do not depend on it.
+        and an all-gather (NCCL's hierarchical all-reduce). Every split choice and every
+        order of the steps (a split dim's reduce-scatter before its all-gather) is priced
+        on a unit tensor after the nested-sharding steps are added; the cheapest wins, ties
+        to fewer steps, then to the conventional order (slices, reduce-scatters fastest
+        link first, all-reduces and all-to-alls, all-gathers fastest link last). Beyond 6
+        steps only the conventional order is tried. The choice depends on the placements
+        and the links only: every byte term is linear in the tensor's size.
         """
         base: list[tuple[str, int]] = []
         splittable: list[int] = []
@@ -377,7 +419,7 @@ class CommModel:
                 base.append(("reduce_scatter" if isinstance(a, str) else "all_to_all", i))
         rank = {"slice": 0, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 2, "all_gather": 3}
 
-        def order(steps: list[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+        def conventional(steps: list[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
             def key(step: tuple[str, int]) -> tuple:
                 kind, i = step
                 bw = self.mesh.bandwidth[i]
@@ -385,34 +427,94 @@ class CommModel:
 
             return tuple(sorted(steps, key=key))
 
-        def unit_cost(steps: tuple[tuple[str, int], ...]) -> float:
-            local, total = 1.0, 0.0
-            for kind, i in steps:
-                n, bw = self.mesh.shape[i], self.mesh.bandwidth[i]
-                if kind == "slice":
-                    local /= n
-                elif kind == "all_gather":
-                    total += (n - 1) * local / bw
-                    local *= n
-                elif kind == "reduce_scatter":
-                    total += (n - 1) * local / (n * bw)
-                    local /= n
-                else:
-                    factor = 2 if kind == "all_reduce" else 1
-                    total += factor * (n - 1) * local / (n * bw)
-            return total
+        def valid(order: tuple[tuple[str, int], ...]) -> bool:
+            seen_rs: set[int] = set()
+            for kind, i in order:
+                if kind == "reduce_scatter":
+                    seen_rs.add(i)
+                elif kind == "all_gather" and i in splittable and i not in seen_rs:
+                    return False
+            return True
 
-        best: tuple[tuple[str, int], ...] | None = None
-        best_cost = math.inf
+        best: tuple[tuple[str, int, _Code], ...] = ()
+        best_key: tuple[float, int, int] = (math.inf, 0, 0)
         for split in itertools.product((False, True), repeat=len(splittable)):
             steps = list(base)
             for i, sp in zip(splittable, split, strict=True):
                 steps += [("reduce_scatter", i), ("all_gather", i)] if sp else [("all_reduce", i)]
-            cand = order(steps)
-            cost = unit_cost(cand)
-            if cost < best_cost * (1 - 1e-12):
-                best, best_cost = cand, cost
-        return best if best is not None else ()
+            first = conventional(steps)
+            orders = [first]
+            if len(steps) <= 6:
+                orders += [o for o in itertools.permutations(first) if o != first and valid(o)]
+            for rank_of_order, order in enumerate(orders):
+                expanded = self._nested(s, d, order)
+                key = (self._unit_cost(expanded), len(expanded), rank_of_order)
+                if key[0] < best_key[0] * (1 - 1e-12) or (
+                    key[0] <= best_key[0] * (1 + 1e-12) and key[1:] < best_key[1:]
+                ):
+                    best, best_key = expanded, key
+        return best
+
+    def _unit_cost(self, steps: Sequence[tuple[str, int, _Code]]) -> float:
+        """Bandwidth seconds of ``steps`` on a tensor of one byte per device at the start."""
+        local, total = 1.0, 0.0
+        for kind, i, _ in steps:
+            n, bw = self.mesh.shape[i], self.mesh.bandwidth[i]
+            if kind == "slice":
+                local /= n
+            elif kind == "all_gather":
+                total += (n - 1) * local / bw
+                local *= n
+            elif kind == "reduce_scatter":
+                total += (n - 1) * local / (n * bw)
+                local /= n
+            else:
+                factor = 2 if kind == "all_reduce" else 1
+                total += factor * (n - 1) * local / (n * bw)
+        return total
+
+    def _nested(
+        self, s: tuple, d: tuple, order: Sequence[tuple[str, int]]
+    ) -> tuple[tuple[str, int, _Code], ...]:
+        """``order``'s steps as DTensor runs them, each ``(kind, mesh dim, code after)``,
+        with the extra steps nested sharding needs.
+
+        DTensor shards a tensor dim over several mesh dims left to right (``(S(0), S(0))``
+        cuts dim 0 by mesh dim 0, then each piece by mesh dim 1). A step on mesh dim ``i``
+        that shards or unshards tensor dim ``t`` while a later mesh dim ``m > i`` holds
+        ``Shard(t)`` breaks that nesting, so DTensor's redistribute planner
+        (``generate_greedy_transform_infos`` in ``torch.distributed.tensor._redistribute``)
+        first all-gathers ``m`` (innermost first), then runs the step, then slices ``m``
+        again. Here a gathered ``m`` goes straight to its target instead (a slice, or
+        nothing), and its own later step is dropped. So ``(S(0), S(0)) -> (R, R)`` is an
+        all-gather on mesh dim 1, then on mesh dim 0, the order DTensor must use.
+        """
+        current = list(s)
+        done: set[int] = set()  # mesh dims already at their target
+        out: list[tuple[str, int, _Code]] = []
+        for kind, i in order:
+            if i in done:
+                continue
+            after = d[i]
+            if kind == "reduce_scatter" and d[i] == _R:
+                after = "rs"  # a split all-reduce's half: sharded on some dim (see path)
+            dims = {c for c in (current[i], after) if not isinstance(c, str) and c >= 0}
+            nested = [
+                m
+                for m in range(i + 1, len(current))
+                if not isinstance(current[m], str) and current[m] in dims and self.mesh.shape[m] > 1
+            ]
+            for m in reversed(nested):
+                out.append(("all_gather", m, _R))
+                current[m] = _R
+            out.append((kind, i, after))
+            current[i] = after
+            for m in nested:
+                done.add(m)
+                if not isinstance(d[m], str) and d[m] >= 0:
+                    out.append(("slice", m, d[m]))
+                current[m] = d[m]
+        return tuple(out)
 
     def _encode(self, placements: Sequence[Placement], tensor_ndim: int, what: str) -> tuple:
         """Placements -> codes (Replicate -> -1, Shard(d) -> d >= 0, Partial(op) -> op)."""
@@ -444,6 +546,13 @@ class CommModel:
             else:
                 raise AutoshardError(f"{what} placement {p!r} is not Shard, Replicate or Partial")
         return tuple(codes)
+
+
+def _placement(code: _Code, fallback: Placement) -> Placement:
+    """The placement a code stands for (``fallback`` for a Partial, whose op it keeps)."""
+    if isinstance(code, str):
+        return fallback
+    return Replicate() if code == _R else Shard(code)
 
 
 @functools.lru_cache(maxsize=64)

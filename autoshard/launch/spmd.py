@@ -19,15 +19,20 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import (
+    CHECK_DTYPES,
     Recorder,
     compare_runs,
     full_tensor,
-    max_abs_diff,
+    relative_error,
     report_check,
     report_time,
     say,
+    widen_module,
+    widened,
 )
+from autoshard.launch.observed import prepare_program, report_observed
 from autoshard.launch.options import RunOptions
+from autoshard.launch.plan_steps import run_plan_steps
 from autoshard.launch.steps import distribute_inputs, distribute_parameters, run_steps
 from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
@@ -75,16 +80,25 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
         mesh_dim_names=tuple(smap.dim_names) if smap.dim_names else None,
     )
     mf = load_model_file(model)
+    program = None
+    if opts.mode == "plan":
+        program = prepare_program(smap, mf, opts, announce=rank == 0)
     skeleton = build_skeleton(mf, opts.seed)
     check_plan(smap, skeleton, mf.path.name)
     fallback = init_parameters(skeleton.module, opts.seed, device)
     inputs = make_inputs(skeleton, opts.seed, device)
-    loaded = LoadedModel(skeleton.module, inputs, skeleton.input_names, skeleton.name)
+    if opts.check:
+        inputs = widen_module(skeleton.module, inputs)
+    loaded = LoadedModel(
+        skeleton.module, inputs, skeleton.input_names, skeleton.name, skeleton.loss_fn
+    )
     if rank == 0:
+        how = "the plan's graph" if program is not None else "DTensor propagation (not the plan)"
         say(
             f"autoshard launch: {mf.path.name} on mesh {smap.mesh_text}"
             f"{_dim_names(smap)}, {world} ranks, {device.type}, "
-            f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}"
+            f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}, "
+            f"running {how}{', float64 (--check)' if opts.check else ''}"
         )
         if fallback:
             say(
@@ -99,26 +113,43 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     dist.all_gather_object(per_rank, local)
 
     recorder = Recorder(keep=rank == 0)
-    result = run_steps(
-        loaded.module,
-        d_inputs,
-        opts,
-        device,
-        count_collectives=True,
-        observer=recorder if opts.check else None,
-    )
+    observer = recorder if opts.check else None
+    agree = True
+    if program is not None:
+        dtype_map = CHECK_DTYPES if opts.check else {}
+        by_name = dict(zip(loaded.input_names, d_inputs, strict=True))
+        presult = run_plan_steps(
+            program, loaded.module, by_name, mesh, opts, device, dtype_map, observer
+        )
+        step_times, last = presult.step_times_s, presult.last_output
+    else:
+        with widened(opts.check):
+            result = run_steps(
+                loaded.module,
+                d_inputs,
+                opts,
+                device,
+                count_collectives=True,
+                observer=observer,
+                loss_fn=loaded.loss_fn,
+            )
+        step_times, last = result.step_times_s, result.output
     times: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(times, result.step_times_s)
+    dist.all_gather_object(times, step_times)
     slowest = [max(t[i] for t in times) for i in range(opts.steps)]
     if rank == 0:
         _report_bytes(per_rank)
-        predicted = smap.predicted.get("collectives") or {}
-        _report_collectives(result.comm_counts or {}, predicted)
+        if program is not None:
+            agree = report_observed(presult, smap, device, opts)
+        else:
+            predicted = smap.predicted.get("collectives") or {}
+            _report_collectives(result.comm_counts or {}, predicted)
         report_time(slowest, smap.predicted.get("step_time_s"))
-
+    verdict = [0 if agree else 1]
+    dist.broadcast_object_list(verdict, src=0)
     if not opts.check:
         return 0
-    return _check(mf, opts, device, loaded.module, result.output, recorder)
+    return max(verdict[0], _check(mf, opts, device, loaded.module, last, recorder))
 
 
 def _check(
@@ -143,8 +174,12 @@ def _check(
     verdict = [0]
     if rank == 0:
         ref = materialize(mf, opts.seed, device).loaded
+        ref.inputs = widen_module(ref.module, ref.inputs)
         ref_rec = Recorder(keep=True)
-        ref_result = run_steps(ref.module, ref.inputs, opts, device, observer=ref_rec)
+        with widened():
+            ref_result = run_steps(
+                ref.module, ref.inputs, opts, device, observer=ref_rec, loss_fn=ref.loss_fn
+            )
         assert recorded.output is not None and ref_rec.output is not None
         res = compare_runs(
             recorded.output,
@@ -157,9 +192,13 @@ def _check(
         )
         if drifts:
             ref_last = dict(ref.module.named_parameters())
-            res.drift["output"] = max_abs_diff(last_out, ref_result.output)
+            res.drift["output"] = relative_error(last_out, ref_result.output, opts.atol / opts.rtol)
             res.drift["parameters"] = max(
-                (max_abs_diff(t, ref_last[n]) if n in ref_last else float("inf"))
+                (
+                    relative_error(t, ref_last[n], opts.atol / opts.rtol)
+                    if n in ref_last
+                    else float("inf")
+                )
                 for n, t in last_params.items()
             )
         report_check(res, opts)

@@ -20,6 +20,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.options import RunOptions
+from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
 
 
@@ -225,8 +226,13 @@ def run_steps(
     device: torch.device,
     count_collectives: bool = False,
     observer: StepObserver | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> StepResult:
     """Run ``opts.steps`` steps of ``module`` on ``inputs``; training steps use AdamW.
+
+    In training the loss is ``loss_fn(output, *inputs)`` (default
+    :func:`autoshard.model.loss.default_loss`, as the plan's joint graph) and the step's
+    output is the loss.
 
     The module stays in ``eval()`` mode (dropout off, so runs compare exactly). Plain
     tensors that meet DTensors inside the model (masks, position ids) are treated as
@@ -235,6 +241,7 @@ def run_steps(
     is left out of the step times.
     """
     optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
+    loss = loss_function(loss_fn)
     times: list[float] = []
     modes: list[CommDebugMode] = []
     out: torch.Tensor | None = None
@@ -248,9 +255,9 @@ def run_steps(
                 with torch.no_grad():
                     out = settle_output(output_tensor(module(*inputs)))
             else:
-                full_out = settle_output(output_tensor(module(*inputs)))
-                out = full_out.detach()
-                loss_of(full_out).backward()
+                loss = settle_output(loss(module(*inputs), *inputs))
+                out = loss.detach()
+                loss.backward()
                 sync_gradients(module)
         paused = 0.0
         if optimizer is not None:

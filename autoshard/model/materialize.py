@@ -298,5 +298,6 @@ def materialize(mf: ModelFile, seed: int = 0, device: str | torch.device = "cpu"
         inputs=inputs,
         input_names=skeleton.input_names,
         name=skeleton.name,
+        loss_fn=skeleton.loss_fn,
     )
     return Materialized(loaded=loaded, fallback_init=tuple(fallback))

@@ -65,12 +65,15 @@ class LoadedModel:
         input_names: names of ``module.forward``'s parameters, matched positionally to
             ``inputs`` (same length).
         name: the model file's stem.
+        loss_fn: the file's ``loss_fn(output, *inputs) -> scalar tensor`` when it defines
+            one, else ``None`` (the default loss, :func:`autoshard.model.loss.default_loss`).
     """
 
     module: torch.nn.Module
     inputs: tuple[torch.Tensor, ...]
     input_names: tuple[str, ...]
     name: str
+    loss_fn: Callable[..., torch.Tensor] | None = None
 
 
 def _show(path: Path) -> str:
@@ -184,6 +187,12 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
                 f"{show}: {fn} is a {type(value).__name__}, not a function; "
                 f"define it as a function, e.g. `{example}`"
             )
+    loss = getattr(module, "loss_fn", None)
+    if loss is not None and not callable(loss):
+        raise AutoshardError(
+            f"{show}: loss_fn is a {type(loss).__name__}, not a function; define it as "
+            "`def loss_fn(output, *inputs) -> torch.Tensor` (a scalar), or remove it"
+        )
     return ModelFile(path=resolved, name=resolved.stem, module=module)
 
 
@@ -302,7 +311,13 @@ def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedMod
         )
     names = positional[: len(inputs)]
     names += [f"{var}_{i}" for i in range(len(inputs) - len(names))]
-    return LoadedModel(module=module, inputs=inputs, input_names=tuple(names), name=mf.name)
+    return LoadedModel(
+        module=module,
+        inputs=inputs,
+        input_names=tuple(names),
+        name=mf.name,
+        loss_fn=getattr(mf.module, "loss_fn", None),
+    )
 
 
 def split_microbatches(

@@ -7,6 +7,7 @@ good solution, and a crash mid-write leaves the old file intact.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,9 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
                     entry["results"][f"data_out_{k}"] = tuple(ps)
         else:
             entry["free"] = True
+        ns = plan.sg.nodes.get(name)
+        if ns is not None and ns.fallback:
+            entry["fallback"] = True  # no DTensor rule: replicated, run on local copies
         if info.fqn:
             entry["target"] = info.fqn
         if info.layer is not None:
@@ -90,15 +94,27 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "comm_s": {k: float(v) for k, v in sorted(plan.comm_s.items())},
         "hidden_s": {k: float(v) for k, v in sorted(plan.hidden_s.items())},
         "collectives": dict(sorted(plan.collectives.items())),
+        "collective_steps": collective_steps(plan),
         "memory_bytes": {k: float(v) for k, v in plan.memory_by_kind().items()},
         "flops": float(plan.step_flops),
         "mfu": float(plan.mfu),
     }
 
 
-def sharding_map_dict(plan: Plan) -> dict[str, Any]:
-    """The sharding map: every parameter FQN and input name -> one placement per mesh dim."""
-    return {
+def collective_steps(plan: Plan) -> list[dict[str, Any]]:
+    """The plan's collectives per phase, kind and mesh dim, as the launcher checks them:
+    ``[{"phase": "backward", "kind": "all_reduce", "mesh_dim": 0, "count": 4}, ...]``."""
+    return [
+        {"phase": ph, "kind": kind, "mesh_dim": int(dim), "count": int(n)}
+        for (ph, kind, dim), n in sorted(plan.collective_steps.items())
+    ]
+
+
+def sharding_map_dict(plan: Plan, solution: Path | None = None) -> dict[str, Any]:
+    """The sharding map: every parameter FQN and input name -> one placement per mesh dim;
+    with ``solution`` (the pickle written beside it) also its name and SHA-256, which
+    ``autoshard launch`` runs."""
+    out = {
         "format": SHARDING_MAP_FORMAT,
         "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
         "parameters": {k: placements_to_str(v) for k, v in sorted(plan.parameters.items())},
@@ -108,8 +124,13 @@ def sharding_map_dict(plan: Plan) -> dict[str, Any]:
             "collectives": dict(sorted(plan.collectives.items())),
             "flops": float(plan.step_flops),
             "mfu": float(plan.mfu),
+            "collective_steps": collective_steps(plan),
         },
     }
+    if solution is not None:
+        digest = hashlib.sha256(solution.read_bytes()).hexdigest()
+        out["solution"] = {"file": solution.name, "sha256": digest}
+    return out
 
 
 def write_outputs(
@@ -131,5 +152,5 @@ def write_outputs(
         raise AutoshardError(f"cannot create the output folder {out}: {exc.strerror}") from exc
     pkl, js = out / f"{stem}.pkl", out / f"{stem}.json"
     save_solution(pkl, solution_dict(plan, cost_model, solver))
-    save_sharding_map(js, sharding_map_dict(plan))
+    save_sharding_map(js, sharding_map_dict(plan, pkl))
     return pkl, js

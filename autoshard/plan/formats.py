@@ -47,6 +47,7 @@ and dill's namedtuple factory, which a spec drags in, are read into inert stubs 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -70,6 +71,7 @@ __all__ = [
     "MASE_FORMAT",
     "PICKLE_PROTOCOL",
     "SHARDING_MAP_FORMAT",
+    "SHARDING_MAP_FORMAT_V1",
     "STAGE_PLAN_FORMAT",
     "SOLUTION_FORMAT",
     "ShardingMap",
@@ -90,8 +92,14 @@ SOLUTION_FORMAT = "autoshard.solution/1"
 MASE_FORMAT = "mase"
 """The ``"format"`` tag given to a bare MASE node dict once it is loaded (normalised)."""
 
-SHARDING_MAP_FORMAT = "autoshard.sharding_map/1"
-"""The ``"format"`` tag of a sharding map written by this autoshard."""
+SHARDING_MAP_FORMAT = "autoshard.sharding_map/2"
+"""The ``"format"`` tag of a sharding map written by this autoshard. Version 2 adds
+``"solution"`` (the solution pickle the launcher runs, by file name and SHA-256) and the
+predicted collectives per phase and mesh dim."""
+
+SHARDING_MAP_FORMAT_V1 = "autoshard.sharding_map/1"
+"""Version 1 maps (parameters and inputs only) still load; they launch with DTensor's own
+propagation (``--mode propagate``), not the plan."""
 
 STAGE_PLAN_FORMAT = "autoshard.stage_plan/1"
 """The ``"format"`` tag of a pipeline stage plan (``autoshard stages``)."""
@@ -675,6 +683,7 @@ class ShardingMap:
     predicted: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     source: str = field(default="sharding map", compare=False, repr=False)
+    format: str = SHARDING_MAP_FORMAT
 
     def __post_init__(self) -> None:
         src = self.source
@@ -741,7 +750,7 @@ class ShardingMap:
         if self.dim_names is not None:
             mesh["dim_names"] = list(self.dim_names)
         out: dict[str, Any] = {
-            "format": SHARDING_MAP_FORMAT,
+            "format": self.format,
             "mesh": mesh,
             "parameters": {
                 k: [placement_to_str(p) for p in self.parameters[k]]
@@ -769,7 +778,7 @@ class ShardingMap:
                 f"'format': '{SHARDING_MAP_FORMAT}')"
             )
         fmt = data.get("format")
-        if fmt != SHARDING_MAP_FORMAT:
+        if fmt not in (SHARDING_MAP_FORMAT, SHARDING_MAP_FORMAT_V1):
             found = "no 'format'" if fmt is None else f"format {fmt!r}"
             raise AutoshardError(
                 f"{source} has {found}; expected {SHARDING_MAP_FORMAT!r}: write it with "
@@ -801,7 +810,37 @@ class ShardingMap:
             predicted=dict(predicted),
             extra={k: v for k, v in data.items() if k not in _MAP_KEYS},
             source=source,
+            format=str(fmt),
         )
+
+    def solution_path(self) -> Path | None:
+        """The solution pickle a version-2 map points to (beside the map), else ``None``.
+
+        Raises:
+            AutoshardError: the map names a solution that is missing or whose SHA-256
+                differs (the solution was rewritten after the map).
+        """
+        ref = self.extra.get("solution")
+        if self.format == SHARDING_MAP_FORMAT_V1 or not isinstance(ref, Mapping):
+            return None
+        name = ref.get("file")
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name:
+            raise AutoshardError(
+                f"{self.source}: 'solution.file' must be a file name, got {name!r}"
+            )
+        path = Path(self.source).parent / name
+        if not path.is_file():
+            raise AutoshardError(
+                f"{self.source} runs the solution {name}, which is not beside it; copy both "
+                "files together (or solve again)"
+            )
+        want = ref.get("sha256")
+        if isinstance(want, str) and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+            raise AutoshardError(
+                f"{path} is not the solution {self.source} was written with (its SHA-256 "
+                "differs); solve again so that the map and the solution match"
+            )
+        return path
 
 
 def _parse_entries(entries: object, kind: str, source: str) -> dict[str, tuple[Placement, ...]]:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.overlap import hidden_seconds
-from autoshard.strategies.graph import Strategy, StrategyGraph, bucketed_use
+from autoshard.strategies.graph import Strategy, StrategyGraph, bucketed_use, is_gradient_sink
 from autoshard.trace.ops import is_view
 from autoshard.trace.tracer import TensorInfo
 
@@ -56,6 +56,7 @@ class Plan:
     hidden_s: dict[str, float] = field(default_factory=dict)
     step_flops: float = 0.0
     peak_flops: float = 0.0  # one device's peak FLOP/s for the step's dtype (for the MFU)
+    collective_steps: Counter = field(default_factory=Counter)  # (phase, kind, mesh dim)
 
     @property
     def comm_total_s(self) -> float:
@@ -117,6 +118,7 @@ def build_plan(
     compute = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps) - optimizer
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()
+    steps: Counter = Counter()
     for producer, consumer, k, t in tensor_uses(sg):
         p = node_strategy[producer].outputs[0]
         q = node_strategy[consumer].inputs[k]
@@ -128,6 +130,7 @@ def build_plan(
         ):
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
+            steps[(phase_of(sg, consumer), step.kind, step.mesh_dim)] += m
     hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
 
     parameters: dict[str, Placements] = {}
@@ -163,7 +166,17 @@ def build_plan(
         optimizer_s=optimizer,
         hidden_s=hidden,
         step_flops=graph.step_flops,
+        collective_steps=steps,
     )
+
+
+def phase_of(sg: StrategyGraph, consumer: str) -> str:
+    """``backward`` for a backward op or a gradient output sink, else ``forward``: the
+    phase in which the resharding of a tensor ``consumer`` reads runs."""
+    info = sg.graph.nodes.get(consumer)
+    if info is not None:
+        return "backward" if info.backward else "forward"
+    return "backward" if is_gradient_sink(sg.graph, consumer) else "forward"
 
 
 def _latency_share(

@@ -36,6 +36,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoshard import _torch_private as tp
 from autoshard.errors import AutoshardError
+from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
 
 
@@ -337,24 +338,17 @@ def reduce_depth(module: torch.nn.Module, keep: int = 4) -> DepthReduction | Non
 
 
 class _LossWrapper(torch.nn.Module):
-    """The model plus a scalar loss for the joint graph: the mean of its first output.
+    """The model plus its training loss (:mod:`autoshard.model.loss`: the model file's
+    ``loss_fn``, else the mean of the first floating-point output), for the joint graph.
+    The launcher runs the same graph, and its ``--check`` reference the same loss."""
 
-    A model returning a scalar (e.g. a HuggingFace model given labels) keeps it. The
-    mean stands in for the user's loss: it costs one cheap reduction and gives every
-    output element a gradient, which is what the backward pass's cost depends on.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn=None) -> None:
         super().__init__()
         self.model = model
+        self.loss_fn = loss_function(loss_fn)
 
     def forward(self, *args):
-        out = self.model(*args)
-        leaves, _ = torch.utils._pytree.tree_flatten(out)
-        t = next((x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
-        if t is None:
-            raise TypeError("the model returns no floating-point tensor to train on")
-        return t if t.dim() == 0 else t.float().mean()
+        return self.loss_fn(self.model(*args), *args)
 
 
 _LIBRARY_DIRS = tuple(
@@ -458,7 +452,7 @@ def _export_joint(loaded: LoadedModel):
     stack = contextlib.ExitStack()
     try:
         with _quiet_torch():
-            ep = torch.export.export(_LossWrapper(loaded.module), loaded.inputs)
+            ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
             joint = tp.export_joint(stack, ep.module(), loaded.inputs)
     except Exception as exc:
         stack.close()

@@ -1,0 +1,73 @@
+"""Which collectives really ran, by kind and mesh dim.
+
+``torch.distributed.tensor.debug.CommDebugMode`` counts collectives by kind only. To
+compare a run with the plan per mesh dim, :class:`CollectiveLog` is a
+``TorchDispatchMode`` that sees the functional collectives DTensor issues
+(``_c10d_functional.all_gather_into_tensor``, ``all_reduce``, ``reduce_scatter_tensor``,
+``all_to_all_single``, and DTensor's own ``_dtensor.shard_dim_alltoall``) and reads the
+mesh dim from the process group each one names. The launcher counts with both and
+requires their totals by kind to agree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# functional collective op name -> the kind sharding maps predict with
+_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "shard_dim_alltoall": "all_to_all",
+    "broadcast": "broadcast",
+}
+_NAMESPACES = ("_c10d_functional", "_dtensor")
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Counts the collectives issued under it, keyed ``(kind, mesh dim)``.
+
+    Use as a context manager; :meth:`take` returns and clears the counts. A collective on
+    a group that is not one of ``mesh``'s dims is keyed with mesh dim ``-1``.
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.dims = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor lower itself into collectives first
+        kwargs = kwargs or {}
+        ns = getattr(func, "namespace", "")
+        name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
+        if ns in _NAMESPACES and name in _KINDS:
+            group = next(
+                (a for a in (*args, *kwargs.values()) if isinstance(a, str) and a in self.dims),
+                None,
+            )
+            self.counts[(_KINDS[name], self.dims.get(group, -1) if group else -1)] += 1
+        return func(*args, **kwargs)
+
+    def take(self) -> Counter:
+        """The counts so far, cleared."""
+        out, self.counts = self.counts, Counter()
+        return out
+
+
+def by_kind(counts: Counter) -> dict[str, int]:
+    """``(phase?, kind, dim)`` or ``(kind, dim)`` counts summed per kind."""
+    out: Counter = Counter()
+    for key, n in counts.items():
+        out[key[-2]] += n
+    return dict(sorted(out.items()))

@@ -1,0 +1,350 @@
+"""Run the plan itself: the traced graph, each node's inputs placed as the plan says.
+
+``autoshard launch`` in its default mode (``--mode plan``) does not let DTensor choose the
+placement of activations: it re-traces the model exactly as ``autoshard solve`` did (the
+same ATen graph, the same node names; the joint forward/backward graph in training) and
+runs that graph with :class:`PlanInterpreter`, a ``torch.fx.Interpreter`` over DTensors,
+as meta-pytorch/autoparallel's ``apply_sharding.py`` does:
+
+- before each op, every tensor argument is redistributed to the placements the solution
+  chose for that input, one mesh dim at a time in the order the cost model priced
+  (:meth:`autoshard.cost.collectives.CommModel.redistribute_path`), so the collectives that
+  run are the ones the ILP paid for;
+- the op runs under DTensor's dispatch, whose rule, given inputs placed exactly as one of
+  its strategies wants, produces that strategy's output; an output that differs from the
+  plan's is a *deviation*: counted, named, and redistributed to the plan's placement;
+- an op with no DTensor rule (the plan gave it replicated inputs and outputs, as the
+  solver's fallback does) runs on each rank's local, full copy;
+- nodes the plan marks free (factory ops, masks, position ids, buffers) run on plain
+  tensors on every rank and enter the DTensor world as ``Replicate``, from which any
+  placement is a local slice.
+
+Every graph output is then placed as its sink says: a gradient gets its parameter's
+placements (the data-parallel all-reduce or reduce-scatter the plan priced). Collectives
+are attributed to the phase of the node that issued them (forward, backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from autoshard import _torch_private as tp
+from autoshard.cost.collectives import comm_model
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.launch.collective_log import CollectiveLog
+from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What the solution says about one traced node.
+
+    Attributes:
+        inputs: per tensor argument (in :func:`tensor_arg_nodes` order), its placements.
+        outputs: per tensor output, its placements (``None`` for a non-tensor output).
+        free: every rank computes it for itself (no placements).
+        fallback: no DTensor rule: replicated inputs and outputs, run on local copies.
+        phase: ``forward`` or ``backward``.
+    """
+
+    inputs: tuple[Placements, ...] = ()
+    outputs: tuple[Placements | None, ...] = ()
+    free: bool = False
+    fallback: bool = False
+    phase: str = "forward"
+
+
+@dataclass
+class GraphProgram:
+    """A traced graph with the solution's placement for every node and output.
+
+    Attributes:
+        graph: the graph traced at launch (same names as the solve's).
+        nodes: node name -> :class:`NodePlan` (ops, placeholders).
+        sinks: per graph output, the placements the plan gives it (``None``: free).
+        grad_of: per graph output, the parameter FQN it is the gradient of, else ``None``.
+        mesh: the mesh the plan was solved for (its links order multi-dim reshardings).
+    """
+
+    graph: TracedGraph
+    nodes: dict[str, NodePlan]
+    sinks: list[Placements | None]
+    grad_of: list[str | None]
+    mesh: MeshSpec
+
+
+def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
+    got = entry.get(key) or {}
+    return tuple(tuple(got[f"{prefix}{k}"]) if f"{prefix}{k}" in got else None for k in range(n))
+
+
+def program_from_solution(
+    graph: TracedGraph, solution: Mapping[str, Any], mesh: MeshSpec
+) -> GraphProgram:
+    """Pair the graph traced at launch with the solution's per-node placements.
+
+    Raises:
+        AutoshardError: the solution does not describe this graph (another model, another
+            mode, another depth or another torch): one line naming how many nodes differ
+            and the first few.
+    """
+    sol_nodes: Mapping[str, Any] = solution.get("nodes") or {}
+    nodes: dict[str, NodePlan] = {}
+    missing: list[str] = []
+    changed: list[str] = []
+    for name, info in graph.nodes.items():
+        if info.kind == "output":
+            continue
+        entry = sol_nodes.get(name)
+        if entry is None:
+            missing.append(name)
+            continue
+        if info.kind == "op" and entry.get("op") != info.op_name:
+            changed.append(f"{name} ({entry.get('op')} -> {info.op_name})")
+            continue
+        phase = "backward" if info.backward else "forward"
+        if entry.get("free") or info.kind == "buffer":
+            nodes[name] = NodePlan(free=True, phase=phase)
+            continue
+        ins = _placements(entry, "args", len(info.args), "data_in_")
+        outs = _placements(entry, "results", len(info.results), "data_out_")
+        if info.kind == "op" and any(p is None for p in ins):
+            changed.append(f"{name} (inputs without placements)")
+            continue
+        nodes[name] = NodePlan(
+            inputs=ins, outputs=outs, fallback=bool(entry.get("fallback")), phase=phase
+        )
+    extra = [n for n in sol_nodes if n not in graph.nodes]
+    if missing or changed or extra:
+        parts = []
+        if missing:
+            parts.append(
+                f"{len(missing)} traced node(s) the solution lacks ({', '.join(missing[:3])})"
+            )
+        if extra:
+            parts.append(f"{len(extra)} solution node(s) not traced ({', '.join(extra[:3])})")
+        if changed:
+            parts.append(f"{len(changed)} changed ({', '.join(changed[:3])})")
+        raise AutoshardError(
+            "the solution does not describe the graph traced at launch: "
+            + "; ".join(parts)
+            + ". Solve again for this model file (a plan solved with layer tying on a model "
+            "of more than 4 blocks runs with --mode propagate only)"
+        )
+    out_info = next(i for i in graph.nodes.values() if i.kind == "output")
+    out_entry = (sol_nodes.get(out_info.name) or {}).get("args") or {}
+    sinks = [
+        tuple(out_entry[f"data_in_{k}"]) if f"data_in_{k}" in out_entry else None
+        for k in range(len(out_info.arg_nodes))
+    ]
+    grad_of = [
+        out_info.grad_of[k] if k < len(out_info.grad_of) else None
+        for k in range(len(out_info.arg_nodes))
+    ]
+    # a gradient every rank computes for itself (from free nodes only, e.g. a bias's under
+    # a mean loss) has no sink in the plan: it takes its parameter's placements, locally
+    param_out = {
+        graph.nodes[n].fqn: p.outputs[0]
+        for n, p in nodes.items()
+        if graph.nodes[n].kind == "param" and p.outputs
+    }
+    for k, owner in enumerate(grad_of):
+        if sinks[k] is None and owner is not None:
+            names = graph.param_names.get(owner, [owner])
+            sinks[k] = next((param_out[a] for a in (owner, *names) if a in param_out), None)
+    return GraphProgram(graph, nodes, sinks, grad_of, mesh)
+
+
+@dataclass
+class RunLog:
+    """What one run of the graph did.
+
+    Attributes:
+        collectives: (phase, kind, mesh dim) -> count, as :class:`CollectiveLog` saw them.
+        deviations: op name -> how often DTensor's output placement differed from the plan.
+    """
+
+    collectives: Counter = field(default_factory=Counter)
+    deviations: Counter = field(default_factory=Counter)
+
+
+def _local(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _replicate(mesh: DeviceMesh) -> list[Placement]:
+    return [Replicate()] * mesh.ndim
+
+
+class PlanInterpreter(torch.fx.Interpreter):
+    """Runs a :class:`GraphProgram` on DTensors (see the module docstring).
+
+    Args:
+        program: the graph and its plan.
+        mesh: the live device mesh (same shape as the plan's).
+        device: where free nodes (factory ops) create their tensors.
+        dtype_map: dtypes replaced in every op's arguments (``--check`` runs in float64:
+            ``{torch.float32: torch.float64}``).
+        log: collects collectives and deviations; a fresh one when ``None``.
+    """
+
+    def __init__(
+        self,
+        program: GraphProgram,
+        mesh: DeviceMesh,
+        device: torch.device,
+        dtype_map: Mapping[torch.dtype, torch.dtype] | None = None,
+        log: RunLog | None = None,
+    ) -> None:
+        super().__init__(program.graph.graph_module, garbage_collect_values=True)
+        self.program = program
+        self.mesh = mesh
+        self.device = device
+        self.dtype_map = dict(dtype_map or {})
+        self.log = log if log is not None else RunLog()
+        self.comm = comm_model(program.mesh)
+        self._collectives = CollectiveLog(mesh)
+
+    # -- placing values ----------------------------------------------------------------
+
+    def place(self, value: Any, target: Placements, phase: str) -> DTensor:
+        """``value`` (a DTensor, or a plain tensor every rank holds in full) redistributed
+        to ``target`` along the cost model's path, one mesh dim per step."""
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, self.mesh, _replicate(self.mesh), run_check=False)
+        src = tuple(value.placements)
+        if src == tuple(target):
+            return value
+        path = self.comm.redistribute_path(src, tuple(target), tuple(value.shape))
+        with self._phase(phase):
+            for step in path:
+                value = tp.redistribute_step(value, step)
+        return value
+
+    @contextlib.contextmanager
+    def _phase(self, phase: str) -> Iterator[None]:
+        with self._collectives:
+            yield
+        for (kind, dim), n in self._collectives.take().items():
+            self.log.collectives[(phase, kind, dim)] += n
+
+    def _local_args(self, value: Any) -> Any:
+        """Devices and dtypes of an op's non-tensor arguments as this run wants them."""
+
+        def fix(x: Any) -> Any:
+            if isinstance(x, torch.device) and x.type == "meta":
+                return self.device
+            if isinstance(x, torch.dtype):
+                return self.dtype_map.get(x, x)
+            return x
+
+        return tree_map(fix, value)
+
+    # -- running nodes -----------------------------------------------------------------
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if n.target is operator.getitem:
+            return args[0][args[1]]
+        plan = self.program.nodes.get(n.name)
+        args, kwargs = self._local_args((args, kwargs))
+        if plan is None or plan.free:
+            # computed by every rank for itself; a free node that reads a DTensor returns
+            # nothing (an assertion on dtype or device): it checks the local tensor
+            return n.target(*tree_map(_local, args), **tree_map(_local, kwargs))
+        # place every tensor argument as the plan says, in tensor_arg_nodes order
+        node_leaves, _ = tree_flatten((list(n.args), dict(n.kwargs)))
+        leaves, spec = tree_flatten((list(args), dict(kwargs)))
+        tensor_nodes = {id(x) for x in tensor_arg_nodes(n)}
+        k = 0
+        for i, x in enumerate(node_leaves):
+            if isinstance(x, torch.fx.Node) and id(x) in tensor_nodes:
+                leaves[i] = self.place(leaves[i], plan.inputs[k], plan.phase)
+                k += 1
+        args_list, kwargs = tree_unflatten(leaves, spec)
+        if plan.fallback:
+            out = self._run_local(n, args_list, kwargs)
+        else:
+            with self._phase(plan.phase):
+                out = n.target(*args_list, **kwargs)
+        return self._settle(n, out, plan)
+
+    def _run_local(self, n: torch.fx.Node, args: list, kwargs: dict) -> Any:
+        """An op with no DTensor rule, on each rank's full local copy (all replicated)."""
+
+        out = n.target(*tree_map(_local, args), **tree_map(_local, kwargs))
+
+        def wrap(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, self.mesh, _replicate(self.mesh), run_check=False)
+            return x
+
+        return tree_map(wrap, out)
+
+    def _settle(self, n: torch.fx.Node, out: Any, plan: NodePlan) -> Any:
+        """Each DTensor output on the plan's placements (a deviation when it is not)."""
+        many = isinstance(out, (tuple, list))
+        outs = list(out) if many else [out]
+        for k, (value, want) in enumerate(zip(outs, plan.outputs, strict=False)):
+            if want is None or not isinstance(value, DTensor):
+                continue
+            if tuple(value.placements) != tuple(want):
+                self.log.deviations[str(n.target)] += 1
+                outs[k] = self.place(value, want, plan.phase)
+        if not many:
+            return outs[0]
+        return type(out)(outs) if isinstance(out, tuple) else outs
+
+    def run_program(self, *placeholders: Any) -> list[Any]:
+        """Run the graph on ``placeholders`` (in graph order); every output placed per its
+        sink (:attr:`GraphProgram.sinks`), gradients in the backward phase."""
+        with torch.no_grad():
+            outs = self.run(*placeholders)
+        out_node = next(n for n in self.module.graph.nodes if n.op == "output")
+        node_leaves, _ = tree_flatten(list(out_node.args))
+        flat, _ = tree_flatten(outs)
+        values = [v for x, v in zip(node_leaves, flat, strict=True) if isinstance(x, torch.fx.Node)]
+        placed = []
+        for k, value in enumerate(values):
+            want = self.program.sinks[k]
+            phase = "backward" if self.program.grad_of[k] is not None else "forward"
+            if want is None or not isinstance(value, torch.Tensor):
+                placed.append(value)
+            else:
+                with torch.no_grad():
+                    placed.append(self.place(value, want, phase))
+        return placed
+
+
+def check_program_mesh(program: GraphProgram, mesh: DeviceMesh) -> None:
+    """The live mesh has the plan's shape.
+
+    Raises:
+        AutoshardError: it does not.
+    """
+    if tuple(mesh.shape) != tuple(program.mesh.shape):
+        raise AutoshardError(
+            f"the solution was solved for mesh {program.mesh.shape_str} but the launch "
+            f"built {'x'.join(map(str, mesh.shape))}"
+        )
+
+
+def param_placeholders(program: GraphProgram) -> Sequence[str]:
+    """Names of the parameter placeholders, in graph order."""
+    return [n for n, i in program.graph.nodes.items() if i.kind == "param"]

@@ -1,0 +1,157 @@
+"""The plan a launch runs, and what ran compared with what the plan predicted.
+
+:func:`prepare_program` finds the solution a version-2 sharding map points to, traces the
+model exactly as ``autoshard solve`` did and pairs the two
+(:func:`autoshard.launch.graph_run.program_from_solution`); ``autoshard launch`` calls it
+before it starts any rank, so a plan the launcher cannot run is refused in one line.
+:func:`report_observed` prints step 1's collectives per phase, kind and mesh dim beside the
+plan's prediction and says whether they agree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.launch.check import say
+from autoshard.launch.graph_run import GraphProgram, program_from_solution
+from autoshard.launch.options import RunOptions
+from autoshard.launch.plan_steps import PlanStepResult
+from autoshard.model.model_file import ModelFile, instantiate
+from autoshard.plan.formats import ShardingMap, load_solution
+from autoshard.trace.tracer import trace_model
+
+PHASES = ("forward", "backward", "optimizer")
+
+GLOO_SUBSTITUTES = {"all_to_all": "all_gather"}
+"""Collectives gloo lacks and what DTensor runs instead on CPU: ``shard_dim_alltoall``
+falls back to an all-gather and a local chunk (``torch.distributed.tensor._collective_utils``)."""
+
+
+def prepare_program(
+    smap: ShardingMap, mf: ModelFile, opts: RunOptions, announce: bool = False
+) -> GraphProgram | None:
+    """The plan to run for ``smap``, or ``None`` when it runs DTensor's propagation (a
+    version-1 map names no solution; ``announce`` says so once).
+
+    Raises:
+        AutoshardError: the solution is missing or changed, was solved for the other mode
+            (``--train`` needs a ``--mode train`` plan and the reverse), or does not
+            describe the graph the model traces to.
+    """
+    path = smap.solution_path()
+    if path is None:
+        if announce:
+            say(
+                f"note: {smap.source} ({smap.format}) names no solution, so this launch runs "
+                "DTensor's own propagation from the parameters' and inputs' placements, not "
+                "the plan; solve again to run the plan"
+            )
+        return None
+    solution = load_solution(path)
+    cost: Mapping[str, Any] = solution.get("cost_model") or {}
+    solved = str(cost.get("mode", "infer"))
+    if opts.train != (solved == "train"):
+        want = "--mode train" if opts.train else "--mode infer"
+        raise AutoshardError(
+            f"{path.name} was solved for {'training' if solved == 'train' else 'inference'} "
+            f"but this launch {'trains' if opts.train else 'runs forward only'}; solve with "
+            f"{want} (or launch {'without' if solved == 'infer' else 'with'} --train)"
+        )
+    graph = trace_for_launch(mf, solved, cost.get("dtype"))
+    return program_from_solution(graph, solution, MeshSpec.from_dict(solution["mesh"]))
+
+
+def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None):
+    """The model traced on meta as ``autoshard solve`` traces it (same node names).
+
+    Raises:
+        AutoshardError: as :func:`autoshard.trace.tracer.trace_model`.
+    """
+    loaded = instantiate(mf, device="meta")
+    if isinstance(dtype, str) and dtype not in ("", "model"):
+        cast = getattr(torch, dtype)
+        loaded.module.to(cast)
+        loaded.inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in loaded.inputs)
+    return trace_model(loaded, mode)
+
+
+def predicted_steps(smap: ShardingMap) -> Counter:
+    """The map's ``predicted.collective_steps`` as ``(phase, kind, mesh dim) -> count``."""
+    out: Counter = Counter()
+    for row in smap.predicted.get("collective_steps") or []:
+        out[(str(row["phase"]), str(row["kind"]), int(row["mesh_dim"]))] += int(row["count"])
+    return out
+
+
+def report_observed(
+    result: PlanStepResult, smap: ShardingMap, device: torch.device, opts: RunOptions
+) -> bool:
+    """Print step 1's collectives beside the plan's; True when they agree.
+
+    On CPU, gloo's substitutes (:data:`GLOO_SUBSTITUTES`) are applied to the prediction
+    and named. The per-mesh-dim log and CommDebugMode must also agree on the totals by
+    kind.
+    """
+    predicted = predicted_steps(smap)
+    subst: dict[str, str] = GLOO_SUBSTITUTES if device.type == "cpu" else {}
+    expected: Counter = Counter()
+    for (phase, kind, dim), n in predicted.items():
+        expected[(phase, subst.get(kind, kind), dim)] += n
+    seen = result.observed
+    names = smap.dim_names or tuple(str(i) for i in range(smap.ndim))
+    keys = sorted(set(expected) | set(seen), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))
+    if keys:
+        say("collectives of step 1, per phase and mesh dim     seen  predicted")
+        for phase, kind, dim in keys:
+            dim_name = names[dim] if 0 <= dim < len(names) else "?"
+            mark = (
+                "" if seen[(phase, kind, dim)] == expected[(phase, kind, dim)] else "  <- differs"
+            )
+            say(
+                f"  {phase:<10}{kind:<16}{dim_name:<20}{seen[(phase, kind, dim)]:>9}"
+                f"{expected[(phase, kind, dim)]:>11}{mark}"
+            )
+    else:
+        say("collectives of step 1: none; predicted: none")
+    used = sorted({k for (_, k, _), n in predicted.items() if n and k in subst})
+    if used:
+        say(
+            "note: gloo has no "
+            + ", ".join(used)
+            + "; DTensor runs "
+            + ", ".join(subst[k] for k in used)
+            + " instead on CPU, and the prediction is read so"
+        )
+    totals: Counter = Counter()
+    for (_, kind, _), n in seen.items():
+        totals[kind] += n
+    debug = Counter(result.comm_debug)
+    agree = all(seen[k] == expected[k] for k in keys)
+    consistent = +totals == +debug
+    if not consistent:
+        say(
+            f"check: CommDebugMode counted {dict(+debug)} but the per-mesh-dim log "
+            f"{dict(+totals)}: a collective escaped one of them"
+        )
+    if result.deviations:
+        items = ", ".join(f"{op} ({n})" for op, n in result.deviations.most_common(5))
+        say(
+            f"note: {sum(result.deviations.values())} op output(s) came out of DTensor placed "
+            f"otherwise than planned and were moved to the plan's placement: {items}"
+        )
+    if opts.check:
+        say(
+            "check: collectives "
+            + (
+                "equal the plan's prediction ok"
+                if agree and consistent
+                else "differ from the plan's prediction FAILED"
+            )
+        )
+    return agree and consistent

@@ -1,0 +1,161 @@
+"""The steps of a launch that runs the plan itself (``--mode plan``, the default).
+
+Each step runs the graph ``autoshard solve`` priced (:mod:`autoshard.launch.graph_run`):
+in inference the forward graph, in training the joint forward/backward graph, whose
+outputs are the loss and every parameter's gradient, already placed as the parameter
+(the plan's gradient reduction). The gradients become the parameters' ``.grad`` and
+``torch.optim.AdamW`` steps the DTensor parameters. Step 1 counts collectives per phase
+(forward, backward, optimizer) with :class:`~autoshard.launch.collective_log.CollectiveLog`
+(by kind and mesh dim) and with ``CommDebugMode`` (by kind, the independent count).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard.errors import AutoshardError
+from autoshard.launch.collective_log import CollectiveLog
+from autoshard.launch.graph_run import GraphProgram, PlanInterpreter, RunLog
+from autoshard.launch.options import RunOptions
+from autoshard.launch.steps import StepObserver, _counting, _timed, collective_counts, sync_device
+
+
+@dataclass
+class PlanStepResult:
+    """What :func:`run_plan_steps` saw.
+
+    Attributes:
+        output: step 1's output (the loss in training), a DTensor.
+        last_output: the last step's output.
+        step_times_s: wall-clock seconds of each step.
+        observed: step 1's collectives, ``(phase, kind, mesh dim) -> count``.
+        comm_debug: step 1's collectives by kind, as ``CommDebugMode`` counted them.
+        deviations: op -> how often DTensor's output placement differed from the plan.
+    """
+
+    output: torch.Tensor
+    last_output: torch.Tensor
+    step_times_s: list[float]
+    observed: Counter = field(default_factory=Counter)
+    comm_debug: dict[str, int] = field(default_factory=dict)
+    deviations: Counter = field(default_factory=Counter)
+
+
+def placeholder_values(
+    program: GraphProgram,
+    module: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    device: torch.device,
+    dtype_map: Mapping[torch.dtype, torch.dtype],
+) -> list[torch.Tensor]:
+    """The graph's placeholders in order: the module's (DTensor) parameters and buffers by
+    FQN, the inputs by name, and a tangent of ones for the loss.
+
+    Raises:
+        AutoshardError: the graph reads a parameter, buffer or input the module lacks.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    values: list[torch.Tensor] = []
+    for node in program.graph.graph_module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        info = program.graph.nodes[node.name]
+        fqn = info.fqn or node.name
+        if info.kind == "param" and fqn in params:
+            values.append(params[fqn])
+        elif info.kind == "input" and fqn in inputs:
+            values.append(inputs[fqn])
+        elif info.kind == "buffer" and fqn in buffers:
+            values.append(buffers[fqn].to(device))
+        elif info.kind == "buffer" and node.name.startswith("tangents"):
+            meta = node.meta["val"]
+            dtype = dtype_map.get(meta.dtype, meta.dtype)
+            values.append(torch.ones(tuple(meta.shape), dtype=dtype, device=device))
+        else:
+            raise AutoshardError(
+                f"the traced graph reads {info.kind} {fqn!r}, which the model built for the "
+                "launch does not hold; solve again for this model file"
+            )
+    return values
+
+
+def run_plan_steps(
+    program: GraphProgram,
+    module: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    mesh: DeviceMesh,
+    opts: RunOptions,
+    device: torch.device,
+    dtype_map: Mapping[torch.dtype, torch.dtype],
+    observer: StepObserver | None = None,
+) -> PlanStepResult:
+    """Run ``opts.steps`` steps of the plan's graph on the placed module and inputs.
+
+    Raises:
+        AutoshardError: as :func:`placeholder_values`; a gradient for a parameter the
+            module lacks.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
+    times: list[float] = []
+    first: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    observed: Counter = Counter()
+    debug: Counter = Counter()
+    deviations: Counter = Counter()
+    for step in range(opts.steps):
+        counted = step == 0
+        log = RunLog()
+        modes: list = [] if counted else None  # type: ignore[assignment]
+        values = placeholder_values(program, module, inputs, device, dtype_map)
+        sync_device(device)
+        t0 = time.perf_counter()
+        with _counting(modes):
+            outs = PlanInterpreter(program, mesh, device, dtype_map, log).run_program(*values)
+        out = outs[0]
+        paused = 0.0
+        if optimizer is not None:
+            for k, grad in enumerate(outs):
+                owner = program.grad_of[k]
+                if owner is None or grad is None:
+                    continue
+                if owner not in params:
+                    raise AutoshardError(
+                        f"the graph returns a gradient for {owner!r}, which the model lacks"
+                    )
+                params[owner].grad = grad
+            if observer is not None:
+                paused = _timed(device, observer.gradients, step, module)
+            opt_log = CollectiveLog(mesh)
+            with _counting(modes), opt_log:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            for (kind, dim), n in opt_log.take().items():
+                log.collectives[("optimizer", kind, dim)] += n
+        sync_device(device)
+        times.append(time.perf_counter() - t0 - paused)
+        if counted:
+            observed = log.collectives
+            deviations = log.deviations
+            for mode in modes or []:
+                debug.update(collective_counts(mode))
+            first = out.detach()
+        if observer is not None:
+            _timed(device, observer.finished, step, module, out)
+    assert first is not None and out is not None
+    return PlanStepResult(
+        output=first,
+        last_output=out.detach(),
+        step_times_s=times,
+        observed=observed,
+        comm_debug=dict(sorted(debug.items())),
+        deviations=deviations,
+    )
