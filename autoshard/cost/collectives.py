@@ -36,17 +36,17 @@ A resharding over several mesh dims is a *sequence* of single-dim collectives, e
 on the tensor as it is at that step (Alpa and autoparallel size each step in sequence), in
 the cheapest order (:meth:`CommModel._sequence`, every order tried): usually steps that
 shrink the local tensor first (local slices, then reduce-scatters, fastest link first), then
-those that keep its size (all-reduce, all-to-all) on the smallest piece, then the all-gathers
-that grow it (fastest link last). DTensor nests shardings of one tensor dim left to right
-over the mesh dims, and a step that breaks the nesting needs the inner mesh dims gathered
-first (:meth:`CommModel._nested`): ``(S(0), S(0)) -> (R, R)`` gathers mesh dim 1 before
-mesh dim 0, whatever the links. A ``Partial -> Replicate`` mesh dim may also run as a
-reduce-scatter at the start and an all-gather at the end, so that the dims between work on the scattered piece:
-NCCL's hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes on
-``1/n`` of the bytes, all-gather inside). Each order is optimal by an exchange argument:
-every byte term is linear in the local size, a shrinking step moved earlier never costs
-more, and two reduce-scatters on links ``i, j`` cost less with the higher bandwidth first
-(where nesting allows).
+those that keep its size (all-reduce, all-to-all) on the smallest piece, then the all-
+gathers that grow it (fastest link last). DTensor nests shardings of one tensor dim left to
+right over the mesh dims, and a step that breaks the nesting needs the inner mesh dims
+gathered first (:meth:`CommModel._nested`): ``(S(0), S(0)) -> (R, R)`` gathers mesh dim 1
+before mesh dim 0, whatever the links. A ``Partial -> Replicate`` mesh dim may also run as a
+reduce-scatter at the start and an all-gather at the end, so that the dims between work on
+the scattered piece: NCCL's hierarchical all-reduce (reduce-scatter inside the node, all-
+reduce across nodes on ``1/n`` of the bytes, all-gather inside). Each order is optimal by an
+exchange argument: every byte term is linear in the local size, a shrinking step moved
+earlier never costs more, and two reduce-scatters on links ``i, j`` cost less with the
+higher bandwidth first (where nesting allows).
 
 Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MiB by default), and
 so do parameter all-gathers (FSDP gathers a whole block's parameters in one collective; a
