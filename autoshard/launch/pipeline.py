@@ -65,10 +65,12 @@ from autoshard.launch.check import (
     Recorder,
     compare_runs,
     full_tensor,
-    max_abs_diff,
+    relative_error,
     report_check,
     report_time,
     say,
+    widen_module,
+    widened,
 )
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import (
@@ -502,8 +504,9 @@ def _run_schedule(
             with torch.no_grad(), implicit_replication():
                 out = schedule.step(*args)
         else:
+            losses: list[torch.Tensor] = []
             with implicit_replication():  # the backward of plain tensors met in forward
-                out = schedule.step(*args, target=target)
+                out = schedule.step(*args, target=target, losses=losses)
             sync_gradients(module)
             sum_shared_gradients(module, canonical, groups)
             if record and step == 0:
@@ -517,7 +520,9 @@ def _run_schedule(
         sync_device(device)
         run.step_times_s.append(time.perf_counter() - t0 - paused)
         if stage.is_last:
-            run.output = output_tensor(out).detach()
+            # training: the step's loss (the micro-batches' sum), as run_steps reports it
+            loss = sum(losses) if optimizer is not None and losses else None
+            run.output = (loss if loss is not None else output_tensor(out)).detach()
         if record and step == 0:
             if run.output is not None:
                 run.out1 = run.output.to("cpu", copy=True)
@@ -546,8 +551,6 @@ def _merge_checks(parts: Sequence[tuple[bool, CheckResult]]) -> CheckResult:
         ):
             for k, v in theirs.items():
                 mine[k] = max(mine.get(k, 0.0), v)
-        for k, v in res.noisy.items():
-            merged.noisy[k] = max(merged.noisy.get(k, 0), v)
     return merged
 
 
@@ -563,8 +566,12 @@ def _check(
     every rank returns the verdict (0 pass, 1 fail)."""
     mine = {n: full_tensor(p.detach()) for n, p in _named_copies(stage.submod, canonical).items()}
     ref = materialize(mf, opts.seed, device).loaded
+    ref.inputs = widen_module(ref.module, ref.inputs)
     ref_rec = Recorder(keep=True)
-    ref_result = run_steps(ref.module, ref.inputs, opts, device, observer=ref_rec)
+    with widened():
+        ref_result = run_steps(
+            ref.module, ref.inputs, opts, device, observer=ref_rec, loss_fn=pipeline_loss
+        )
     assert ref_rec.output is not None
     keep = set(mine)
     res = compare_runs(
@@ -578,10 +585,11 @@ def _check(
     )
     if opts.train and opts.steps > 1:
         ref_last = dict(ref.module.named_parameters())
+        floor = opts.atol / opts.rtol
         if run.output is not None:
-            res.drift["output"] = max_abs_diff(run.output, ref_result.output)
+            res.drift["output"] = relative_error(run.output, ref_result.output, floor)
         res.drift["parameters"] = max(
-            (max_abs_diff(p, ref_last[n]) if n in ref_last else float("inf"))
+            (relative_error(p, ref_last[n], floor) if n in ref_last else float("inf"))
             for n, p in mine.items()
         )
     parts: list[Any] = [None] * dist.get_world_size()
@@ -672,6 +680,8 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
     check_stage_plan(spec, skeleton, mf.path.name)
     fallback = init_parameters(skeleton.module, opts.seed, device)
     inputs = make_inputs(skeleton, opts.seed, device)
+    if opts.check:  # both runs in float64 (see autoshard.launch.check.CheckResult)
+        inputs = widen_module(skeleton.module, inputs)
     module = skeleton.module.eval()
     canonical = canonical_names(module)
     mbs = split_microbatches(inputs, spec.microbatches, skeleton.input_names)
@@ -723,7 +733,8 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
     sizes: list[Any] = [None] * world
     dist.all_gather_object(sizes, (me.index, sum(local.values())))
 
-    run = _run_schedule(stage, spec, inputs, opts, device, canonical, groups, opts.check)
+    with widened(opts.check):
+        run = _run_schedule(stage, spec, inputs, opts, device, canonical, groups, opts.check)
     times: list[Any] = [None] * world
     dist.all_gather_object(times, run.step_times_s)
     slowest = [max(t[i] for t in times) for i in range(opts.steps)]
