@@ -130,16 +130,19 @@ def number(pattern: str, text: str) -> float:
     return float(m.group(1))
 
 
-CHECK_OUTPUT = r"output(?: of step 1)? max abs diff (\S+)"
-CHECK_GRADS = r"gradients of step 1: max abs diff / max\(1, max \|grad\|\) (\S+)"
-CHECK_PARAMS = r"parameters after 1 AdamW step: max abs diff (\S+)"
+CHECK_OUTPUT = (
+    r"check: (?:loss|output)(?: of step 1)? vs single device \(float64\), error relative "
+    r"to its scale (\S+)"
+)
+CHECK_GRADS = r"gradients of step 1: worst relative error (\S+)"
+CHECK_PARAMS = r"parameters after 1 optimizer step: worst relative error (\S+)"
 
 
 def assert_checked(
     out: str, output: float, grads: float | None = None, params: float | None = None
 ) -> None:
     """A ``--check`` run's report: the output's (and with ``grads``/``params``, step 1's
-    gradients' and parameters') difference from one device at most the given bound, and
+    gradients' and parameters') error relative to its scale at most the given bound, and
     nothing beyond tolerance."""
     assert number(CHECK_OUTPUT, out) <= output
     if grads is not None:
@@ -147,3 +150,66 @@ def assert_checked(
     if params is not None:
         assert number(CHECK_PARAMS, out) <= params
     assert "FAILED" not in out
+
+
+GPT2_DEFAULT = """
+\"\"\"GPT-2 as anyone writes it: a default-style config (KV cache on, default attention).\"\"\"
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    return GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1024, n_positions=128)
+    )
+
+
+def example_inputs():
+    return (torch.randint(0, 1024, (8, 32)),)
+"""
+
+LLAMA_SMALL = """
+\"\"\"A 2-layer Llama, default attention and cache settings.\"\"\"
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_model():
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+            max_position_embeddings=128,
+        )
+    )
+
+
+def example_inputs():
+    return (torch.randint(0, 512, (8, 32)),)
+"""
+
+BERT_SMALL = """
+\"\"\"A 2-layer BERT encoder with its default config otherwise.\"\"\"
+import torch
+from transformers import BertConfig, BertModel
+
+
+def build_model():
+    return BertModel(
+        BertConfig(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=256, vocab_size=512, max_position_embeddings=64,
+        )
+    )
+
+
+def example_inputs():
+    return (torch.randint(0, 512, (8, 32)),)
+"""
+
+
+def write_model(tmp_path: Path, text: str, name: str) -> Path:
+    """``text`` as the model file ``<tmp_path>/<name>.py``."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -182,6 +183,57 @@ class RunLog:
     deviations: Counter = field(default_factory=Counter)
 
 
+@dataclass
+class Fault:
+    """A fault planted on purpose, to show that ``launch --check`` catches it; read from
+    ``AUTOSHARD_FAULT`` (tests set it; nothing else should):
+
+    - ``drop:<kind>``: the first redistribution step of that collective kind
+      (``all_reduce``, ``all_gather``, ``reduce_scatter``) is relabelled without
+      communicating, as if the collective were forgotten;
+    - ``grad:<fqn>:<factor>``: that parameter's gradient is multiplied by ``factor``
+      (``2``, ``-1``, ``1.01``) before the optimizer step.
+    """
+
+    drop: str | None = None
+    grad: tuple[str, float] | None = None
+    dropped: int = 0
+
+    @classmethod
+    def from_env(cls) -> Fault:
+        text = os.environ.get("AUTOSHARD_FAULT", "").strip()
+        if not text:
+            return cls()
+        kind, _, rest = text.partition(":")
+        if kind == "drop" and rest:
+            return cls(drop=rest)
+        if kind == "grad" and rest.count(":") >= 1:
+            fqn, _, factor = rest.rpartition(":")
+            return cls(grad=(fqn, float(factor)))
+        raise AutoshardError(
+            f"AUTOSHARD_FAULT={text!r}: use drop:<collective kind> or grad:<parameter>:<factor>"
+        )
+
+    def drops(self, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+        """Whether to skip this single-dim step (the first of the chosen kind only)."""
+        if self.drop is None or self.dropped:
+            return False
+        kinds = {
+            ("partial", "replicate"): "all_reduce",
+            ("shard", "replicate"): "all_gather",
+            ("partial", "shard"): "reduce_scatter",
+        }
+        for a, b in zip(src, dst, strict=True):
+            if a != b and kinds.get((_kind(a), _kind(b))) == self.drop:
+                self.dropped += 1
+                return True
+        return False
+
+
+def _kind(p: Placement) -> str:
+    return "partial" if p.is_partial() else "shard" if p.is_shard() else "replicate"
+
+
 def _local(x: Any) -> Any:
     return x.to_local() if isinstance(x, DTensor) else x
 
@@ -218,6 +270,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.log = log if log is not None else RunLog()
         self.comm = comm_model(program.mesh)
         self._collectives = CollectiveLog(mesh)
+        self.fault = Fault.from_env()
 
     # -- placing values ----------------------------------------------------------------
 
@@ -232,6 +285,17 @@ class PlanInterpreter(torch.fx.Interpreter):
         path = self.comm.redistribute_path(src, tuple(target), tuple(value.shape))
         with self._phase(phase):
             for step in path:
+                if self.fault.drops(value.placements, step):
+                    # a planted fault (AUTOSHARD_FAULT=drop:<kind>): relabel, skip the collective
+                    value = DTensor.from_local(
+                        value.to_local(),
+                        self.mesh,
+                        list(step),
+                        run_check=False,
+                        shape=value.shape,
+                        stride=value.stride(),
+                    )
+                    continue
                 value = tp.redistribute_step(value, step)
         return value
 

@@ -8,6 +8,7 @@ distributes every parameter and input per the map and runs the steps
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,6 +58,10 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
             "autoshard.launch ...`)"
         )
     check_world_size(smap, int(os.environ["WORLD_SIZE"]))
+    if not os.environ.get("AUTOSHARD_VERBOSE"):
+        # DTensor warns on every nested-sharding gather, which plans price and --check
+        # counts; the rank output stays the report (autoshard -v shows it)
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
     cuda = torch.cuda.is_available()
     device_type = "cuda" if cuda else "cpu"

@@ -450,6 +450,12 @@ def _export_joint(loaded: LoadedModel):
     closer for the joint export's context, to call once annotation is done.
     """
     stack = contextlib.ExitStack()
+    # training never reads a KV cache; a HuggingFace model built with its default config
+    # (use_cache=True) would trace the cache's concatenation onto an empty meta tensor
+    config = getattr(loaded.module, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+        stack.callback(setattr, config, "use_cache", True)
     try:
         with _quiet_torch():
             ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
