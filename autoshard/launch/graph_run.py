@@ -93,10 +93,48 @@ def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tupl
     return tuple(tuple(got[f"{prefix}{k}"]) if f"{prefix}{k}" in got else None for k in range(n))
 
 
+def depth_names(full: TracedGraph, reduced: TracedGraph) -> dict[str, str]:
+    """Each node of ``full`` -> the node of ``reduced`` (traced with
+    :func:`autoshard.trace.tracer.reduce_depth`) that stands for it.
+
+    Nodes are matched by position: the k-th node of real block ``j`` is the k-th node of
+    the traced block that stands for ``j``; the k-th node outside every block is the k-th
+    outside. Nodes without a partner are left out (the caller reports them).
+    """
+    depth = reduced.depth
+    if depth is None:
+        return {}
+    stands = {j: t for t, real in enumerate(depth.stands_for) for j in real}
+    firsts = [real[0] for real in depth.stands_for]  # reduced layers carry real first indices
+
+    def groups(graph: TracedGraph, key) -> dict[Any, list[str]]:
+        out: dict[Any, list[str]] = {}
+        for name, info in graph.nodes.items():
+            if info.kind != "output":
+                out.setdefault(key(info.layer), []).append(name)
+        return out
+
+    full_groups = groups(full, lambda layer: layer)
+    theirs = groups(reduced, lambda layer: layer)
+    names: dict[str, str] = {}
+    for layer, members in full_groups.items():
+        key = None if layer is None else firsts[stands[layer]]
+        for a, b in zip(members, theirs.get(key, []), strict=False):
+            names[a] = b
+    return names
+
+
 def program_from_solution(
-    graph: TracedGraph, solution: Mapping[str, Any], mesh: MeshSpec
+    graph: TracedGraph,
+    solution: Mapping[str, Any],
+    mesh: MeshSpec,
+    reduced: TracedGraph | None = None,
 ) -> GraphProgram:
     """Pair the graph traced at launch with the solution's per-node placements.
+
+    ``reduced``: when the solution was solved on a depth-reduced trace (layer tying on a
+    model of more than 4 blocks), that trace; each node of ``graph`` then takes the plan
+    of the node standing for it (:func:`depth_names`).
 
     Raises:
         AutoshardError: the solution does not describe this graph (another model, another
@@ -104,13 +142,16 @@ def program_from_solution(
             and the first few.
     """
     sol_nodes: Mapping[str, Any] = solution.get("nodes") or {}
+    alias = depth_names(graph, reduced) if reduced is not None else {}
     nodes: dict[str, NodePlan] = {}
     missing: list[str] = []
     changed: list[str] = []
     for name, info in graph.nodes.items():
         if info.kind == "output":
             continue
-        entry = sol_nodes.get(name)
+        entry = sol_nodes.get(alias.get(name, name) if reduced is not None else name)
+        if reduced is not None and name not in alias:
+            entry = None
         if entry is None:
             missing.append(name)
             continue
@@ -129,7 +170,7 @@ def program_from_solution(
         nodes[name] = NodePlan(
             inputs=ins, outputs=outs, fallback=bool(entry.get("fallback")), phase=phase
         )
-    extra = [n for n in sol_nodes if n not in graph.nodes]
+    extra = [n for n in sol_nodes if n not in graph.nodes] if reduced is None else []
     if missing or changed or extra:
         parts = []
         if missing:
@@ -143,13 +184,17 @@ def program_from_solution(
         raise AutoshardError(
             "the solution does not describe the graph traced at launch: "
             + "; ".join(parts)
-            + ". Solve again for this model file (a plan solved with layer tying on a model "
-            "of more than 4 blocks runs with --mode propagate only)"
+            + ". Solve again for this model file"
         )
     out_info = next(i for i in graph.nodes.values() if i.kind == "output")
     out_entry = (sol_nodes.get(out_info.name) or {}).get("args") or {}
+    index = {k: k for k in range(len(out_info.arg_nodes))}
+    if reduced is not None:  # output k of the full graph -> the output of its stand-in
+        red_out = next(i for i in reduced.nodes.values() if i.kind == "output")
+        where = {a: k for k, a in enumerate(red_out.arg_nodes)}
+        index = {k: where.get(alias.get(a, ""), -1) for k, a in enumerate(out_info.arg_nodes)}
     sinks = [
-        tuple(out_entry[f"data_in_{k}"]) if f"data_in_{k}" in out_entry else None
+        tuple(out_entry[f"data_in_{index[k]}"]) if f"data_in_{index[k]}" in out_entry else None
         for k in range(len(out_info.arg_nodes))
     ]
     grad_of = [

@@ -24,7 +24,7 @@ from autoshard.launch.options import RunOptions
 from autoshard.launch.plan_steps import PlanStepResult
 from autoshard.model.model_file import ModelFile, instantiate
 from autoshard.plan.formats import ShardingMap, load_solution
-from autoshard.trace.tracer import trace_model
+from autoshard.trace.tracer import reduce_depth, trace_model
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -63,22 +63,33 @@ def prepare_program(
             f"but this launch {'trains' if opts.train else 'runs forward only'}; solve with "
             f"{want} (or launch {'without' if solved == 'infer' else 'with'} --train)"
         )
+    mesh = MeshSpec.from_dict(solution["mesh"])
     graph = trace_for_launch(mf, solved, cost.get("dtype"))
-    return program_from_solution(graph, solution, MeshSpec.from_dict(solution["mesh"]))
+    sol_nodes = solution.get("nodes") or {}
+    if all(n in sol_nodes for n in graph.nodes):
+        return program_from_solution(graph, solution, mesh)
+    # solved on a depth-reduced trace (layer tying, more than 4 blocks): run the whole
+    # model, each block with the plan of the traced block that stands for it
+    reduced = trace_for_launch(mf, solved, cost.get("dtype"), reduce=True)
+    if reduced.depth is None or not all(n in sol_nodes for n in reduced.nodes):
+        return program_from_solution(graph, solution, mesh)  # raises, naming the nodes
+    return program_from_solution(graph, solution, mesh, reduced=reduced)
 
 
-def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None):
-    """The model traced on meta as ``autoshard solve`` traces it (same node names).
+def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None, reduce: bool = False):
+    """The model traced on meta as ``autoshard solve`` traces it (same node names); with
+    ``reduce``, depth-reduced as a solve with layer tying does (:func:`reduce_depth`).
 
     Raises:
         AutoshardError: as :func:`autoshard.trace.tracer.trace_model`.
     """
     loaded = instantiate(mf, device="meta")
+    depth = reduce_depth(loaded.module) if reduce else None
     if isinstance(dtype, str) and dtype not in ("", "model"):
         cast = getattr(torch, dtype)
         loaded.module.to(cast)
         loaded.inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in loaded.inputs)
-    return trace_model(loaded, mode)
+    return trace_model(loaded, mode, depth)
 
 
 def predicted_steps(smap: ShardingMap) -> Counter:

@@ -1,0 +1,199 @@
+"""`autoshard launch` runs the plan itself: the solution's graph with every planned
+redistribution, observed collectives equal to the predicted ones, and a check that fails
+on planted faults.
+
+Independent references: CommDebugMode (what really ran, by kind), a single-device run of
+the eager model in float64 (numbers), and a solution file edited by hand (a wrong
+placement).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoshard.plan.formats import load_solution, save_solution
+from tests.helpers import (
+    BERT_SMALL,
+    GPT2_DEFAULT,
+    LLAMA_SMALL,
+    ROOT,
+    TORCHRUN_TIMEOUT_S,
+    assert_checked,
+    rank_env,
+    torchrun,
+    write_mlp,
+    write_model,
+)
+
+pytestmark = pytest.mark.slow
+
+COLLECTIVES_OK = "check: collectives equal the plan's prediction ok"
+
+
+def solve(model: Path, out: Path, mesh: str = "2x4", *extra: str) -> Path:
+    """The sharding map `autoshard solve --mode train` writes for ``model``."""
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", mesh]
+    cmd += ["--mode", "train", "--out", str(out), "-q", *extra]
+    run = subprocess.run(
+        cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return next(Path(line) for line in run.stdout.split() if line.endswith(".json"))
+
+
+def observed_rows(out: str) -> list[tuple[str, str, str, int, int]]:
+    """The report's collective rows: (phase, kind, mesh dim, seen, predicted)."""
+    rows = re.findall(
+        r"^  (forward|backward|optimizer)\s+(\w+)\s+(\w+)\s+(\d+)\s+(\d+)", out, flags=re.M
+    )
+    return [(a, b, c, int(d), int(e)) for a, b, c, d, e in rows]
+
+
+def assert_runs_the_plan(out: str) -> None:
+    """Every collective row agrees, there is at least one, and the check passed."""
+    rows = observed_rows(out)
+    assert rows, out
+    assert all(seen == predicted for *_, seen, predicted in rows), out
+    assert COLLECTIVES_OK in out, out
+    assert_checked(out, 1e-9, grads=1e-9, params=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [("gpt2_default", GPT2_DEFAULT), ("llama_small", LLAMA_SMALL), ("bert_small", BERT_SMALL)],
+)
+def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    """HuggingFace models from default-style configs (KV cache on, default attention),
+    2 layers, batch 8 x 32 tokens, solved on 2x4 and trained one step on 8 gloo ranks:
+    the collectives CommDebugMode and the per-mesh-dim log saw equal the plan's, per
+    phase, kind and mesh dim; loss, gradients and parameters match one device."""
+    model = write_model(tmp_path, text, name)
+    plan = solve(model, tmp_path)
+    assert json.loads(plan.read_text())["format"] == "autoshard.sharding_map/2"
+    run = torchrun(8, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "running the plan's graph" in run.stdout
+    assert_runs_the_plan(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A small MLP solved for training on a 2x2 mesh (4 gloo ranks)."""
+    tmp = tmp_path_factory.mktemp("mlp_plan")
+    model = write_mlp(tmp, 64, 256, 1024, act="GELU")
+    return model, solve(model, tmp, "2x2")
+
+
+def test_mlp_plan_runs_as_predicted(mlp_plan: tuple[Path, Path]) -> None:
+    model, plan = mlp_plan
+    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("grad:fc1.weight:2", r"beyond tolerance: grad fc1\.weight"),
+        ("grad:fc1.weight:-1", r"beyond tolerance: grad fc1\.weight, param fc1\.weight"),
+        ("grad:fc2.weight:1.01", r"beyond tolerance: grad fc2\.weight"),
+    ],
+)
+def test_check_fails_on_a_planted_gradient_fault(
+    mlp_plan: tuple[Path, Path], fault: str, reason: str
+) -> None:
+    """A gradient x2, sign-flipped or 1% off is caught (each alone), with one line saying
+    which tensors are beyond tolerance."""
+    model, plan = mlp_plan
+    run = torchrun(4, str(plan), str(model), "--train", "--check", AUTOSHARD_FAULT=fault)
+    assert run.returncode != 0
+    assert re.search(reason, run.stdout), run.stdout
+
+
+def test_check_fails_on_a_dropped_collective(mlp_plan: tuple[Path, Path]) -> None:
+    """The plan's first collective of its most common kind skipped (relabelled in place):
+    the counts differ from the plan's, and the numbers from one device's."""
+    model, plan = mlp_plan
+    rows = observed_rows(torchrun(4, str(plan), str(model), "--train").stdout)
+    kind = max(
+        ("all_reduce", "all_gather", "reduce_scatter"),
+        key=lambda k: sum(r[3] for r in rows if r[1] == k),
+    )
+    run = torchrun(4, str(plan), str(model), "--train", "--check", AUTOSHARD_FAULT=f"drop:{kind}")
+    assert run.returncode != 0
+    assert "check: collectives differ from the plan's prediction FAILED" in run.stdout
+    assert "<- differs" in run.stdout
+    assert "check: beyond tolerance:" in run.stdout
+
+
+def test_check_fails_on_a_wrong_placement(tmp_path: Path, mlp_plan: tuple[Path, Path]) -> None:
+    """A solution edited by hand: the first matmul's replicated input planned sharded on
+    mesh dim 0 instead. DTensor still computes correctly, but the matmul's output then
+    comes out sharded where the plan has it replicated, so a collective the plan never
+    priced runs, and the check says so."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    model, plan = mlp_plan
+    sol_path = plan.with_suffix(".pkl")
+    sol = load_solution(sol_path)
+    name, entry = next(
+        (n, e)
+        for n, e in sol["nodes"].items()
+        if e.get("op", "").startswith(("aten.mm", "aten.addmm"))
+        and all(isinstance(p, Replicate) for p in e["args"].get("data_in_0", ()))
+        and e["args"].get("data_in_0")
+    )
+    key = "data_in_1" if entry["op"].startswith("aten.addmm") else "data_in_0"
+    if not all(isinstance(p, Replicate) for p in entry["args"][key]):
+        key = "data_in_0"
+    entry["args"][key] = (Shard(0),) + tuple(entry["args"][key][1:])
+    bad = tmp_path / "bad.pkl"
+    save_solution(bad, sol)
+    smap = json.loads(plan.read_text())
+    import hashlib
+
+    smap["solution"] = {"file": bad.name, "sha256": hashlib.sha256(bad.read_bytes()).hexdigest()}
+    bad_map = tmp_path / "bad.json"
+    bad_map.write_text(json.dumps(smap))
+    run = torchrun(4, str(bad_map), str(model), "--train", "--check")
+    assert run.returncode != 0, (name, run.stdout)
+    assert "check: collectives differ from the plan's prediction FAILED" in run.stdout, run.stdout
+
+
+def test_version_1_map_runs_propagation_and_says_so(
+    tmp_path: Path, mlp_plan: tuple[Path, Path]
+) -> None:
+    model, plan = mlp_plan
+    smap = json.loads(plan.read_text())
+    smap["format"] = "autoshard.sharding_map/1"
+    smap.pop("solution")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(smap))
+    run = torchrun(4, str(old), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "names no solution, so this launch runs DTensor's own propagation" in run.stdout
+    assert "running DTensor propagation (not the plan)" in run.stdout
+    assert_checked(run.stdout, 1e-9, grads=1e-9, params=1e-6)
+
+
+def test_a_changed_solution_is_refused_before_any_rank_starts(
+    tmp_path: Path, mlp_plan: tuple[Path, Path]
+) -> None:
+    model, plan = mlp_plan
+    smap = json.loads(plan.read_text())
+    smap["solution"]["sha256"] = "0" * 64
+    stale = plan.parent / "stale.json"
+    stale.write_text(json.dumps(smap))
+    cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(stale), str(model), "--train"]
+    run = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "is not the solution" in run.stderr and "solve again" in run.stderr
+    assert "running:" not in run.stderr  # no torchrun started
