@@ -68,11 +68,12 @@ def test_solve_gpt2_two_layers_end_to_end(tmp_path, monkeypatch):
     env = dict(os.environ, AUTOSHARD_LAYERS="2")
     result = _run("solve", "examples/gpt2.py", "--mesh", "2x4", "--out", str(tmp_path), env=env)
     assert result.exit_code == 0, result.output
-    assert "optimal" in result.output and "compute" in result.output
+    assert "solver: HiGHS" in result.output and "compute" in result.output
     smap = load_sharding_map(tmp_path / "gpt2_2x4.json")
     assert smap.mesh_shape == (2, 4)
     raw = json.loads((tmp_path / "gpt2_2x4.json").read_text())
-    assert raw["format"] == "autoshard.sharding_map/1"
+    assert raw["format"] == "autoshard.sharding_map/2"
+    assert raw["solution"]["file"] == "gpt2_2x4.pkl"
     assert set(raw["inputs"]) == {"input_ids"}
 
     import torch
@@ -88,7 +89,7 @@ def test_solve_gpt2_two_layers_end_to_end(tmp_path, monkeypatch):
     sol = load_solution(tmp_path / "gpt2_2x4.pkl")
     assert sol["format"] == "autoshard.solution/1"
     assert sol["mesh"]["shape"] == [2, 4]
-    assert sol["solver"]["status"] == "optimal"
+    assert sol["solver"]["status"] in ("optimal", "within_gap")
     assert sol["objective_s"] == pytest.approx(raw["predicted"]["step_time_s"])
 
 

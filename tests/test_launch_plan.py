@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.plan.formats import load_solution, save_solution
-from tests.helpers import (
+from helpers import (
     BERT_SMALL,
     GPT2_DEFAULT,
     LLAMA_SMALL,

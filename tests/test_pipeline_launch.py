@@ -442,7 +442,15 @@ def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> N
 
 
 def test_check_beyond_tolerance_exits_1_on_every_rank(plan_pp2: Path, blocks: Path) -> None:
-    run = torchrun(2, str(plan_pp2), str(blocks), "--train", "--check", "--grad-rtol", "1e-12")
+    """A planted fault (one gradient x 1.01 on the stage that holds it) fails the check."""
+    run = torchrun(
+        2,
+        str(plan_pp2),
+        str(blocks),
+        "--train",
+        "--check",
+        AUTOSHARD_FAULT="grad:layers.0.fc.weight:1.01",
+    )
     assert run.returncode == 1, run.stdout + run.stderr[-3000:]
     assert "FAILED" in run.stdout
     assert "check: beyond tolerance: grad layers." in run.stdout

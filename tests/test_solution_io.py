@@ -651,7 +651,7 @@ def _edit(**changes) -> dict:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (_edit(format=None), "m.json has no 'format'; expected 'autoshard.sharding_map/1'"),
+        (_edit(format=None), "m.json has no 'format'; expected 'autoshard.sharding_map/2'"),
         (_edit(format="autoshard.sharding_map/7"), "has format 'autoshard.sharding_map/7'"),
         (_edit(mesh=None), "missing mesh"),
         (_edit(mesh={"shape": [2, 0]}), r"mesh shape \[2, 0\] must be a list of positive ints"),

@@ -275,6 +275,17 @@ class Fault:
         return False
 
 
+def plant_gradient_fault(module: torch.nn.Module) -> None:
+    """Apply ``AUTOSHARD_FAULT=grad:<fqn>:<factor>`` to ``module``'s gradients (a planted
+    fault, see :class:`Fault`); nothing when it is unset."""
+    fault = Fault.from_env().grad
+    if fault is None:
+        return
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if name == fault[0] and p.grad is not None:
+            p.grad = p.grad * fault[1]
+
+
 def _kind(p: Placement) -> str:
     return "partial" if p.is_partial() else "shard" if p.is_shard() else "replicate"
 

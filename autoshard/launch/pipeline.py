@@ -72,6 +72,7 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
+from autoshard.launch.graph_run import plant_gradient_fault
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import (
     distribute_parameters,
@@ -509,6 +510,7 @@ def _run_schedule(
                 out = schedule.step(*args, target=target, losses=losses)
             sync_gradients(module)
             sum_shared_gradients(module, canonical, groups)
+            plant_gradient_fault(module)
             if record and step == 0:
                 t1 = time.perf_counter()
                 for name, p in _named_copies(module, canonical).items():

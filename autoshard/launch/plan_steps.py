@@ -22,7 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.collective_log import CollectiveLog
-from autoshard.launch.graph_run import Fault, GraphProgram, PlanInterpreter, RunLog
+from autoshard.launch.graph_run import (
+    GraphProgram,
+    PlanInterpreter,
+    RunLog,
+    plant_gradient_fault,
+)
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import StepObserver, _counting, _timed, collective_counts, sync_device
 
@@ -132,9 +137,7 @@ def run_plan_steps(
                         f"the graph returns a gradient for {owner!r}, which the model lacks"
                     )
                 params[owner].grad = grad
-            fault = Fault.from_env().grad
-            if fault is not None and fault[0] in params:  # planted (see graph_run.Fault)
-                params[fault[0]].grad = params[fault[0]].grad * fault[1]
+            plant_gradient_fault(module)  # AUTOSHARD_FAULT, for tests (graph_run.Fault)
             if observer is not None:
                 paused = _timed(device, observer.gradients, step, module)
             opt_log = CollectiveLog(mesh)

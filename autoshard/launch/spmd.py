@@ -92,6 +92,9 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     check_plan(smap, skeleton, mf.path.name)
     fallback = init_parameters(skeleton.module, opts.seed, device)
     inputs = make_inputs(skeleton, opts.seed, device)
+    # bytes per element as the model holds them (--check runs in float64)
+    itemsize = {id(p): p.element_size() for p in skeleton.module.parameters()}
+    itemsize_by_name = {n: itemsize[id(p)] for n, p in skeleton.module.named_parameters()}
     if opts.check:
         inputs = widen_module(skeleton.module, inputs)
     loaded = LoadedModel(
@@ -113,7 +116,9 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
 
     distribute_parameters(loaded.module, mesh, smap.parameters)
     d_inputs = distribute_inputs(loaded, mesh, smap.inputs)
-    local = sum(p.to_local().numel() * p.element_size() for p in loaded.module.parameters())
+    local = sum(
+        p.to_local().numel() * itemsize_by_name[n] for n, p in loaded.module.named_parameters()
+    )
     per_rank: list[int] = [0] * world
     dist.all_gather_object(per_rank, local)
 

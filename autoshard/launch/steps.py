@@ -241,7 +241,7 @@ def run_steps(
     is left out of the step times.
     """
     optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
-    loss = loss_function(loss_fn)
+    compute_loss = loss_function(loss_fn)
     times: list[float] = []
     modes: list[CommDebugMode] = []
     out: torch.Tensor | None = None
@@ -255,7 +255,7 @@ def run_steps(
                 with torch.no_grad():
                     out = settle_output(output_tensor(module(*inputs)))
             else:
-                loss = settle_output(loss(module(*inputs), *inputs))
+                loss = settle_output(compute_loss(module(*inputs), *inputs))
                 out = loss.detach()
                 loss.backward()
                 sync_gradients(module)

@@ -510,7 +510,10 @@ def _json_hint(data: bytes) -> str | None:
         parsed = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None
-    if isinstance(parsed, dict) and parsed.get("format") == SHARDING_MAP_FORMAT:
+    if isinstance(parsed, dict) and parsed.get("format") in (
+        SHARDING_MAP_FORMAT,
+        SHARDING_MAP_FORMAT_V1,
+    ):
         return (
             "is a sharding map (JSON), not a solution pickle; pass the .pkl that "
             "`autoshard solve` wrote beside it"
