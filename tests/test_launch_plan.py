@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from autoshard.plan.formats import load_solution, save_solution
 from helpers import (
     BERT_SMALL,
     GPT2_DEFAULT,
@@ -30,6 +28,8 @@ from helpers import (
     write_mlp,
     write_model,
 )
+
+from autoshard.plan.formats import load_solution, save_solution
 
 pytestmark = pytest.mark.slow
 
