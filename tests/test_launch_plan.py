@@ -92,11 +92,23 @@ def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, solve(model, tmp, "2x2")
 
 
-def test_mlp_plan_runs_as_predicted(mlp_plan: tuple[Path, Path]) -> None:
+def test_mlp_plan_runs_as_predicted(tmp_path: Path, mlp_plan: tuple[Path, Path]) -> None:
+    """And ``--json`` writes the same report for machines."""
     model, plan = mlp_plan
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    report = tmp_path / "report.json"
+    run = torchrun(4, str(plan), str(model), "--train", "--check", "--json", str(report))
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
+    data = json.loads(report.read_text())
+    assert data["format"] == "autoshard.launch_report/1" and data["mode"] == "plan"
+    assert data["collectives_agree"] is True and data["check"]["passed"] is True
+    rows = [
+        (r["phase"], r["kind"], r["mesh_dim_name"], r["seen"], r["predicted"])
+        for r in data["collectives"]
+    ]
+    assert rows == observed_rows(run.stdout)
+    assert len(data["peak_memory_bytes"]) == 4 and min(data["peak_memory_bytes"]) > 0
+    assert set(data["check"]["gradients"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
 
 
 @pytest.mark.parametrize(

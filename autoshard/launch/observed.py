@@ -100,6 +100,35 @@ def predicted_steps(smap: ShardingMap) -> Counter:
     return out
 
 
+def observed_rows(result: PlanStepResult, smap: ShardingMap, device: torch.device) -> list:
+    """Step 1's collectives beside the prediction, one dict per (phase, kind, mesh dim):
+    ``{"phase", "kind", "mesh_dim", "mesh_dim_name", "seen", "predicted"}`` (``--json``)."""
+    expected = _expected(smap, device)
+    seen = result.observed
+    names = smap.dim_names or tuple(str(i) for i in range(smap.ndim))
+    keys = sorted(set(expected) | set(seen), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))
+    return [
+        {
+            "phase": ph,
+            "kind": kind,
+            "mesh_dim": dim,
+            "mesh_dim_name": names[dim] if 0 <= dim < len(names) else None,
+            "seen": seen[(ph, kind, dim)],
+            "predicted": expected[(ph, kind, dim)],
+        }
+        for ph, kind, dim in keys
+    ]
+
+
+def _expected(smap: ShardingMap, device: torch.device) -> Counter:
+    """The prediction with gloo's substitutes applied on CPU."""
+    subst: dict[str, str] = GLOO_SUBSTITUTES if device.type == "cpu" else {}
+    expected: Counter = Counter()
+    for (phase, kind, dim), n in predicted_steps(smap).items():
+        expected[(phase, subst.get(kind, kind), dim)] += n
+    return expected
+
+
 def report_observed(
     result: PlanStepResult, smap: ShardingMap, device: torch.device, opts: RunOptions
 ) -> bool:
@@ -111,9 +140,7 @@ def report_observed(
     """
     predicted = predicted_steps(smap)
     subst: dict[str, str] = GLOO_SUBSTITUTES if device.type == "cpu" else {}
-    expected: Counter = Counter()
-    for (phase, kind, dim), n in predicted.items():
-        expected[(phase, subst.get(kind, kind), dim)] += n
+    expected = _expected(smap, device)
     seen = result.observed
     names = smap.dim_names or tuple(str(i) for i in range(smap.ndim))
     keys = sorted(set(expected) | set(seen), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))

@@ -18,8 +18,9 @@ summing in another order errs by ~1e-15; a sharding bug errs by O(1) and a 1% er
 10,000 times the tolerance."""
 
 DEFAULT_ATOL = 1e-12
-"""A tensor whose max absolute difference is at most this passes whatever its scale:
-a gradient that is 0 in exact arithmetic is ~1e-17 in float64, in both runs."""
+"""``--check`` measures each tensor against a scale of at least ``atol / rtol`` (1e-6 by
+default): a gradient that is 0 in exact arithmetic is ~1e-17 in float64, in both runs,
+and must not be divided by its own rounding."""
 
 MODES = ("plan", "propagate")
 """``plan``: run the solution's graph with every planned redistribution (the default);
@@ -39,9 +40,10 @@ class RunOptions:
         check: compare with a single-device run on rank 0, both in float64.
         seed: seeds the weights and the synthetic inputs (same on every rank).
         rtol: ``check`` tolerance, relative to each tensor's largest reference value.
-        atol: ``check``: a max absolute difference this small always passes.
+        atol: ``check``: each tensor's scale is at least ``atol / rtol``.
         lr: AdamW learning rate.
         mode: ``plan`` or ``propagate`` (see :data:`MODES`).
+        json_path: where rank 0 writes the report as JSON (``--json``), or ``None``.
     """
 
     steps: int = 1
@@ -52,6 +54,7 @@ class RunOptions:
     atol: float = DEFAULT_ATOL
     lr: float = 1e-3
     mode: str = "plan"
+    json_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -70,6 +73,8 @@ class RunOptions:
         argv = ["--steps", str(self.steps), "--seed", str(self.seed)]
         argv += ["--rtol", repr(self.rtol), "--atol", repr(self.atol)]
         argv += ["--lr", repr(self.lr), "--mode", self.mode]
+        if self.json_path:
+            argv += ["--json", str(Path(self.json_path).resolve())]
         if self.train:
             argv.append("--train")
         if self.check:
@@ -123,6 +128,14 @@ _RUN_OPTIONS = (
         help="--check: a max absolute difference this small passes (values 0 in exact arithmetic).",
     ),
     click.option("--lr", type=float, default=1e-3, show_default=True, help="AdamW learning rate."),
+    click.option(
+        "--json",
+        "json_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Also write the report (collectives seen and predicted per phase, kind and mesh "
+        "dim; step times; memory; the check) to this file as JSON.",
+    ),
 )
 
 

@@ -8,10 +8,14 @@ distributes every parameter and input per the map and runs the steps
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import resource
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,14 +35,14 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
-from autoshard.launch.observed import prepare_program, report_observed
+from autoshard.launch.observed import observed_rows, prepare_program, report_observed
 from autoshard.launch.options import RunOptions
 from autoshard.launch.plan_steps import run_plan_steps
 from autoshard.launch.steps import distribute_inputs, distribute_parameters, run_steps
 from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
-from autoshard.plan.formats import ShardingMap, load_sharding_map
+from autoshard.plan.formats import ShardingMap, atomic_write_text, load_sharding_map
 from autoshard.units import format_bytes
 
 
@@ -147,19 +151,49 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     times: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(times, step_times)
     slowest = [max(t[i] for t in times) for i in range(opts.steps)]
+    peaks: list[int] = [0] * world
+    dist.all_gather_object(peaks, peak_memory_bytes(device))
+    report: dict[str, Any] = {}
     if rank == 0:
         _report_bytes(per_rank)
+        say(
+            f"peak memory per rank ({'GPU allocated' if device.type == 'cuda' else 'RSS'}): "
+            f"max {format_bytes(max(peaks))}, min {format_bytes(min(peaks))}"
+        )
         if program is not None:
             agree = report_observed(presult, smap, device, opts)
+            report["collectives"] = observed_rows(presult, smap, device)
+            report["deviations"] = dict(presult.deviations)
         else:
             predicted = smap.predicted.get("collectives") or {}
             _report_collectives(result.comm_counts or {}, predicted)
+            report["collectives_by_kind"] = result.comm_counts or {}
         report_time(slowest, smap.predicted.get("step_time_s"))
+        report.update(
+            {
+                "format": "autoshard.launch_report/1",
+                "model": mf.path.name,
+                "mesh": {"shape": list(smap.mesh_shape), "dim_names": list(smap.dim_names or ())},
+                "mode": "plan" if program is not None else "propagate",
+                "train": opts.train,
+                "steps": opts.steps,
+                "seed": opts.seed,
+                "device": device.type,
+                "collectives_agree": agree,
+                "step_times_s": slowest,
+                "predicted_step_time_s": smap.predicted.get("step_time_s"),
+                "local_parameter_bytes": per_rank,
+                "peak_memory_bytes": peaks,
+            }
+        )
     verdict = [0 if agree else 1]
     dist.broadcast_object_list(verdict, src=0)
-    if not opts.check:
-        return 0
-    return max(verdict[0], _check(mf, opts, device, loaded.module, last, recorder))
+    code = 0
+    if opts.check:
+        code = max(verdict[0], _check(mf, opts, device, loaded.module, last, recorder, report))
+    if rank == 0 and opts.json_path:
+        write_report(opts.json_path, report)
+    return code
 
 
 def _check(
@@ -169,9 +203,11 @@ def _check(
     module: nn.Module,
     output: torch.Tensor,
     recorded: Recorder,
+    report: dict[str, Any] | None = None,
 ) -> int:
     """Compare with a single-device run on rank 0; every rank returns the verdict (0 pass,
-    1 fail). Every rank takes part in gathering the last step's output and parameters."""
+    1 fail). Every rank takes part in gathering the last step's output and parameters.
+    Rank 0 adds the result to ``report`` (``"check"``)."""
     rank = dist.get_rank()
     drifts = opts.train and opts.steps > 1
     last_out = full_tensor(output) if drifts else output
@@ -213,8 +249,43 @@ def _check(
             )
         report_check(res, opts)
         verdict = [1 if res.failures(opts) else 0]
+        if report is not None:
+            report["check"] = {
+                "dtype": "float64",
+                "rtol": opts.rtol,
+                "atol": opts.atol,
+                "output": res.output_diff,
+                "gradients": res.grad_diff,
+                "parameters": res.param_diff,
+                "drift": res.drift,
+                "failures": res.failures(opts),
+                "passed": not res.failures(opts),
+            }
     dist.broadcast_object_list(verdict, src=0)
     return int(verdict[0])
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: allocated GPU memory on CUDA, else the peak resident set
+    (Linux reports KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_report(path: str, report: dict[str, Any]) -> None:
+    """``--json``: the launch's report as JSON, atomically (non-finite numbers as null)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    atomic_write_text(path, json.dumps(clean(report), indent=2, sort_keys=True) + "\n")
 
 
 def _dim_names(smap: ShardingMap) -> str:
