@@ -255,7 +255,7 @@ class CommModel:
         d = self._encode(dst, len(shape), "destination")
         current = list(src)
         path: list[tuple[Placement, ...]] = []
-        for kind, i, code in self._sequence(s, d):
+        for kind, i, code in self._sequence(s, d, len(shape) > 0):
             if kind == "reduce_scatter" and d[i] == _R:  # the first half of a split all-reduce
                 n = self.mesh.shape[i]
                 dims = sorted(range(len(shape)), key=lambda k: (shape[k] % n == 0, shape[k]))
@@ -373,7 +373,7 @@ class CommModel:
             )
         )
         plan: list[tuple[CollectiveKind, int, float]] = []
-        for kind, i, _ in self._sequence(s, d):
+        for kind, i, _ in self._sequence(s, d, len(shape) > 0):
             n = self.mesh.shape[i]
             if kind == "slice":
                 local /= n
@@ -388,9 +388,13 @@ class CommModel:
                 local /= n
         return plan
 
-    def _sequence_uncached(self, s: tuple, d: tuple) -> tuple[tuple[str, int, _Code], ...]:
+    def _sequence_uncached(
+        self, s: tuple, d: tuple, splittable_tensor: bool = True
+    ) -> tuple[tuple[str, int, _Code], ...]:
         """The cheapest sequence of single-dim steps from codes ``s`` to ``d``, each
         ``(kind, mesh dim, code after)``, as DTensor runs them (:meth:`_nested`).
+        ``splittable_tensor``: False for a 0-d tensor (a loss), which no reduce-scatter
+        can cut, so its all-reduces are never split.
 
         Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
         (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
@@ -409,8 +413,10 @@ class CommModel:
             if a == b or self.mesh.shape[i] == 1 or isinstance(b, str):
                 continue  # unchanged, a size-1 dim, or Replicate -> Partial (local)
             if b == _R:
-                if isinstance(a, str):
+                if isinstance(a, str) and splittable_tensor:
                     splittable.append(i)
+                elif isinstance(a, str):
+                    base.append(("all_reduce", i))
                 else:
                     base.append(("all_gather", i))
             elif a == _R:

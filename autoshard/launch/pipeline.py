@@ -682,6 +682,7 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
     check_stage_plan(spec, skeleton, mf.path.name)
     fallback = init_parameters(skeleton.module, opts.seed, device)
     inputs = make_inputs(skeleton, opts.seed, device)
+    itemsize = {n: p.element_size() for n, p in skeleton.module.named_parameters()}
     if opts.check:  # both runs in float64 (see autoshard.launch.check.CheckResult)
         inputs = widen_module(skeleton.module, inputs)
     module = skeleton.module.eval()
@@ -726,11 +727,10 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
         placements = stage_placements(me, layout.inner_dims)
         distribute_parameters(stage.submod, inner, placements, canonical)
         run_on_mesh(stage.submod, inner)
-    local = {
-        id(p): p.numel() * p.element_size()
-        if not isinstance(p, DTensor)
-        else p.to_local().numel() * p.element_size()
-        for p in stage.submod.parameters()
+    local = {  # bytes as the model holds them (--check computes in float64)
+        id(p): (p.to_local() if isinstance(p, DTensor) else p).numel()
+        * itemsize.get(canonical.get(n, n), p.element_size())
+        for n, p in stage.submod.named_parameters()
     }
     sizes: list[Any] = [None] * world
     dist.all_gather_object(sizes, (me.index, sum(local.values())))
