@@ -405,9 +405,7 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     # the embedding's all-reduce across nodes, on the quarter left by the reduce-scatter,
     # and the loss scalar's on both dims: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2 x 40 us
     # latency across nodes + 2 x 3 x 5 us inside
-    assert plan.comm_s["all_reduce"] == pytest.approx(
-        wte / BW_DP + 40e-6 + 40e-6 + 30e-6, abs=1e-6
-    )
+    assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 40e-6 + 30e-6, abs=1e-6)
     assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
     # gathers (S(0), S(0)) -> (R, R): the inner (fast) dim first, as DTensor must,
     # 3 (B/8) / 450 GB/s, then the slow dim, (B/2) / 50 GB/s, and the latency

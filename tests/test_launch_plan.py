@@ -84,6 +84,34 @@ def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
     assert_runs_the_plan(run.stdout)
 
 
+TRANSFORMER_ENCODER = """
+import torch
+from torch import nn
+
+
+def build_model():
+    layer = nn.TransformerEncoderLayer(
+        d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0
+    )
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def example_inputs():
+    return (torch.randn(8, 16, 64),)
+"""
+
+
+def test_torch_transformer_encoder_trains_as_planned(tmp_path: Path) -> None:
+    """A plain nn.TransformerEncoder (its fused attention decomposed by the trace; ops
+    without a DTensor rule planned replicated and run on each rank's copy): solved on 2x2
+    and trained one step on 4 gloo ranks, as predicted and as one device."""
+    model = write_model(tmp_path, TRANSFORMER_ENCODER, "encoder")
+    plan = solve(model, tmp_path, "2x2")
+    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)
+
+
 @pytest.fixture(scope="module")
 def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A small MLP solved for training on a 2x2 mesh (4 gloo ranks)."""
