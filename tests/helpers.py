@@ -213,3 +213,24 @@ def write_model(tmp_path: Path, text: str, name: str) -> Path:
     path = tmp_path / f"{name}.py"
     path.write_text(text)
     return path
+
+
+MIXTRAL_SMALL = """
+\"\"\"A 2-layer Mixtral-style mixture of experts (4 experts, top-2), default settings otherwise.\"\"\"
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+def build_model():
+    return MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, vocab_size=256, max_position_embeddings=64,
+        )
+    )
+
+
+def example_inputs():
+    return (torch.randint(0, 256, (8, 16)),)
+"""

@@ -20,6 +20,7 @@ from helpers import (
     BERT_SMALL,
     GPT2_DEFAULT,
     LLAMA_SMALL,
+    MIXTRAL_SMALL,
     ROOT,
     TORCHRUN_TIMEOUT_S,
     assert_checked,
@@ -66,13 +67,19 @@ def assert_runs_the_plan(out: str) -> None:
 
 @pytest.mark.parametrize(
     "name, text",
-    [("gpt2_default", GPT2_DEFAULT), ("llama_small", LLAMA_SMALL), ("bert_small", BERT_SMALL)],
+    [
+        ("gpt2_default", GPT2_DEFAULT),
+        ("llama_small", LLAMA_SMALL),
+        ("bert_small", BERT_SMALL),
+        ("mixtral_small", MIXTRAL_SMALL),
+    ],
 )
 def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
     tmp_path: Path, name: str, text: str
 ) -> None:
-    """HuggingFace models from default-style configs (KV cache on, default attention),
-    2 layers, batch 8 x 32 tokens, solved on 2x4 and trained one step on 8 gloo ranks:
+    """HuggingFace models from default-style configs (KV cache on, default attention; a
+    Mixtral-style mixture of experts), 2 layers, solved on 2x4 and trained one step on 8
+    gloo ranks:
     the collectives CommDebugMode and the per-mesh-dim log saw equal the plan's, per
     phase, kind and mesh dim; loss, gradients and parameters match one device."""
     model = write_model(tmp_path, text, name)

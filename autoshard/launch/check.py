@@ -9,6 +9,7 @@ last step and, with ``--train``, step 1's gradients and every parameter after th
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -209,11 +210,76 @@ class _Widen(TorchDispatchMode):
     dtype=float32)``, factory ops) widened per :data:`CHECK_DTYPES`, so that a model's own
     casts do not bring float32 rounding back into a float64 run."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrowed: Counter = Counter()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         def widen(x: object) -> object:
             return CHECK_DTYPES.get(x, x) if isinstance(x, torch.dtype) else x
 
-        return func(*tree_map(widen, args), **tree_map(widen, kwargs or {}))
+        args, kwargs = tree_map(widen, args), tree_map(widen, kwargs or {})
+        if func in NO_FLOAT64 and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args
+        ):
+            return run_narrowed(func, args, kwargs, self.narrowed)
+        return func(*args, **kwargs)
+
+
+NO_FLOAT64 = {torch.ops.aten._grouped_mm.default}
+"""Ops with no float64 kernel (``_grouped_mm``, the grouped matmul of MoE experts): a
+float64 run computes them in float32 and widens the result, and says how often."""
+
+
+def grouped_mm_float64(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``aten._grouped_mm(a, b, offs)`` in float64, group by group with ``mm``, for the two
+    layouts a mixture of experts and its backward use: ``a`` (tokens, K) by ``b``
+    (groups, K, N) -> (tokens, N), rows ``offs[g-1]:offs[g]`` times ``b[g]``; and ``a``
+    (K, tokens) by ``b`` (tokens, N) -> (groups, K, N), the weight gradient."""
+    ends = [int(e) for e in offs.tolist()]
+    starts = [0, *ends[:-1]]
+    if a.dim() == 2 and b.dim() == 3:
+        out = a.new_zeros((a.shape[0], b.shape[2]))
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            out[s:e] = a[s:e] @ b[g]
+        return out
+    out = a.new_zeros((len(ends), a.shape[0], b.shape[1]))
+    for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        out[g] = a[:, s:e] @ b[s:e]
+    return out
+
+
+def run_narrowed(func, args, kwargs, counter: Counter):  # noqa: ANN001, ANN201
+    """``func`` where it has no float64 kernel: ``_grouped_mm`` without bias in float64,
+    group by group (:func:`grouped_mm_float64`); anything else on float32 copies of its
+    float64 tensor arguments, the result widened back. ``counter`` counts each way."""
+    plain = [x for x in args if isinstance(x, torch.Tensor)]
+    if (
+        func is torch.ops.aten._grouped_mm.default
+        and len(args) >= 3
+        and isinstance(args[2], torch.Tensor)
+        and (len(args) < 4 or args[3] is None)
+        and not kwargs.get("bias")
+        and len(plain) == 3
+        and not any(type(x) is not torch.Tensor for x in plain)
+        and (args[0].dim(), args[1].dim()) in ((2, 3), (2, 2))
+    ):
+        counter[f"{func} in float64 by groups"] += 1
+        return grouped_mm_float64(args[0], args[1], args[2])
+
+    def narrow(x: object) -> object:
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+            return x.to(torch.float32)
+        return x
+
+    counter[f"{func} in float32"] += 1
+    out = func(*tree_map(narrow, args), **tree_map(narrow, kwargs))
+    return tree_map(
+        lambda x: (
+            x.to(torch.float64) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+        ),
+        out,
+    )
 
 
 def widened(enabled: bool = True) -> contextlib.AbstractContextManager[object]:

@@ -37,13 +37,14 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _torch_private as tp
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
+from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
@@ -222,10 +223,13 @@ class RunLog:
     Attributes:
         collectives: (phase, kind, mesh dim) -> count, as :class:`CollectiveLog` saw them.
         deviations: op name -> how often DTensor's output placement differed from the plan.
+        substitutions: kernels the device lacks, run another way (see
+            :meth:`PlanInterpreter._substitute`) -> how often.
     """
 
     collectives: Counter = field(default_factory=Counter)
     deviations: Counter = field(default_factory=Counter)
+    substitutions: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -288,6 +292,35 @@ def plant_gradient_fault(module: torch.nn.Module) -> None:
 
 def _kind(p: Placement) -> str:
     return "partial" if p.is_partial() else "shard" if p.is_shard() else "replicate"
+
+
+ZEROS_OPS = {
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.zeros_like.default,
+}
+"""Ops whose output is zeros whatever their input: given any placement the plan asks for
+without communication (DTensor's rule may pick another)."""
+
+
+def _zeros_placed(value: DTensor, want: Placements) -> DTensor:
+    """Zeros of ``value``'s global shape and dtype, placed ``want`` (a ``Partial`` of zeros
+    is zeros), made locally."""
+    plain = [Replicate() if p.is_partial() else p for p in want]
+    full = torch.zeros(value.shape, dtype=value.dtype, device=value.to_local().device)
+    local = distribute_tensor(full, value.device_mesh, plain, src_data_rank=None).to_local()
+    return DTensor.from_local(
+        local,
+        value.device_mesh,
+        list(want),
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
+def _has_float64(args: Any) -> bool:
+    leaves, _ = tree_flatten(args)
+    return any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in leaves)
 
 
 def _local(x: Any) -> Any:
@@ -398,12 +431,36 @@ class PlanInterpreter(torch.fx.Interpreter):
                 leaves[i] = self.place(leaves[i], plan.inputs[k], plan.phase)
                 k += 1
         args_list, kwargs = tree_unflatten(leaves, spec)
+        back = self._substitute(n, args_list)
         if plan.fallback:
             out = self._run_local(n, args_list, kwargs)
+        elif n.target in NO_FLOAT64 and self.dtype_map and _has_float64(args_list):
+            with self._phase(plan.phase):
+                out = run_narrowed(n.target, args_list, kwargs, self.log.substitutions)
         else:
             with self._phase(plan.phase):
                 out = n.target(*args_list, **kwargs)
+        if back is not None:
+            out = out.to(back)
         return self._settle(n, out, plan)
+
+    def _substitute(self, n: torch.fx.Node, args: list) -> torch.dtype | None:
+        """A kernel the device lacks for a dtype the trace (on meta) chose: CPU has no
+        integer ``histc`` (HuggingFace's MoE routing counts tokens per expert with it and
+        picks the integer form off CPU). The count runs on floats, exact below 2**24, and
+        comes back in the traced dtype; each use is counted in
+        :attr:`RunLog.substitutions`. Returns the dtype to cast the output back to."""
+        if (
+            n.target is torch.ops.aten.histc.default
+            and self.device.type == "cpu"
+            and isinstance(args[0], torch.Tensor)
+            and not args[0].dtype.is_floating_point
+        ):
+            dtype = args[0].dtype
+            args[0] = args[0].to(torch.float32)
+            self.log.substitutions[f"{n.target} on {dtype} (CPU): float32"] += 1
+            return dtype
+        return None
 
     def _run_local(self, n: torch.fx.Node, args: list, kwargs: dict) -> Any:
         """An op with no DTensor rule, on each rank's full local copy (all replicated)."""
@@ -425,6 +482,10 @@ class PlanInterpreter(torch.fx.Interpreter):
             if want is None or not isinstance(value, DTensor):
                 continue
             if tuple(value.placements) != tuple(want):
+                if n.target in ZEROS_OPS:
+                    # zeros are zeros under any placement: made as planned, locally
+                    outs[k] = _zeros_placed(value, want)
+                    continue
                 self.log.deviations[str(n.target)] += 1
                 outs[k] = self.place(value, want, plan.phase)
         if not many:

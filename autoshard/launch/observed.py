@@ -183,6 +183,9 @@ def report_observed(
             f"note: {sum(result.deviations.values())} op output(s) came out of DTensor placed "
             f"otherwise than planned and were moved to the plan's placement: {items}"
         )
+    if result.substitutions:
+        items = ", ".join(f"{k} ({n})" for k, n in result.substitutions.items())
+        say(f"note: kernels this device lacks, run another way: {items}")
     if opts.check:
         say(
             "check: collectives "

@@ -43,6 +43,7 @@ class PlanStepResult:
         observed: step 1's collectives, ``(phase, kind, mesh dim) -> count``.
         comm_debug: step 1's collectives by kind, as ``CommDebugMode`` counted them.
         deviations: op -> how often DTensor's output placement differed from the plan.
+        substitutions: kernels the device lacks, run another way -> how often (step 1).
     """
 
     output: torch.Tensor
@@ -51,6 +52,7 @@ class PlanStepResult:
     observed: Counter = field(default_factory=Counter)
     comm_debug: dict[str, int] = field(default_factory=dict)
     deviations: Counter = field(default_factory=Counter)
+    substitutions: Counter = field(default_factory=Counter)
 
 
 def placeholder_values(
@@ -116,6 +118,7 @@ def run_plan_steps(
     observed: Counter = Counter()
     debug: Counter = Counter()
     deviations: Counter = Counter()
+    substitutions: Counter = Counter()
     for step in range(opts.steps):
         counted = step == 0
         log = RunLog()
@@ -151,6 +154,7 @@ def run_plan_steps(
         if counted:
             observed = log.collectives
             deviations = log.deviations
+            substitutions = log.substitutions
             for mode in modes or []:
                 debug.update(collective_counts(mode))
             first = out.detach()
@@ -164,4 +168,5 @@ def run_plan_steps(
         observed=observed,
         comm_debug=dict(sorted(debug.items())),
         deviations=deviations,
+        substitutions=substitutions,
     )

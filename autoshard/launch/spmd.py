@@ -222,10 +222,15 @@ def _check(
         ref = materialize(mf, opts.seed, device).loaded
         ref.inputs = widen_module(ref.module, ref.inputs)
         ref_rec = Recorder(keep=True)
-        with widened():
+        widen = widened()
+        with widen:
             ref_result = run_steps(
                 ref.module, ref.inputs, opts, device, observer=ref_rec, loss_fn=ref.loss_fn
             )
+        narrowed = getattr(widen, "narrowed", None)
+        if narrowed:
+            items = ", ".join(f"{op} ({n})" for op, n in narrowed.items())
+            say(f"note: the single-device run ran ops with no float64 kernel another way: {items}")
         assert recorded.output is not None and ref_rec.output is not None
         res = compare_runs(
             recorded.output,
