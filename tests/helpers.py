@@ -216,7 +216,7 @@ def write_model(tmp_path: Path, text: str, name: str) -> Path:
 
 
 MIXTRAL_SMALL = """
-\"\"\"A 2-layer Mixtral-style mixture of experts (4 experts, top-2), default settings otherwise.\"\"\"
+\"\"\"A 2-layer Mixtral-style mixture of experts (4 experts, top-2).\"\"\"
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
