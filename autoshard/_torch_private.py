@@ -34,12 +34,17 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten
 
 Placements = tuple[Placement, ...]
 
 __all__ = [
+    "TorchDispatchMode",  # torch.utils._python_dispatch: see (and change) every ATen call
+    "tree_flatten",  # torch.utils._pytree: nested args as leaves and back
+    "tree_map",
     "tree_map_only",  # torch.utils._pytree: map over the tensors of nested args
+    "tree_unflatten",
     "RuleStrategy",
     "fake_mesh",
     "has_rule",

@@ -30,7 +30,7 @@ from helpers import (
     write_model,
 )
 
-from autoshard.plan.formats import load_solution, save_solution
+from autoshard.plan.formats import load_solution, save_solution, solution_digest
 
 pytestmark = pytest.mark.slow
 
@@ -204,9 +204,7 @@ def test_check_fails_on_a_wrong_placement(tmp_path: Path, mlp_plan: tuple[Path, 
     bad = tmp_path / "bad.pkl"
     save_solution(bad, sol)
     smap = json.loads(plan.read_text())
-    import hashlib
-
-    smap["solution"] = {"file": bad.name, "sha256": hashlib.sha256(bad.read_bytes()).hexdigest()}
+    smap["solution"] = {"file": bad.name, "plan_sha256": solution_digest(load_solution(bad))}
     bad_map = tmp_path / "bad.json"
     bad_map.write_text(json.dumps(smap))
     run = torchrun(4, str(bad_map), str(model), "--train", "--check")
@@ -235,7 +233,7 @@ def test_a_changed_solution_is_refused_before_any_rank_starts(
 ) -> None:
     model, plan = mlp_plan
     smap = json.loads(plan.read_text())
-    smap["solution"]["sha256"] = "0" * 64
+    smap["solution"]["plan_sha256"] = "0" * 64
     stale = plan.parent / "stale.json"
     stale.write_text(json.dumps(smap))
     cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(stale), str(model), "--train"]

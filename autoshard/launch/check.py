@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
+from autoshard._torch_private import TorchDispatchMode, tree_map
 from autoshard.launch.options import RunOptions
 from autoshard.launch.validate import listing
 from autoshard.units import format_seconds

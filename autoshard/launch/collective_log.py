@@ -16,7 +16,8 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard._torch_private import TorchDispatchMode
 
 # functional collective op name -> the kind sharding maps predict with
 _KINDS = {

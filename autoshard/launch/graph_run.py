@@ -38,9 +38,9 @@ import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _torch_private as tp
+from autoshard._torch_private import tree_flatten, tree_map, tree_unflatten
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError

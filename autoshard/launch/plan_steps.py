@@ -29,7 +29,7 @@ from autoshard.launch.graph_run import (
     plant_gradient_fault,
 )
 from autoshard.launch.options import RunOptions
-from autoshard.launch.steps import StepObserver, _counting, _timed, collective_counts, sync_device
+from autoshard.launch.steps import StepObserver, collective_counts, counting, sync_device, timed
 
 
 @dataclass
@@ -126,7 +126,7 @@ def run_plan_steps(
         values = placeholder_values(program, module, inputs, device, dtype_map)
         sync_device(device)
         t0 = time.perf_counter()
-        with _counting(modes):
+        with counting(modes):
             outs = PlanInterpreter(program, mesh, device, dtype_map, log).run_program(*values)
         out = outs[0]
         paused = 0.0
@@ -142,9 +142,9 @@ def run_plan_steps(
                 params[owner].grad = grad
             plant_gradient_fault(module)  # AUTOSHARD_FAULT, for tests (graph_run.Fault)
             if observer is not None:
-                paused = _timed(device, observer.gradients, step, module)
+                paused = timed(device, observer.gradients, step, module)
             opt_log = CollectiveLog(mesh)
-            with _counting(modes), opt_log:
+            with counting(modes), opt_log:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             for (kind, dim), n in opt_log.take().items():
@@ -159,7 +159,7 @@ def run_plan_steps(
                 debug.update(collective_counts(mode))
             first = out.detach()
         if observer is not None:
-            _timed(device, observer.finished, step, module, out)
+            timed(device, observer.finished, step, module, out)
     assert first is not None and out is not None
     return PlanStepResult(
         output=first,

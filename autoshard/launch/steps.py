@@ -191,7 +191,7 @@ class StepObserver(Protocol):
 
 
 @contextlib.contextmanager
-def _counting(modes: list[CommDebugMode] | None) -> Iterator[None]:
+def counting(modes: list[CommDebugMode] | None) -> Iterator[None]:
     """Run the body under a fresh CommDebugMode appended to ``modes`` (if not None).
 
     CommDebugMode's module tracker hooks every module's backward and warns when a
@@ -210,7 +210,7 @@ def _counting(modes: list[CommDebugMode] | None) -> Iterator[None]:
     modes.append(mode)
 
 
-def _timed(device: torch.device, call: Callable[..., None], *args: Any) -> float:
+def timed(device: torch.device, call: Callable[..., None], *args: Any) -> float:
     """Run ``call(*args)``; return the seconds it took, device work included."""
     sync_device(device)
     t = time.perf_counter()
@@ -250,7 +250,7 @@ def run_steps(
         counted = modes if count_collectives and step == 0 else None
         sync_device(device)
         t0 = time.perf_counter()
-        with _counting(counted), implicit_replication():
+        with counting(counted), implicit_replication():
             if optimizer is None:
                 with torch.no_grad():
                     out = settle_output(output_tensor(module(*inputs)))
@@ -262,14 +262,14 @@ def run_steps(
         paused = 0.0
         if optimizer is not None:
             if observer is not None:
-                paused = _timed(device, observer.gradients, step, module)
-            with _counting(counted):
+                paused = timed(device, observer.gradients, step, module)
+            with counting(counted):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         sync_device(device)
         times.append(time.perf_counter() - t0 - paused)
         if observer is not None:
-            _timed(device, observer.finished, step, module, out)
+            timed(device, observer.finished, step, module, out)
     assert out is not None  # steps >= 1
     counts: dict[str, int] | None = None
     if count_collectives:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from autoshard._torch_private import tree_flatten
 from autoshard.errors import AutoshardError
 
 

@@ -7,7 +7,6 @@ good solution, and a crash mid-write leaves the old file intact.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,10 @@ from autoshard.placements import placements_to_str
 from autoshard.plan.formats import (
     SHARDING_MAP_FORMAT,
     SOLUTION_FORMAT,
+    load_solution,
     save_sharding_map,
     save_solution,
+    solution_digest,
 )
 from autoshard.plan.plan import Plan
 
@@ -128,8 +129,8 @@ def sharding_map_dict(plan: Plan, solution: Path | None = None) -> dict[str, Any
         },
     }
     if solution is not None:
-        digest = hashlib.sha256(solution.read_bytes()).hexdigest()
-        out["solution"] = {"file": solution.name, "sha256": digest}
+        digest = solution_digest(load_solution(solution))
+        out["solution"] = {"file": solution.name, "plan_sha256": digest}
     return out
 
 

@@ -84,6 +84,7 @@ __all__ = [
     "loads_solution",
     "save_sharding_map",
     "save_solution",
+    "solution_digest",
 ]
 
 SOLUTION_FORMAT = "autoshard.solution/1"
@@ -837,13 +838,36 @@ class ShardingMap:
                 f"{self.source} runs the solution {name}, which is not beside it; copy both "
                 "files together (or solve again)"
             )
-        want = ref.get("sha256")
-        if isinstance(want, str) and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+        want = ref.get("plan_sha256")
+        if isinstance(want, str) and solution_digest(load_solution(path)) != want:
             raise AutoshardError(
-                f"{path} is not the solution {self.source} was written with (its SHA-256 "
-                "differs); solve again so that the map and the solution match"
+                f"{path} is not the solution {self.source} was written with (its plan's "
+                "SHA-256 differs); solve again so that the map and the solution match"
             )
         return path
+
+
+_DIGEST_KEYS = ("model", "mesh", "cost_model", "nodes", "parameters", "inputs")
+
+
+def solution_digest(solution: Mapping[str, Any]) -> str:
+    """SHA-256 of what a solution plans: its model, mesh, cost model, nodes, parameters and
+    inputs, as canonical JSON (sorted keys, placements as text). Solver statistics (wall
+    times) are left out, so two solves of one model digest alike and write byte-identical
+    sharding maps, while any changed placement changes the digest."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, Placement):
+            return placement_to_str(x)
+        if isinstance(x, Mapping):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    body = {k: plain(solution.get(k)) for k in _DIGEST_KEYS}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _parse_entries(entries: object, kind: str, source: str) -> dict[str, tuple[Placement, ...]]:
