@@ -32,7 +32,10 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
 )
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._redistribute import (
+    _gen_transform_infos_non_cached,
+    redistribute_local_tensor,
+)
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten
@@ -307,3 +310,19 @@ def redistribute_step(value: DTensor, placements: Sequence[Placement]) -> DTenso
     target = DTensorSpec(value.device_mesh, tuple(placements), tensor_meta=value._spec.tensor_meta)
     local = redistribute_local_tensor(value._local_tensor, value._spec, target)
     return DTensor(local, target, requires_grad=False)
+
+
+def dtensor_transform_steps(
+    mesh: DeviceMesh, src: Sequence[Placement], dst: Sequence[Placement], shape: Sequence[int]
+) -> list[tuple[int, Placement, Placement]]:
+    """The single-mesh-dim steps DTensor's redistribute planner takes from ``src`` to
+    ``dst`` for a float32 tensor of ``shape``: ``(mesh dim, from, to)`` in order.
+
+    ``torch.distributed.tensor._redistribute._gen_transform_infos_non_cached`` (private);
+    tests compare autoshard's priced reshardings with it.
+    """
+    meta = TensorMeta(torch.Size(shape), torch.empty(tuple(shape)).stride(), torch.float32)
+    infos = _gen_transform_infos_non_cached(
+        DTensorSpec(mesh, tuple(src), meta), DTensorSpec(mesh, tuple(dst), meta)
+    )
+    return [(t.mesh_dim, *t.src_dst_placements) for t in infos]

@@ -1,7 +1,9 @@
 """Mesh model: parsing, validation, and collective / resharding costs against hand arithmetic."""
 
+import itertools
 import math
 import pickle
+from collections import Counter
 
 import dill
 import numpy as np
@@ -281,3 +283,46 @@ def test_pickles_without_its_cost_memo(module) -> None:
     copy = module.loads(module.dumps(MESH))
     assert copy == MESH and hash(copy) == hash(MESH)
     assert comm_model(copy).redistribute_cost((P, R), (R, R), SHAPE, 4) == approx(123.88608e-6)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, bandwidth",
+    [((2, 2), (50e9, 400e9)), ((2, 2), (400e9, 50e9)), ((2, 2, 2), (25e9, 100e9, 400e9))],
+)
+def test_every_priced_resharding_is_what_dtensor_runs(mesh_shape, bandwidth) -> None:
+    """For every pair of placements of a 2-D tensor, the collectives priced for the
+    resharding (kind and mesh dim, in any order) are the ones DTensor's own redistribute
+    planner issues when the launcher walks ``redistribute_path`` one step at a time. An
+    independent reference: torch's planner, not autoshard's."""
+    from autoshard import _torch_private as tp
+
+    def kind(a, b):
+        if a == b or (a.is_replicate() and not b.is_replicate()):
+            return None  # a local slice, or Replicate -> Partial
+        if a.is_partial():
+            return "all_reduce" if b.is_replicate() else "reduce_scatter"
+        return "all_gather" if b.is_replicate() else "all_to_all"
+
+    names = tuple(f"d{i}" for i in range(len(mesh_shape)))
+    model = comm_model(MeshSpec(mesh_shape, names, bandwidth, (1e-6,) * len(mesh_shape)))
+    shape = (8, 8)
+    options = [R, P, S0, S1]
+    checked = 0
+    with tp.fake_mesh(mesh_shape) as mesh:
+        for src in itertools.product(options, repeat=len(mesh_shape)):
+            for dst in itertools.product(options, repeat=len(mesh_shape)):
+                if math.isinf(model.redistribute_cost(src, dst, shape, 4)):
+                    continue
+                priced = Counter(
+                    (s.kind, s.mesh_dim) for s in model.redistribute_steps(src, dst, shape, 4)
+                )
+                ran: Counter = Counter()
+                current = src
+                for step in model.redistribute_path(src, dst, shape):
+                    for dim, a, b in tp.dtensor_transform_steps(mesh, current, step, shape):
+                        if kind(a, b):
+                            ran[(kind(a, b), dim)] += 1
+                    current = step
+                assert ran == priced, (src, dst)
+                checked += 1
+    assert checked > 100

@@ -241,7 +241,7 @@ class CommModel:
         collectives that run are the priced ones. Local steps (``Replicate -> Shard``
         slices, ``Replicate -> Partial``) are included; a ``Partial -> Replicate`` dim
         priced as a reduce-scatter then an all-gather goes through ``Shard(d)`` with
-        ``d`` the largest tensor dim the mesh dim divides (else the largest).
+        ``d`` the first tensor dim no mesh dim shards (:meth:`_sequence`).
 
         Raises:
             AutoshardError: the change is impossible, or bad arguments as in
@@ -255,13 +255,8 @@ class CommModel:
         d = self._encode(dst, len(shape), "destination")
         current = list(src)
         path: list[tuple[Placement, ...]] = []
-        for kind, i, code in self._sequence(s, d, len(shape) > 0):
-            if kind == "reduce_scatter" and d[i] == _R:  # the first half of a split all-reduce
-                n = self.mesh.shape[i]
-                dims = sorted(range(len(shape)), key=lambda k: (shape[k] % n == 0, shape[k]))
-                current[i] = Shard(dims[-1]) if dims else dst[i]
-            else:
-                current[i] = _placement(code, dst[i])
+        for _, i, code in self._sequence(s, d, len(shape)):
+            current[i] = _placement(code, dst[i])
             path.append(tuple(current))
         if tuple(current) != tuple(dst):
             path.append(tuple(dst))
@@ -373,7 +368,7 @@ class CommModel:
             )
         )
         plan: list[tuple[CollectiveKind, int, float]] = []
-        for kind, i, _ in self._sequence(s, d, len(shape) > 0):
+        for kind, i, _ in self._sequence(s, d, len(shape)):
             n = self.mesh.shape[i]
             if kind == "slice":
                 local /= n
@@ -389,12 +384,13 @@ class CommModel:
         return plan
 
     def _sequence_uncached(
-        self, s: tuple, d: tuple, splittable_tensor: bool = True
+        self, s: tuple, d: tuple, ndim: int = 1
     ) -> tuple[tuple[str, int, _Code], ...]:
-        """The cheapest sequence of single-dim steps from codes ``s`` to ``d``, each
-        ``(kind, mesh dim, code after)``, as DTensor runs them (:meth:`_nested`).
-        ``splittable_tensor``: False for a 0-d tensor (a loss), which no reduce-scatter
-        can cut, so its all-reduces are never split.
+        """The cheapest sequence of single-dim steps from codes ``s`` to ``d`` of a tensor
+        with ``ndim`` dims, each ``(kind, mesh dim, code after)``, as DTensor runs them
+        (:meth:`_nested`). A split all-reduce's reduce-scatter shards the first tensor dim
+        that no mesh dim shards in ``s`` or ``d`` (so it nests with nothing); without one
+        (a 0-d loss, or every dim taken) all-reduces are never split.
 
         Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
         (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
@@ -409,11 +405,14 @@ class CommModel:
         """
         base: list[tuple[str, int]] = []
         splittable: list[int] = []
+        taken = {c for c in (*s, *d) if not isinstance(c, str) and c >= 0}
+        free = [t for t in range(ndim) if t not in taken]
+        rs_dim = free[0] if free else None
         for i, (a, b) in enumerate(zip(s, d, strict=True)):
             if a == b or self.mesh.shape[i] == 1 or isinstance(b, str):
                 continue  # unchanged, a size-1 dim, or Replicate -> Partial (local)
             if b == _R:
-                if isinstance(a, str) and splittable_tensor:
+                if isinstance(a, str) and rs_dim is not None:
                     splittable.append(i)
                 elif isinstance(a, str):
                     base.append(("all_reduce", i))
@@ -453,7 +452,7 @@ class CommModel:
             if len(steps) <= 6:
                 orders += [o for o in itertools.permutations(first) if o != first and valid(o)]
             for rank_of_order, order in enumerate(orders):
-                expanded = self._nested(s, d, order)
+                expanded = self._nested(s, d, order, rs_dim)
                 key = (self._unit_cost(expanded), len(expanded), rank_of_order)
                 if key[0] < best_key[0] * (1 - 1e-12) or (
                     key[0] <= best_key[0] * (1 + 1e-12) and key[1:] < best_key[1:]
@@ -480,10 +479,11 @@ class CommModel:
         return total
 
     def _nested(
-        self, s: tuple, d: tuple, order: Sequence[tuple[str, int]]
+        self, s: tuple, d: tuple, order: Sequence[tuple[str, int]], rs_dim: int | None = None
     ) -> tuple[tuple[str, int, _Code], ...]:
         """``order``'s steps as DTensor runs them, each ``(kind, mesh dim, code after)``,
-        with the extra steps nested sharding needs.
+        with the extra steps nested sharding needs; ``rs_dim``: the tensor dim a split
+        all-reduce's reduce-scatter shards.
 
         DTensor shards a tensor dim over several mesh dims left to right (``(S(0), S(0))``
         cuts dim 0 by mesh dim 0, then each piece by mesh dim 1). A step on mesh dim ``i``
@@ -491,19 +491,23 @@ class CommModel:
         ``Shard(t)`` breaks that nesting, so DTensor's redistribute planner
         (``generate_greedy_transform_infos`` in ``torch.distributed.tensor._redistribute``)
         first all-gathers ``m`` (innermost first), then runs the step, then slices ``m``
-        again. Here a gathered ``m`` goes straight to its target instead (a slice, or
-        nothing), and its own later step is dropped. So ``(S(0), S(0)) -> (R, R)`` is an
-        all-gather on mesh dim 1, then on mesh dim 0, the order DTensor must use.
+        again. Here a gathered ``m`` goes straight to its target instead (a slice, itself
+        checked the same way, or nothing), and its own later step is dropped. So
+        ``(S(0), S(0)) -> (R, R)`` is an all-gather on mesh dim 1, then on mesh dim 0, the
+        order DTensor must use.
         """
         current = list(s)
-        done: set[int] = set()  # mesh dims already at their target
+        done: set[int] = set()  # mesh dims already at (or on their way to) their target
         out: list[tuple[str, int, _Code]] = []
-        for kind, i in order:
-            if i in done:
+        queue: list[tuple[str, int]] = list(order)
+        while queue:
+            kind, i = queue.pop(0)
+            if kind == "reslice":
+                kind, after = "slice", d[i]
+            elif i in done:
                 continue
-            after = d[i]
-            if kind == "reduce_scatter" and d[i] == _R:
-                after = "rs"  # a split all-reduce's half: sharded on some dim (see path)
+            else:
+                after = rs_dim if kind == "reduce_scatter" and d[i] == _R else d[i]
             dims = {c for c in (current[i], after) if not isinstance(c, str) and c >= 0}
             nested = [
                 m
@@ -515,11 +519,14 @@ class CommModel:
                 current[m] = _R
             out.append((kind, i, after))
             current[i] = after
+            reslices = []
             for m in nested:
                 done.add(m)
                 if not isinstance(d[m], str) and d[m] >= 0:
-                    out.append(("slice", m, d[m]))
-                current[m] = d[m]
+                    reslices.append(("reslice", m))
+                else:
+                    current[m] = d[m]  # Replicate, or Replicate -> Partial (local)
+            queue = reslices + queue
         return tuple(out)
 
     def _encode(self, placements: Sequence[Placement], tensor_ndim: int, what: str) -> tuple:

@@ -9,6 +9,7 @@ last step and, with ``--train``, step 1's gradients and every parameter after th
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,8 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
     if a.shape != ref.shape:
         return float("inf")
     diff = max_abs_diff(a, ref)
+    if not math.isfinite(diff):  # a NaN or inf anywhere fails
+        return float("inf")
     scale = float(ref.detach().double().abs().max()) if ref.numel() else 0.0
     return diff / max(scale, floor) if diff > 0 else 0.0
 

@@ -179,12 +179,15 @@ def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
 
     PyTorch's rule indexes the target's strategy by the input's index and breaks
     with several input strategies. Here: batch-sharded input and target give a
-    partial loss (sum reduction: partial sum; mean: partial of local means, which
-    is only exact for equal shards, as DTensor itself assumes), replicated gives
-    replicated. Outputs: (loss, total_weight).
+    partial loss, placed as DTensor's own dispatch places it (the launcher runs it):
+    ``Partial(avg)`` for the mean reduction (the mean of local means, exact for equal
+    shards), ``Partial(sum)`` for the sum, and a batch-sharded loss for no reduction;
+    ``total_weight`` is a ``Partial(sum)``. Replicated gives replicated. Outputs: (loss,
+    total_weight).
     """
     rep = (Replicate(),) * len(mesh_shape)
     n_in = len(args)
+    reduction = node.args[3] if len(node.args) > 3 else 1  # 0 none, 1 mean, 2 sum
     out = [Strategy((rep, rep), (rep,) * n_in)]
     for combo in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
         if all(isinstance(p, Replicate) for p in combo):
@@ -193,9 +196,15 @@ def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
             n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard)
         ):
             continue
-        partial = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
+        weight = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
+        if reduction == 0:
+            loss = combo
+        elif reduction == 1:
+            loss = tuple(Partial("avg") if isinstance(p, Shard) else Replicate() for p in combo)
+        else:
+            loss = weight
         ins = (combo, combo) + (rep,) * (n_in - 2)
-        out.append(Strategy((partial, partial), ins))
+        out.append(Strategy((loss, weight), ins))
     return out
 
 
