@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import zeros as dtensor_zeros
 
 from autoshard import _torch_private as tp
 from autoshard._torch_private import tree_flatten, tree_map, tree_unflatten
@@ -80,6 +81,7 @@ class GraphProgram:
         sinks: per graph output, the placements the plan gives it (``None``: free).
         grad_of: per graph output, the parameter FQN it is the gradient of, else ``None``.
         mesh: the mesh the plan was solved for (its links order multi-dim reshardings).
+        dtype: the floating dtype the solve cast the model to (``--dtype``), else ``None``.
     """
 
     graph: TracedGraph
@@ -87,6 +89,7 @@ class GraphProgram:
     sinks: list[Placements | None]
     grad_of: list[str | None]
     mesh: MeshSpec
+    dtype: torch.dtype | None = None  # the solve's --dtype cast, which the launch repeats
 
 
 def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
@@ -159,6 +162,15 @@ def program_from_solution(
         if info.kind == "op" and entry.get("op") != info.op_name:
             changed.append(f"{name} ({entry.get('op')} -> {info.op_name})")
             continue
+        planned_shape = (entry.get("shapes") or {}).get("data_out_0")
+        traced = info.results[0] if info.results else None
+        if (
+            planned_shape is not None
+            and traced is not None
+            and (tuple(planned_shape) != tuple(traced.shape))
+        ):
+            changed.append(f"{name} (shape {tuple(planned_shape)} -> {tuple(traced.shape)})")
+            continue
         phase = "backward" if info.backward else "forward"
         if entry.get("free") or info.kind == "buffer":
             nodes[name] = NodePlan(free=True, phase=phase)
@@ -185,7 +197,8 @@ def program_from_solution(
         raise AutoshardError(
             "the solution does not describe the graph traced at launch: "
             + "; ".join(parts)
-            + ". Solve again for this model file"
+            + ". Solve again for this model file (with --no-tie when its repeated blocks "
+            "do not all trace alike)"
         )
     out_info = next(i for i in graph.nodes.values() if i.kind == "output")
     out_entry = (sol_nodes.get(out_info.name) or {}).get("args") or {}
@@ -258,7 +271,10 @@ class Fault:
             return cls(drop=rest)
         if kind == "grad" and rest.count(":") >= 1:
             fqn, _, factor = rest.rpartition(":")
-            return cls(grad=(fqn, float(factor)))
+            try:
+                return cls(grad=(fqn, float(factor)))
+            except ValueError:
+                pass
         raise AutoshardError(
             f"AUTOSHARD_FAULT={text!r}: use drop:<collective kind> or grad:<parameter>:<factor>"
         )
@@ -306,8 +322,9 @@ def _zeros_placed(value: DTensor, want: Placements) -> DTensor:
     """Zeros of ``value``'s global shape and dtype, placed ``want`` (a ``Partial`` of zeros
     is zeros), made locally."""
     plain = [Replicate() if p.is_partial() else p for p in want]
-    full = torch.zeros(value.shape, dtype=value.dtype, device=value.to_local().device)
-    local = distribute_tensor(full, value.device_mesh, plain, src_data_rank=None).to_local()
+    local = dtensor_zeros(
+        value.shape, device_mesh=value.device_mesh, placements=plain, dtype=value.dtype
+    ).to_local()
     return DTensor.from_local(
         local,
         value.device_mesh,
@@ -511,21 +528,3 @@ class PlanInterpreter(torch.fx.Interpreter):
                 with torch.no_grad():
                     placed.append(self.place(value, want, phase))
         return placed
-
-
-def check_program_mesh(program: GraphProgram, mesh: DeviceMesh) -> None:
-    """The live mesh has the plan's shape.
-
-    Raises:
-        AutoshardError: it does not.
-    """
-    if tuple(mesh.shape) != tuple(program.mesh.shape):
-        raise AutoshardError(
-            f"the solution was solved for mesh {program.mesh.shape_str} but the launch "
-            f"built {'x'.join(map(str, mesh.shape))}"
-        )
-
-
-def param_placeholders(program: GraphProgram) -> Sequence[str]:
-    """Names of the parameter placeholders, in graph order."""
-    return [n for n, i in program.graph.nodes.items() if i.kind == "param"]

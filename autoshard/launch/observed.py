@@ -64,16 +64,32 @@ def prepare_program(
             f"{want} (or launch {'without' if solved == 'infer' else 'with'} --train)"
         )
     mesh = MeshSpec.from_dict(solution["mesh"])
+    check_map_matches_solution(smap, solution, path.name)
+    cast = _cast_of(cost.get("dtype"))
+
+    def with_cast(program: GraphProgram) -> GraphProgram:
+        program.dtype = cast
+        return program
+
     graph = trace_for_launch(mf, solved, cost.get("dtype"))
     sol_nodes = solution.get("nodes") or {}
     if all(n in sol_nodes for n in graph.nodes):
-        return program_from_solution(graph, solution, mesh)
+        return with_cast(program_from_solution(graph, solution, mesh))
     # solved on a depth-reduced trace (layer tying, more than 4 blocks): run the whole
     # model, each block with the plan of the traced block that stands for it
     reduced = trace_for_launch(mf, solved, cost.get("dtype"), reduce=True)
     if reduced.depth is None or not all(n in sol_nodes for n in reduced.nodes):
         return program_from_solution(graph, solution, mesh)  # raises, naming the nodes
-    return program_from_solution(graph, solution, mesh, reduced=reduced)
+    return with_cast(program_from_solution(graph, solution, mesh, reduced=reduced))
+
+
+def _cast_of(dtype: object) -> torch.dtype | None:
+    """The dtype a solve's ``cost_model["dtype"]`` names (``"model"``: none)."""
+    if isinstance(dtype, str) and dtype not in ("", "model"):
+        cast = getattr(torch, dtype, None)
+        if isinstance(cast, torch.dtype):
+            return cast
+    return None
 
 
 def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None, reduce: bool = False):
@@ -85,11 +101,36 @@ def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None, reduce: boo
     """
     loaded = instantiate(mf, device="meta")
     depth = reduce_depth(loaded.module) if reduce else None
-    if isinstance(dtype, str) and dtype not in ("", "model"):
-        cast = getattr(torch, dtype)
+    cast = _cast_of(dtype)
+    if cast is not None:
         loaded.module.to(cast)
         loaded.inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in loaded.inputs)
     return trace_model(loaded, mode, depth)
+
+
+def check_map_matches_solution(smap: ShardingMap, solution: Mapping[str, Any], name: str) -> None:
+    """The map's mesh, parameter and input placements are its solution's.
+
+    Raises:
+        AutoshardError: they differ (a hand-edited map): one line naming the first.
+    """
+    if tuple(smap.mesh_shape) != tuple(solution["mesh"]["shape"]):
+        raise AutoshardError(
+            f"{smap.source} has mesh {smap.mesh_text} but its solution {name} was solved for "
+            f"{'x'.join(map(str, solution['mesh']['shape']))}; solve again"
+        )
+    for kind, mine, theirs in (
+        ("parameter", smap.parameters, solution.get("parameters") or {}),
+        ("input", smap.inputs, solution.get("inputs") or {}),
+    ):
+        for key, ps in mine.items():
+            if key in theirs and tuple(theirs[key]) != tuple(ps):
+                raise AutoshardError(
+                    f"{smap.source} places {kind} {key} as {list(map(str, ps))} but its "
+                    f"solution {name} as {list(map(str, theirs[key]))}: the launch runs the "
+                    "solution, so solve again rather than edit the map (or use --mode "
+                    "propagate)"
+                )
 
 
 def predicted_steps(smap: ShardingMap) -> Counter:

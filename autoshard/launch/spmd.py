@@ -96,6 +96,9 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     check_plan(smap, skeleton, mf.path.name)
     fallback = init_parameters(skeleton.module, opts.seed, device)
     inputs = make_inputs(skeleton, opts.seed, device)
+    if program is not None and program.dtype is not None:  # the solve's --dtype cast
+        skeleton.module.to(program.dtype)
+        inputs = tuple(x.to(program.dtype) if x.is_floating_point() else x for x in inputs)
     # bytes per element as the model holds them (--check runs in float64)
     itemsize = {id(p): p.element_size() for p in skeleton.module.parameters()}
     itemsize_by_name = {n: itemsize[id(p)] for n, p in skeleton.module.named_parameters()}
@@ -190,7 +193,10 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     dist.broadcast_object_list(verdict, src=0)
     code = 0
     if opts.check:
-        code = max(verdict[0], _check(mf, opts, device, loaded.module, last, recorder, report))
+        cast = program.dtype if program is not None else None
+        code = max(
+            verdict[0], _check(mf, opts, device, loaded.module, last, recorder, report, cast)
+        )
     if rank == 0 and opts.json_path:
         write_report(opts.json_path, report)
     return code
@@ -204,6 +210,7 @@ def _check(
     output: torch.Tensor,
     recorded: Recorder,
     report: dict[str, Any] | None = None,
+    cast: torch.dtype | None = None,
 ) -> int:
     """Compare with a single-device run on rank 0; every rank returns the verdict (0 pass,
     1 fail). Every rank takes part in gathering the last step's output and parameters.
@@ -220,6 +227,9 @@ def _check(
     verdict = [0]
     if rank == 0:
         ref = materialize(mf, opts.seed, device).loaded
+        if cast is not None:  # the solve's --dtype, as the sharded run's weights
+            ref.module.to(cast)
+            ref.inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in ref.inputs)
         ref.inputs = widen_module(ref.module, ref.inputs)
         ref_rec = Recorder(keep=True)
         widen = widened()
