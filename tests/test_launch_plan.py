@@ -241,3 +241,28 @@ def test_a_changed_solution_is_refused_before_any_rank_starts(
     assert run.returncode == 2, run.stderr
     assert "is not the solution" in run.stderr and "solve again" in run.stderr
     assert "running:" not in run.stderr  # no torchrun started
+
+
+def test_a_map_edited_away_from_its_solution_is_refused(
+    tmp_path: Path, mlp_plan: tuple[Path, Path]
+) -> None:
+    """The launch runs the solution; a map whose parameter placements were edited by
+    hand no longer says what runs, so it is refused before torchrun starts."""
+    model, plan = mlp_plan
+    smap = json.loads(plan.read_text())
+    first = sorted(smap["parameters"])[0]
+    smap["parameters"][first] = (
+        ["R", "R"]
+        if smap["parameters"][first] != ["R", "R"]
+        else [
+            "S(0)",
+            "R",
+        ]
+    )
+    edited = plan.parent / "edited.json"
+    edited.write_text(json.dumps(smap))
+    cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(edited), str(model), "--train"]
+    run = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert f"places parameter {first} as" in run.stderr and "solve again" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
