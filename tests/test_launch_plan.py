@@ -266,3 +266,18 @@ def test_a_map_edited_away_from_its_solution_is_refused(
     assert run.returncode == 2, run.stderr
     assert f"places parameter {first} as" in run.stderr and "solve again" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_default_config_hf_model_traces_in_both_modes(tmp_path: Path, mode: str) -> None:
+    """KV cache on (HF's default) in both modes: the trace turns it off (a batch step reads
+    no cache; the cache object cannot be exported) and gives the setting back."""
+    from autoshard.model.model_file import instantiate, load_model_file
+    from autoshard.trace.tracer import trace_model
+
+    loaded = instantiate(load_model_file(write_model(tmp_path, GPT2_DEFAULT, "gpt2_default")))
+    assert loaded.module.config.use_cache is True
+    graph = trace_model(loaded, mode)
+    assert loaded.module.config.use_cache is True
+    outputs = next(i for i in graph.nodes.values() if i.kind == "output")
+    assert outputs.args[0].shape[:2] == (8, 32) or outputs.args[0].shape == ()

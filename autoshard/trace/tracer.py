@@ -450,12 +450,6 @@ def _export_joint(loaded: LoadedModel):
     closer for the joint export's context, to call once annotation is done.
     """
     stack = contextlib.ExitStack()
-    # training never reads a KV cache; a HuggingFace model built with its default config
-    # (use_cache=True) would trace the cache's concatenation onto an empty meta tensor
-    config = getattr(loaded.module, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
-        stack.callback(setattr, config, "use_cache", True)
     try:
         with _quiet_torch():
             ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
@@ -503,7 +497,19 @@ def trace_model(
         raise AutoshardError(f"mode must be 'train' or 'infer', got {mode!r}")
     t0 = time.perf_counter()
     export = _export_joint if mode == "train" else _export_inference
-    gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
+    # A step over a whole batch reads no KV cache. A HuggingFace model built with its
+    # default config (use_cache=True) would return a DynamicCache, which torch.export
+    # cannot flatten, and in training trace the cache's concatenation onto an empty meta
+    # tensor: the cache is off while tracing (as HF's own training mode turns it off).
+    config = getattr(loaded.module, "config", None)
+    cached = getattr(config, "use_cache", False) is True
+    if cached:
+        config.use_cache = False
+    try:
+        gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
+    finally:
+        if cached:
+            config.use_cache = True
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
     finally:
