@@ -101,7 +101,9 @@ class CheckResult:
     Both runs compute in float64 (:func:`widened`), so rounding cannot decide the
     verdict: a gradient that is 0 in exact arithmetic stays ~1e-17 and AdamW's ``eps``
     (1e-8) keeps its update negligible, where in float32 rounding would decide its sign.
-    Nothing is masked.
+    Nothing is masked. Ops with no float64 kernel (:data:`NO_FLOAT64`) are the exception:
+    the reference computes ``_grouped_mm`` group by group in float64, the sharded run (on
+    DTensors) in float32, and both say so in a note.
 
     Every value is a tensor's error relative to its own scale (:func:`relative_error`):
     ``max |a - ref| / max(max |ref|, atol / rtol)``.
