@@ -64,11 +64,3 @@ class CollectiveLog(TorchDispatchMode):
         """The counts so far, cleared."""
         out, self.counts = self.counts, Counter()
         return out
-
-
-def by_kind(counts: Counter) -> dict[str, int]:
-    """``(phase?, kind, dim)`` or ``(kind, dim)`` counts summed per kind."""
-    out: Counter = Counter()
-    for key, n in counts.items():
-        out[key[-2]] += n
-    return dict(sorted(out.items()))

@@ -181,23 +181,18 @@ def report_observed(
     """
     predicted = predicted_steps(smap)
     subst: dict[str, str] = GLOO_SUBSTITUTES if device.type == "cpu" else {}
-    expected = _expected(smap, device)
-    seen = result.observed
-    names = smap.dim_names or tuple(str(i) for i in range(smap.ndim))
-    keys = sorted(set(expected) | set(seen), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))
-    if keys:
+    rows = observed_rows(result, smap, device)
+    if rows:
         say("collectives of step 1, per phase and mesh dim     seen  predicted")
-        for phase, kind, dim in keys:
-            dim_name = names[dim] if 0 <= dim < len(names) else "?"
-            mark = (
-                "" if seen[(phase, kind, dim)] == expected[(phase, kind, dim)] else "  <- differs"
-            )
+        for r in rows:
+            mark = "" if r["seen"] == r["predicted"] else "  <- differs"
             say(
-                f"  {phase:<10}{kind:<16}{dim_name:<20}{seen[(phase, kind, dim)]:>9}"
-                f"{expected[(phase, kind, dim)]:>11}{mark}"
+                f"  {r['phase']:<10}{r['kind']:<16}{r['mesh_dim_name'] or '?':<20}"
+                f"{r['seen']:>9}{r['predicted']:>11}{mark}"
             )
     else:
         say("collectives of step 1: none; predicted: none")
+    seen = result.observed
     used = sorted({k for (_, k, _), n in predicted.items() if n and k in subst})
     if used:
         say(
@@ -211,7 +206,7 @@ def report_observed(
     for (_, kind, _), n in seen.items():
         totals[kind] += n
     debug = Counter(result.comm_debug)
-    agree = all(seen[k] == expected[k] for k in keys)
+    agree = all(r["seen"] == r["predicted"] for r in rows)
     consistent = +totals == +debug
     if not consistent:
         say(
