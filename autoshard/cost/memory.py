@@ -8,13 +8,17 @@ Per parameter element on one device (its local shard):
   4 bytes, when parameters are not fp32 (mixed precision; Rajbhandari et al.,
   "ZeRO", SC'20, section 3.1: 2 + 2 + 12 bytes per parameter for fp16 Adam).
 
-Activations: in training, the tensors the forward pass saves for the backward pass
-(forward outputs read by backward nodes) and the inputs are live at the turn
-from forward to backward, the usual peak; their local bytes are linear in the
-strategies, so the ILP's budget row counts them exactly. The report also gives the
-liveness peak over the whole graph (:func:`autoshard.plan.plan.peak_activation_bytes`).
-In inference the budget row counts parameters only (activation peaks are not
-linear in the strategies); the report shows the liveness peak beside it.
+Activations: which tensors are live at each point of the graph order does not depend
+on the plan, only their local sizes do, so the bytes live at one point are linear in the
+strategies (:class:`autoshard.plan.plan.Liveness`). The report's memory is the peak over
+the points (:func:`autoshard.plan.plan.peak_activation_bytes`) plus the parameters,
+gradients and optimizer state; :class:`LiveMemory` gives the same as ILP budget rows,
+one per point, so a plan that satisfies every row fits exactly what the report shows.
+There are too many points to hand the ILP all of them: it starts from the point where
+the live set is largest in bytes when every tensor is cut as finely as it can be (in
+training, the turn from forward to backward), and the driver adds the points a plan
+overflows (:func:`autoshard.solver.solve.plan_model`). :func:`memory_rows` (the saved
+activations of the turn, plus the inputs) is kept for the pipeline's per-stage ILPs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autoshard.plan.plan import local_bytes
+import scipy.sparse as sp
+
+from autoshard.plan.plan import liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
@@ -130,3 +136,73 @@ def ilp_row(sg: StrategyGraph, rows: dict[str, np.ndarray]) -> np.ndarray:
     """The rows concatenated in the ILP's variable order (``sg.reps``)."""
     parts = [rows[r] if r in rows else np.zeros(len(sg.nodes[r].strategies)) for r in sg.reps]
     return np.concatenate(parts) if parts else np.zeros(0)
+
+
+class LiveMemory:
+    """Bytes per device at each point of the step as ILP budget rows (module docstring).
+
+    Row ``k`` over the ILP's ``x`` (``sg.reps`` order): the parameters, gradients and
+    optimizer state of each strategy, plus the local bytes of every activation live at
+    point ``k`` (:class:`autoshard.plan.plan.Liveness`). Under a plan, the largest row
+    equals :attr:`autoshard.plan.plan.Plan.memory_bytes` of the plan
+    :func:`autoshard.solver.solve.finish_plan` builds.
+    """
+
+    def __init__(self, sg: StrategyGraph, model: MemoryModel) -> None:
+        self.sg = sg
+        self.live = liveness(sg.graph)
+        self.params = ilp_row(sg, _param_rows(sg, model))
+        offsets, pos = {}, 0
+        for r in sg.reps:
+            offsets[r] = pos
+            pos += len(sg.nodes[r].strategies)
+        self.offsets = offsets
+        # activation j's bytes over x: one entry per strategy of its representative
+        rows, cols, vals = [], [], []
+        mesh = sg.mesh_shape
+        for j, n in enumerate(self.live.nodes):
+            ns = sg.nodes.get(n)
+            if ns is None:  # free: the launcher makes it, the plan keeps nothing
+                continue
+            results = sg.graph.nodes[n].results
+            for i, c in enumerate(ns.choice):
+                outs = ns.strategies[c].outputs
+                b = sum(
+                    local_bytes(r, ps, mesh)
+                    for r, ps in zip(results, outs, strict=False)
+                    if r is not None
+                )
+                rows.append(j)
+                cols.append(offsets[ns.rep] + i)
+                vals.append(b * self.live.scale[j])
+        self.bytes = sp.csr_matrix((vals, (rows, cols)), shape=(len(self.live.nodes), pos))
+
+    def rows(self, points) -> np.ndarray:  # noqa: ANN001 - indices into the points
+        """Budget rows of ``points``: shape ``(len(points), n_x)``, bytes."""
+        act = (self.live.points[list(points)] @ self.bytes).toarray()
+        return act + self.params[None, :]
+
+    def per_point(self, choice: dict[str, int]) -> np.ndarray:
+        """Bytes per device at every point under ``choice`` (a strategy per representative)."""
+        x = np.zeros(self.bytes.shape[1])
+        for r, c in choice.items():
+            x[self.offsets[r] + c] = 1.0
+        return self.live.points @ (self.bytes @ x) + float(self.params @ x)
+
+    def first_points(self, k: int = 1) -> list[int]:
+        """The ``k`` points with the most bytes live when every activation takes its
+        smallest strategy: the budget rows to start from."""
+        if self.live.points.shape[0] == 0:
+            return []
+        least = np.zeros(self.bytes.shape[0])
+        for j in range(self.bytes.shape[0]):
+            row = self.bytes.getrow(j)
+            least[j] = row.data.min() if row.nnz else 0.0
+        return list(np.argsort(-(self.live.points @ least), kind="stable")[:k])
+
+
+def _param_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
+    """:func:`memory_rows` of the parameters alone (with their gradients and optimizer
+    state)."""
+    return memory_rows(sg, model, activation_copies=0.0)
+

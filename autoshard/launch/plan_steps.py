@@ -82,7 +82,7 @@ def placeholder_values(
             values.append(inputs[fqn])
         elif info.kind == "buffer" and fqn in buffers:
             values.append(buffers[fqn].to(device))
-        elif info.kind == "buffer" and node.name.startswith("tangents"):
+        elif info.kind == "tangent":
             meta = node.meta["val"]
             dtype = dtype_map.get(meta.dtype, meta.dtype)
             values.append(torch.ones(tuple(meta.shape), dtype=dtype, device=device))

@@ -13,6 +13,9 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+import scipy.sparse as sp
+
 from torch.distributed.tensor import Placement, Shard
 
 from autoshard.cost.collectives import comm_model
@@ -234,17 +237,36 @@ def local_bytes(t: TensorInfo, ps: Placements | None, mesh_shape: tuple[int, ...
     return t.nbytes / shard_factor(ps, mesh_shape)
 
 
-def peak_activation_bytes(
-    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
-) -> float:
-    """Peak bytes of live activations on one device, by liveness over the graph order.
+@dataclass(frozen=True)
+class Liveness:
+    """Which activations are live at each point of a graph's order where the live set
+    can peak (right before something is freed), as a 0/1 matrix.
 
     Each op's outputs are allocated when it runs and freed after their last reader
-    runs; ops that only view their input allocate nothing; user inputs are live
-    from the start; parameters and free nodes (masks, position ids) are not
-    counted here.
+    runs; ops that only view their input allocate nothing; user inputs are live from
+    the start; parameters and free nodes (masks, position ids) are not activations.
+    Which tensors are live at a point does not depend on the plan (the order is the
+    graph's); only their sizes do, so the bytes live at each point are linear in the
+    strategies: one budget row per point (:class:`autoshard.cost.memory.LiveMemory`).
+
+    Attributes:
+        nodes: the activation nodes, in graph order.
+        scale: per node, the real tensors it stands for (a saved activation of a
+            depth-reduced graph counts once per block it stands for; else 1).
+        points: ``(points, len(nodes))`` sparse 0/1, node ``j`` live at point ``i``.
+        at: the graph position of each point.
     """
-    graph = sg.graph
+
+    nodes: tuple[str, ...]
+    scale: np.ndarray
+    points: sp.csr_matrix
+    at: tuple[int, ...]
+
+
+def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
+    """The :class:`Liveness` of ``graph`` (computed once per graph, then cached on it)."""
+    if graph.liveness is not None:
+        return graph.liveness
     saved = set(graph.saved_for_backward()) if graph.multiplicity else set()
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
@@ -252,22 +274,54 @@ def peak_activation_bytes(
     for n, info in graph.nodes.items():
         for a in info.arg_nodes:
             last_use[a] = max(last_use.get(a, -1), pos[n])
-    live = 0.0
-    peak = 0.0
-    frees: dict[int, float] = defaultdict(float)
-    for i, n in enumerate(order):
-        info = graph.nodes[n]
-        if n in node_strategy and info.kind in ("op", "input") and not is_view(info.target):
-            strat = node_strategy[n]
-            size = 0.0
-            for r, ps in zip(info.results, strat.outputs, strict=False):
-                if r is not None:
-                    size += local_bytes(r, ps, mesh_shape)
-            if n in saved:  # kept for the backward pass by every block it stands for
-                size *= graph.mult(n)
-            live += size
-            end = last_use.get(n, i)
-            frees[end] += size
-        peak = max(peak, live)
-        live -= frees.pop(i, 0.0)
-    return peak
+    nodes = [
+        n
+        for n, info in graph.nodes.items()
+        if info.kind in ("op", "input") and not is_view(info.target)
+    ]
+    begin = np.array([pos[n] for n in nodes], dtype=np.int64)
+    end = np.array([max(last_use.get(n, pos[n]), pos[n]) for n in nodes], dtype=np.int64)
+    at = np.unique(end)  # a live set only shrinks where something is freed
+    first = np.searchsorted(at, begin)  # the first point at or after the allocation
+    last = np.searchsorted(at, end)  # the point of the free
+    counts = last - first + 1
+    rows = np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last, strict=True)])
+    cols = np.repeat(np.arange(len(nodes)), counts)
+    points = sp.csr_matrix(
+        (np.ones(len(rows)), (rows, cols)) if len(nodes) else ([], ([], [])),
+        shape=(len(at), len(nodes)),
+    )
+    scale = np.array([float(graph.mult(n)) if n in saved else 1.0 for n in nodes])
+    graph.liveness = Liveness(tuple(nodes), scale, points, tuple(int(i) for i in at))
+    return graph.liveness
+
+
+def activation_sizes(
+    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
+) -> np.ndarray:
+    """Bytes one device holds of each activation of :func:`liveness` under a plan (0 for
+    a node the plan leaves free), times its :attr:`Liveness.scale`."""
+    live = liveness(sg.graph)
+    sizes = np.zeros(len(live.nodes))
+    for j, n in enumerate(live.nodes):
+        strat = node_strategy.get(n)
+        if strat is None:
+            continue
+        info = sg.graph.nodes[n]
+        sizes[j] = sum(
+            local_bytes(r, ps, mesh_shape)
+            for r, ps in zip(info.results, strat.outputs, strict=False)
+            if r is not None
+        )
+    return sizes * live.scale
+
+
+def peak_activation_bytes(
+    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
+) -> float:
+    """Peak bytes of live activations on one device over the graph order
+    (:class:`Liveness`)."""
+    points = liveness(sg.graph).points
+    if points.shape[0] == 0:
+        return 0.0
+    return float((points @ activation_sizes(sg, node_strategy, mesh_shape)).max())

@@ -17,9 +17,13 @@ Mathematics (the method that builds each part is named in brackets):
   ``s_u[i] * s_v[j]`` and, grouping by placement, much smaller than the
   ``k_u x k_v`` strategy pairs. Pairs that cannot be resharded (anything into
   ``Partial``) get no variable at all.
-* Optional memory budget: ``m . x <= budget`` with ``m`` the bytes a strategy
-  keeps on one device (:func:`autoshard.cost.memory.memory_rows`); when infeasible, the
-  least ``m . x`` any plan reaches is reported [``_least_memory``].
+* Optional memory budget: ``M x <= budget``, each row of ``M`` the bytes each strategy
+  keeps on one device at one point of the step: the live activations at that point of
+  the graph order plus the parameters, gradients and optimizer state
+  (:class:`autoshard.cost.memory.LiveMemory`; the driver adds the rows a plan
+  overflows and solves again, :func:`autoshard.solver.solve.plan_model`); when
+  infeasible, the least peak ``max_k M_k . x`` any plan reaches is reported
+  [``_least_memory``].
 * Minimise ``c . x + r . y - sum(z)``: ``c`` the compute seconds of each strategy
   (roofline of its local shard, plus every node merged into it, plus the AdamW step of
   a parameter's shard), ``r`` the resharding seconds of each (produced, wanted) pair
@@ -79,6 +83,7 @@ class ILPResult:
     bound_s: float | None = None
     start: str | None = None  # the hand-written plan the search started from
     start_objective_s: float | None = None  # its objective (s)
+    memory_rounds: int = 1  # solves, each adding budget rows a plan overflowed
 
 
 @dataclass
@@ -260,9 +265,10 @@ def _milp(
     blocks = [sp.hstack([prob.A, sp.csr_matrix((prob.A.shape[0], n - n_x - n_y))])]
     lower, upper = [prob.b], [prob.b]
     if memory is not None:
-        blocks.append(sp.csr_matrix(np.concatenate([memory[0], np.zeros(n - n_x)])[None, :]))
-        lower.append([-np.inf])
-        upper.append([float(memory[1])])
+        rows = _memory_matrix(memory[0])
+        blocks.append(sp.hstack([sp.csr_matrix(rows), sp.csr_matrix((len(rows), n - n_x))]))
+        lower.append(np.full(len(rows), -np.inf))
+        upper.append(np.full(len(rows), float(memory[1])))
     c = np.zeros(n)
     if memory_objective is not None:
         c[:n_x] = memory_objective
@@ -420,10 +426,8 @@ def _best_start(sg: StrategyGraph, starts: dict[str, dict[str, int]], memory) ->
         if not math.isfinite(cost):
             continue
         if memory is not None:
-            m, budget = memory
-            prob_offsets = _offsets(sg)
-            used = sum(float(m[prob_offsets[r] + c]) for r, c in choice.items())
-            if used > budget * (1 + 1e-9):
+            used = _memory(_offsets(sg), memory[0], choice)
+            if used > memory[1] * (1 + 1e-9):
                 continue
         if best is None or cost < best.objective_s:
             best = ILPResult(
@@ -515,7 +519,7 @@ def _search(
     if (
         memory is not None
         and choice is not None
-        and _memory(prob, memory[0], choice) > memory[1] * (1 + 1e-9)
+        and _memory(prob.offsets, memory[0], choice) > memory[1] * (1 + 1e-9)
     ):
         objective = math.inf  # a solution HiGHS left over its budget row (tolerances)
     if not math.isfinite(objective) or (
@@ -541,7 +545,7 @@ def _search(
         status=status_text,
         gap=float(gap) if gap is not None else math.nan,
         num_variables=prob.n_x + prob.n_y,
-        num_constraints=prob.A.shape[0] + (1 if memory is not None else 0),
+        num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
         build_seconds=build_s,
         solve_seconds=solve_s,
         bound_s=bound,
@@ -560,8 +564,15 @@ def _valid_choice(sg: StrategyGraph, prob: _Problem, xv: np.ndarray | None) -> d
     return _choice(sg, prob, xv)
 
 
-def _memory(prob: _Problem, m: np.ndarray, choice: dict[str, int]) -> float:
-    return float(sum(m[prob.offsets[r] + c] for r, c in choice.items()))
+def _memory_matrix(m: np.ndarray) -> np.ndarray:
+    """The budget rows as a matrix ``(rows, n_x)``: one row (a vector) or several."""
+    return np.atleast_2d(np.asarray(m, dtype=float))
+
+
+def _memory(offsets: dict[str, int], m: np.ndarray, choice: dict[str, int]) -> float:
+    """The largest budget row's bytes under ``choice`` (its peak over the rows)."""
+    cols = [offsets[r] + c for r, c in choice.items()]
+    return float(_memory_matrix(m)[:, cols].sum(axis=1).max())
 
 
 def _finish_incumbent(
@@ -619,11 +630,7 @@ def _lp_first(
     choice = prefer_smaller_shards(sg, _choice(sg, prob, xv))  # never breaks the budget
     cost = evaluate(sg, choice)
     if memory is not None:
-        m, budget = memory
-        picked = np.zeros(prob.n_x)
-        for rname, c in choice.items():
-            picked[prob.offsets[rname] + c] = 1
-        if m @ picked > budget * (1 + 1e-9):
+        if _memory(prob.offsets, memory[0], choice) > memory[1] * (1 + 1e-9):
             return None
     if not math.isfinite(cost):
         return None
@@ -637,7 +644,7 @@ def _lp_first(
         status=status,
         gap=0.0 if integral else gap,
         num_variables=prob.n_x + prob.n_y,
-        num_constraints=prob.A.shape[0] + (1 if memory is not None else 0),
+        num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
         build_seconds=build_s,
         solve_seconds=time.perf_counter() - t1,
         bound_s=bound,
@@ -659,8 +666,24 @@ def _fixed_mip(
 
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
-    """The least ``m . x`` over every plan (the same ILP, memory as the objective)."""
-    found = run(_milp(prob, memory_objective=m), float(options.time_limit_s))
+    """The least peak ``max_k M_k . x`` over every plan: the same ILP with one more column
+    ``t >= M_k . x`` for every budget row, and ``t`` as the objective."""
+    rows = _memory_matrix(m)
+    base = _milp(prob, memory_objective=np.zeros(prob.n_x))
+    n = base.num_cols
+    extra = sp.hstack(
+        [sp.csr_matrix(rows), sp.csr_matrix((len(rows), n - prob.n_x)), -np.ones((len(rows), 1))]
+    )
+    milp = MILP(
+        c=np.concatenate([np.zeros(n), [1.0]]),
+        A=sp.vstack([sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], 1))]), extra], "csc"),
+        row_lower=np.concatenate([base.row_lower, np.full(len(rows), -np.inf)]),
+        row_upper=np.concatenate([base.row_upper, np.zeros(len(rows))]),
+        col_lower=np.concatenate([base.col_lower, [0.0]]),
+        col_upper=np.concatenate([base.col_upper, [np.inf]]),
+        integer=np.concatenate([base.integer, [False]]),
+    )
+    found = run(milp, float(options.time_limit_s))
     if found.objective is None:
         raise AutoshardError(
             f"HiGHS found no plan at all when minimising memory ({found.model_status})"

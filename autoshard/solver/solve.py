@@ -11,16 +11,17 @@ import functools
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
 
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
-from autoshard.cost.memory import MemoryModel, ilp_row, memory_by_kind, memory_rows
+from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.model.model_file import instantiate, load_model_file, split_microbatches
@@ -30,6 +31,7 @@ from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph, build_strategy_graph
 from autoshard.trace.tracer import TracedGraph, reduce_depth, trace_model
+from autoshard.units import format_bytes
 
 Progress = Callable[[str, int, int], None]
 
@@ -212,11 +214,10 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
     graph, sg = _graph_and_strategies(config, progress, seconds)
     if progress:
         progress("solve", 0, 1)
-    row = ilp_row(sg, memory_rows(sg, config.memory_model()))
     t = time.perf_counter()
     starts, _ = hand_plan_starts(sg, config.mesh)  # the ILP is never above a hand plan
     seconds["hand_plans"] = time.perf_counter() - t
-    result = solve(sg, config.solver, memory=(row, config.budget()), starts=starts)
+    result = solve_within_memory(sg, config, starts)
     if progress:
         progress("solve", 1, 1)
     seconds["ilp_build"] = result.build_seconds
@@ -224,6 +225,54 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
     plan = finish_plan(config, sg, result.choice, "ilp")
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes())
+
+
+MEMORY_ROUNDS = 12
+"""At most this many solves add budget rows (points of the step) a plan overflowed."""
+
+ROWS_PER_ROUND = 4
+"""Points added per round: the plan's worst overflowing points, largest first."""
+
+
+def solve_within_memory(
+    sg: StrategyGraph, config: SolveConfig, starts: dict[str, dict[str, int]]
+) -> ILPResult:
+    """The ILP under the memory budget at every point of the step (lazy rows).
+
+    The liveness rows (:class:`autoshard.cost.memory.LiveMemory`) are too many to give
+    HiGHS at once; it starts from the point with the most bytes live at the finest
+    sharding, and each plan that overflows the budget at some point gets that point's
+    row (its :data:`ROWS_PER_ROUND` worst) and is solved again, within what is left of
+    the time limit. Every row is exact, so the plan returned fits the budget at every
+    point: its reported memory (:attr:`autoshard.plan.plan.Plan.memory_bytes`) is at most
+    the budget. ``ILPResult.memory_rounds`` counts the solves.
+
+    Raises:
+        AutoshardError: as :func:`autoshard.solver.ilp.solve` (``MemoryBudgetError`` when
+            no plan fits), or no plan fits after :data:`MEMORY_ROUNDS` solves.
+    """
+    live = LiveMemory(sg, config.memory_model())
+    budget = config.budget()
+    points = live.first_points()
+    rows = live.rows(points) if points else live.params[None, :]
+    t0 = time.perf_counter()
+    options = config.solver
+    for rounds in range(1, MEMORY_ROUNDS + 1):
+        result = solve(sg, options, memory=(rows, budget), starts=starts)
+        used = live.per_point(result.choice)
+        over = [int(k) for k in np.argsort(-used, kind="stable") if used[k] > budget * (1 + 1e-9)]
+        over = [k for k in over if k not in points][:ROWS_PER_ROUND]
+        if not over:
+            spent = time.perf_counter() - t0 - result.build_seconds
+            return replace(result, memory_rounds=rounds, solve_seconds=spent)
+        points += over
+        rows = np.vstack([rows, live.rows(over)])
+        left = config.solver.time_limit_s - (time.perf_counter() - t0)
+        options = replace(config.solver, time_limit_s=max(1.0, left))
+    raise AutoshardError(
+        f"no plan found within the memory budget of {format_bytes(budget)} per device at "
+        f"every point of the step after {MEMORY_ROUNDS} solves; raise --memory-budget"
+    )
 
 
 def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = None) -> SolveResult:

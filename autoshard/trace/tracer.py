@@ -69,7 +69,8 @@ class NodeInfo:
     ``results``: one per output (``None`` for a non-tensor output).
     ``flops``: floating-point operations of the whole (unsharded) op (:func:`op_flops`);
     ``counted_flops``: the part ``FlopCounterMode`` counts (matmul-like ops, else 0).
-    ``kind``: ``param``, ``buffer``, ``input``, ``op`` or ``output``.
+    ``kind``: ``param``, ``buffer``, ``input``, ``tangent`` (the loss's seed gradient in
+    a joint graph), ``op`` or ``output``.
     """
 
     name: str
@@ -110,6 +111,8 @@ class TracedGraph:
     mode: str = "infer"
     multiplicity: dict[str, int] = field(default_factory=dict)
     depth: DepthReduction | None = None
+    # which activations are live where (autoshard.plan.plan.liveness), computed once
+    liveness: Any = field(default=None, repr=False, compare=False)
 
     def mult(self, node: str) -> int:
         """How many real nodes ``node`` stands for (1 unless the depth was reduced)."""
@@ -471,8 +474,8 @@ def _export_joint(loaded: LoadedModel):
             label = loaded.input_names[i] if i < len(loaded.input_names) else node.name
             kinds[node.name] = ("input", label)
             labels.append(label)
-        else:  # tangents of the loss and anything else: computed locally, free
-            kinds[node.name] = ("buffer", node.name)
+        else:  # the loss's seed gradient (ones): a leaf of the graph, not a constant
+            kinds[node.name] = ("tangent", node.name)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     grad_of = [
         (g.removeprefix("model.") if g is not None else None) for g in tp.describe_outputs(out)
