@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-
 import scipy.sparse as sp
+import torch
 
 from autoshard.plan.plan import liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
@@ -205,4 +204,3 @@ def _param_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
     """:func:`memory_rows` of the parameters alone (with their gradients and optimizer
     state)."""
     return memory_rows(sg, model, activation_copies=0.0)
-

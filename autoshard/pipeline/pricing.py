@@ -154,6 +154,8 @@ def layer_map(graph) -> LayerMap:
             layer_of[n] = num_layers - 1
         elif info.kind == "input":
             layer_of[n] = 0
+        elif info.kind == "tangent":  # the loss's seed gradient: where the backward starts
+            layer_of[n] = num_layers - 1
         elif info.kind in ("param", "buffer"):
             used = {layer_of[u] for u in users.get(n, []) if u in layer_of}
             used |= {num_layers - 1 for u in users.get(n, []) if nodes[u].kind == "output"}

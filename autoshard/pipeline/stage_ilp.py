@@ -275,6 +275,7 @@ def stage_graph(
         tied_layers=0,
         bucket_bytes=sg.bucket_bytes,
         overlap=sg.overlap,
+        seeded=sg.seeded,
     )
     return StageGraph(sub, list(incoming), send_s)
 

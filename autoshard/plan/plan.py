@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-
 from torch.distributed.tensor import Placement, Shard
 
 from autoshard.cost.collectives import comm_model

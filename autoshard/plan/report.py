@@ -204,6 +204,12 @@ def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
         f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s)}, gap {gap}, "
         f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
         f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
+        + (
+            f" ({ilp.memory_rounds} solves, each adding the memory rows of the points of the "
+            "step the last plan overflowed)"
+            if ilp.memory_rounds > 1
+            else ""
+        )
     )
     console.print(start_line(ilp))
 

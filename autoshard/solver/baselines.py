@@ -247,6 +247,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         tied_layers=sg.tied_layers,
         bucket_bytes=sg.bucket_bytes,
         overlap=sg.overlap,
+        seeded=sg.seeded,
     )
 
 
@@ -764,7 +765,10 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
     the least compute; then the earliest. Edges from later nodes (a gradient into its
     parameter) are not looked ahead to. A source (parameter or input) left with several
     strategies by the pins is decided by its first consumer: the pair of their strategies
-    with the least resharding.
+    with the least resharding. What is computed from the loss's tangent alone (the mean's
+    gradient, as large as the output) is decided last, in reverse order: each node the
+    strategy of least compute plus resharding to and from the nodes already decided, as
+    each rank of a data-parallel run makes the gradient of its own shard of the output.
 
     Raises:
         AutoshardError: some node has no strategy its inputs can be resharded into
@@ -775,14 +779,18 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
         into.setdefault(e.dst, []).append(e)
     order = {r: i for i, r in enumerate(sg.reps)}
     # sources: read nothing earlier (a parameter's only inputs are its gradient, later on)
+    seeded = [r for r in sg.reps if r in sg.seeded and len(sg.nodes[r].strategies) > 1]
     lazy = {
         r
         for r in sg.reps
-        if len(sg.nodes[r].strategies) > 1 and all(order[e.src] > order[r] for e in into.get(r, []))
+        if len(sg.nodes[r].strategies) > 1
+        and r not in sg.seeded
+        and all(order[e.src] > order[r] for e in into.get(r, []))
     }
+    open_seeded = set(seeded)
     choice: dict[str, int] = {}
     for rep in sg.reps:
-        if rep in lazy:
+        if rep in lazy or rep in open_seeded:
             continue
         compute = sg.rep_cost(rep).astype(float)
         reshard = np.zeros_like(compute)
@@ -792,11 +800,12 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
                 reshard = reshard + e.cost[e.src_groups, e.dst_groups]
             elif e.src in choice:
                 reshard = reshard + e.cost[e.src_groups[choice[e.src]], e.dst_groups]
-            elif e.src in lazy:
+            elif e.src in lazy or e.src in open_seeded:
                 # cost[i, j] over the source's strategies i and ours j: best i for each j
                 pair = e.cost[e.src_groups][:, e.dst_groups]
                 reshard = reshard + pair.min(axis=0)
-                open_sources.append((e.src, pair))
+                if e.src in lazy:
+                    open_sources.append((e.src, pair))
         least = reshard.min()
         if not np.isfinite(least):
             raise AutoshardError(f"no strategy of {rep} accepts its inputs' placements")
@@ -806,6 +815,18 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
         for src, pair in open_sources:
             if src not in choice:  # the first consumer decides
                 choice[src] = int(np.argmin(pair[:, j]))
+    out_of: dict[str, list[Edge]] = {}
+    for e in sg.edges:
+        out_of.setdefault(e.src, []).append(e)
+    for rep in reversed(seeded):  # consumers first: each takes what its consumers want
+        cost = sg.rep_cost(rep).astype(float)
+        for e in out_of.get(rep, []):
+            if e.dst in choice and e.dst != rep:
+                cost = cost + e.cost[e.src_groups, e.dst_groups[choice[e.dst]]]
+        for e in into.get(rep, []):
+            if e.src in choice and e.src != rep:
+                cost = cost + e.cost[e.src_groups[choice[e.src]], e.dst_groups]
+        choice[rep] = int(np.argmin(cost))
     for rep in lazy:
         choice.setdefault(rep, 0)
     return choice

@@ -121,6 +121,8 @@ class StrategyGraph:
     tied_layers: int = 0
     bucket_bytes: float = 0.0  # gradient bucket size the gradient edges were priced with
     overlap: bool = False  # whether gradient reductions and gathers hide (autoshard.cost.overlap)
+    # the loss's tangent and what is computed from it (and free nodes) alone
+    seeded: set[str] = field(default_factory=set)
 
     @property
     def reps(self) -> list[str]:
@@ -318,6 +320,7 @@ def build_strategy_graph(
         cache_hits=b.hits,
         extra_cost=extra,
         tied_layers=tied,
+        seeded=b.seeded,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
