@@ -47,6 +47,7 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
+from autoshard.strategies.graph import SHARD_LOCAL_OPS
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
 Placements = tuple[Placement, ...]
@@ -451,6 +452,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         back = self._substitute(n, args_list)
         if plan.fallback:
             out = self._run_local(n, args_list, kwargs)
+        elif n.target in SHARD_LOCAL_OPS:
+            out = self._run_shard_local(n, args_list, kwargs, plan)
         elif n.target in NO_FLOAT64 and self.dtype_map and _has_float64(args_list):
             with self._phase(plan.phase):
                 out = run_narrowed(n.target, args_list, kwargs, self.log.substitutions)
@@ -490,6 +493,23 @@ class PlanInterpreter(torch.fx.Interpreter):
             return x
 
         return tree_map(wrap, out)
+
+    def _run_shard_local(self, n: torch.fx.Node, args: list, kwargs: dict, plan: NodePlan) -> Any:
+        """An op whose strategies need no communication (the fused attention ops, sharded
+        by batch or heads): run on each rank's shards, the results placed as planned."""
+        out = n.target(*tree_map(_local, args), **tree_map(_local, kwargs))
+        many = isinstance(out, (tuple, list))
+        outs = list(out) if many else [out]
+        metas = n.meta["val"] if many else [n.meta["val"]]
+        placed = [
+            DTensor.from_local(
+                x, self.mesh, list(want), run_check=False, shape=meta.shape, stride=meta.stride()
+            )
+            if isinstance(x, torch.Tensor) and want is not None
+            else x
+            for x, want, meta in zip(outs, plan.outputs, metas, strict=True)
+        ]
+        return tuple(placed) if many else placed[0]
 
     def _settle(self, n: torch.fx.Node, out: Any, plan: NodePlan) -> Any:
         """Each DTensor output on the plan's placements (a deviation when it is not)."""

@@ -43,6 +43,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard import _torch_private as tp
 from autoshard.cost.overlap import GATHER, GRADIENT, hide_share_fn
+from autoshard.trace.attention import FLASH_OPS
 from autoshard.trace.ops import is_view
 from autoshard.trace.tracer import TensorInfo, TracedGraph, op_flops
 
@@ -212,9 +213,51 @@ def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
     return out
 
 
+def _attention_rule(node, args, results, mesh_shape) -> list[Strategy]:
+    """The fused attention ops (:mod:`autoshard.trace.attention`), forward and backward.
+
+    Every ``[B, H, S, D]`` argument and result (and the ``[B, H, S]`` log-sum-exp) is
+    placed alike on each mesh dim: ``Replicate``, ``Shard(0)`` (batch) or ``Shard(1)``
+    (heads), when the dim divides; attention is independent per batch row and per head,
+    so each device computes its shard with no communication, as DTensor's rule for the
+    CUDA flash kernel does. An attention mask follows on its dims of full size and is
+    ``Replicate`` where it broadcasts (size 1). The sequence is not sharded (context
+    parallelism is not in the search space).
+    """
+    ndim = len(mesh_shape)
+    out = []
+    for combo in itertools.product([Replicate(), Shard(0), Shard(1)], repeat=ndim):
+        div = {0: 1, 1: 1}
+        for p, n in zip(combo, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                div[p.dim] *= n
+        if any(args[0].shape[d] % k for d, k in div.items()):
+            continue
+
+        def follow(t: TensorInfo | None, combo=combo):
+            if t is None:
+                return None
+            if len(t.shape) >= 3:  # [B, H, S(, D)]: the mask's broadcast dims stay whole
+                return tuple(
+                    p if not isinstance(p, Shard) or t.shape[p.dim] > 1 else Replicate()
+                    for p in combo
+                )
+            return (Replicate(),) * ndim
+
+        out.append(Strategy(tuple(follow(r) for r in results), tuple(follow(a) for a in args)))
+    return out
+
+
 OWN_RULES: dict[Any, OwnRule] = {
     aten.nll_loss_forward.default: _nll_loss_forward_rule,
+    **{op: _attention_rule for op in FLASH_OPS},
 }
+"""autoshard's rules, by op. The fused attention ops have no DTensor rule; the launcher
+runs them shard by shard (:data:`SHARD_LOCAL_OPS`)."""
+
+SHARD_LOCAL_OPS = FLASH_OPS
+"""Ops whose every strategy needs no communication: the launcher runs them on each rank's
+local shards and places the results as planned."""
 
 
 def _replicate_fallback(n_in: int, results: list[TensorInfo | None], ndim: int) -> list[Strategy]:

@@ -38,6 +38,7 @@ from autoshard import _torch_private as tp
 from autoshard.errors import AutoshardError
 from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
+from autoshard.trace.attention import FLASH_FORWARD, FLASH_OPS, flash_attention_traced, flash_flops
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,8 @@ def counted_flops(node: torch.fx.Node, args: list[TensorInfo], results: list[Ten
     given (global or local) shapes; ``None`` for an op the counter does not count.
 
     The counter's own formula (``flop_registry``, keyed by overload packet: mm, addmm, bmm,
-    baddbmm, convolution and its backward, the SDPA variants and their backwards) is
+    baddbmm, convolution and its backward, the SDPA variants and their backwards; the fused
+    attention ops of :mod:`autoshard.trace.attention` as it counts the CUDA flash kernel) is
     called the way the counter calls it: the node's arguments with each tensor argument
     replaced by a meta tensor of the given shape, and ``out_val`` the result(s). 2 FLOPs
     per multiply-add.
@@ -190,6 +192,8 @@ def counted_flops(node: torch.fx.Node, args: list[TensorInfo], results: list[Ten
         Any error the formula raises: a formula that cannot price an op is a bug here
         (it once priced every matmul at one FLOP per element), never a fallback.
     """
+    if node.target in FLASH_OPS:
+        return flash_flops(node.target, [a.shape for a in args])
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet)
     if formula is None:
@@ -420,12 +424,17 @@ def _quiet_torch():
             lg.setLevel(level)
 
 
+# core ATen, but the fused attention op stays one op (autoshard.trace.attention)
+_DECOMPOSITIONS = torch.export.default_decompositions()
+_DECOMPOSITIONS.pop(FLASH_FORWARD, None)
+
+
 def _export_inference(loaded: LoadedModel):
     """Forward graph: ``torch.export`` + core-ATen decompositions."""
     try:
-        with _quiet_torch():
+        with _quiet_torch(), flash_attention_traced():
             ep = torch.export.export(loaded.module, loaded.inputs)
-            ep = ep.run_decompositions()
+            ep = ep.run_decompositions(_DECOMPOSITIONS)
     except Exception as exc:  # torch raises many types here
         raise _export_error(loaded, exc, "torch.export") from exc
     sig = ep.graph_signature
@@ -454,7 +463,7 @@ def _export_joint(loaded: LoadedModel):
     """
     stack = contextlib.ExitStack()
     try:
-        with _quiet_torch():
+        with _quiet_torch(), flash_attention_traced():
             ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
             joint = tp.export_joint(stack, ep.module(), loaded.inputs)
     except Exception as exc:
