@@ -1,0 +1,111 @@
+"""SDPA as the user runs it: one fused (FlashAttention) op, priced and placed as such.
+
+References outside autoshard: ``FlopCounterMode`` running the CUDA flash kernel (its meta
+kernel) on the same shapes; the shapes of what the traced graph saves for the backward pass
+(no ``B x H x S x S`` tensor); a single-device run for the launch (tests/test_launch_plan.py
+runs the default-config GPT-2 and Llama, whose attention is this op).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GPT2_DEFAULT, LLAMA_SMALL, write_model
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.solver.solve import SolveConfig, plan_model, strategies, trace
+from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
+
+aten = torch.ops.aten
+B, H, S, D = 8, 4, 32, 64  # GPT2_DEFAULT: batch 8, 4 heads of 256 / 4, sequence 32
+
+EAGER_GPT2 = GPT2_DEFAULT.replace(
+    "    return GPT2LMHeadModel(\n",
+    "    m = GPT2LMHeadModel(\n",
+).replace(
+    "n_positions=128)\n    )\n",
+    "n_positions=128)\n    )\n    m.config._attn_implementation = 'eager'\n    return m\n",
+)
+
+
+def _flash_nodes(graph, target):
+    return [i for i in graph.nodes.values() if i.kind == "op" and i.target is target]
+
+
+def test_the_default_attention_traces_to_one_fused_op_per_layer(tmp_path):
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, GPT2_DEFAULT, "g"), mesh=MeshSpec.from_options("2")
+    )
+    graph = trace(cfg)
+    assert len(_flash_nodes(graph, FLASH_FORWARD)) == 2
+    assert len(_flash_nodes(graph, FLASH_BACKWARD)) == 2
+    ops = {str(i.target) for i in graph.nodes.values() if i.kind == "op"}
+    assert "aten._safe_softmax.default" not in ops and "aten.bmm.default" not in ops
+
+
+def test_flops_are_what_flop_counter_mode_counts_for_the_cuda_flash_kernel(tmp_path):
+    """The CPU op is priced as the counter counts ``_scaled_dot_product_flash_attention``
+    and its backward, run here on meta tensors of the same shapes: forward 4 B H S^2 D
+    (two matmuls), backward 10 B H S^2 D (``QK^T`` recomputed, four more)."""
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, GPT2_DEFAULT, "g"), mesh=MeshSpec.from_options("2")
+    )
+    graph = trace(cfg)
+    fwd = _flash_nodes(graph, FLASH_FORWARD)[0]
+    bwd = _flash_nodes(graph, FLASH_BACKWARD)[0]
+    assert [a.shape for a in fwd.args[:3]] == [(B, H, S, D)] * 3
+    q = torch.empty(B, H, S, D, device="meta")
+    with FlopCounterMode(display=False) as fc:
+        out = aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True)
+    assert fwd.counted_flops == fc.get_total_flops() == 4 * B * H * S * S * D
+    with FlopCounterMode(display=False) as fc:
+        aten._scaled_dot_product_flash_attention_backward(
+            out[0], q, q, q, out[0], out[1], out[2], out[3], S, S, 0.0, True, out[6], out[7]
+        )
+    assert bwd.counted_flops == fc.get_total_flops() == 10 * B * H * S * S * D
+    # the step's count: every matmul of the model plus these, once per layer
+    assert graph.step_flops == sum(i.counted_flops for i in graph.nodes.values())
+
+
+def test_no_s_by_s_tensor_is_kept_for_the_backward_pass(tmp_path):
+    """Flash keeps the output and the log-sum-exp ``[B, H, S]``; eager attention keeps the
+    ``[B, H, S, S]`` probabilities (and the scores) per layer. (Both read the ``[B, 1, S, S]``
+    mask HuggingFace builds on the meta device, where it cannot see that the mask is
+    plain causal; a free node, the same for every head.)"""
+
+    def square(text: str, name: str) -> list[tuple[int, ...]]:
+        path = write_model(tmp_path, text, name)
+        graph = trace(SolveConfig(model_path=path, mesh=MeshSpec.from_options("2")))
+        shapes = [graph.nodes[n].results[0].shape for n in graph.saved_for_backward()]
+        return [s for s in shapes if len(s) == 4 and s[1] == H and s[-1] == s[-2] == S]
+
+    assert square(GPT2_DEFAULT, "flash") == []
+    assert len(square(EAGER_GPT2, "eager")) >= 2  # at least one per layer
+
+
+def test_attention_is_sharded_by_batch_or_heads_with_no_communication(tmp_path):
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, GPT2_DEFAULT, "g"), mesh=MeshSpec.from_options("2x2")
+    )
+    graph = trace(cfg)
+    sg = strategies(cfg, graph)
+    fwd = next(n for n, i in graph.nodes.items() if i.target is FLASH_FORWARD)
+    strats = sg.nodes[fwd].strategies
+    outs = {s.outputs[0] for s in strats}
+    assert {(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Replicate(), Replicate())} <= outs
+    for s in strats:  # inputs, output and log-sum-exp placed alike: nothing to communicate
+        assert s.inputs[0] == s.inputs[1] == s.inputs[2] == s.outputs[0] == s.outputs[1]
+    assert fwd not in dict(sg.fallback_ops)
+
+
+@pytest.mark.parametrize("text", [GPT2_DEFAULT, LLAMA_SMALL], ids=["gpt2", "llama-gqa"])
+def test_models_with_default_attention_plan_without_fallback(tmp_path, text):
+    """Llama's grouped-query attention repeats its key/value heads before the fused op."""
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, text, "m"), mesh=MeshSpec.from_options("2x2")
+    )
+    result = plan_model(cfg)
+    assert not any("flash" in op for op in result.sg.fallback_ops)
+    assert result.plan.step_time_s > 0
