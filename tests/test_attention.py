@@ -30,6 +30,10 @@ EAGER_GPT2 = GPT2_DEFAULT.replace(
 )
 
 
+def _config(tmp_path, text: str, mesh: str) -> SolveConfig:
+    return SolveConfig(model_path=write_model(tmp_path, text, "m"), mesh=MeshSpec.from_options(mesh))
+
+
 def _flash_nodes(graph, target):
     return [i for i in graph.nodes.values() if i.kind == "op" and i.target is target]
 
