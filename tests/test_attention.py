@@ -31,7 +31,8 @@ EAGER_GPT2 = GPT2_DEFAULT.replace(
 
 
 def _config(tmp_path, text: str, mesh: str) -> SolveConfig:
-    return SolveConfig(model_path=write_model(tmp_path, text, "m"), mesh=MeshSpec.from_options(mesh))
+    path = write_model(tmp_path, text, "m")
+    return SolveConfig(model_path=path, mesh=MeshSpec.from_options(mesh))
 
 
 def _flash_nodes(graph, target):
