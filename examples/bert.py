@@ -37,14 +37,9 @@ N_LAYERS = _layers(N_LAYERS)
 
 
 def build_model() -> torch.nn.Module:
-    """``BertForMaskedLM`` with the default (base) config and N_LAYERS layers.
-
-    Eager attention: it decomposes to plain matmuls and softmax, which every device and
-    DTensor handle.
-    """
-    config = BertConfig(num_hidden_layers=N_LAYERS)
-    config._attn_implementation = "eager"
-    return BertForMaskedLM(config)
+    """``BertForMaskedLM`` with the default (base) config (default attention, SDPA) and
+    N_LAYERS layers."""
+    return BertForMaskedLM(BertConfig(num_hidden_layers=N_LAYERS))
 
 
 def example_inputs() -> tuple[torch.Tensor, ...]:

@@ -37,14 +37,10 @@ N_LAYERS = _layers(N_LAYERS)
 
 
 def build_model() -> torch.nn.Module:
-    """``GPT2LMHeadModel`` with the default config, N_LAYERS layers, no KV cache.
-
-    Eager attention: it decomposes to plain matmuls and softmax, which every device and
-    DTensor handle.
-    """
-    config = GPT2Config(n_layer=N_LAYERS, use_cache=False)
-    config._attn_implementation = "eager"
-    return GPT2LMHeadModel(config)
+    """``GPT2LMHeadModel`` with the default config (default attention, SDPA) and N_LAYERS
+    layers, as anyone writes it: autoshard traces SDPA as FlashAttention and turns the
+    KV cache off while tracing."""
+    return GPT2LMHeadModel(GPT2Config(n_layer=N_LAYERS))
 
 
 def example_inputs() -> tuple[torch.Tensor, ...]:

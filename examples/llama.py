@@ -38,7 +38,8 @@ N_LAYERS = _layers(N_LAYERS)
 
 
 def build_model() -> torch.nn.Module:
-    """``LlamaForCausalLM`` with the Llama-2-7B shape, N_LAYERS layers, no KV cache."""
+    """``LlamaForCausalLM`` with the Llama-2-7B shape and N_LAYERS layers, default attention
+    (SDPA) and cache settings."""
     config = LlamaConfig(
         hidden_size=4096,
         num_hidden_layers=N_LAYERS,
@@ -48,9 +49,7 @@ def build_model() -> torch.nn.Module:
         vocab_size=VOCAB,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
-        use_cache=False,
     )
-    config._attn_implementation = "eager"
     return LlamaForCausalLM(config)
 
 

@@ -22,7 +22,8 @@ N_LAYERS = int(os.environ.get("AUTOSHARD_LAYERS", "").strip() or 80)
 
 
 def build_model() -> torch.nn.Module:
-    """``LlamaForCausalLM`` with the 70B shape, N_LAYERS layers, no KV cache, eager attention."""
+    """``LlamaForCausalLM`` with the 70B shape and N_LAYERS layers, default attention (SDPA)
+    and cache settings."""
     config = LlamaConfig(
         hidden_size=8192,
         num_hidden_layers=N_LAYERS,
@@ -33,9 +34,7 @@ def build_model() -> torch.nn.Module:
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
-        use_cache=False,
     )
-    config._attn_implementation = "eager"
     return LlamaForCausalLM(config)
 
 

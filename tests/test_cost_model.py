@@ -22,7 +22,7 @@ from helpers import write_mlp
 from scipy.optimize import linprog
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import get_device
@@ -37,12 +37,35 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 H100 = get_device("h100")
 
 
+# On a GPU, FlopCounterMode counts SDPA as the flash kernel it runs; the CPU's fused op has
+# no formula of its own, so torch's formulas for the CUDA kernels are mapped onto it.
+def _as_counted_for(cuda_op):
+    formula = flop_registry[cuda_op]  # torch's, already reading tensors (raw)
+
+    def count(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    count._get_raw = True
+    return count
+
+
+CPU_FLASH_AS_CUDA = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _as_counted_for(
+        torch.ops.aten._scaled_dot_product_flash_attention
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_counted_for(
+        torch.ops.aten._scaled_dot_product_flash_attention_backward
+    ),
+}
+
+
 def _flop_counter_reference(path: Path) -> int:
-    """FLOPs of one training step (loss = mean of the first output) by FlopCounterMode."""
+    """FLOPs of one training step (loss = mean of the first output) by FlopCounterMode,
+    the model run eagerly on fake CPU tensors (SDPA: the CPU flash kernel)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         loaded = instantiate(load_model_file(path), device="cpu")
         model = loaded.module.eval()
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=CPU_FLASH_AS_CUDA) as counter:
             out = model(*loaded.inputs)
             if hasattr(out, "logits"):
                 out = out.logits

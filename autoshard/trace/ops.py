@@ -8,7 +8,7 @@ Each table says what the ops in it have in common and who reads it:
 - :data:`LAYOUT_OPS` (packets): ops that only move or relabel elements, no reduction across a
   dim they keep (Megatron's tensor-parallel regions pass through them);
 - :data:`ATTENTION_REGION_OPS` (packets): what a tensor-parallel region may hold besides
-  pointwise and layout ops (attention's matmuls and softmax);
+  pointwise and layout ops (attention's matmuls and softmax, or its fused op);
 - :data:`WEIGHT_CHAIN_OPS` (packets): what may stand between a parameter and the matmul that
   reads it (a transpose, a cast, a view);
 - :func:`is_heavy`: the matmul, convolution and SDPA families, which the pipeline's layer
@@ -81,6 +81,9 @@ ATTENTION_REGION_OPS: frozenset[Any] = frozenset(
         aten.mm,
         aten.addmm,
         aten.matmul,
+        # the fused attention of autoshard.trace.attention, forward and backward
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
     }
 )
 
