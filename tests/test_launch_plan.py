@@ -281,3 +281,27 @@ def test_default_config_hf_model_traces_in_both_modes(tmp_path: Path, mode: str)
     assert loaded.module.config.use_cache is True
     outputs = next(i for i in graph.nodes.values() if i.kind == "output")
     assert outputs.args[0].shape[:2] == (8, 32) or outputs.args[0].shape == ()
+
+
+def test_mixed_precision_plan_keeps_fp32_master_weights(tmp_path: Path) -> None:
+    """A ``--precision bf16-mixed`` plan: the ranks hold fp32 master parameters (4 bytes
+    per local element, not bf16's 2), the step runs as planned, and the float64 check
+    passes."""
+    d, h = 256, 1024
+    model = write_mlp(tmp_path, 64, d, h, act="GELU")
+    plan = solve(model, tmp_path, "2x2", "--precision", "bf16-mixed")
+    smap = json.loads(plan.read_text())
+    shapes = {"fc1.weight": (h, d), "fc1.bias": (h,), "fc2.weight": (d, h), "fc2.bias": (d,)}
+    local = 0
+    for name, shape in shapes.items():
+        pieces = 1
+        for p, n in zip(smap["parameters"][name], (2, 2), strict=True):
+            pieces *= n if p.startswith("S") else 1
+        local += 4 * (shape[0] * (shape[1] if len(shape) > 1 else 1)) // pieces
+    report = tmp_path / "report.json"
+    run = torchrun(4, str(plan), str(model), "--train", "--steps", "2", "--json", str(report))
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert json.loads(report.read_text())["local_parameter_bytes"][0] == local
+    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)

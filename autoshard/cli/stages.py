@@ -79,6 +79,8 @@ def stages_command(
     device_name,
     mode,
     dtype_name,
+    precision,
+    reduce_dtype_name,
     pp_text,
     microbatches,
     memory_budget,
@@ -121,6 +123,8 @@ def stages_command(
             solver=SolverOptions(time_limit_s=time_limit),
             mode=mode,
             dtype=getattr(torch, dtype_name) if dtype_name else None,
+            precision=precision,
+            reduce_dtype=getattr(torch, reduce_dtype_name),
             memory_budget=memory_budget,
             tie=False,  # every layer traced: stages are cut between real layers
         )

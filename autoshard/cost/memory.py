@@ -33,22 +33,38 @@ from autoshard.plan.plan import liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
-FP32_MASTER_BYTES = 4  # fp32 master weights when parameters are not fp32
+FP32_MASTER_BYTES = 4  # fp32 master weights of a mixed-precision step
 
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """What a training step keeps per parameter element, in bytes beyond the parameter."""
+    """What a training step keeps per parameter element, in bytes beyond the parameter.
+
+    ``mixed``: mixed precision (``--precision bf16-mixed``): the parameters the step
+    computes with in their (half) dtype, an fp32 master copy and fp32 AdamW moments, and
+    gradients in ``reduce_itemsize`` bytes (the dtype they are reduced in: fp32 by
+    default, as FSDP2's ``MixedPrecisionPolicy`` and torchtitan). Per bf16 parameter
+    element: 2 + 4 (or 2) + 4 + 8 bytes. Otherwise every tensor of the step is in the
+    parameter's dtype, as ``torch.optim.AdamW`` keeps it: parameter, gradient and two
+    moments (fp32: 4 + 4 + 8 bytes; a ``--dtype bfloat16`` cast: 2 + 2 + 4).
+    """
 
     mode: str = "train"
+    mixed: bool = False
+    reduce_itemsize: int = 4
 
     def per_param_factors(self, dtype: torch.dtype) -> dict[str, float]:
         """Bytes kept per byte of local parameter, by kind (``parameters`` is 1)."""
         if self.mode != "train":
             return {"parameters": 1.0}
         item = dtype.itemsize
-        optimizer = FP32_MOMENTS_BYTES + (0 if dtype == torch.float32 else FP32_MASTER_BYTES)
-        return {"parameters": 1.0, "gradients": 1.0, "optimizer_state": optimizer / item}
+        if not self.mixed:
+            return {"parameters": 1.0, "gradients": 1.0, "optimizer_state": 2.0}
+        return {
+            "parameters": 1.0,
+            "gradients": self.reduce_itemsize / item,
+            "optimizer_state": (FP32_MOMENTS_BYTES + FP32_MASTER_BYTES) / item,
+        }
 
 
 def _canonical_params(sg: StrategyGraph):

@@ -83,6 +83,10 @@ class GraphProgram:
         grad_of: per graph output, the parameter FQN it is the gradient of, else ``None``.
         mesh: the mesh the plan was solved for (its links order multi-dim reshardings).
         dtype: the floating dtype the solve cast the model to (``--dtype``), else ``None``.
+        reduce_dtype: mixed precision (``--precision bf16-mixed``): the parameters stay in
+            fp32 (the master weights AdamW steps), the step computes with them cast to
+            ``dtype``, and each gradient is cast to ``reduce_dtype`` before its reduction
+            (the sink's placement); ``None`` for a pure cast or none.
     """
 
     graph: TracedGraph
@@ -91,6 +95,7 @@ class GraphProgram:
     grad_of: list[str | None]
     mesh: MeshSpec
     dtype: torch.dtype | None = None  # the solve's --dtype cast, which the launch repeats
+    reduce_dtype: torch.dtype | None = None  # mixed precision: gradients reduced in this
 
 
 def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
@@ -544,7 +549,10 @@ class PlanInterpreter(torch.fx.Interpreter):
             phase = "backward" if self.program.grad_of[k] is not None else "forward"
             if want is None or not isinstance(value, torch.Tensor):
                 placed.append(value)
-            else:
-                with torch.no_grad():
-                    placed.append(self.place(value, want, phase))
+                continue
+            reduce = self.program.reduce_dtype
+            if reduce is not None and self.program.grad_of[k] is not None:
+                value = value.to(self.dtype_map.get(reduce, reduce))  # mixed: reduce in fp32
+            with torch.no_grad():
+                placed.append(self.place(value, want, phase))
         return placed

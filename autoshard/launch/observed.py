@@ -66,9 +66,12 @@ def prepare_program(
     mesh = MeshSpec.from_dict(solution["mesh"])
     check_map_matches_solution(smap, solution, path.name)
     cast = _cast_of(cost.get("dtype"))
+    mixed = str(cost.get("precision", "model")).endswith("-mixed")
+    reduce = _cast_of(cost.get("reduce_dtype", "float32")) if mixed else None
 
     def with_cast(program: GraphProgram) -> GraphProgram:
         program.dtype = cast
+        program.reduce_dtype = reduce
         return program
 
     graph = trace_for_launch(mf, solved, cost.get("dtype"))

@@ -70,6 +70,14 @@ def placeholder_values(
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers(remove_duplicate=False))
+    # mixed precision: the module keeps fp32 master weights; the step computes with a cast
+    cast = program.dtype if program.reduce_dtype is not None else None
+    if cast is not None:
+        cast = dtype_map.get(cast, cast)
+
+    def computed(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(cast) if cast is not None and t.is_floating_point() else t
+
     values: list[torch.Tensor] = []
     for node in program.graph.graph_module.graph.nodes:
         if node.op != "placeholder":
@@ -77,11 +85,11 @@ def placeholder_values(
         info = program.graph.nodes[node.name]
         fqn = info.fqn or node.name
         if info.kind == "param" and fqn in params:
-            values.append(params[fqn])
+            values.append(computed(params[fqn]))
         elif info.kind == "input" and fqn in inputs:
             values.append(inputs[fqn])
         elif info.kind == "buffer" and fqn in buffers:
-            values.append(buffers[fqn].to(device))
+            values.append(computed(buffers[fqn].to(device)))
         elif info.kind == "tangent":
             meta = node.meta["val"]
             dtype = dtype_map.get(meta.dtype, meta.dtype)
@@ -139,7 +147,7 @@ def run_plan_steps(
                     raise AutoshardError(
                         f"the graph returns a gradient for {owner!r}, which the model lacks"
                     )
-                params[owner].grad = grad
+                params[owner].grad = grad.to(params[owner].dtype)
             plant_gradient_fault(module)  # AUTOSHARD_FAULT, for tests (graph_run.Fault)
             if observer is not None:
                 paused = timed(device, observer.gradients, step, module)

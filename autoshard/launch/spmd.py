@@ -97,7 +97,8 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     fallback = init_parameters(skeleton.module, opts.seed, device)
     inputs = make_inputs(skeleton, opts.seed, device)
     if program is not None and program.dtype is not None:  # the solve's --dtype cast
-        skeleton.module.to(program.dtype)
+        if program.reduce_dtype is None:  # mixed precision keeps fp32 master parameters
+            skeleton.module.to(program.dtype)
         inputs = tuple(x.to(program.dtype) if x.is_floating_point() else x for x in inputs)
     # bytes per element as the model holds them (--check runs in float64)
     itemsize = {id(p): p.element_size() for p in skeleton.module.parameters()}
@@ -194,8 +195,10 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     code = 0
     if opts.check:
         cast = program.dtype if program is not None else None
+        master = program is not None and program.reduce_dtype is not None
         code = max(
-            verdict[0], _check(mf, opts, device, loaded.module, last, recorder, report, cast)
+            verdict[0],
+            _check(mf, opts, device, loaded.module, last, recorder, report, cast, master),
         )
     if rank == 0 and opts.json_path:
         write_report(opts.json_path, report)
@@ -211,10 +214,13 @@ def _check(
     recorded: Recorder,
     report: dict[str, Any] | None = None,
     cast: torch.dtype | None = None,
+    master: bool = False,
 ) -> int:
     """Compare with a single-device run on rank 0; every rank returns the verdict (0 pass,
     1 fail). Every rank takes part in gathering the last step's output and parameters.
-    Rank 0 adds the result to ``report`` (``"check"``)."""
+    Rank 0 adds the result to ``report`` (``"check"``). ``cast``: the solve's dtype, for
+    the inputs and (unless ``master``: mixed precision keeps fp32 master weights) the
+    weights, as the sharded run has them."""
     rank = dist.get_rank()
     drifts = opts.train and opts.steps > 1
     last_out = full_tensor(output) if drifts else output
@@ -228,7 +234,8 @@ def _check(
     if rank == 0:
         ref = materialize(mf, opts.seed, device).loaded
         if cast is not None:  # the solve's --dtype, as the sharded run's weights
-            ref.module.to(cast)
+            if not master:
+                ref.module.to(cast)
             ref.inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in ref.inputs)
         ref.inputs = widen_module(ref.module, ref.inputs)
         ref_rec = Recorder(keep=True)

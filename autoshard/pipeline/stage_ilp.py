@@ -276,6 +276,7 @@ def stage_graph(
         bucket_bytes=sg.bucket_bytes,
         overlap=sg.overlap,
         seeded=sg.seeded,
+        reduce_itemsize=sg.reduce_itemsize,
     )
     return StageGraph(sub, list(incoming), send_s)
 

@@ -127,8 +127,9 @@ def build_plan(
         if p == q:
             continue
         m = graph.mult(consumer)
+        item = moved_itemsize(sg, consumer, t)
         for step in comm_model(mesh).redistribute_steps(
-            p, q, t.shape, t.itemsize, _latency_share(sg, mesh, producer, consumer, p, q, t)
+            p, q, t.shape, item, _latency_share(sg, mesh, producer, consumer, p, q, t)
         ):
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
@@ -181,13 +182,22 @@ def phase_of(sg: StrategyGraph, consumer: str) -> str:
     return "backward" if is_gradient_sink(sg.graph, consumer) else "forward"
 
 
+def moved_itemsize(sg: StrategyGraph, consumer: str, t: TensorInfo) -> int:
+    """Bytes per element a resharding into ``consumer`` moves: a gradient is reduced in
+    the reduce dtype (mixed precision: fp32, ``sg.reduce_itemsize``), else the tensor's."""
+    if sg.reduce_itemsize and is_gradient_sink(sg.graph, consumer):
+        return sg.reduce_itemsize
+    return t.itemsize
+
+
 def _latency_share(
     sg: StrategyGraph, mesh: MeshSpec, producer: str, consumer: str, p, q, t: TensorInfo
 ) -> float:
     """The latency share of a resharding: a bucketed collective's share of its bucket
     (:func:`autoshard.strategies.graph.bucketed_use`), else 1."""
     if sg.bucket_bytes > 0 and bucketed_use(sg.graph, sg.nodes, producer, consumer):
-        return comm_model(mesh).bucket_share(p, q, t.shape, t.itemsize, sg.bucket_bytes)
+        item = moved_itemsize(sg, consumer, t)
+        return comm_model(mesh).bucket_share(p, q, t.shape, item, sg.bucket_bytes)
     return 1.0
 
 
@@ -203,8 +213,9 @@ def _hidden_by_kind(sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec) -
         p = e.src_placements[e.src_groups[choice[e.src]]]
         q = e.dst_placements[e.dst_groups[choice[e.dst]]]
         t = e.members[0]
-        share = comm_model(mesh).bucket_share(p, q, t.shape, t.itemsize, sg.bucket_bytes)
-        steps = comm_model(mesh).redistribute_steps(p, q, t.shape, t.itemsize, share)
+        item = moved_itemsize(sg, e.consumer, t)
+        share = comm_model(mesh).bucket_share(p, q, t.shape, item, sg.bucket_bytes)
+        steps = comm_model(mesh).redistribute_steps(p, q, t.shape, item, share)
         total = sum(st.seconds for st in steps)
         for st in steps:
             out[st.kind] += z * st.seconds / total if total > 0 else 0.0

@@ -141,6 +141,12 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         f"[bold]{sg.graph.model_name}[/bold] on mesh {mesh.shape_str} ({escape(dims)}), "
         f"device {cfg.device.name}, mode {cfg.mode}, compute dtype "
         f"{str(cfg.compute_dtype(sg.graph)).removeprefix('torch.')}"
+        + (
+            f", precision {cfg.precision} (fp32 master weights and AdamW moments, gradients "
+            f"reduced in {str(cfg.reduce_dtype).removeprefix('torch.')})"
+            if cfg.mixed
+            else ""
+        )
     )
     st = sg.stats
     console.print(

@@ -248,6 +248,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         bucket_bytes=sg.bucket_bytes,
         overlap=sg.overlap,
         seeded=sg.seeded,
+        reduce_itemsize=sg.reduce_itemsize,
     )
 
 

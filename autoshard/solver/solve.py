@@ -36,6 +36,15 @@ from autoshard.units import format_bytes
 Progress = Callable[[str, int, int], None]
 
 
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "model": None,
+    "fp32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+}
+"""``--precision``: the dtype the step computes in (``model``: the model's own dtype)."""
+
+
 @dataclass(frozen=True)
 class SolveConfig:
     """What to plan and how.
@@ -58,8 +67,19 @@ class SolveConfig:
     tie: bool = True
     bucket_bytes: float = DDP_BUCKET_BYTES
     overlap: bool = True
+    precision: str = "model"
+    reduce_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise AutoshardError(
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if self.dtype is not None and self.precision != "model":
+            raise AutoshardError(
+                f"--dtype casts the whole step and --precision {self.precision} sets it too: "
+                "give one of them"
+            )
         if self.mode not in ("train", "infer"):
             raise AutoshardError(f"--mode must be train or infer, got {self.mode!r}")
         if not self.bucket_bytes >= 0:
@@ -76,25 +96,38 @@ class SolveConfig:
         """Memory budget per device (bytes): ``memory_budget`` or the device's capacity."""
         return float(self.memory_budget or self.device.memory_bytes)
 
+    @property
+    def cast(self) -> torch.dtype | None:
+        """What parameters and floating inputs are cast to while tracing: ``dtype``, or the
+        compute dtype of ``precision`` (``None``: the model's own)."""
+        return self.dtype if self.dtype is not None else PRECISIONS[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: half-precision compute, fp32 master weights and moments."""
+        return self.precision.endswith("-mixed")
+
     def compute_dtype(self, graph: TracedGraph) -> torch.dtype:
-        """The dtype the step computes in: ``dtype`` when given, else the first
+        """The dtype the step computes in: the cast when there is one, else the first
         floating-point parameter's (float32 when there is none)."""
-        if self.dtype is not None:
-            return self.dtype
+        if self.cast is not None:
+            return self.cast
         for info in graph.nodes.values():
             if info.kind == "param" and info.results[0].dtype.is_floating_point:
                 return info.results[0].dtype
         return torch.float32
 
     def memory_model(self) -> MemoryModel:
-        return MemoryModel(self.mode)
+        return MemoryModel(self.mode, self.mixed, self.reduce_dtype.itemsize)
 
     def cost_model(self) -> dict[str, Any]:
         """The cost-model parameters, as plain builtins for the solution file."""
         return {
             "device": self.device.to_dict(),
             "mode": self.mode,
-            "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else "model",
+            "dtype": str(self.cast).removeprefix("torch.") if self.cast else "model",
+            "precision": self.precision,
+            "reduce_dtype": str(self.reduce_dtype).removeprefix("torch."),
             "memory_budget_bytes": self.budget(),
             "input_placement": self.input_placement,
             "output_placement": self.output_placement,
@@ -147,10 +180,10 @@ def trace(
         loaded.inputs = split_microbatches(loaded.inputs, microbatches, loaded.input_names)[0]
     # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
     depth = reduce_depth(loaded.module) if config.tie else None
-    if config.dtype is not None:
-        loaded.module.to(config.dtype)
+    if config.cast is not None:
+        loaded.module.to(config.cast)
         loaded.inputs = tuple(
-            x.to(config.dtype) if x.is_floating_point() else x for x in loaded.inputs
+            x.to(config.cast) if x.is_floating_point() else x for x in loaded.inputs
         )
     graph = trace_model(loaded, config.mode, depth)
     if progress:
@@ -174,6 +207,7 @@ def strategies(
         tie=config.tie,
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
         bucketed_cost=functools.partial(comm_model(config.mesh).bucketed_cost, bucket_bytes=bucket),
+        reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

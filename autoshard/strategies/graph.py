@@ -124,6 +124,8 @@ class StrategyGraph:
     overlap: bool = False  # whether gradient reductions and gathers hide (autoshard.cost.overlap)
     # the loss's tangent and what is computed from it (and free nodes) alone
     seeded: set[str] = field(default_factory=set)
+    # bytes per element gradients are reduced in, when not their own (mixed precision)
+    reduce_itemsize: int | None = None
 
     @property
     def reps(self) -> list[str]:
@@ -310,6 +312,7 @@ def build_strategy_graph(
     tie: bool = True,
     progress: Callable[[int, int], None] | None = None,
     bucketed_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
+    reduce_itemsize: int | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -329,6 +332,8 @@ def build_strategy_graph(
             a gradient's reduction and a parameter's gather (:func:`bucketed_use`,
             :meth:`~autoshard.cost.collectives.CommModel.bucketed_cost`); ``None`` prices
             them as any resharding.
+        reduce_itemsize: bytes per element gradients are reduced in (mixed precision:
+            4, fp32), when not their own dtype's.
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -350,7 +355,9 @@ def build_strategy_graph(
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
-    edges, extra = _build_edges(graph, nodes, free, redistribute_cost, bucketed_cost)
+    edges, extra = _build_edges(
+        graph, nodes, free, redistribute_cost, bucketed_cost, reduce_itemsize
+    )
     sg = StrategyGraph(
         graph=graph,
         mesh_shape=b.mesh_shape,
@@ -364,6 +371,7 @@ def build_strategy_graph(
         extra_cost=extra,
         tied_layers=tied,
         seeded=b.seeded,
+        reduce_itemsize=reduce_itemsize,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
@@ -779,12 +787,14 @@ def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
 
 
 def _build_edges(
-    graph, nodes, free, redistribute_cost, bucketed_cost=None
+    graph, nodes, free, redistribute_cost, bucketed_cost=None, reduce_itemsize=None
 ) -> tuple[list[Edge], dict]:
     """Edges between representatives, and linear costs of edges inside one
     (:func:`merge_edges`): one edge per tensor read, its cost matrix over the distinct
     produced and wanted placements (cached by placements, shape and dtype). Edges into a
-    gradient output or out of a parameter are priced by ``bucketed_cost`` when given."""
+    gradient output or out of a parameter are priced by ``bucketed_cost`` when given;
+    edges into a gradient output move ``reduce_itemsize`` bytes per element when given
+    (mixed precision reduces gradients in fp32)."""
     consumers: list[tuple[str, int, str, TensorInfo]] = []
     for name, info in graph.nodes.items():
         if info.kind == "op" and name in nodes:
@@ -807,10 +817,12 @@ def _build_edges(
         kind = bucketed_use(graph, nodes, src_name, dst_name)
         bucketed = bool(kind) and bucketed_cost is not None
         price = bucketed_cost if bucketed else redistribute_cost
-        ckey = (tuple(p_list), tuple(q_list), t.shape, t.itemsize, bucketed)
+        # a gradient is reduced in the reduce dtype (mixed precision: fp32)
+        item = reduce_itemsize if kind == GRADIENT and reduce_itemsize else t.itemsize
+        ckey = (tuple(p_list), tuple(q_list), t.shape, item, bucketed)
         cost = cost_cache.get(ckey)
         if cost is None:
-            cost = np.array([[price(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list])
+            cost = np.array([[price(p, q, t.shape, item) for q in q_list] for p in p_list])
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
         p_index = {p: i for i, p in enumerate(p_list)}
