@@ -93,6 +93,7 @@ from autoshard.model.model_file import (
 )
 from autoshard.pipeline.stage_plan import StagePlanFile, StageSpec, load_stage_plan
 from autoshard.placements import placements_from_str, short
+from autoshard.trace.tracer import kv_cache_off
 from autoshard.units import format_bytes
 
 __all__ = [
@@ -638,11 +639,12 @@ def _trace(module: nn.Module, microbatch: tuple[torch.Tensor, ...], split_points
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         try:
-            return pipeline(
-                module,
-                mb_args=microbatch,
-                split_spec={fqn: SplitPoint.BEGINNING for fqn in split_points},
-            )
+            with kv_cache_off(module):  # a step reads no KV cache (as the solve traced it)
+                return pipeline(
+                    module,
+                    mb_args=microbatch,
+                    split_spec={fqn: SplitPoint.BEGINNING for fqn in split_points},
+                )
         except Exception as exc:  # noqa: BLE001 - torch.export's failures: report on one line
             cause = exc.__cause__ or exc
             msg = " ".join(str(cause).split())[:300]

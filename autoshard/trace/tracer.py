@@ -492,6 +492,26 @@ def _export_joint(loaded: LoadedModel):
     return gm, kinds, tuple(labels), grad_of, stack.close
 
 
+@contextlib.contextmanager
+def kv_cache_off(module: torch.nn.Module):
+    """A HuggingFace model's KV cache off (``config.use_cache``), then as it was.
+
+    A step over a whole batch reads no KV cache. A model built with its default config
+    (``use_cache=True``) would return a ``DynamicCache``, which ``torch.export`` cannot
+    flatten, and in training trace the cache's concatenation onto an empty meta tensor:
+    the cache is off while tracing, as HF's own training mode turns it off.
+    """
+    config = getattr(module, "config", None)
+    cached = getattr(config, "use_cache", False) is True
+    if cached:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if cached:
+            config.use_cache = True
+
+
 def trace_model(
     loaded: LoadedModel, mode: str = "infer", depth: DepthReduction | None = None
 ) -> TracedGraph:
@@ -509,19 +529,8 @@ def trace_model(
         raise AutoshardError(f"mode must be 'train' or 'infer', got {mode!r}")
     t0 = time.perf_counter()
     export = _export_joint if mode == "train" else _export_inference
-    # A step over a whole batch reads no KV cache. A HuggingFace model built with its
-    # default config (use_cache=True) would return a DynamicCache, which torch.export
-    # cannot flatten, and in training trace the cache's concatenation onto an empty meta
-    # tensor: the cache is off while tracing (as HF's own training mode turns it off).
-    config = getattr(loaded.module, "config", None)
-    cached = getattr(config, "use_cache", False) is True
-    if cached:
-        config.use_cache = False
-    try:
+    with kv_cache_off(loaded.module):
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
-    finally:
-        if cached:
-            config.use_cache = True
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
     finally:
