@@ -33,9 +33,23 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _case(file: str, mesh: str, mode: str, layers: int | None = None, tie: bool = True) -> dict:
+def _case(
+    file: str,
+    mesh: str,
+    mode: str,
+    layers: int | None = None,
+    tie: bool = True,
+    precision: str = "model",
+) -> dict:
     env = {"AUTOSHARD_LAYERS": str(layers)} if layers else {}
-    return {"file": file, "mesh": mesh, "mode": mode, "env": env, "tie": tie}
+    return {
+        "file": file,
+        "mesh": mesh,
+        "mode": mode,
+        "env": env,
+        "tie": tie,
+        "precision": precision,
+    }
 
 
 # issue 2's table: the forward (inference) graph on 2x4
@@ -54,6 +68,15 @@ for _mesh in ("2x4", "4x8", "8x8"):
             "examples/llama.py", _mesh, "train", _layers
         )
     CASES[f"train llama-70b-shape L80 {_mesh}"] = _case("examples/llama70b.py", _mesh, "train")
+# issue 12: bf16 mixed precision, FlashAttention; the 70B shape at torchtitan's batch
+for _name, _file, _mesh in (
+    ("gpt2-small", "examples/gpt2.py", "2x4"),
+    ("llama-7b-shape L32", "examples/llama.py", "2x4"),
+    ("llama-70b-shape L80 32x2048", "examples/llama70b_torchtitan.py", "8x8"),
+):
+    CASES[f"train {_name} {_mesh} bf16-mixed"] = _case(
+        _file, _mesh, "train", precision="bf16-mixed"
+    )
 # issue 6: pipeline stages, one ILP per candidate stage (training, 8 micro-batches)
 CASES["stages gpt2-small 2x4 pp2"] = {**_case("examples/gpt2.py", "2x4", "train"), "pp": 2}
 CASES["stages gpt2-small 2x4 pp4"] = {**_case("examples/gpt2.py", "2x4", "train"), "pp": 4}
@@ -114,6 +137,7 @@ def run_case(name: str) -> dict:
         mesh=MeshSpec.from_options(case["mesh"]),
         mode=case["mode"],
         tie=case["tie"],
+        precision=case["precision"],
     )
     result = plan_model(config)
     with tempfile.TemporaryDirectory() as out:  # what a user waits for: files written too
@@ -132,6 +156,7 @@ def run_case(name: str) -> dict:
         "objective_s": result.ilp.objective_s,
         "objective_ms": round(result.ilp.objective_s * 1e3, 4),
         "mfu": result.plan.mfu,
+        "memory_bytes": result.plan.memory_bytes,
         "start": ilp.start,
         "vs_start": ilp.objective_s / ilp.start_objective_s if ilp.start_objective_s else None,
         "peak_rss_bytes": result.peak_rss_bytes,
@@ -231,6 +256,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         ("objective ms", "objective_ms"),
         ("MFU", "mfu"),
         ("vs start", "vs_start"),
+        ("plan memory/device", "memory_bytes"),
         ("peak memory", "peak_rss_bytes"),
     ]
     for title, _ in cols:
@@ -240,7 +266,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         cells = []
         for _, key in cols:
             v = row.get(key)
-            if key == "peak_rss_bytes":
+            if key in ("peak_rss_bytes", "memory_bytes") and v is not None:
                 cells.append(f"{v / 2**30:.2f} GiB")
             elif key == "vs_start" and isinstance(v, float):
                 cells.append(f"{v:.3f}x")
