@@ -87,7 +87,7 @@ def test_impossible_pairs_are_never_chosen():
 def test_infeasible_memory_budget_is_a_clear_error():
     a = NodeStrategies("a", [Strategy((), ())] * 2, np.array([1.0, 2.0]), "a", np.arange(2))
     sg = StrategyGraph(None, (2,), {"a": a}, set(), [], Counter(), 0.0)
-    with pytest.raises(AutoshardError, match="budget of 5 B .* reaches is 10 B"):
+    with pytest.raises(AutoshardError, match="budget of 5 B .* needs at least 10 B"):
         solve(sg, memory=(np.array([10.0, 20.0]), 5.0))
 
 

@@ -35,7 +35,8 @@ def _ddp(tmp_path, **kw):
         ({}, (4, 4, 8)),  # fp32: parameter, gradient, two fp32 moments
         ({"dtype": torch.bfloat16}, (2, 2, 4)),  # a pure cast: AdamW keeps bf16 moments
         ({"precision": "bf16-mixed"}, (2, 4, 12)),  # + fp32 master, fp32 gradients
-        ({"precision": "bf16-mixed", "reduce_dtype": torch.bfloat16}, (2, 2, 12)),
+        # reduced in bf16, then kept in fp32 beside the master weights (FSDP2)
+        ({"precision": "bf16-mixed", "reduce_dtype": torch.bfloat16}, (2, 4, 12)),
     ],
     ids=["fp32", "bf16-cast", "bf16-mixed", "bf16-mixed-reduce-bf16"],
 )
@@ -69,6 +70,15 @@ def test_gradients_are_reduced_in_the_reduce_dtype(tmp_path):
     half = _ddp(tmp_path, precision="bf16-mixed", reduce_dtype=torch.bfloat16)
     assert mixed == pytest.approx(fp32, rel=1e-12)
     assert half.plan.comm_s["all_reduce"] < 0.6 * fp32
+
+
+def test_reduce_dtype_without_mixed_precision_is_one_clear_error(tmp_path):
+    with pytest.raises(AutoshardError, match="mixed precision only"):
+        SolveConfig(
+            model_path=write_mlp(tmp_path, 8, 8, 8),
+            mesh=MeshSpec.from_options("2"),
+            reduce_dtype=torch.bfloat16,
+        )
 
 
 def test_dtype_and_precision_together_are_one_clear_error(tmp_path):

@@ -146,7 +146,8 @@ def step_options() -> list:
             type=click.Choice(["float32", "bfloat16"]),
             default="float32",
             show_default=True,
-            help="With --precision *-mixed: the dtype gradients are reduced and kept in.",
+            help="With --precision *-mixed: the dtype gradients are reduced in (then kept in "
+            "fp32 beside the master weights).",
         ),
     ]
 

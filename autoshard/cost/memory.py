@@ -17,8 +17,9 @@ one per point, so a plan that satisfies every row fits exactly what the report s
 There are too many points to hand the ILP all of them: it starts from the point where
 the live set is largest in bytes when every tensor is cut as finely as it can be (in
 training, the turn from forward to backward), and the driver adds the points a plan
-overflows (:func:`autoshard.solver.solve.plan_model`). :func:`memory_rows` (the saved
-activations of the turn, plus the inputs) is kept for the pipeline's per-stage ILPs.
+overflows (:func:`autoshard.solver.solve.solve_within_memory`). :func:`memory_rows` (the
+saved activations of the turn, plus the inputs) is kept for the pipeline's per-stage ILPs:
+there the budget holds at the turn only.
 """
 
 from __future__ import annotations
@@ -41,17 +42,16 @@ class MemoryModel:
     """What a training step keeps per parameter element, in bytes beyond the parameter.
 
     ``mixed``: mixed precision (``--precision bf16-mixed``): the parameters the step
-    computes with in their (half) dtype, an fp32 master copy and fp32 AdamW moments, and
-    gradients in ``reduce_itemsize`` bytes (the dtype they are reduced in: fp32 by
-    default, as FSDP2's ``MixedPrecisionPolicy`` and torchtitan). Per bf16 parameter
-    element: 2 + 4 (or 2) + 4 + 8 bytes. Otherwise every tensor of the step is in the
+    computes with in their (half) dtype, an fp32 master copy, its fp32 gradient (the
+    gradient is reduced in the reduce dtype, then kept as the master's, as FSDP2's
+    ``MixedPrecisionPolicy`` and torchtitan do) and fp32 AdamW moments. Per bf16 parameter
+    element: 2 + 4 + 4 + 8 bytes. Otherwise every tensor of the step is in the
     parameter's dtype, as ``torch.optim.AdamW`` keeps it: parameter, gradient and two
     moments (fp32: 4 + 4 + 8 bytes; a ``--dtype bfloat16`` cast: 2 + 2 + 4).
     """
 
     mode: str = "train"
     mixed: bool = False
-    reduce_itemsize: int = 4
 
     def per_param_factors(self, dtype: torch.dtype) -> dict[str, float]:
         """Bytes kept per byte of local parameter, by kind (``parameters`` is 1)."""
@@ -62,7 +62,7 @@ class MemoryModel:
             return {"parameters": 1.0, "gradients": 1.0, "optimizer_state": 2.0}
         return {
             "parameters": 1.0,
-            "gradients": self.reduce_itemsize / item,
+            "gradients": FP32_MASTER_BYTES / item,
             "optimizer_state": (FP32_MOMENTS_BYTES + FP32_MASTER_BYTES) / item,
         }
 
@@ -209,11 +209,12 @@ class LiveMemory:
         smallest strategy: the budget rows to start from."""
         if self.live.points.shape[0] == 0:
             return []
-        least = np.zeros(self.bytes.shape[0])
-        for j in range(self.bytes.shape[0]):
-            row = self.bytes.getrow(j)
-            least[j] = row.data.min() if row.nnz else 0.0
-        return list(np.argsort(-(self.live.points @ least), kind="stable")[:k])
+        b = self.bytes.tocsr()
+        least = np.zeros(b.shape[0])
+        has = np.diff(b.indptr) > 0
+        if b.nnz:
+            least[has] = np.minimum.reduceat(b.data, b.indptr[:-1][has])
+        return [int(i) for i in np.argsort(-(self.live.points @ least), kind="stable")[:k]]
 
 
 def _param_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:

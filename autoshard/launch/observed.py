@@ -66,7 +66,14 @@ def prepare_program(
     mesh = MeshSpec.from_dict(solution["mesh"])
     check_map_matches_solution(smap, solution, path.name)
     cast = _cast_of(cost.get("dtype"))
-    mixed = str(cost.get("precision", "model")).endswith("-mixed")
+    precision = str(cost.get("precision", "model"))
+    if precision == "fp16-mixed" and not opts.check:
+        raise AutoshardError(
+            f"{path.name} was solved with --precision fp16-mixed, which needs a loss scaler the "
+            "launcher does not have (fp16 gradients underflow); solve with bf16-mixed, or "
+            "launch with --check (float64)"
+        )
+    mixed = precision.endswith("-mixed")
     reduce = _cast_of(cost.get("reduce_dtype", "float32")) if mixed else None
 
     def with_cast(program: GraphProgram) -> GraphProgram:

@@ -264,13 +264,11 @@ class Liveness:
         scale: per node, the real tensors it stands for (a saved activation of a
             depth-reduced graph counts once per block it stands for; else 1).
         points: ``(points, len(nodes))`` sparse 0/1, node ``j`` live at point ``i``.
-        at: the graph position of each point.
     """
 
     nodes: tuple[str, ...]
     scale: np.ndarray
     points: sp.csr_matrix
-    at: tuple[int, ...]
 
 
 def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
@@ -294,15 +292,12 @@ def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
     at = np.unique(end)  # a live set only shrinks where something is freed
     first = np.searchsorted(at, begin)  # the first point at or after the allocation
     last = np.searchsorted(at, end)  # the point of the free
-    counts = last - first + 1
-    rows = np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last, strict=True)])
-    cols = np.repeat(np.arange(len(nodes)), counts)
-    points = sp.csr_matrix(
-        (np.ones(len(rows)), (rows, cols)) if len(nodes) else ([], ([], [])),
-        shape=(len(at), len(nodes)),
-    )
+    rows = [np.arange(a, b + 1) for a, b in zip(first, last, strict=True)]
+    rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    cols = np.repeat(np.arange(len(nodes)), last - first + 1)
+    points = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(at), len(nodes)))
     scale = np.array([float(graph.mult(n)) if n in saved else 1.0 for n in nodes])
-    graph.liveness = Liveness(tuple(nodes), scale, points, tuple(int(i) for i in at))
+    graph.liveness = Liveness(tuple(nodes), scale, points)
     return graph.liveness
 
 

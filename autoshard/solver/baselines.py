@@ -958,10 +958,7 @@ def plan_for_algo(
     if algo == "ilp":
         starts, _ = hand_plan_starts(sg, mesh)
         result = solve(sg, solver_options, memory, starts)
-        stats = asdict(result)
-        stats.pop("choice")
-        stats["algo"] = "ilp"
-        return finish(sg, result.choice, "ilp"), stats
+        return finish(sg, result.choice, "ilp"), result.stats()
     if algo not in BASELINES:
         raise AutoshardError(f"unknown --algo {algo!r}; choose one of {', '.join(ALGOS)}")
     b = run_baseline(sg, algo, mesh, solver_options)

@@ -16,11 +16,11 @@ from rich import box
 from rich.table import Table
 
 from autoshard.cost.collectives import COLLECTIVE_KINDS
-from autoshard.cost.memory import ilp_row, memory_rows
 from autoshard.errors import AutoshardError
 from autoshard.plan.plan import Plan
-from autoshard.solver.baselines import ALGOS, plan_for_algo
-from autoshard.solver.solve import finish_plan
+from autoshard.solver.baselines import ALGOS, hand_plan_starts, plan_for_algo
+from autoshard.solver.solve import finish_plan, solve_within_memory
+from autoshard.strategies.graph import StrategyGraph
 from autoshard.units import format_bytes, format_seconds
 
 # Plans whose step times differ by less than this (relative) tie: the ILP and a baseline
@@ -92,15 +92,21 @@ def compare_plans(
         if a not in ALGOS:
             raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(ALGOS)}")
     budget = config.budget()
-    memory, finish = _memory_model(config, sg, budget)
+
+    def finish(sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
+        return finish_plan(config, sg, choice, name)
+
     rows = []
     for i, algo in enumerate(algos):
         if progress:
             progress("solve", i, len(algos))
         try:
-            plan, stats = plan_for_algo(
-                sg, algo, config.mesh, config.solver, memory if algo == "ilp" else None, finish
-            )
+            if algo == "ilp":  # as `solve` plans it: the budget at every point of the step
+                starts, _ = hand_plan_starts(sg, config.mesh)
+                result = solve_within_memory(sg, config, starts)
+                plan, stats = finish(sg, result.choice, "ilp"), result.stats()
+            else:
+                plan, stats = plan_for_algo(sg, algo, config.mesh, config.solver, None, finish)
         except AutoshardError as exc:  # e.g. no plan fits the budget: say so in its row
             rows.append(ComparedPlan(algo, error=str(exc)))
             continue
@@ -114,12 +120,6 @@ def compare_plans(
         for r in pool:
             r.best = math.isclose(r.plan.step_time_s, fastest, rel_tol=TIE_REL_TOL, abs_tol=1e-15)
     return rows
-
-
-def _memory_model(config, sg, budget: float):
-    """The ILP's memory row and the plan builder ``solve`` uses (training memory kinds)."""
-    memory = (ilp_row(sg, memory_rows(sg, config.memory_model())), budget)
-    return memory, lambda sg, choice, name: finish_plan(config, sg, choice, name)
 
 
 _LABEL = {

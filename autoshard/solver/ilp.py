@@ -21,7 +21,7 @@ Mathematics (the method that builds each part is named in brackets):
   keeps on one device at one point of the step: the live activations at that point of
   the graph order plus the parameters, gradients and optimizer state
   (:class:`autoshard.cost.memory.LiveMemory`; the driver adds the rows a plan
-  overflows and solves again, :func:`autoshard.solver.solve.plan_model`); when
+  overflows and solves again, :func:`autoshard.solver.solve.solve_within_memory`); when
   infeasible, the least peak ``max_k M_k . x`` any plan reaches is reported
   [``_least_memory``].
 * Minimise ``c . x + r . y - sum(z)``: ``c`` the compute seconds of each strategy
@@ -45,7 +45,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import scipy.sparse as sp
@@ -84,6 +84,14 @@ class ILPResult:
     start: str | None = None  # the hand-written plan the search started from
     start_objective_s: float | None = None  # its objective (s)
     memory_rounds: int = 1  # solves, each adding budget rows a plan overflowed
+
+    def stats(self) -> dict:
+        """Everything but the choice, as a dict, with ``algo`` ``"ilp"`` (the statistics
+        ``compare`` and ``solve --algo ilp`` report)."""
+        out = asdict(self)
+        out.pop("choice")
+        out["algo"] = "ilp"
+        return out
 
 
 @dataclass
@@ -507,8 +515,8 @@ def _search(
         if memory is not None:
             least = _least_memory(prob, memory[0], options)
             raise MemoryBudgetError(
-                f"no plan fits the memory budget of {format_bytes(memory[1])} per device: the "
-                f"smallest any plan in the search space reaches is {format_bytes(least)}; "
+                f"no plan fits the memory budget of {format_bytes(memory[1])} per device: every "
+                f"plan in the search space needs at least {format_bytes(least)}; "
                 "raise --memory-budget, use more devices, or a smaller --dtype",
                 least,
             )

@@ -75,6 +75,10 @@ class SolveConfig:
             raise AutoshardError(
                 f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
             )
+        if self.reduce_dtype != torch.float32 and not self.mixed:
+            raise AutoshardError(
+                "--reduce-dtype applies to mixed precision only: add --precision bf16-mixed"
+            )
         if self.dtype is not None and self.precision != "model":
             raise AutoshardError(
                 f"--dtype casts the whole step and --precision {self.precision} sets it too: "
@@ -118,7 +122,7 @@ class SolveConfig:
         return torch.float32
 
     def memory_model(self) -> MemoryModel:
-        return MemoryModel(self.mode, self.mixed, self.reduce_dtype.itemsize)
+        return MemoryModel(self.mode, self.mixed)
 
     def cost_model(self) -> dict[str, Any]:
         """The cost-model parameters, as plain builtins for the solution file."""
@@ -295,7 +299,12 @@ def solve_within_memory(
         result = solve(sg, options, memory=(rows, budget), starts=starts)
         used = live.per_point(result.choice)
         over = [int(k) for k in np.argsort(-used, kind="stable") if used[k] > budget * (1 + 1e-9)]
-        over = [k for k in over if k not in points][:ROWS_PER_ROUND]
+        if any(k in points for k in over):  # a row it was given: never a plan that overflows
+            raise AutoshardError(
+                f"the ILP returned a plan over the memory budget of {format_bytes(budget)} at a "
+                "point it was constrained at (solver tolerance); raise --memory-budget a little"
+            )
+        over = over[:ROWS_PER_ROUND]
         if not over:
             spent = time.perf_counter() - t0 - result.build_seconds
             return replace(result, memory_rounds=rounds, solve_seconds=spent)
@@ -304,8 +313,9 @@ def solve_within_memory(
         left = config.solver.time_limit_s - (time.perf_counter() - t0)
         options = replace(config.solver, time_limit_s=max(1.0, left))
     raise AutoshardError(
-        f"no plan found within the memory budget of {format_bytes(budget)} per device at "
-        f"every point of the step after {MEMORY_ROUNDS} solves; raise --memory-budget"
+        f"after {MEMORY_ROUNDS} solves the plan still overflows the memory budget of "
+        f"{format_bytes(budget)} per device at {len(over)} more point(s) of the step; raise "
+        "--memory-budget or --time-limit"
     )
 
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard import _torch_private as tp
 from autoshard.cost.overlap import GATHER, GRADIENT, hide_share_fn
-from autoshard.trace.attention import FLASH_OPS
+from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
 from autoshard.trace.tracer import TensorInfo, TracedGraph, op_flops
 
@@ -236,17 +236,23 @@ def _attention_rule(node, args, results, mesh_shape) -> list[Strategy]:
         if any(args[0].shape[d] % k for d, k in div.items()):
             continue
 
-        def follow(t: TensorInfo | None, combo=combo):
+        def follow(t: TensorInfo | None, ndims: tuple[int, ...], combo=combo):
+            """``[B, H, S(, D)]`` tensors follow ``combo``; a mask broadcasts from the right,
+            so only a 4-D one does, and its dims of size 1 stay whole."""
             if t is None:
                 return None
-            if len(t.shape) >= 3:  # [B, H, S(, D)]: the mask's broadcast dims stay whole
+            if len(t.shape) in ndims:
                 return tuple(
                     p if not isinstance(p, Shard) or t.shape[p.dim] > 1 else Replicate()
                     for p in combo
                 )
             return (Replicate(),) * ndim
 
-        out.append(Strategy(tuple(follow(r) for r in results), tuple(follow(a) for a in args)))
+        # the query/key/value-like arguments (and grad_out, out, logsumexp in the
+        # backward) lead; an attention mask, when given, is the last tensor argument
+        n_bhs = 6 if node.target is FLASH_BACKWARD else 3
+        ins = tuple(follow(a, (3, 4) if i < n_bhs else (4,)) for i, a in enumerate(args))
+        out.append(Strategy(tuple(follow(r, (3, 4)) for r in results), ins))
     return out
 
 
