@@ -367,3 +367,17 @@ def test_the_users_line_is_found_under_a_folder_named_autoshard(tmp_path):
     assert _library_file(str(ROOT / "autoshard" / "trace" / "tracer.py"))
     assert _library_file(__import__("torch").__file__)
     assert _library_file(__import__("json").__file__)
+
+
+def test_a_solve_prints_no_third_party_banner(tmp_path):
+    """highspy 1.16 prints "Running HiGHS ..." from C++ when a solver is made; a plain
+    solve's terminal shows autoshard's report only (issue 13, item 5)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", "examples/mlp.py", "--mesh", "2x2"]
+    out = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout + out.stderr
+    assert "solver: HiGHS" in text
+    assert "Running HiGHS" not in text and "Copyright" not in text, text

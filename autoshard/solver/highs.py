@@ -20,6 +20,10 @@ anything else (model or solve errors, ...)    ``error``
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import highspy
@@ -85,6 +89,28 @@ class HighsRun:
     model_status: str
 
 
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """The process's file descriptor 1 on /dev/null for the block (C code's printf)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def new_highs() -> highspy.Highs:
+    """A ``highspy.Highs`` made without its banner: highspy 1.16 prints "Running HiGHS
+    ..." from C++ as it is constructed, before ``output_flag`` can be set (issue 13: no
+    third-party output reaches the terminal unasked)."""
+    with _stdout_silenced():
+        return highspy.Highs()
+
 def _run_interruptibly(h: highspy.Highs) -> None:
     """``h.run()`` in highspy's solver thread, so that Ctrl-C reaches the main thread at
     once: HiGHS is then cancelled at its next interrupt check (highspy's
@@ -128,7 +154,7 @@ def run(
     Raises:
         KeyboardInterrupt: Ctrl-C, after HiGHS has stopped.
     """
-    h = highspy.Highs()
+    h = new_highs()
     for name, value in (
         ("output_flag", False),
         ("threads", 1),  # deterministic: the same plan on every run and machine load
