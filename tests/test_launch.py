@@ -8,10 +8,12 @@ python from the repo root, ``OMP_NUM_THREADS=1`` (8 processes share 2 cores) and
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from helpers import (
     torchrun,
     write_gpt2_short,
 )
+from torch import nn
 
 from autoshard.cli.launch import launch_command
 from autoshard.errors import AutoshardError
@@ -33,7 +36,13 @@ from autoshard.launch.check import compare_runs, relative_error
 from autoshard.launch.options import RunOptions
 from autoshard.launch.torchrun import torchrun_argv
 from autoshard.launch.validate import check_plan, check_world_size
-from autoshard.model.materialize import build_skeleton, make_inputs, materialize
+from autoshard.model.materialize import (
+    build_skeleton,
+    init_parameters,
+    init_units,
+    make_inputs,
+    materialize,
+)
 from autoshard.model.model_file import LoadedModel, instantiate, load_model_file
 from autoshard.placements import placements_from_str
 from autoshard.plan.formats import ShardingMap
@@ -89,6 +98,7 @@ def _gpt2_short(tmp_path: Path) -> Path:
 LLAMA_FILE = '''
 """A small Llama-2 (2 layers) with llama3 rope scaling: inv_freq is computed in __init__."""
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -157,8 +167,49 @@ def test_materialise_is_deterministic_and_keeps_ties(monkeypatch: pytest.MonkeyP
     assert torch.equal(ids, b.loaded.inputs[0])
 
 
+def test_a_placed_init_holds_one_unit_in_full_and_keeps_the_reference_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 16 item 7: a rank makes the model one unit at a time (embeddings and head,
+    then each block) and keeps only its shard; the values are those of the unplaced
+    reference (``--check``'s single device)."""
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "3")
+    mf = load_model_file(GPT2)
+    ref = dict(materialize(mf, seed=5).loaded.module.named_parameters())
+    units = [prefix for prefix, _ in init_units(build_skeleton(mf).module)]
+    assert units == ["", "transformer.h.0", "transformer.h.1", "transformer.h.2"]
+
+    def unit(fqn: str) -> int:
+        return max(i for i, u in enumerate(units) if i == 0 or fqn.startswith(u + "."))
+
+    fulls: list[tuple[int, weakref.ref]] = []
+    placed: list[str] = []
+    stale: list[str] = []
+
+    def place(fqn: str, full: nn.Parameter) -> nn.Parameter:
+        k = unit(fqn)
+        # no full tensor of an earlier unit is alive when this unit's are placed
+        stale.extend(fqn for j, r in fulls if j < k and r() is not None)
+        assert torch.equal(full, ref[fqn]), fqn
+        fulls.append((k, weakref.ref(full)))
+        placed.append(fqn)
+        return nn.Parameter(full.detach()[:1].clone())  # the "shard": one row
+
+    skeleton = build_skeleton(mf, seed=5)
+    init_parameters(skeleton.module, 5, "cpu", place)
+    gc.collect()
+    assert not stale, stale
+    assert all(r() is None for _, r in fulls)  # nothing kept the full tensors alive
+    assert len(placed) == len(set(placed)) == len(ref)  # the tied head placed once
+    model = skeleton.module
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.shape == (1, 768)
+    assert [unit(n) for n in placed] == sorted(unit(n) for n in placed)
+
+
 PLAIN_FILE = """
 import torch
+from torch import nn
 from torch import nn
 
 

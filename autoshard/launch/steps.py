@@ -59,9 +59,29 @@ def distribute_parameters(
                         f"the plan gives no placements for {fqn}, which the model holds; "
                         "plan again for this model"
                     )
-                dt = distribute_tensor(p.detach(), mesh, list(where), src_data_rank=None)
-                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                done[id(p)] = placed_parameter(p, mesh, where)
             mod._parameters[name] = done[id(p)]
+
+
+def placed_parameter(
+    p: torch.Tensor, mesh: DeviceMesh, where: Sequence[Placement], dtype: torch.dtype | None = None
+) -> nn.Parameter:
+    """This rank's shard of the full ``p`` (the same values on every rank), as a DTensor
+    ``nn.Parameter`` placed ``where``, cast to ``dtype`` when given; no communication.
+
+    The shard owns its storage: DTensor's local split of a dim-0 shard is a view of the
+    full tensor, which would keep all of it alive on every rank.
+    """
+    full = p.detach()
+    if dtype is not None and full.is_floating_point():
+        full = full.to(dtype)
+    dt = distribute_tensor(full, mesh, list(where), src_data_rank=None)
+    local = dt.to_local()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        dt = DTensor.from_local(
+            local.clone(), mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+        )
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
 def distribute_inputs(

@@ -14,9 +14,11 @@ So autoshard builds in two phases:
    device as it is registered (the approach of ``accelerate.init_empty_weights(
    include_buffers=False)``). Parameters cost no memory and their initialisers run on
    meta (free); buffers, and any other tensor ``__init__`` computes, are real and exact.
-2. **Initialise.** Each meta parameter is replaced by an empty tensor on the target
-   device (tied parameters stay one object), filled with NaN as a sentinel, and then
-   initialised by the model's own code under ``torch.manual_seed(seed)``:
+2. **Initialise, one unit at a time** (:func:`init_units`: the parameters outside the
+   repeated blocks, then each block). A unit's meta parameters are replaced by empty
+   tensors on the target device (tied parameters stay one object), filled with NaN as a
+   sentinel, and initialised by the model's own code under the unit's seed
+   (:func:`unit_seed`) while every other parameter is on meta:
    HuggingFace models (``transformers.PreTrainedModel``) by ``init_weights()`` (their
    ``_init_weights``, which also re-ties weights and recomputes rotary buffers); other
    modules by ``reset_parameters()`` (or ``_reset_parameters()``), children before
@@ -24,16 +26,19 @@ So autoshard builds in two phases:
    NaN) get a documented fallback: normal(0, 0.02) for tensors of two or more dims,
    ones for vectors and scalars; their names are reported.
 
-The same seed on the same device type gives bit-identical weights on every rank and in
-the reference run. Inputs are synthesised from ``example_inputs()``'s shapes and dtypes
-with their own seeded generator (:func:`make_inputs`).
+A launch rank keeps only its shard of each unit before the next one is made
+(``place``), so it never holds the whole model (issue 16: eight ranks of GPT-2 small
+each held all 124 M parameters). The same seed on the same device type gives
+bit-identical weights on every rank and in the reference run, placed or not. Inputs
+are synthesised from ``example_inputs()``'s shapes and dtypes with their own seeded
+generator (:func:`make_inputs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +51,14 @@ __all__ = [
     "DEFAULT_TOKEN_RANGE",
     "FALLBACK_STD",
     "Materialized",
+    "ParameterPlacer",
     "build_skeleton",
     "init_parameters",
+    "init_units",
     "make_inputs",
     "materialize",
     "params_on_meta",
+    "unit_seed",
 ]
 
 FALLBACK_STD = 0.02
@@ -166,16 +174,61 @@ def _call_init(module: nn.Module, fn: str, path: str) -> None:
         ) from exc
 
 
-def init_parameters(module: nn.Module, seed: int, device: str | torch.device = "cpu") -> list[str]:
-    """Give every meta parameter real storage on ``device`` and initialise it, seeded.
+ParameterPlacer = Callable[[str, nn.Parameter], nn.Parameter]
+"""``place(fqn, full)`` -> the parameter a rank keeps (its shard), for :func:`init_parameters`."""
+
+
+def init_units(module: nn.Module) -> list[tuple[str, int]]:
+    """The units :func:`init_parameters` initialises one at a time, with their seed offsets.
+
+    ``("", 0)`` (every parameter outside the repeated blocks: embeddings, final norm,
+    head), then each repeated block (:func:`autoshard.trace.tracer.find_block_prefixes`)
+    with offset ``1 + index``. A model without repeated blocks is one unit.
+    """
+    from autoshard.trace.tracer import find_block_prefixes  # the tracer imports this module
+
+    blocks = find_block_prefixes(module)
+    ordered = sorted(blocks.items(), key=lambda kv: kv[1])
+    return [("", 0)] + [(prefix, 1 + index) for prefix, index in ordered]
+
+
+def unit_seed(seed: int, offset: int) -> int:
+    """The seed of a unit: ``seed`` for offset 0 (a model without blocks initialises as
+    ``torch.manual_seed(seed)`` then its initialisers), else a 63-bit mix of the two."""
+    if offset == 0:
+        return seed
+    return (seed * 1_000_003 + offset * 7_919) % (2**63 - 1)
+
+
+def init_parameters(
+    module: nn.Module,
+    seed: int,
+    device: str | torch.device = "cpu",
+    place: ParameterPlacer | None = None,
+) -> list[str]:
+    """Give every meta parameter real storage on ``device`` and initialise it, seeded,
+    one unit (:func:`init_units`) at a time.
+
+    For each unit: its parameters become real (NaN-filled) while every other parameter
+    is on meta, ``torch.manual_seed(unit_seed(seed, offset))`` runs, then the model's
+    own initialisers over the whole model (on meta, the other units' writes are free and
+    draw nothing from the random state); elements left NaN get the fallback; then
+    ``place`` (when given) turns each full parameter into what this process keeps, and
+    the full tensor is dropped before the next unit. So a rank holds at most one unit
+    in full (GPT-2 small: the embeddings, 157 MB in fp32) beside its shards, and the
+    values are the same with or without ``place`` (the single-device reference of
+    ``--check`` calls this without it).
 
     Parameters already real (a model file that registers them by hand) keep their
-    values; buffers move to ``device``. Tied parameters stay tied (one ``Parameter``).
+    values; buffers move to ``device``. Tied parameters stay tied (one ``Parameter``,
+    placed once).
 
     Args:
         module: a skeleton from :func:`build_skeleton` (modified in place).
-        seed: seeds ``torch.manual_seed`` right before the initialisers run.
+        seed: the launch's seed (see :func:`unit_seed`).
         device: where the parameters live, e.g. ``"cpu"`` or ``"cuda:0"``.
+        place: ``place(fqn, full_parameter) -> parameter`` (e.g. a DTensor parameter
+            holding this rank's shard); ``None`` keeps the full parameters.
 
     Returns:
         FQNs of parameters that got the fallback init (see the module docstring).
@@ -184,22 +237,7 @@ def init_parameters(module: nn.Module, seed: int, device: str | torch.device = "
         AutoshardError: a buffer is still on meta, or an initialiser raised.
     """
     dev = torch.device(device)
-    new: dict[int, nn.Parameter] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=True):
-        for name, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in new:
-                if p.is_meta:
-                    data = torch.empty(p.shape, dtype=p.dtype, device=dev)
-                    if data.is_floating_point() or data.is_complex():
-                        data.fill_(math.nan)
-                    else:
-                        data.zero_()
-                else:
-                    data = p.detach().to(dev)
-                new[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-            mod._parameters[name] = new[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
                 continue
@@ -212,25 +250,85 @@ def init_parameters(module: nn.Module, seed: int, device: str | torch.device = "
             if b.device != dev:
                 mod._buffers[name] = b.to(dev)
 
-    torch.manual_seed(seed)
-    _run_initialisers(module)
+    # every parameter slot, and each tensor's first name (tied slots share one tensor)
+    slots: list[tuple[nn.Module, str, nn.Parameter]] = []
+    first: dict[int, str] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.append((mod, name, p))
+                first.setdefault(id(p), f"{mod_name}.{name}" if mod_name else name)
+    skeleton = {id(p): p for _, _, p in slots}
+    parked = {i: _on_meta(p) for i, p in skeleton.items()}  # what other units see
+    for mod, name, p in slots:
+        mod._parameters[name] = parked[id(p)]
 
+    units = init_units(module)
+    prefixes = [prefix for prefix, _ in units if prefix]
+    unit_of: dict[int, int] = {}
+    for i, fqn in first.items():
+        unit_of[i] = next((k + 1 for k, pre in enumerate(prefixes) if fqn.startswith(pre + ".")), 0)
+
+    done: dict[int, nn.Parameter] = {}
     fallback: list[str] = []
-    with torch.no_grad():
-        for fqn, p in module.named_parameters():
-            if not (p.is_floating_point() or p.is_complex()):
-                continue
-            holes = torch.isnan(p)
-            if not bool(holes.any()):
-                continue
-            fill = torch.empty_like(p)
-            if p.dim() >= 2:
-                fill.normal_(0.0, FALLBACK_STD)
+    for k, (_, offset) in enumerate(units):
+        members = [i for i in skeleton if unit_of[i] == k]
+        if not members:
+            continue
+        live: dict[int, nn.Parameter] = {}
+        for i in members:
+            p = skeleton[i]
+            if p.is_meta:
+                data = torch.empty(p.shape, dtype=p.dtype, device=dev)
+                if data.is_floating_point() or data.is_complex():
+                    data.fill_(math.nan)
+                else:
+                    data.zero_()
             else:
-                fill.fill_(1.0)
-            p.copy_(torch.where(holes, fill, p))
-            fallback.append(fqn)
-    return fallback
+                data = p.detach().to(dev)
+            live[i] = nn.Parameter(data, requires_grad=p.requires_grad)
+        for mod, name, p in slots:
+            if id(p) in live:
+                mod._parameters[name] = live[id(p)]
+        torch.manual_seed(unit_seed(seed, offset))
+        _run_initialisers(module)
+        for mod, name, p in slots:  # what the initialisers left in this unit's slots
+            if id(p) in live:
+                live[id(p)] = mod._parameters[name]
+                mod._parameters[name] = parked[id(p)]
+        for i in members:
+            full = live.pop(i)
+            if _fill_holes(full):
+                fallback.append(first[i])
+            done[i] = place(first[i], full) if place is not None else full
+            del full
+    for mod, name, p in slots:
+        mod._parameters[name] = done[id(p)]
+    return sorted(fallback)
+
+
+def _on_meta(p: nn.Parameter) -> nn.Parameter:
+    """``p`` itself when on meta, else a meta parameter of its shape and dtype."""
+    if p.is_meta:
+        return p
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+
+
+def _fill_holes(p: torch.Tensor) -> bool:
+    """Elements no initialiser wrote (NaN) get the fallback init; True when any did."""
+    if not (p.is_floating_point() or p.is_complex()):
+        return False
+    with torch.no_grad():
+        holes = torch.isnan(p)
+        if not bool(holes.any()):
+            return False
+        fill = torch.empty_like(p)
+        if p.dim() >= 2:
+            fill.normal_(0.0, FALLBACK_STD)
+        else:
+            fill.fill_(1.0)
+        p.copy_(torch.where(holes, fill, p))
+    return True
 
 
 def _vocab_size(module: nn.Module) -> int | None:
