@@ -38,11 +38,12 @@ from autoshard.launch.check import (
 from autoshard.launch.observed import observed_rows, prepare_program, report_observed
 from autoshard.launch.options import RunOptions
 from autoshard.launch.plan_steps import run_plan_steps
-from autoshard.launch.steps import distribute_inputs, distribute_parameters, run_steps
+from autoshard.launch.steps import distribute_inputs, placed_parameter, run_steps
 from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
 from autoshard.plan.formats import ShardingMap, atomic_write_text, load_sharding_map
+from autoshard.trace.batchnorm import train_batch_norms
 from autoshard.units import format_bytes
 
 
@@ -94,17 +95,29 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
         program = prepare_program(smap, mf, opts, announce=rank == 0)
     skeleton = build_skeleton(mf, opts.seed)
     check_plan(smap, skeleton, mf.path.name)
-    fallback = init_parameters(skeleton.module, opts.seed, device)
-    inputs = make_inputs(skeleton, opts.seed, device)
-    if program is not None and program.dtype is not None:  # the solve's --dtype cast
-        if program.reduce_dtype is None:  # mixed precision keeps fp32 master parameters
-            skeleton.module.to(program.dtype)
-        inputs = tuple(x.to(program.dtype) if x.is_floating_point() else x for x in inputs)
+    # the solve's --dtype is a cast of the weights; mixed precision keeps fp32 master
+    # parameters; --check computes in float64
+    cast = program.dtype if program is not None else None
+    weights = cast if cast is not None and program.reduce_dtype is None else None
     # bytes per element as the model holds them (--check runs in float64)
-    itemsize = {id(p): p.element_size() for p in skeleton.module.parameters()}
-    itemsize_by_name = {n: itemsize[id(p)] for n, p in skeleton.module.named_parameters()}
+    itemsize_by_name = {
+        n: (torch.empty((), dtype=weights) if weights is not None else p).element_size()
+        for n, p in skeleton.module.named_parameters()
+    }
+    held = torch.float64 if opts.check else weights
+
+    def place(fqn: str, full: nn.Parameter) -> nn.Parameter:
+        return placed_parameter(full, mesh, smap.parameters[fqn], held)
+
+    # each rank makes one unit of the model at a time and keeps its shards of it
+    fallback = init_parameters(skeleton.module, opts.seed, device, place)
+    if held is not None:
+        _cast_buffers(skeleton.module, held)
+    inputs = make_inputs(skeleton, opts.seed, device)
+    if cast is not None:
+        inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in inputs)
     if opts.check:
-        inputs = widen_module(skeleton.module, inputs)
+        inputs = tuple(x.to(torch.float64) if x.is_floating_point() else x for x in inputs)
     loaded = LoadedModel(
         skeleton.module, inputs, skeleton.input_names, skeleton.name, skeleton.loss_fn
     )
@@ -122,7 +135,6 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
                 f"(fallback init used): {listing(fallback)}"
             )
 
-    distribute_parameters(loaded.module, mesh, smap.parameters)
     d_inputs = distribute_inputs(loaded, mesh, smap.inputs)
     local = sum(
         p.to_local().numel() * itemsize_by_name[n] for n, p in loaded.module.named_parameters()
@@ -233,6 +245,8 @@ def _check(
     verdict = [0]
     if rank == 0:
         ref = materialize(mf, opts.seed, device).loaded
+        if opts.train:  # batch statistics, as the traced training step normalises
+            train_batch_norms(ref.module)
         if cast is not None:  # the solve's --dtype, as the sharded run's weights
             if not master:
                 ref.module.to(cast)
@@ -285,6 +299,15 @@ def _check(
             }
     dist.broadcast_object_list(verdict, src=0)
     return int(verdict[0])
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module``'s floating buffers cast to ``dtype`` in place (its parameters are placed
+    in that dtype already)."""
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_floating_point():
+                mod._buffers[name] = b.to(dtype)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -89,7 +89,6 @@ class HighsRun:
     model_status: str
 
 
-
 @contextlib.contextmanager
 def _stdout_silenced() -> Iterator[None]:
     """The process's file descriptor 1 on /dev/null for the block (C code's printf)."""
@@ -110,6 +109,7 @@ def new_highs() -> highspy.Highs:
     third-party output reaches the terminal unasked)."""
     with _stdout_silenced():
         return highspy.Highs()
+
 
 def _run_interruptibly(h: highspy.Highs) -> None:
     """``h.run()`` in highspy's solver thread, so that Ctrl-C reaches the main thread at

@@ -18,7 +18,9 @@ Shrinking, as Alpa does (Zheng et al., OSDI'22, section 4.1):
 * **follow nodes**: an op with one tensor input whose rule maps each placement its
   producer can give to exactly one strategy, with no resharding (views,
   transposes, elementwise ops, softmax), is merged into its producer: it gets no
-  variable, its strategy is a function of the producer's;
+  variable, its strategy is a function of the producer's. Not an op whose output is
+  larger than its input (a broadcasting ``expand``): resharding before it is cheaper
+  than after, which merging would forbid;
 * generation is **cached** by (op, argument shapes and values, input candidates), so
   repeated layers cost one layer of rule calls.
 
@@ -591,6 +593,11 @@ class _Builder:
         whether ``name`` was merged."""
         if len(info.arg_nodes) != 1 or info.arg_nodes[0] in self.free:
             return False
+        if _grows(info):
+            # a broadcast (expand): resharding its input costs less than resharding its
+            # output, which merging would force (a BatchNorm backward's per-channel sum,
+            # all-reduced at C numbers, not reduce-scattered at N x C x H x W)
+            return False
         if info.arg_nodes[0] in self.seeded and self.replicated_only(info.arg_nodes[0]):
             return False  # it may take its input sliced (see op): a choice of its own
         ps = self.nodes[info.arg_nodes[0]]
@@ -608,6 +615,13 @@ class _Builder:
         self.nodes[name] = NodeStrategies(name, strategies, compute, ps.rep, choice, used_fallback)
         self.merged += 1
         return True
+
+
+def _grows(info) -> bool:  # noqa: ANN001 - a NodeInfo
+    """The op's first output has more elements than its input."""
+    if not info.args or not info.results or info.args[0] is None or info.results[0] is None:
+        return False
+    return math.prod(info.results[0].shape) > math.prod(info.args[0].shape)
 
 
 def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:

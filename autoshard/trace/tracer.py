@@ -39,6 +39,7 @@ from autoshard.errors import AutoshardError
 from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
 from autoshard.trace.attention import FLASH_FORWARD, FLASH_OPS, flash_attention_traced, flash_flops
+from autoshard.trace.batchnorm import batch_norm_traced
 
 
 @dataclass(frozen=True)
@@ -520,6 +521,9 @@ def trace_model(
     ``mode="infer"``: the forward graph in core ATen. ``mode="train"``: the joint
     forward+backward graph of one step, loss = mean of the first output; its
     output node's ``grad_of`` names the parameter each gradient output belongs to.
+    Dropout is off in both; batch norm normalises with the batch's statistics in
+    training and the running ones in inference, in plain ops
+    (:mod:`autoshard.trace.batchnorm`).
 
     Raises:
         AutoshardError: when the model cannot be traced (torch's first line and what
@@ -529,7 +533,7 @@ def trace_model(
         raise AutoshardError(f"mode must be 'train' or 'infer', got {mode!r}")
     t0 = time.perf_counter()
     export = _export_joint if mode == "train" else _export_inference
-    with kv_cache_off(loaded.module):
+    with kv_cache_off(loaded.module), batch_norm_traced(loaded.module, mode == "train"):
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
