@@ -269,6 +269,14 @@ SHARD_LOCAL_OPS = FLASH_OPS
 """Ops whose every strategy needs no communication: the launcher runs them on each rank's
 local shards and places the results as planned."""
 
+UNNESTED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default})
+"""Ops DTensor runs through a handler that reads each tensor's ``dim_map`` (its convolution
+handlers, ``torch/distributed/tensor/_tp_conv.py``), which raises for a tensor dim sharded
+over two mesh dims (``(Shard(0), Shard(0))``: "DTensor operator implementation does not
+support things like hybrid sharding strategies yet"), though the op's strategy function
+offers it. Their strategies keep every tensor dim on one mesh dim at most, so a plan that
+solves also launches."""
+
 
 def _replicate_fallback(n_in: int, results: list[TensorInfo | None], ndim: int) -> list[Strategy]:
     rep = (Replicate(),) * ndim
@@ -617,6 +625,12 @@ class _Builder:
         return True
 
 
+def _nested(ps: Placements | None) -> bool:
+    """Some tensor dim is sharded over more than one mesh dim in ``ps``."""
+    dims = [p.dim for p in ps or () if isinstance(p, Shard)]
+    return len(dims) != len(set(dims))
+
+
 def _grows(info) -> bool:  # noqa: ANN001 - a NodeInfo
     """The op's first output has more elements than its input."""
     if not info.args or not info.results or info.args[0] is None or info.results[0] is None:
@@ -641,6 +655,8 @@ def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] |
         except Exception:  # a rule that cannot handle these arguments: fall back
             return None
         found = [Strategy(r.outputs, r.inputs) for r in rs]
+        if node.target in UNNESTED_OPS:
+            found = [s for s in found if not any(map(_nested, (*s.inputs, *s.outputs)))]
     else:
         return None
     n_in = len(info.args)
