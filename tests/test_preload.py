@@ -113,9 +113,8 @@ def test_four_layers_fill_blocks_2_and_3_from_an_identical_block(solved, sg4):
     assert pre.filled == _layer_nodes(sg4, {2, 3}) > 0
     assert pre.matched == len(sg4.nodes) - pre.filled
     assert pre.sources == {2: 1, 3: 1}
-    assert any(
-        f"{pre.filled} nodes filled" in n and "blocks 2-3 from block 1" in n for n in pre.notes
-    )
+    assert pre.solved == 0  # every node has its counterpart
+    assert any("blocks 1-3 as stored block 1" in n for n in pre.notes), pre.notes
     plan = build_plan(sg4, pre.choice, MESH)
     assert plan.step_time_s == pytest.approx(evaluate(sg4, pre.choice), rel=1e-9)
     assert plan.step_time_s > solution["objective_s"]  # two more blocks cost more
@@ -225,14 +224,29 @@ def test_unknown_nodes_are_listed_and_capped(solved):
     assert re.search(r"\.\.\. and \d+ more", msg)
 
 
-def test_a_node_missing_outside_the_blocks_is_an_error(solved, sg4):
-    """Blocks can be filled from identical blocks; nodes outside them cannot."""
-    _, _, solution = solved
+def test_a_node_missing_outside_the_blocks_is_an_error(solved):
+    """At the solution's own depth, nodes outside the blocks cannot be filled."""
+    result, _, solution = solved
     tampered = copy.deepcopy(solution)
     out = tampered["nodes"]["output"]
     out["args"], out["results"] = {}, {}  # stored as if free: the output sinks lack placements
     with pytest.raises(AutoshardError, match=r"(?s)nodes the solution lacks.*'output\.0'"):
-        choice_from_solution(sg4, tampered, MESH)
+        choice_from_solution(result.sg, tampered, MESH)
+
+
+def test_at_another_depth_nodes_the_solution_lacks_are_chosen_by_the_ilp(solved, sg4):
+    """Matched by structure, a node with no stored placements (here the outputs) is
+    chosen by the ILP with every other node fixed: the same plan as stored, because the
+    stored one was optimal with the same neighbours."""
+    _, _, solution = solved
+    tampered = copy.deepcopy(solution)
+    out = tampered["nodes"]["output"]
+    out["args"], out["results"] = {}, {}
+    pre = choice_from_solution(sg4, tampered, MESH)
+    sinks = [n for n in sg4.nodes if n.startswith("output.")]
+    assert pre.solved == len(sinks) > 0
+    assert any(f"{len(sinks)} nodes the solution has no counterpart for" in n for n in pre.notes)
+    assert pre.choice == choice_from_solution(sg4, solution, MESH).choice
 
 
 # -- bare MASE dicts ----------------------------------------------------------------------
@@ -330,3 +344,60 @@ def test_blocks_are_found_without_model_specific_names(tmp_path, monkeypatch):
     )
     for fqn in ("stem.weight", "head.weight", "head.bias"):
         assert plan.parameters[fqn] == small.plan.parameters[fqn]
+
+
+# -- across depth, by structure (issue 13, item 1) ------------------------------------------
+
+
+def _llama_file(tmp_path: Path) -> Path:
+    from helpers import LLAMA_SMALL, write_model
+
+    text = LLAMA_SMALL.replace("num_hidden_layers=2", "num_hidden_layers=LAYERS").replace(
+        "import torch\n", "import os\nimport torch\n", 1
+    )
+    text = text.replace("LAYERS", 'int(os.environ.get("AUTOSHARD_LAYERS", "2"))')
+    return write_model(tmp_path, text, "llama_small")
+
+
+def _blocks(params: dict, container: str) -> dict[int | None, dict]:
+    """Parameters by block index (None: outside the blocks), keyed within the block."""
+    out: dict[int | None, dict] = {}
+    for fqn, ps in params.items():
+        m = re.match(rf"^{re.escape(container)}\.(\d+)\.(.*)$", fqn)
+        layer, key = (int(m.group(1)), m.group(2)) if m else (None, fqn)
+        out.setdefault(layer, {})[key] = ps
+    return out
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("model, deeper", [("gpt2", 12), ("llama", 8)])
+def test_a_two_block_solution_preloads_onto_a_deeper_model(
+    tmp_path, monkeypatch, model, deeper, mode
+):
+    """Solved for 2 blocks, preloaded onto 12 (GPT-2) or 8 (Llama), in both modes, tied as
+    `solve` traces by default: block 0 is placed as the stored first block, the last block
+    as the stored last block, the middle blocks as the block they were aligned with, the
+    embeddings and head as stored; the plan is priced like a solved one (every memory
+    kind, the budget)."""
+    path = GPT2 if model == "gpt2" else _llama_file(tmp_path)
+    container = "transformer.h" if model == "gpt2" else "model.layers"
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    config = SolveConfig(model_path=path, mesh=MESH, mode=mode, tie=False)
+    small = plan_model(config)
+    pkl, _ = write_outputs(small.plan, tmp_path, "small", config.cost_model(), small.solver_stats())
+    monkeypatch.setenv("AUTOSHARD_LAYERS", str(deeper))
+    res, pre = plan_preloaded(SolveConfig(model_path=path, mesh=MESH, mode=mode), pkl)
+    assert pre.solved <= 0.02 * len(res.sg.nodes), pre.notes
+    stored = _blocks(small.plan.parameters, container)
+    got = _blocks(res.plan.parameters, container)
+    assert got[None] == stored[None]
+    assert got[0] == stored[0]
+    assert got[deeper - 1] == stored[1]
+    for layer in range(1, deeper - 1):
+        assert got[layer] in (stored[0], stored[1]), layer
+    assert res.plan.inputs == small.plan.inputs
+    kinds = res.plan.memory_by_kind()
+    if mode == "train":
+        assert kinds["gradients"] > 0 and kinds["optimizer_state"] > 0
+    assert res.plan.extra["budget"] == config.budget()
+    assert any("matched by structure" in n for n in pre.notes)

@@ -4,8 +4,9 @@ A solution file (``autoshard.solution/1``, or a bare MASE node dict) holds, per 
 node, the placements of its tensor arguments (``data_in_<k>``) and results
 (``data_out_<k>``). :func:`choice_from_solution` turns them back into one strategy
 index per representative node of a :class:`~autoshard.strategies.graph.StrategyGraph`, the
-same ``choice`` the ILP returns, so :func:`~autoshard.plan.plan.build_plan` prices it with
-the current mesh and device exactly as it prices a solved plan.
+same ``choice`` the ILP returns, so it is priced with the current mesh and device exactly
+as a solved plan is (:func:`autoshard.solver.solve.finish_plan`: every memory kind and the
+budget).
 
 Matching stored nodes to graph nodes
 ------------------------------------
@@ -37,6 +38,8 @@ listing what does not match (at most :data:`MAX_LISTED` entries, then how many m
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -44,15 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.distributed.tensor import Placement
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.placements import short
 from autoshard.plan.formats import load_solution
-from autoshard.plan.plan import build_plan
-from autoshard.solver.ilp import ILPResult, evaluate
-from autoshard.solver.solve import SolveResult, peak_rss_bytes, strategies, trace
+from autoshard.solver.baselines import Restriction, restrict, unrestrict_choice
+from autoshard.solver.ilp import ILPResult, evaluate, solve
+from autoshard.solver.options import SolverOptions
+from autoshard.solver.solve import SolveResult, finish_plan, peak_rss_bytes, strategies, trace
 from autoshard.strategies.graph import Strategy, StrategyGraph
 from autoshard.trace.tracer import NodeInfo, TracedGraph
 
@@ -77,8 +82,12 @@ class PreloadResult:
         matched: non-free graph nodes whose placements the solution gives.
         dropped: stored nodes of blocks the model does not have (a solution made for
             more blocks than the model has).
-        sources: filled block index -> the block index it was copied from.
+        sources: filled block index -> the block index it was copied from (matched by
+            structure: the stored block each graph block was paired with, where the
+            indices differ).
         notes: warnings and facts for the report, one line each.
+        solved: non-free graph nodes no stored node stands for (matching by structure
+            only), chosen by the ILP with every other node fixed as stored.
     """
 
     choice: dict[str, int]
@@ -87,6 +96,7 @@ class PreloadResult:
     dropped: int = 0
     sources: dict[int, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    solved: int = 0
 
 
 # ------------------------------------------------------------------------------------
@@ -404,7 +414,11 @@ def _node_strategy(sg: StrategyGraph, node: str, choice: Mapping[str, int]) -> S
 
 
 def choice_from_solution(
-    sg: StrategyGraph, solution: Mapping[str, Any], mesh: MeshSpec, source: str = "the solution"
+    sg: StrategyGraph,
+    solution: Mapping[str, Any],
+    mesh: MeshSpec,
+    source: str = "the solution",
+    options: SolverOptions | None = None,
 ) -> PreloadResult:
     """Map a stored solution's placements onto ``sg``: one strategy index per representative.
 
@@ -419,7 +433,9 @@ def choice_from_solution(
     its stored entry; nodes merged into it must agree with that strategy. Where the
     representative has no entry, the entries of the nodes merged into it decide. Nodes
     the solution lacks take the strategy of the same node of the nearest identical
-    repeated block (see the module docstring).
+    repeated block (see the module docstring). A solution for another number of blocks
+    is matched by structure (:func:`_by_structure`); ``options`` bound the ILP that
+    then chooses the nodes no stored node stands for.
 
     Returns:
         A :class:`PreloadResult` whose ``choice`` covers every representative.
@@ -449,9 +465,23 @@ def choice_from_solution(
             f"the solution was made for model {stored_model!r}, this is {graph.model_name!r}"
         )
 
+    nodes = solution["nodes"]
+    graph_blocks = {i.layer for i in graph.nodes.values() if i.layer is not None}
+    stored_blocks = {e.get("layer") for e in nodes.values() if e.get("layer") is not None}
+    if (
+        all("op" in e for e in nodes.values())
+        and graph_blocks
+        and stored_blocks
+        and all(type(b) is int and b >= 0 for b in stored_blocks)
+        and stored_blocks != graph_blocks
+    ):
+        # another depth: the first, middle and last blocks (and, in training, the glue
+        # outside them) are matched by structure, not by position
+        return _by_structure(sg, nodes, notes, options)
+
     layout = _layout(graph)
     problems = _Problems()
-    matched, dropped, stored_layers = _match_nodes(graph, layout, solution["nodes"], problems)
+    matched, dropped, stored_layers = _match_nodes(graph, layout, nodes, problems)
     problems.raise_if_any(source)
 
     members: dict[str, list[str]] = defaultdict(list)
@@ -588,6 +618,169 @@ def choice_from_solution(
     )
 
 
+# ------------------------------------------------------------------------------------
+# Another depth: matching by structure
+
+
+def _shapes_key(shapes: Mapping[str, Any]) -> tuple:
+    return tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
+
+
+def _by_structure(
+    sg: StrategyGraph,
+    nodes: Mapping[str, Mapping[str, Any]],
+    notes: list[str],
+    options: SolverOptions | None,
+) -> PreloadResult:
+    """Map a solution made for another number of blocks (or another depth reduction).
+
+    Node positions shift with depth: a 2-block graph has a first and a last block, a
+    12-block one also middle blocks; in training, the backward's glue between blocks
+    (gradient sums) and outside them changes too. So each part of the graph (every block,
+    and the nodes outside the blocks) is paired with the stored part whose node sequence
+    is the same (op, parameter FQN within its block, every shape): the same index
+    first, then the nearest. A part with no identical stored part is aligned with the
+    most similar one (``difflib.SequenceMatcher`` over those sequences, as ``diff``
+    aligns lines): a middle block with a stored last block, say. Nodes paired take the
+    stored strategy; every node left over (no counterpart, or stored placements that are
+    not a strategy here) is chosen by the ILP with all the others fixed, and counted.
+
+    Raises:
+        AutoshardError: the restricted ILP finds no plan (a time limit with no incumbent).
+    """
+    graph = sg.graph
+    some = next(iter(graph.block_prefixes))
+    container = some.rsplit(".", 1)[0] if "." in some else ""
+    # a parameter's FQN within its block (a depth-reduced graph names its traced blocks
+    # h.0-h.3 while they stand for blocks 0, 1, 2-10 and 11)
+    in_block = re.compile(rf"^{re.escape(container)}\.\d+\." if container else r"^\d+\.")
+
+    def rel(target: str | None) -> str | None:
+        return in_block.sub("", target) if target else target
+
+    g_seq: dict[int | None, list[str]] = defaultdict(list)
+    for name, info in graph.nodes.items():
+        g_seq[info.layer].append(name)
+    s_seq: dict[int | None, list[tuple[str, Mapping[str, Any]]]] = defaultdict(list)
+    for sname, entry in nodes.items():
+        s_seq[entry.get("layer")].append((sname, entry))
+
+    def g_sig(name: str) -> tuple:
+        info = graph.nodes[name]
+        target = info.fqn if info.kind in ("param", "buffer", "input") else None
+        return (info.op_name, rel(target), _shapes_key(_stored_shapes(info)))
+
+    def s_sig(entry: Mapping[str, Any]) -> tuple:
+        return (entry["op"], rel(entry.get("target")), _shapes_key(entry.get("shapes", {})))
+
+    g_sigs = {gl: tuple(g_sig(n) for n in names) for gl, names in g_seq.items()}
+    s_sigs = {sl: tuple(s_sig(e) for _, e in entries) for sl, entries in s_seq.items()}
+    similar: dict[tuple, float] = {}  # (graph sequence, stored layer) -> ratio, memoised
+
+    def ratio(gl: int | None, sl: int | None) -> float:
+        key = (g_sigs[gl], sl)
+        if key not in similar:
+            sm = difflib.SequenceMatcher(None, g_sigs[gl], s_sigs[sl], autojunk=False)
+            similar[key] = sm.ratio()
+        return similar[key]
+
+    matched: dict[str, tuple[str, Mapping[str, Any]]] = {}
+    sources: dict[int, int] = {}
+    aligned: set[int | None] = set()
+    used: set[int | None] = set()
+    for gl in sorted(g_seq, key=lambda x: -1 if x is None else x):
+        cands = [sl for sl in s_seq if (sl is None) == (gl is None)]
+        if not cands:
+            continue
+
+        def near(sl: int | None, gl: int | None = gl) -> tuple:
+            return (sl != gl, abs(sl - gl) if sl is not None and gl is not None else 0, sl or 0)
+
+        exact = [sl for sl in cands if s_sigs[sl] == g_sigs[gl]]
+        if exact:
+            src = min(exact, key=near)
+            pairs = [(i, i) for i in range(len(g_seq[gl]))]
+        else:
+            src = min(cands, key=lambda sl: (-ratio(gl, sl), *near(sl)))
+            sm = difflib.SequenceMatcher(None, g_sigs[gl], s_sigs[src], autojunk=False)
+            pairs = [(b.a + k, b.b + k) for b in sm.get_matching_blocks() for k in range(b.size)]
+            aligned.add(gl)
+        used.add(src)
+        if gl is not None and src != gl:
+            sources[gl] = src
+        for i, j in pairs:
+            matched[g_seq[gl][i]] = s_seq[src][j]
+
+    # stored strategies per node; representatives pinned where their nodes agree
+    stored: dict[str, Strategy] = {}
+    for name in sg.nodes:
+        got = _stored_strategy(name, sg, matched)
+        if got is not None and not isinstance(got[1], str):
+            stored[name] = got[1]
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, ns in sg.nodes.items():
+        members[ns.rep].append(name)
+    choice: dict[str, int] = {}
+    for rep in sg.reps:
+        ns = sg.nodes[rep]
+        given = [m for m in members[rep] if m in stored]
+        fits = [
+            i
+            for i in range(len(ns.strategies))
+            if all(sg.nodes[m].strategies[sg.nodes[m].choice[i]] == stored[m] for m in given)
+        ]
+        if given and fits:
+            choice[rep] = fits[0]
+
+    open_reps = {r for r in sg.reps if r not in choice}
+    solved = sum(1 for ns in sg.nodes.values() if ns.rep in open_reps)
+    if open_reps:
+        r = Restriction()
+        for rep, i in choice.items():
+            r.allowed[rep] = np.array([i], dtype=np.int64)
+        result = solve(restrict(sg, r), options or SolverOptions())
+        choice = unrestrict_choice(r, result.choice)
+
+    dropped = sum(len(entries) for sl, entries in s_seq.items() if sl not in used)
+    layers = [gl for gl in g_seq if gl is not None]
+    n_stored = len([sl for sl in s_seq if sl is not None])
+    groups: dict[tuple[int, bool], list[int]] = defaultdict(list)
+    for gl in layers:
+        groups[(sources.get(gl, gl), gl in aligned)].append(gl)
+    how = "; ".join(
+        f"{_ranges(sorted(gs))} "
+        + (f"aligned with stored block {sl}" if approx else f"as stored block {sl}")
+        for (sl, approx), gs in sorted(groups.items())
+    )
+    traced = f" ({len(layers)} traced)" if len(layers) != graph.num_layers else ""
+    notes.append(
+        f"the solution has {n_stored} blocks and the model {graph.num_layers}{traced}: "
+        f"matched by structure ({how})"
+    )
+    if None in aligned:
+        notes.append("the nodes outside the blocks differ from the solution's: aligned")
+    if solved:
+        notes.append(
+            f"{solved} nodes the solution has no counterpart for were chosen by the ILP "
+            "with every other node fixed as stored"
+        )
+    if dropped:
+        notes.append(
+            f"{dropped} stored nodes of blocks the model does not have were dropped (no "
+            "block of the model was matched with them)"
+        )
+    filled = sum(1 for n in stored if n in graph.nodes and graph.nodes[n].layer in sources)
+    return PreloadResult(
+        choice=choice,
+        filled=filled,
+        matched=len(stored) - filled,
+        dropped=dropped,
+        sources=dict(sorted(sources.items())),
+        notes=notes,
+        solved=solved,
+    )
+
+
 def _ranges(layers: list[int]) -> str:
     """``[2, 3, 4, 7]`` -> ``"blocks 2-4, 7"``."""
     parts: list[str] = []
@@ -629,7 +822,9 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     sg = strategies(dataclasses.replace(config, tie=False), graph, progress)
     seconds["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
-    pre = choice_from_solution(sg, solution, config.mesh, source=str(solution_path))
+    pre = choice_from_solution(
+        sg, solution, config.mesh, source=str(solution_path), options=config.solver
+    )
     seconds["preload"] = time.perf_counter() - t
     ilp = ILPResult(
         choice=pre.choice,
@@ -641,6 +836,7 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
         build_seconds=0.0,
         solve_seconds=0.0,
     )
-    plan = build_plan(sg, pre.choice, config.mesh, name="preloaded")
+    # priced as a solved plan: every memory kind, the budget, the MFU's peak
+    plan = finish_plan(config, sg, pre.choice, "preloaded")
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes()), pre
