@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from rich.console import Console
@@ -53,6 +54,92 @@ def layer_table(plan: Plan) -> Table:
     for (sub, ps), (layers, example) in rows.items():
         table.add_row(f"<block>.{sub}", format_ranges(layers), ps, str(shapes.get(example, "")))
     return table
+
+
+def _block_plans(plan: Plan) -> dict[int, tuple]:
+    """Block index -> its parameters' placements (within-block name, placement), sorted."""
+    blocks = plan.sg.graph.block_prefixes
+    out: dict[int, list] = {}
+    for fqn, ps in plan.parameters.items():
+        prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
+        if prefix is not None:
+            out.setdefault(blocks[prefix], []).append((fqn[len(prefix) + 1 :], short(ps)))
+    return {b: tuple(sorted(v)) for b, v in out.items()}
+
+
+def block_differences(plan: Plan) -> list[str]:
+    """Why a repeated block is planned unlike most blocks: one line per such group.
+
+    The blocks whose parameters are placed as most blocks are is the usual plan; for each
+    other group, its first block is given the usual plan (each of its nodes the strategy
+    of the same node, aligned by op, parameter name and shapes, of the nearest usual
+    block) and the step is priced again (:func:`autoshard.solver.ilp.evaluate`): the
+    difference is what the block's own plan saves. Nodes with no counterpart, or whose
+    counterpart's strategy is not one of theirs, keep their own.
+    """
+    import difflib
+
+    from autoshard.solver.ilp import evaluate
+
+    sg, graph = plan.sg, plan.sg.graph
+    plans = _block_plans(plan)
+    by_plan: dict[tuple, list[int]] = {}
+    for b, key in sorted(plans.items()):
+        by_plan.setdefault(key, []).append(b)
+    if len(by_plan) < 2:
+        return []
+    usual = max(by_plan.values(), key=len)
+    seq: dict[int, list[str]] = {}
+    for name, info in graph.nodes.items():
+        if info.layer is not None:
+            seq.setdefault(info.layer, []).append(name)
+
+    some = next(iter(graph.block_prefixes))
+    container = some.rsplit(".", 1)[0] if "." in some else ""
+    in_block = re.compile(rf"^{re.escape(container)}\.\d+\.?" if container else r"^\d+\.?")
+
+    def sig(name: str) -> tuple:
+        info = graph.nodes[name]
+        module = info.fqn if info.kind == "param" else info.module_path
+        within = in_block.sub("", module) if module else None  # the path inside the block
+        shapes = tuple(t.shape if t is not None else None for t in (*info.args, *info.results))
+        return (info.op_name, within, shapes)
+
+    base = evaluate(sg, plan.choice)
+    lines = []
+    for blocks in by_plan.values():
+        if blocks is usual or not blocks:
+            continue
+        b = blocks[0]
+        m = min(usual, key=lambda u: abs(u - b))
+        if b not in seq or m not in seq:
+            continue
+        a_sig, m_sig = [sig(n) for n in seq[b]], [sig(n) for n in seq[m]]
+        sm = difflib.SequenceMatcher(None, a_sig, m_sig, autojunk=False)
+        choice = dict(plan.choice)
+        for blk in sm.get_matching_blocks():
+            for k in range(blk.size):
+                node, twin = seq[b][blk.a + k], seq[m][blk.b + k]
+                ns = sg.nodes.get(node)
+                if ns is None or ns.rep != node or twin not in plan.node_strategy:
+                    continue
+                want = plan.node_strategy[twin]
+                if want in ns.strategies:
+                    choice[node] = ns.strategies.index(want)
+        delta = evaluate(sg, choice) - base
+        which = ("block " if len(blocks) == 1 else "blocks ") + format_ranges(blocks)
+        others = ("block " if len(usual) == 1 else "blocks ") + format_ranges(usual)
+        if abs(delta) <= 1e-9 * max(base, 1e-12):
+            why = f"{others}' plan there would cost the same (the two are equally fast here)"
+        elif delta > 0:
+            why = f"{others}' plan there would add {format_seconds(delta)} to the step"
+        else:
+            why = (
+                f"{others}' plan there would be {format_seconds(-delta)} faster: the solver "
+                "stopped within its gap, or the memory budget chose this"
+            )
+        lines.append(f"{which} planned unlike {others}: {why}")
+    return lines
 
 
 def cost_table(plan: Plan) -> Table:
@@ -170,6 +257,8 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
         console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
     console.print(layer_table(plan))
+    for line in block_differences(plan):
+        console.print(line, highlight=False)
     shapes = {
         info.fqn: tuple(info.results[0].shape)
         for info in sg.graph.nodes.values()

@@ -1,0 +1,49 @@
+"""The report says why a repeated block is planned unlike the others (issue 13, item 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.plan.plan import build_plan
+from autoshard.plan.report import block_differences
+from autoshard.solver.ilp import evaluate
+from autoshard.solver.solve import SolveConfig, plan_model
+
+GPT2 = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
+
+
+def test_a_block_planted_unlike_the_others_is_named_with_what_it_costs(monkeypatch):
+    """A 4-block GPT-2 solved untied (every block planned alike), then block 2's
+    c_attn weight planted at its costliest placement: the report names block 2 and prices the
+    usual plan there at exactly what the planted change cost (D, by evaluate)."""
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "4")
+    cfg = SolveConfig(model_path=GPT2, mesh=MeshSpec.from_options("2x4"), mode="infer", tie=False)
+    res = plan_model(cfg)
+    sg, plan = res.sg, res.plan
+    if len({v for k, v in plan.parameters.items() if k.endswith("attn.c_attn.weight")}) != 1:
+        pytest.skip("the solved blocks already differ")  # pragma: no cover - guards the premise
+    assert block_differences(plan) == []
+    node = next(
+        n
+        for n, i in sg.graph.nodes.items()
+        if i.kind == "param" and i.fqn == "transformer.h.2.attn.c_attn.weight"
+    )
+    ns = sg.nodes[node]
+    base = evaluate(sg, res.ilp.choice)
+
+    def planted_cost(i: int) -> float:
+        return evaluate(sg, {**res.ilp.choice, node: i}) - base
+
+    worse = max(range(len(ns.strategies)), key=planted_cost)  # the costliest placement
+    choice = {**res.ilp.choice, node: worse}
+    planted = planted_cost(worse)
+    assert planted > 0
+    lines = block_differences(build_plan(sg, choice, cfg.mesh))
+    assert len(lines) == 1
+    assert lines[0].startswith("block 2 planned unlike blocks 0-1, 3:"), lines[0]
+    from autoshard.units import format_seconds
+
+    assert f"would be {format_seconds(planted)} faster" in lines[0], lines[0]
