@@ -156,6 +156,9 @@ def _solve_until(marker: str, tmp_path, extra_wait: float):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a suite started in the background of a shell without job control inherits an
+        # ignored SIGINT, which autoshard (rightly) keeps ignoring: give the child Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = []
     for line in proc.stderr:
