@@ -67,6 +67,9 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         # DTensor warns on every nested-sharding gather, which plans price and --check
         # counts; the rank output stays the report (autoshard -v shows it)
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        # gloo's all-to-all substitution: the report names it once ("note: gloo has no
+        # all_to_all"), not once per rank
+        logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
 
     cuda = torch.cuda.is_available()
     device_type = "cuda" if cuda else "cpu"
