@@ -384,3 +384,41 @@ def test_a_solve_prints_no_third_party_banner(tmp_path):
     text = out.stdout + out.stderr
     assert "solver: HiGHS" in text
     assert "Running HiGHS" not in text and "Copyright" not in text, text
+
+
+def test_solve_json_prints_the_report_as_json_on_stdout(tmp_path):
+    """`solve --json`: stdout is one JSON document (the readable report on stderr) whose
+    numbers are the solution file's: step time, placements, memory kinds summing to the
+    total (issue 15, item 4)."""
+    import json
+    import subprocess
+    import sys
+
+    from autoshard.placements import placements_to_str
+    from autoshard.plan.formats import load_solution
+
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", "examples/mlp.py", "--mesh", "2x2"]
+    out = subprocess.run(
+        [*cmd, "--json", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert "Predicted time per step" in out.stderr  # the readable report, kept off stdout
+    assert report["format"] == "autoshard.report/1"
+    solution = load_solution(tmp_path / "mlp_2x2.pkl")
+    assert report["time_s"]["step"] == pytest.approx(solution["objective_s"], rel=1e-12)
+    assert report["plan"]["parameters"] == {
+        k: placements_to_str(v) for k, v in solution["parameters"].items()
+    }
+    memory = report["memory_bytes"]
+    parts = ("parameters", "gradients", "optimizer_state", "activations")
+    assert memory["total"] == pytest.approx(sum(memory[k] for k in parts), rel=1e-12)
+    assert report["fits"] is True and memory["total"] <= memory["budget"]
+    assert report["solver"]["status"] in ("optimal", "within_gap")
+    assert set(report["time_s"]["collectives"]) <= {
+        "all_gather",
+        "all_reduce",
+        "reduce_scatter",
+        "all_to_all",
+    }
+    assert report["files"] == [str(tmp_path / "mlp_2x2.pkl"), str(tmp_path / "mlp_2x2.json")]

@@ -47,7 +47,14 @@ from autoshard.cli.options import (
     "filling missing layers from an identical block. Loading never runs code from FILE.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print only the files written.")
-def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the report as JSON on stdout (stable keys: docs/formats.md); the "
+    "readable report goes to stderr.",
+)
+def solve_command(model_file, out_dir, algo, preload, quiet, as_json, **opts) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
 
     MODEL_FILE is a Python file defining build_model() and example_inputs() (global
@@ -63,13 +70,14 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
       autoshard solve examples/llama.py --mesh 2x4 --inter-node-bw 25GB/s
       autoshard solve examples/mlp.py --mesh 4 --inputs replicate
       autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
+      autoshard solve examples/gpt2.py --mesh 2x4 --json > report.json
     """
     # heavy (torch, HiGHS): only once the command runs
     from autoshard.plan.export import output_stem, write_outputs
-    from autoshard.plan.report import print_report
+    from autoshard.plan.report import print_report, report_dict
     from autoshard.solver.solve import plan_model
 
-    console = Console(stderr=False, quiet=quiet)
+    console = Console(stderr=as_json, quiet=quiet)
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     config = config_from_options(model_file, opts)
     mesh = config.mesh
@@ -97,5 +105,9 @@ def solve_command(model_file, out_dir, algo, preload, quiet, **opts) -> None:
     print_report(console, result, files)
     for note in notes:
         console.print(f"note: {note}")
+    if as_json:
+        import json
+
+        click.echo(json.dumps(report_dict(result, files, notes), indent=2, sort_keys=True))
     if quiet:
         click.echo("\n".join(str(f) for f in files))

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autoshard.placements import short
+from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
@@ -212,6 +212,80 @@ def memory_table(plan: Plan, budget: float | None = None) -> Table:
         total += f" of {format_bytes(budget)}" + ("" if fits else " [red](over budget)[/red]")
     table.add_row("[bold]total[/bold]", total)
     return table
+
+
+REPORT_FORMAT = "autoshard.report/1"
+
+
+def report_dict(result, files: tuple = (), notes: Iterable[str] = ()) -> dict:
+    """The report of a solve (:class:`autoshard.solver.solve.SolveResult`) as plain JSON
+    data, for ``autoshard solve --json`` (keys in docs/formats.md, "Solve report").
+
+    Seconds (``time_s``, ``seconds``) and bytes (``memory_bytes``) are per device and per
+    step as the terminal report prints them; a number that is not finite (an unknown gap)
+    is ``null``.
+    """
+    import math
+
+    plan, cfg, sg = result.plan, result.config, result.sg
+    hidden, exposed = plan.hidden_s, plan.exposed_s
+    memory = {k: float(v) for k, v in plan.memory_by_kind().items()}
+    memory["total"] = float(plan.memory_bytes)
+    budget = plan.extra.get("budget")
+    memory["budget"] = float(budget) if budget is not None else None
+
+    def clean(x):  # noqa: ANN001, ANN202 - JSON builtins
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+            x = x.item()  # a numpy scalar
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return str(x)
+
+    return clean(
+        {
+            "format": REPORT_FORMAT,
+            "model": sg.graph.model_name,
+            "mesh": cfg.mesh.to_dict(),
+            "device": cfg.device.name,
+            "mode": cfg.mode,
+            "precision": cfg.precision,
+            "compute_dtype": str(cfg.compute_dtype(sg.graph)).removeprefix("torch."),
+            "plan": {
+                "name": plan.name,
+                "parameters": {k: placements_to_str(v) for k, v in sorted(plan.parameters.items())},
+                "inputs": {k: placements_to_str(v) for k, v in plan.inputs.items()},
+            },
+            "time_s": {
+                "step": plan.step_time_s,
+                "compute": plan.compute_s,
+                "optimizer": plan.optimizer_s,
+                "collectives": {
+                    kind: {
+                        "total": total,
+                        "hidden": hidden.get(kind, 0.0),
+                        "exposed": exposed.get(kind, total),
+                        "count": int(plan.collectives.get(kind, 0)),
+                    }
+                    for kind, total in sorted(plan.comm_s.items())
+                },
+            },
+            "step_flops": plan.step_flops,
+            "mfu": plan.mfu,
+            "memory_bytes": memory,
+            "fits": budget is None or plan.memory_bytes <= budget,
+            "solver": result.solver_stats(),
+            "seconds": dict(result.seconds),
+            "peak_rss_bytes": result.peak_rss_bytes,
+            "files": [str(f) for f in files],
+            "notes": [*block_differences(plan), *notes],
+        }
+    )
 
 
 def print_report(console: Console, result, files: tuple | None = None) -> None:
