@@ -422,3 +422,31 @@ def test_solve_json_prints_the_report_as_json_on_stdout(tmp_path):
         "all_to_all",
     }
     assert report["files"] == [str(tmp_path / "mlp_2x2.pkl"), str(tmp_path / "mlp_2x2.json")]
+
+
+def test_a_shape_error_in_the_model_is_one_line(tmp_path):
+    """A matmul of mismatched shapes: torch's fake kernel logs its 20-line traceback at
+    ERROR level before the export raises; only autoshard's one line reaches the terminal."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "bad.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Bad(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(16, 32)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.sum(1, keepdim=True))\n\n\n"
+        "def build_model():\n    return Bad()\n\n\n"
+        "def example_inputs():\n    return (torch.randn(8, 16),)\n"
+    )
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
+    out = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert out.stdout == ""

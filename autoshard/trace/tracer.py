@@ -402,7 +402,8 @@ def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardEr
 def _quiet_torch():
     """torch's warnings, logs and graph dumps during export stay off the terminal unless
     ``AUTOSHARD_VERBOSE`` is set (``autoshard -v``): a failed export prints its graph twice
-    and a log warning before raising, about 30 lines before autoshard's one."""
+    and a log warning before raising, about 30 lines before autoshard's one; a shape error
+    in the model logs a 20-line traceback at ERROR level."""
     if os.environ.get("AUTOSHARD_VERBOSE"):
         yield
         return
@@ -410,7 +411,9 @@ def _quiet_torch():
     loggers = [lg for lg in loggers if lg.name.startswith("torch")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        # above ERROR too: a failed export logs the fake kernel's traceback at ERROR
+        # (20 lines) before raising, and autoshard reports that error in one line
+        lg.setLevel(logging.CRITICAL + 1)
     try:
         sink = io.StringIO()
         with (
