@@ -47,3 +47,43 @@ def test_a_block_planted_unlike_the_others_is_named_with_what_it_costs(monkeypat
     from autoshard.units import format_seconds
 
     assert f"would be {format_seconds(planted)} faster" in lines[0], lines[0]
+
+
+def test_every_replicate_fallback_is_listed_with_the_time_it_carries(tmp_path):
+    """The Mixtral-style MoE's grouped matmuls have no sharding rule. Under the replicated
+    plan nothing is resharded into them, so each op's time is the roofline of its whole
+    tensors on one device (FLOPs and bytes from the graph, the H100's datasheet numbers);
+    under the ILP's plan the line lists the same ops, each with at least that time."""
+    from helpers import MIXTRAL_SMALL, write_model
+
+    from autoshard.plan.report import fallback_costs, fallback_line
+    from autoshard.solver.solve import plan_baseline
+
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, MIXTRAL_SMALL, "moe"),
+        mesh=MeshSpec.from_options("2x2"),
+        mode="train",
+    )
+    ilp = plan_model(cfg)
+    fell = ilp.sg.fallback_ops
+    assert any("grouped_mm" in op for op in fell)
+    rep = plan_baseline(cfg, "replicate").plan
+    graph = rep.sg.graph
+    for op, (n, seconds) in fallback_costs(rep).items():
+        nodes = [i for i in graph.nodes.values() if str(i.target) == op]
+        assert n == len(nodes) == fell[op]
+        roofline = sum(
+            cfg.device.compute_time(
+                i.flops,
+                sum(a.nbytes for a in i.args) + sum(r.nbytes for r in i.results if r),
+                i.args[0].dtype,
+            )
+            for i in nodes
+        )
+        assert seconds == pytest.approx(roofline, rel=1e-9), op
+    costs = fallback_costs(ilp.plan)
+    assert set(costs) == set(fell)
+    line = fallback_line(ilp.plan)
+    assert line is not None and all(op in line for op in fell)
+    for op, (_, seconds) in costs.items():
+        assert seconds >= fallback_costs(rep)[op][1] * (1 - 1e-9)

@@ -214,6 +214,58 @@ def memory_table(plan: Plan, budget: float | None = None) -> Table:
     return table
 
 
+def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
+    """Op -> (nodes, seconds per step) of every op that fell back to ``Replicate`` (no
+    sharding rule): its compute, whole on every device, plus the resharding of its inputs
+    into ``Replicate`` (priced as :func:`autoshard.plan.plan.build_plan` prices each
+    tensor, before any of it hides under compute), times the blocks a traced block
+    stands for."""
+    from autoshard.cost.collectives import comm_model
+    from autoshard.plan.plan import _latency_share, moved_itemsize, tensor_uses
+
+    sg, graph = plan.sg, plan.sg.graph
+    fallen = {n for n, ns in sg.nodes.items() if ns.fallback and n in graph.nodes}
+    out: dict[str, tuple[int, float]] = {}
+    for n in fallen:
+        ns = sg.nodes[n]
+        op = str(graph.nodes[n].target)
+        count, secs = out.get(op, (0, 0.0))
+        own = float(ns.compute_s[ns.choice[plan.choice[ns.rep]]])
+        out[op] = (count + graph.mult(n), secs + graph.mult(n) * own)
+    comm = comm_model(plan.mesh)
+    for producer, consumer, k, t in tensor_uses(sg):
+        if consumer not in fallen:
+            continue
+        p = plan.node_strategy[producer].outputs[0]
+        q = plan.node_strategy[consumer].inputs[k]
+        if p == q:
+            continue
+        item = moved_itemsize(sg, consumer, t)
+        share = _latency_share(sg, plan.mesh, producer, consumer, p, q, t)
+        moved = sum(s.seconds for s in comm.redistribute_steps(p, q, t.shape, item, share))
+        op = str(graph.nodes[consumer].target)
+        count, secs = out[op]
+        out[op] = (count, secs + graph.mult(consumer) * moved)
+    return out
+
+
+def fallback_line(plan: Plan) -> str | None:
+    """``replicate fallback (no sharding rule): op xN (time, share of the step), ...``, or
+    None when no op fell back."""
+    costs = fallback_costs(plan)
+    if not costs:
+        return None
+    busy = plan.compute_s + plan.optimizer_s + plan.comm_total_s  # before overlap
+    items = ", ".join(
+        f"{op} x{n} ({format_seconds(secs)}, {secs / busy:.1%} of compute and communication)"
+        for op, (n, secs) in sorted(costs.items(), key=lambda kv: -kv[1][1])
+    )
+    return (
+        f"replicate fallback (no sharding rule; computed whole on every device, inputs "
+        f"gathered): {items}"
+    )
+
+
 REPORT_FORMAT = "autoshard.report/1"
 
 
@@ -283,6 +335,14 @@ def report_dict(result, files: tuple = (), notes: Iterable[str] = ()) -> dict:
             "seconds": dict(result.seconds),
             "peak_rss_bytes": result.peak_rss_bytes,
             "files": [str(f) for f in files],
+            "fallbacks": {
+                op: {
+                    "nodes": n,
+                    "seconds": secs,
+                    "share": secs / (plan.compute_s + plan.optimizer_s + plan.comm_total_s),
+                }
+                for op, (n, secs) in fallback_costs(plan).items()
+            },
             "notes": [*block_differences(plan), *notes],
         }
     )
@@ -327,9 +387,9 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         if sg.tied_layers:
             parts.append(f"{sg.tied_layers} traced layers share the first one's variables")
         console.print("repeated layers: " + "; ".join(parts) + " (--no-tie to solve each)")
-    if sg.fallback_ops:
-        ops = ", ".join(f"{op} x{n}" for op, n in sg.fallback_ops.most_common())
-        console.print(f"[yellow]replicate fallback (no sharding rule):[/yellow] {ops}")
+    fell = fallback_line(plan)
+    if fell is not None:
+        console.print(f"[yellow]{escape(fell)}[/yellow]")
     console.print(layer_table(plan))
     for line in block_differences(plan):
         console.print(line, highlight=False)
