@@ -78,7 +78,12 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
     device = torch.device(device_type, torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        return _run_in_group(smap, model, opts, device)
+        code = _run_in_group(smap, model, opts, device)
+        # every rank done with its last exchange before any tears the group down: gloo can
+        # abort a rank whose peer closed its sockets mid-exchange (seen once, SIGABRT
+        # after a passing --check)
+        dist.barrier()
+        return code
     finally:
         dist.destroy_process_group()
 

@@ -129,7 +129,7 @@ def build_plan(
         m = graph.mult(consumer)
         item = moved_itemsize(sg, consumer, t)
         for step in comm_model(mesh).redistribute_steps(
-            p, q, t.shape, item, _latency_share(sg, mesh, producer, consumer, p, q, t)
+            p, q, t.shape, item, latency_share(sg, mesh, producer, consumer, p, q, t)
         ):
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
@@ -190,7 +190,7 @@ def moved_itemsize(sg: StrategyGraph, consumer: str, t: TensorInfo) -> int:
     return t.itemsize
 
 
-def _latency_share(
+def latency_share(
     sg: StrategyGraph, mesh: MeshSpec, producer: str, consumer: str, p, q, t: TensorInfo
 ) -> float:
     """The latency share of a resharding: a bucketed collective's share of its bucket

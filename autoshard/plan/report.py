@@ -221,7 +221,7 @@ def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
     tensor, before any of it hides under compute), times the blocks a traced block
     stands for."""
     from autoshard.cost.collectives import comm_model
-    from autoshard.plan.plan import _latency_share, moved_itemsize, tensor_uses
+    from autoshard.plan.plan import latency_share, moved_itemsize, tensor_uses
 
     sg, graph = plan.sg, plan.sg.graph
     fallen = {n for n, ns in sg.nodes.items() if ns.fallback and n in graph.nodes}
@@ -241,7 +241,7 @@ def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
         if p == q:
             continue
         item = moved_itemsize(sg, consumer, t)
-        share = _latency_share(sg, plan.mesh, producer, consumer, p, q, t)
+        share = latency_share(sg, plan.mesh, producer, consumer, p, q, t)
         moved = sum(s.seconds for s in comm.redistribute_steps(p, q, t.shape, item, share))
         op = str(graph.nodes[consumer].target)
         count, secs = out[op]
