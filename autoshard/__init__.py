@@ -5,3 +5,12 @@ The data flow (one module per arrow, see docs/architecture.md):
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy: `import autoshard` stays light for the CLI
+    """``autoshard.solve`` and ``autoshard.save`` (:mod:`autoshard.api`), imported on use."""
+    if name in ("solve", "save"):
+        from autoshard import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")

@@ -1,5 +1,14 @@
 """autoshard's public Python API: what the command line does, as functions.
 
+On a model you built (docs/python.md):
+
+    import autoshard
+    result = autoshard.solve(model, (input_ids,), mesh="2x4")
+    result.plan.parameters                 # FQN -> placements, one per mesh dim
+    autoshard.save(result, "solutions")    # the solution pickle and the sharding map
+
+On a model file, as the CLI does:
+
     from autoshard.api import MeshSpec, SolveConfig, plan_model, write_outputs
 
     config = SolveConfig(model_path=Path("examples/gpt2.py"), mesh=MeshSpec.from_options("2x4"))
@@ -14,10 +23,16 @@ not listed in ``__all__`` are internal and may change.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import torch
+
 from autoshard.cost.collectives import CommModel, comm_model
 from autoshard.cost.devices import DEVICES, DeviceSpec, get_device
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.model.model_file import loaded_from_module
 from autoshard.pipeline.pricing import plan_pipeline
 from autoshard.plan.export import write_outputs
 from autoshard.plan.formats import load_sharding_map, load_solution
@@ -47,5 +62,81 @@ __all__ = [
     "plan_model",
     "plan_pipeline",
     "plan_preloaded",
+    "save",
+    "solve",
     "write_outputs",
 ]
+
+
+def solve(
+    model: torch.nn.Module,
+    example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
+    mesh: str | MeshSpec = "2x4",
+    *,
+    mode: str = "train",
+    device: str = "h100",
+    memory_budget: float | None = None,
+    precision: str = "model",
+    time_limit: float | None = None,
+    tie: bool = True,
+    loss_fn: Any = None,
+    name: str | None = None,
+) -> SolveResult:
+    """Plan ``model`` (built in Python, best on the meta device: ``with
+    torch.device("meta"): model = ...``) for ``example_inputs`` (global shapes) on ``mesh``:
+    the same trace, strategies, cost model and ILP as ``autoshard solve``.
+
+    The model is traced on a copy (tracing may cast it and cut its repeated blocks), so a
+    model with real weights is copied once; yours is left as it was, but in ``eval()``
+    mode.
+
+    Args:
+        model: the ``nn.Module``; its ``forward`` takes ``example_inputs`` positionally.
+        example_inputs: tensors with the global batch's shapes (a single tensor is fine).
+        mesh: ``"2x4"`` (datasheet links: the last dim inside a node) or a :class:`MeshSpec`.
+        mode: ``"train"`` (one step: forward, backward, AdamW) or ``"infer"``.
+        device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...).
+        memory_budget: bytes per device (default: the device's memory less a margin).
+        precision: ``"model"``, ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``.
+        time_limit: seconds for the ILP (default :class:`SolverOptions`'s).
+        tie: one plan for identical middle blocks (fast); ``False`` plans each block.
+        loss_fn: ``loss_fn(output, *inputs) -> scalar`` for training (default: the mean
+            of the first floating output, as for a model file without one).
+        name: the model's name in reports and file names (default: its class name).
+
+    Returns:
+        A :class:`SolveResult`: ``.plan`` (placements by FQN in ``.parameters``, the time
+        split, ``.memory_by_kind()``, ``.mfu``), ``.ilp`` (status, gap), ``.seconds``.
+
+    Raises:
+        AutoshardError: bad inputs, an untraceable model, no plan within the budget.
+    """
+    loaded = loaded_from_module(model, example_inputs, name, loss_fn)
+    spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
+    options = SolverOptions() if time_limit is None else SolverOptions(time_limit_s=time_limit)
+    config = SolveConfig(
+        model_path=Path(f"<{loaded.name}>"),
+        mesh=spec,
+        device=get_device(device),
+        solver=options,
+        mode=mode,
+        memory_budget=memory_budget,
+        tie=tie,
+        precision=precision,
+        model=loaded,
+    )
+    return plan_model(config)
+
+
+def save(result: SolveResult, out_dir: str | Path = "solutions") -> tuple[Path, Path]:
+    """Write ``result``'s solution pickle and sharding map into ``out_dir`` (created), as
+    ``autoshard solve`` names them (``<model>_<mesh>.pkl`` / ``.json``); returns the two
+    paths. ``autoshard launch`` runs the map with a model file for the same model."""
+    from autoshard.plan.export import output_stem
+
+    config = result.config
+    stem = output_stem(result.sg.graph.model_name, config.mesh.shape, "")
+    files = write_outputs(
+        result.plan, Path(out_dir), stem, config.cost_model(), result.solver_stats()
+    )
+    return Path(files[0]), Path(files[1])

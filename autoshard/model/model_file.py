@@ -295,28 +295,78 @@ def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedMod
             ) from exc
     inputs = tuple(moved)
 
+    return LoadedModel(
+        module=module,
+        inputs=inputs,
+        input_names=_input_names(module, inputs, show, "example_inputs()"),
+        name=mf.name,
+        loss_fn=getattr(mf.module, "loss_fn", None),
+    )
+
+
+def _input_names(
+    module: torch.nn.Module, inputs: Sequence[torch.Tensor], show: str, what: str
+) -> tuple[str, ...]:
+    """``forward()``'s parameter names for ``inputs``, positionally (``*args`` extras as
+    ``<name>_<i>``).
+
+    Raises:
+        AutoshardError: more inputs than ``forward()`` takes, or a required one missing.
+    """
     positional, var, required = _forward_inputs(module)
     cls = type(module).__name__
     if len(inputs) > len(positional) and var is None:
         raise AutoshardError(
-            f"{show}: example_inputs() returned {len(inputs)} tensors but "
+            f"{show}: {what} returned {len(inputs)} tensors but "
             f"{cls}.forward() takes {len(positional)} positional input(s) "
             f"({', '.join(positional) or 'none'}); return at most {len(positional)}"
         )
     missing = [n for n in required if n not in positional[: len(inputs)]]
     if missing:
         raise AutoshardError(
-            f"{show}: {cls}.forward() requires {', '.join(missing)} but example_inputs() "
-            f"returned only {len(inputs)} tensor(s); return one tensor per required input"
+            f"{show}: {cls}.forward() requires {', '.join(missing)} but {what} returned "
+            f"only {len(inputs)} tensor(s); return one tensor per required input"
         )
     names = positional[: len(inputs)]
     names += [f"{var}_{i}" for i in range(len(inputs) - len(names))]
+    return tuple(names)
+
+
+def loaded_from_module(
+    module: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    name: str | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> LoadedModel:
+    """A model built in Python (on the meta device, or real) and its example inputs
+    (global shapes), as a model file would give them: what ``autoshard.solve`` plans.
+
+    The module is put in ``eval()`` mode (dropout off); ``name`` defaults to its class
+    name; ``loss_fn(output, *inputs)`` as a model file's (default: the mean of the first
+    floating output).
+
+    Raises:
+        AutoshardError: ``module`` is not an ``nn.Module``, the inputs are not a non-empty
+            sequence of tensors, or ``forward()`` cannot take them.
+    """
+    show = name or type(module).__name__
+    if not isinstance(module, torch.nn.Module):
+        raise AutoshardError(f"the model must be a torch.nn.Module, not {_describe(module)}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else ()
+    if not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
+        raise AutoshardError(
+            f"{show}: example_inputs must be a non-empty tuple of tensors (global shapes), "
+            f"got {_describe(example_inputs)}"
+        )
+    module.eval()
     return LoadedModel(
         module=module,
         inputs=inputs,
-        input_names=tuple(names),
-        name=mf.name,
-        loss_fn=getattr(mf.module, "loss_fn", None),
+        input_names=_input_names(module, inputs, show, "example_inputs"),
+        name=name or type(module).__name__,
+        loss_fn=loss_fn,
     )
 
 

@@ -7,6 +7,7 @@ through the optional ``progress`` callback) and does not write files.
 
 from __future__ import annotations
 
+import copy
 import functools
 import resource
 import time
@@ -24,7 +25,12 @@ from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
 from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
 from autoshard.errors import AutoshardError
-from autoshard.model.model_file import instantiate, load_model_file, split_microbatches
+from autoshard.model.model_file import (
+    LoadedModel,
+    instantiate,
+    load_model_file,
+    split_microbatches,
+)
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, plan_for_algo
 from autoshard.solver.ilp import ILPResult, solve
@@ -69,6 +75,9 @@ class SolveConfig:
     overlap: bool = True
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
+    # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
+    # on a copy, since tracing may cast it and cut its repeated blocks
+    model: LoadedModel | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -179,7 +188,13 @@ def trace(
     """
     if progress:
         progress("trace", 0, 1)
-    loaded = instantiate(load_model_file(config.model_path), device="meta")
+    if config.model is not None:
+        given = config.model
+        loaded = LoadedModel(
+            copy.deepcopy(given.module), given.inputs, given.input_names, given.name, given.loss_fn
+        )
+    else:
+        loaded = instantiate(load_model_file(config.model_path), device="meta")
     if microbatches > 1:
         loaded.inputs = split_microbatches(loaded.inputs, microbatches, loaded.input_names)[0]
     # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
