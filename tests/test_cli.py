@@ -279,8 +279,6 @@ def test_parameter_names_wrap_instead_of_being_cut_on_a_narrow_terminal(tmp_path
 def test_an_untraceable_model_is_one_line_naming_the_users_line(tmp_path):
     """Data-dependent control flow: torch prints its graph twice and a warning (about 28
     lines) before raising; autoshard says one line that points at the user's `if`."""
-    import subprocess
-    import sys
 
     model = tmp_path / "branchy.py"
     model.write_text(
@@ -297,13 +295,8 @@ def test_an_untraceable_model_is_one_line_naming_the_users_line(tmp_path):
         "def build_model():\n    return Branchy()\n\n\n"
         "def example_inputs():\n    return (torch.randn(8, 16),)\n"
     )
-    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
-    out = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True
-    )
-    assert out.returncode == 2
-    lines = [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
-    assert len(lines) == 1, out.stderr
+    lines = _solve_error_lines(model, tmp_path)
+    assert len(lines) == 1, lines
     assert lines[0].startswith("error: ") and f"{model}:12" in lines[0], lines[0]
 
 
@@ -422,13 +415,16 @@ def test_solve_json_prints_the_report_as_json_on_stdout(tmp_path):
         "all_to_all",
     }
     assert report["files"] == [str(tmp_path / "mlp_2x2.pkl"), str(tmp_path / "mlp_2x2.json")]
+    quiet = subprocess.run(
+        [*cmd, "--json", "-q", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert json.loads(quiet.stdout)["time_s"]["step"] == report["time_s"]["step"]
 
 
 def test_a_shape_error_in_the_model_is_one_line(tmp_path):
     """A matmul of mismatched shapes: torch's fake kernel logs its 20-line traceback at
     ERROR level before the export raises; only autoshard's one line reaches the terminal."""
-    import subprocess
-    import sys
 
     model = tmp_path / "bad.py"
     model.write_text(
@@ -442,11 +438,20 @@ def test_a_shape_error_in_the_model_is_one_line(tmp_path):
         "def build_model():\n    return Bad()\n\n\n"
         "def example_inputs():\n    return (torch.randn(8, 16),)\n"
     )
+    lines = _solve_error_lines(model, tmp_path)
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+
+
+def _solve_error_lines(model: Path, tmp_path: Path) -> list[str]:
+    """`autoshard solve MODEL --mesh 2x2` in a subprocess that must fail with exit code 2
+    and print nothing on stdout: its stderr lines, less the tracing progress lines."""
+    import subprocess
+    import sys
+
     cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
     out = subprocess.run(
         [*cmd, "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True
     )
-    assert out.returncode == 2
-    lines = [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert out.returncode == 2, out.stderr
     assert out.stdout == ""
+    return [line for line in out.stderr.splitlines() if not line.startswith("tracing")]

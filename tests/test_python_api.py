@@ -35,7 +35,22 @@ def test_the_documented_example_runs_and_equals_the_model_file_plan(tmp_path, mo
     )
     assert result.plan.step_time_s == pytest.approx(from_file.plan.step_time_s, rel=1e-9)
     assert result.plan.parameters == from_file.plan.parameters
-    assert len(scope["model"].transformer.h) == 2  # the caller's model is left whole
+
+
+def test_the_callers_model_is_left_whole():
+    """Tracing cuts a model of more than 4 blocks to 4 and casts it for --precision; the
+    caller's module keeps its 6 blocks and its dtype, and the plan covers all 6."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=128))
+    ids = torch.randint(0, 128, (8, 64), device="meta")
+    result = autoshard.solve(model, ids, mesh="2x2", mode="infer", precision="fp32")
+    assert len(model.transformer.h) == 6
+    assert result.sg.graph.depth is not None  # the traced copy was cut
+    assert {f"transformer.h.{i}.attn.c_attn.weight" for i in range(6)} <= set(
+        result.plan.parameters
+    )
 
 
 def test_bad_inputs_are_one_clear_error():

@@ -74,7 +74,7 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, **opts) ->
     """
     # heavy (torch, HiGHS): only once the command runs
     from autoshard.plan.export import output_stem, write_outputs
-    from autoshard.plan.report import print_report, report_dict
+    from autoshard.plan.report import ReportFacts, print_report, report_dict
     from autoshard.solver.solve import plan_model
 
     console = Console(stderr=as_json, quiet=quiet)
@@ -102,12 +102,14 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, **opts) ->
             result = plan_model(config, progress)
     interrupt.check()  # a Ctrl-C some library swallowed still stops the write
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
-    print_report(console, result, files)
+    facts = ReportFacts.of(result.plan)  # priced once for the terminal and --json
+    print_report(console, result, files, facts)
     for note in notes:
         console.print(f"note: {note}")
-    if as_json:
+    if as_json:  # stdout is the JSON document alone, with or without --quiet
         import json
 
-        click.echo(json.dumps(report_dict(result, files, notes), indent=2, sort_keys=True))
-    if quiet:
+        report = report_dict(result, files, notes, facts)
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+    elif quiet:
         click.echo("\n".join(str(f) for f in files))

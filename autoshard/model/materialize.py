@@ -178,26 +178,26 @@ ParameterPlacer = Callable[[str, nn.Parameter], nn.Parameter]
 """``place(fqn, full)`` -> the parameter a rank keeps (its shard), for :func:`init_parameters`."""
 
 
-def init_units(module: nn.Module) -> list[tuple[str, int]]:
-    """The units :func:`init_parameters` initialises one at a time, with their seed offsets.
-
-    ``("", 0)`` (every parameter outside the repeated blocks: embeddings, final norm,
+def init_units(module: nn.Module) -> list[str]:
+    """The units :func:`init_parameters` initialises one at a time, by module prefix, in
+    order: ``""`` (every parameter outside the repeated blocks: embeddings, final norm,
     head), then each repeated block (:func:`autoshard.trace.tracer.find_block_prefixes`)
-    with offset ``1 + index``. A model without repeated blocks is one unit.
+    by index. A model without repeated blocks is one unit. Unit ``k`` is seeded with
+    :func:`unit_seed` ``(seed, k)``.
     """
     from autoshard.trace.tracer import find_block_prefixes  # the tracer imports this module
 
     blocks = find_block_prefixes(module)
-    ordered = sorted(blocks.items(), key=lambda kv: kv[1])
-    return [("", 0)] + [(prefix, 1 + index) for prefix, index in ordered]
+    return [""] + sorted(blocks, key=blocks.__getitem__)
 
 
-def unit_seed(seed: int, offset: int) -> int:
-    """The seed of a unit: ``seed`` for offset 0 (a model without blocks initialises as
-    ``torch.manual_seed(seed)`` then its initialisers), else a 63-bit mix of the two."""
-    if offset == 0:
+def unit_seed(seed: int, unit: int) -> int:
+    """The seed of unit ``unit`` (:func:`init_units`): ``seed`` for unit 0 (a model without
+    blocks initialises as ``torch.manual_seed(seed)`` then its initialisers), else a 63-bit
+    mix of the two."""
+    if unit == 0:
         return seed
-    return (seed * 1_000_003 + offset * 7_919) % (2**63 - 1)
+    return (seed * 1_000_003 + unit * 7_919) % (2**63 - 1)
 
 
 def init_parameters(
@@ -210,7 +210,7 @@ def init_parameters(
     one unit (:func:`init_units`) at a time.
 
     For each unit: its parameters become real (NaN-filled) while every other parameter
-    is on meta, ``torch.manual_seed(unit_seed(seed, offset))`` runs, then the model's
+    is on meta, ``torch.manual_seed(unit_seed(seed, k))`` runs, then the model's
     own initialisers over the whole model (on meta, the other units' writes are free and
     draw nothing from the random state); elements left NaN get the fallback; then
     ``place`` (when given) turns each full parameter into what this process keeps, and
@@ -264,14 +264,14 @@ def init_parameters(
         mod._parameters[name] = parked[id(p)]
 
     units = init_units(module)
-    prefixes = [prefix for prefix, _ in units if prefix]
-    unit_of: dict[int, int] = {}
-    for i, fqn in first.items():
-        unit_of[i] = next((k + 1 for k, pre in enumerate(prefixes) if fqn.startswith(pre + ".")), 0)
+    unit_of = {
+        i: next((k for k, pre in enumerate(units) if pre and fqn.startswith(pre + ".")), 0)
+        for i, fqn in first.items()
+    }
 
     done: dict[int, nn.Parameter] = {}
     fallback: list[str] = []
-    for k, (_, offset) in enumerate(units):
+    for k in range(len(units)):
         members = [i for i in skeleton if unit_of[i] == k]
         if not members:
             continue
@@ -290,7 +290,7 @@ def init_parameters(
         for mod, name, p in slots:
             if id(p) in live:
                 mod._parameters[name] = live[id(p)]
-        torch.manual_seed(unit_seed(seed, offset))
+        torch.manual_seed(unit_seed(seed, k))
         _run_initialisers(module)
         for mod, name, p in slots:  # what the initialisers left in this unit's slots
             if id(p) in live:

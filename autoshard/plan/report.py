@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.markup import escape
@@ -11,6 +11,7 @@ from rich.table import Table
 
 from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
+from autoshard.trace.tracer import path_within_block
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 
@@ -25,6 +26,13 @@ def format_ranges(layers: Iterable[int]) -> str:
             out.append(f"{start}" if start == x else f"{start}-{x}")
             start = None
     return ", ".join(out)
+
+
+def _split_block(fqn: str, blocks: dict[str, int]) -> tuple[int, str] | None:
+    """``(block index, name inside the block)`` of a parameter FQN, or None outside the
+    repeated blocks."""
+    prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
+    return None if prefix is None else (blocks[prefix], fqn[len(prefix) + 1 :])
 
 
 def layer_table(plan: Plan) -> Table:
@@ -45,12 +53,12 @@ def layer_table(plan: Plan) -> Table:
     # (parameter path inside the block, placement) -> layers holding it, and one real FQN
     rows: dict[tuple[str, str], tuple[list[int], str]] = {}
     for fqn, ps in plan.parameters.items():
-        prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
-        if prefix is None:
+        where = _split_block(fqn, blocks)
+        if where is None:
             table.add_row(fqn, "", short(ps), str(shapes.get(fqn, "")))
             continue
-        layers, _ = rows.setdefault((fqn[len(prefix) + 1 :], short(ps)), ([], fqn))
-        layers.append(blocks[prefix])
+        layers, _ = rows.setdefault((where[1], short(ps)), ([], fqn))
+        layers.append(where[0])
     for (sub, ps), (layers, example) in rows.items():
         table.add_row(f"<block>.{sub}", format_ranges(layers), ps, str(shapes.get(example, "")))
     return table
@@ -58,12 +66,11 @@ def layer_table(plan: Plan) -> Table:
 
 def _block_plans(plan: Plan) -> dict[int, tuple]:
     """Block index -> its parameters' placements (within-block name, placement), sorted."""
-    blocks = plan.sg.graph.block_prefixes
     out: dict[int, list] = {}
     for fqn, ps in plan.parameters.items():
-        prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
-        if prefix is not None:
-            out.setdefault(blocks[prefix], []).append((fqn[len(prefix) + 1 :], short(ps)))
+        where = _split_block(fqn, plan.sg.graph.block_prefixes)
+        if where is not None:
+            out.setdefault(where[0], []).append((where[1], short(ps)))
     return {b: tuple(sorted(v)) for b, v in out.items()}
 
 
@@ -94,26 +101,21 @@ def block_differences(plan: Plan) -> list[str]:
         if info.layer is not None:
             seq.setdefault(info.layer, []).append(name)
 
-    some = next(iter(graph.block_prefixes))
-    container = some.rsplit(".", 1)[0] if "." in some else ""
-    in_block = re.compile(rf"^{re.escape(container)}\.\d+\.?" if container else r"^\d+\.?")
+    within_block = path_within_block(graph.block_prefixes)
 
     def sig(name: str) -> tuple:
         info = graph.nodes[name]
-        module = info.fqn if info.kind == "param" else info.module_path
-        within = in_block.sub("", module) if module else None  # the path inside the block
+        within = within_block(info.fqn if info.kind == "param" else info.module_path)
         shapes = tuple(t.shape if t is not None else None for t in (*info.args, *info.results))
         return (info.op_name, within, shapes)
 
     base = evaluate(sg, plan.choice)
     lines = []
     for blocks in by_plan.values():
-        if blocks is usual or not blocks:
+        if blocks is usual:
             continue
         b = blocks[0]
         m = min(usual, key=lambda u: abs(u - b))
-        if b not in seq or m not in seq:
-            continue
         a_sig, m_sig = [sig(n) for n in seq[b]], [sig(n) for n in seq[m]]
         sm = difflib.SequenceMatcher(None, a_sig, m_sig, autojunk=False)
         choice = dict(plan.choice)
@@ -249,13 +251,32 @@ def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
     return out
 
 
-def fallback_line(plan: Plan) -> str | None:
+def _busy_s(plan: Plan) -> float:
+    """Seconds of compute, the optimizer step and every collective, before overlap: what a
+    fallback's share is of."""
+    return plan.compute_s + plan.optimizer_s + plan.comm_total_s
+
+
+@dataclass
+class ReportFacts:
+    """What the report derives from a plan by pricing it again, computed once for both the
+    terminal and ``--json``: :func:`fallback_costs` and :func:`block_differences`."""
+
+    fallbacks: dict[str, tuple[int, float]]
+    differences: list[str]
+
+    @classmethod
+    def of(cls, plan: Plan) -> ReportFacts:
+        return cls(fallback_costs(plan), block_differences(plan))
+
+
+def fallback_line(plan: Plan, costs: dict[str, tuple[int, float]] | None = None) -> str | None:
     """``replicate fallback (no sharding rule): op xN (time, share of the step), ...``, or
-    None when no op fell back."""
-    costs = fallback_costs(plan)
+    None when no op fell back. ``costs``: :func:`fallback_costs` when already computed."""
+    costs = fallback_costs(plan) if costs is None else costs
     if not costs:
         return None
-    busy = plan.compute_s + plan.optimizer_s + plan.comm_total_s  # before overlap
+    busy = _busy_s(plan)
     items = ", ".join(
         f"{op} x{n} ({format_seconds(secs)}, {secs / busy:.1%} of compute and communication)"
         for op, (n, secs) in sorted(costs.items(), key=lambda kv: -kv[1][1])
@@ -269,7 +290,9 @@ def fallback_line(plan: Plan) -> str | None:
 REPORT_FORMAT = "autoshard.report/1"
 
 
-def report_dict(result, files: tuple = (), notes: Iterable[str] = ()) -> dict:
+def report_dict(
+    result, files: tuple = (), notes: Iterable[str] = (), facts: ReportFacts | None = None
+) -> dict:
     """The report of a solve (:class:`autoshard.solver.solve.SolveResult`) as plain JSON
     data, for ``autoshard solve --json`` (keys in docs/formats.md, "Solve report").
 
@@ -280,6 +303,7 @@ def report_dict(result, files: tuple = (), notes: Iterable[str] = ()) -> dict:
     import math
 
     plan, cfg, sg = result.plan, result.config, result.sg
+    facts = facts or ReportFacts.of(plan)
     hidden, exposed = plan.hidden_s, plan.exposed_s
     memory = {k: float(v) for k, v in plan.memory_by_kind().items()}
     memory["total"] = float(plan.memory_bytes)
@@ -336,21 +360,20 @@ def report_dict(result, files: tuple = (), notes: Iterable[str] = ()) -> dict:
             "peak_rss_bytes": result.peak_rss_bytes,
             "files": [str(f) for f in files],
             "fallbacks": {
-                op: {
-                    "nodes": n,
-                    "seconds": secs,
-                    "share": secs / (plan.compute_s + plan.optimizer_s + plan.comm_total_s),
-                }
-                for op, (n, secs) in fallback_costs(plan).items()
+                op: {"nodes": n, "seconds": secs, "share": secs / _busy_s(plan)}
+                for op, (n, secs) in facts.fallbacks.items()
             },
-            "notes": [*block_differences(plan), *notes],
+            "notes": [*facts.differences, *notes],
         }
     )
 
 
-def print_report(console: Console, result, files: tuple | None = None) -> None:
+def print_report(
+    console: Console, result, files: tuple | None = None, facts: ReportFacts | None = None
+) -> None:
     """The full report of a solve (:class:`autoshard.solver.solve.SolveResult`)."""
     plan, cfg, ilp, sg = result.plan, result.config, result.ilp, result.sg
+    facts = facts or ReportFacts.of(plan)
     mesh = cfg.mesh
     dims = ", ".join(
         f"{n}={s} ({format_bandwidth(bw)}, {format_seconds(lat)})"
@@ -387,11 +410,11 @@ def print_report(console: Console, result, files: tuple | None = None) -> None:
         if sg.tied_layers:
             parts.append(f"{sg.tied_layers} traced layers share the first one's variables")
         console.print("repeated layers: " + "; ".join(parts) + " (--no-tie to solve each)")
-    fell = fallback_line(plan)
+    fell = fallback_line(plan, facts.fallbacks)
     if fell is not None:
         console.print(f"[yellow]{escape(fell)}[/yellow]")
     console.print(layer_table(plan))
-    for line in block_differences(plan):
+    for line in facts.differences:
         console.print(line, highlight=False)
     shapes = {
         info.fqn: tuple(info.results[0].shape)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -59,7 +58,7 @@ from autoshard.solver.ilp import ILPResult, evaluate, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveResult, finish_plan, peak_rss_bytes, strategies, trace
 from autoshard.strategies.graph import Strategy, StrategyGraph
-from autoshard.trace.tracer import NodeInfo, TracedGraph
+from autoshard.trace.tracer import NodeInfo, TracedGraph, path_within_block
 
 Placements = tuple[Placement, ...]
 
@@ -408,6 +407,16 @@ def _stored_strategy(
 # The mapping
 
 
+def _fitting(sg: StrategyGraph, rep: str, given: Mapping[str, Strategy]) -> list[int]:
+    """Strategy indices of representative ``rep`` under which every node in ``given`` (it
+    and nodes merged into it) has its given strategy."""
+    return [
+        i
+        for i in range(len(sg.nodes[rep].strategies))
+        if all(sg.nodes[m].strategies[sg.nodes[m].choice[i]] == s for m, s in given.items())
+    ]
+
+
 def _node_strategy(sg: StrategyGraph, node: str, choice: Mapping[str, int]) -> Strategy:
     ns = sg.nodes[node]
     return ns.strategies[ns.choice[choice[ns.rep]]]
@@ -517,11 +526,7 @@ def choice_from_solution(
         given = [m for m in members[rep] if m in stored]
         if not given:
             continue
-        fits = [
-            i
-            for i in range(len(ns.strategies))
-            if all(sg.nodes[m].strategies[sg.nodes[m].choice[i]] == stored[m][1] for m in given)
-        ]
+        fits = _fitting(sg, rep, {m: stored[m][1] for m in given})
         if fits:
             choice[rep] = fits[0]
         else:
@@ -649,14 +654,7 @@ def _by_structure(
         AutoshardError: the restricted ILP finds no plan (a time limit with no incumbent).
     """
     graph = sg.graph
-    some = next(iter(graph.block_prefixes))
-    container = some.rsplit(".", 1)[0] if "." in some else ""
-    # a parameter's FQN within its block (a depth-reduced graph names its traced blocks
-    # h.0-h.3 while they stand for blocks 0, 1, 2-10 and 11)
-    in_block = re.compile(rf"^{re.escape(container)}\.\d+\." if container else r"^\d+\.")
-
-    def rel(target: str | None) -> str | None:
-        return in_block.sub("", target) if target else target
+    rel = path_within_block(graph.block_prefixes)
 
     g_seq: dict[int | None, list[str]] = defaultdict(list)
     for name, info in graph.nodes.items():
@@ -675,14 +673,13 @@ def _by_structure(
 
     g_sigs = {gl: tuple(g_sig(n) for n in names) for gl, names in g_seq.items()}
     s_sigs = {sl: tuple(s_sig(e) for _, e in entries) for sl, entries in s_seq.items()}
-    similar: dict[tuple, float] = {}  # (graph sequence, stored layer) -> ratio, memoised
+    matchers: dict[tuple, difflib.SequenceMatcher] = {}  # (graph sequence, stored layer)
 
-    def ratio(gl: int | None, sl: int | None) -> float:
+    def matcher(gl: int | None, sl: int | None) -> difflib.SequenceMatcher:
         key = (g_sigs[gl], sl)
-        if key not in similar:
-            sm = difflib.SequenceMatcher(None, g_sigs[gl], s_sigs[sl], autojunk=False)
-            similar[key] = sm.ratio()
-        return similar[key]
+        if key not in matchers:
+            matchers[key] = difflib.SequenceMatcher(None, g_sigs[gl], s_sigs[sl], autojunk=False)
+        return matchers[key]
 
     matched: dict[str, tuple[str, Mapping[str, Any]]] = {}
     sources: dict[int, int] = {}
@@ -701,9 +698,9 @@ def _by_structure(
             src = min(exact, key=near)
             pairs = [(i, i) for i in range(len(g_seq[gl]))]
         else:
-            src = min(cands, key=lambda sl: (-ratio(gl, sl), *near(sl)))
-            sm = difflib.SequenceMatcher(None, g_sigs[gl], s_sigs[src], autojunk=False)
-            pairs = [(b.a + k, b.b + k) for b in sm.get_matching_blocks() for k in range(b.size)]
+            src = min(cands, key=lambda sl: (-matcher(gl, sl).ratio(), *near(sl)))
+            blocks = matcher(gl, src).get_matching_blocks()
+            pairs = [(b.a + k, b.b + k) for b in blocks for k in range(b.size)]
             aligned.add(gl)
         used.add(src)
         if gl is not None and src != gl:
@@ -722,14 +719,9 @@ def _by_structure(
         members[ns.rep].append(name)
     choice: dict[str, int] = {}
     for rep in sg.reps:
-        ns = sg.nodes[rep]
-        given = [m for m in members[rep] if m in stored]
-        fits = [
-            i
-            for i in range(len(ns.strategies))
-            if all(sg.nodes[m].strategies[sg.nodes[m].choice[i]] == stored[m] for m in given)
-        ]
-        if given and fits:
+        given = {m: stored[m] for m in members[rep] if m in stored}
+        fits = _fitting(sg, rep, given) if given else []
+        if fits:
             choice[rep] = fits[0]
 
     open_reps = {r for r in sg.reps if r not in choice}

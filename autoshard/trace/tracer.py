@@ -25,6 +25,7 @@ import sysconfig
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,20 @@ def find_block_prefixes(module: torch.nn.Module) -> dict[str, int]:
             prefix = f"{name}." if name else ""
             best = {f"{prefix}{k}": int(k) for k, _ in numbered}
     return best
+
+
+def path_within_block(block_prefixes: Iterable[str]) -> Callable[[str | None], str | None]:
+    """A function taking a module path or FQN to its part inside its repeated block, for
+    any block index: ``transformer.h.7.attn.c_attn.weight`` -> ``attn.c_attn.weight``,
+    ``transformer.h.7`` -> ``""``; other paths unchanged. A depth-reduced graph names its
+    traced blocks ``h.0``-``h.3`` while they stand for other indices, and a stored
+    solution may come from another depth, so the index is never compared."""
+    some = next(iter(block_prefixes), None)
+    if some is None:
+        return lambda path: path
+    container = some.rsplit(".", 1)[0] if "." in some else ""
+    head = re.compile(rf"^{re.escape(container)}\.\d+(\.|$)" if container else r"^\d+(\.|$)")
+    return lambda path: head.sub("", path) if path else path
 
 
 def _layer_of(path: str | None, blocks: dict[str, int], pattern: re.Pattern | None) -> int | None:
