@@ -149,6 +149,17 @@ def step_options() -> list:
             help="With --precision *-mixed: the dtype gradients are reduced in (then kept in "
             "fp32 beside the master weights).",
         ),
+        click.option(
+            "--activation-checkpointing",
+            type=click.Choice(["auto", "none", "full"]),
+            default="auto",
+            show_default=True,
+            help="Recompute repeated blocks (transformer layers) in the backward pass instead "
+            "of keeping their activations, as torch.utils.checkpoint around each block does. "
+            "auto: the ILP decides how many blocks recompute, only where memory needs it "
+            "(each costs one more forward pass of the block, its collectives included); "
+            "none: keep every activation; full: every block recomputes. Training only.",
+        ),
     ]
 
 
@@ -265,6 +276,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         tie=not opts["no_tie"],
         bucket_bytes=opts["bucket_bytes"],
         overlap=not opts["no_overlap"],
+        activation_checkpointing=opts.get("activation_checkpointing", "auto"),
     )
 
 

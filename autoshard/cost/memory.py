@@ -30,7 +30,8 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from autoshard.plan.plan import liveness, local_bytes
+from autoshard.cost.checkpointing import columns
+from autoshard.plan.plan import activation_sizes, liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
@@ -127,8 +128,14 @@ def memory_rows(
     return rows
 
 
-def memory_by_kind(sg: StrategyGraph, choice: dict[str, int], model: MemoryModel) -> dict:
-    """Bytes per device by kind (parameters, gradients, optimizer state, saved activations)."""
+def memory_by_kind(
+    sg: StrategyGraph,
+    choice: dict[str, int],
+    model: MemoryModel,
+    recompute: dict[int, int] | None = None,
+) -> dict:
+    """Bytes per device by kind (parameters, gradients, optimizer state, saved
+    activations: those the recomputed blocks free are not saved)."""
     out: dict[str, float] = {}
     mesh = sg.mesh_shape
     for name, info in _canonical_params(sg):
@@ -143,6 +150,14 @@ def memory_by_kind(sg: StrategyGraph, choice: dict[str, int], model: MemoryModel
         ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
         saved += sg.graph.mult(name) * local_bytes(sg.graph.nodes[name].results[0], ps, mesh)
     if sg.graph.mode == "train":
+        if columns(sg) is not None:  # every freed activation is saved: one copy per block
+            node_strategy = {
+                n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()
+            }
+            one_copy = activation_sizes(sg, node_strategy, mesh, scaled=False)
+            counts = sg.checkpointing.counts(recompute)
+            for b in sg.checkpointing.blocks:
+                saved -= counts[b.layer] * float(one_copy[list(b.saved)].sum())
         out["saved_activations"] = saved
     return out
 
@@ -193,16 +208,31 @@ class LiveMemory:
         self.bytes = sp.csr_matrix((vals, (rows, cols)), shape=(len(self.live.nodes), pos))
 
     def rows(self, points) -> np.ndarray:  # noqa: ANN001 - indices into the points
-        """Budget rows of ``points``: shape ``(len(points), n_x)``, bytes."""
-        act = (self.live.points[list(points)] @ self.bytes).toarray()
-        return act + self.params[None, :]
+        """Budget rows of ``points``: shape ``(len(points), n_x)``, bytes; with the
+        checkpointing decision (:mod:`autoshard.cost.checkpointing`) its columns follow,
+        the bytes recomputation frees at each point, negative."""
+        act = (self.live.points[list(points)] @ self.bytes).toarray() + self.params[None, :]
+        cols = columns(self.sg)
+        if cols is None:
+            return act
+        return np.hstack([act, cols.memory_rows(points)])
 
-    def per_point(self, choice: dict[str, int]) -> np.ndarray:
-        """Bytes per device at every point under ``choice`` (a strategy per representative)."""
+    def per_point(
+        self, choice: dict[str, int], recompute: dict[int, int] | None = None
+    ) -> np.ndarray:
+        """Bytes per device at every point under ``choice`` (a strategy per representative)
+        and ``recompute`` (layer -> real blocks that recompute)."""
         x = np.zeros(self.bytes.shape[1])
         for r, c in choice.items():
             x[self.offsets[r] + c] = 1.0
-        return self.live.points @ (self.bytes @ x) + float(self.params @ x)
+        used = self.live.points @ (self.bytes @ x) + float(self.params @ x)
+        if columns(self.sg) is not None:
+            node_strategy = {
+                n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in self.sg.nodes.items()
+            }
+            one_copy = activation_sizes(self.sg, node_strategy, self.sg.mesh_shape, scaled=False)
+            used = used - self.sg.checkpointing.credit(one_copy, recompute)
+        return used
 
     def first_points(self, k: int = 1) -> list[int]:
         """The ``k`` points with the most bytes live when every activation takes its

@@ -92,6 +92,8 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "step_time_s": float(plan.step_time_s),
         "compute_s": float(plan.compute_s),
         "optimizer_s": float(plan.optimizer_s),
+        "recompute_s": float(plan.recompute_s),
+        "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
         "comm_s": {k: float(v) for k, v in sorted(plan.comm_s.items())},
         "hidden_s": {k: float(v) for k, v in sorted(plan.hidden_s.items())},
         "collectives": dict(sorted(plan.collectives.items())),

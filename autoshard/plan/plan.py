@@ -59,6 +59,11 @@ class Plan:
     step_flops: float = 0.0
     peak_flops: float = 0.0  # one device's peak FLOP/s for the step's dtype (for the MFU)
     collective_steps: Counter = field(default_factory=Counter)  # (phase, kind, mesh dim)
+    # activation checkpointing (autoshard.cost.checkpointing): per traced block's layer the
+    # real blocks that recompute, the real block indices, and the seconds they add
+    recompute: dict[int, int] = field(default_factory=dict)
+    recomputed_blocks: list[int] = field(default_factory=list)
+    recompute_s: float = 0.0
 
     @property
     def comm_total_s(self) -> float:
@@ -77,9 +82,15 @@ class Plan:
 
     @property
     def step_time_s(self) -> float:
-        """Predicted time of one step: compute, the optimizer step and the communication
-        not hidden under compute."""
-        return self.compute_s + self.optimizer_s + self.comm_total_s - self.hidden_total_s
+        """Predicted time of one step: compute, the optimizer step, the communication
+        not hidden under compute, and the recomputed blocks' forward passes."""
+        return (
+            self.compute_s
+            + self.optimizer_s
+            + self.comm_total_s
+            - self.hidden_total_s
+            + self.recompute_s
+        )
 
     @property
     def mfu(self) -> float:
@@ -103,9 +114,16 @@ class Plan:
 
 
 def build_plan(
-    sg: StrategyGraph, choice: dict[str, int], mesh: MeshSpec, name: str = "ilp"
+    sg: StrategyGraph,
+    choice: dict[str, int],
+    mesh: MeshSpec,
+    name: str = "ilp",
+    recompute: dict[int, int] | None = None,
 ) -> Plan:
     """Expand a choice per representative into a full :class:`Plan` with its costs.
+
+    ``recompute``: per traced block's layer, how many real blocks recompute (activation
+    checkpointing, :mod:`autoshard.cost.checkpointing`; ``sg`` must have the decision).
 
     Raises:
         KeyError: when ``choice`` lacks a representative of ``sg``.
@@ -165,12 +183,25 @@ def build_plan(
         comm_s=dict(comm),
         collectives=collectives,
         param_bytes=param_bytes,
-        activation_bytes=peak_activation_bytes(sg, node_strategy, mesh.shape),
+        activation_bytes=peak_activation_bytes(sg, node_strategy, mesh.shape, recompute),
         optimizer_s=optimizer,
         hidden_s=hidden,
         step_flops=graph.step_flops,
         collective_steps=steps,
+        **_recomputation(sg, choice, recompute),
     )
+
+
+def _recomputation(sg: StrategyGraph, choice: dict[str, int], recompute) -> dict:
+    """The :class:`Plan` fields of activation checkpointing (empty without it)."""
+    ck = sg.checkpointing
+    if ck is None or not ck.blocks:
+        return {}
+    return {
+        "recompute": ck.counts(recompute),
+        "recomputed_blocks": ck.recomputed_blocks(recompute),
+        "recompute_s": ck.seconds(sg, choice, recompute),
+    }
 
 
 def phase_of(sg: StrategyGraph, consumer: str) -> str:
@@ -253,7 +284,8 @@ class Liveness:
     can peak (right before something is freed), as a 0/1 matrix.
 
     Each op's outputs are allocated when it runs and freed after their last reader
-    runs; ops that only view their input allocate nothing; user inputs are live from
+    runs (:func:`last_uses`: a reader of a view of them counts); ops that only view
+    their input allocate nothing; user inputs are live from
     the start; parameters and free nodes (masks, position ids) are not activations.
     Which tensors are live at a point does not depend on the plan (the order is the
     graph's); only their sizes do, so the bytes live at each point are linear in the
@@ -264,11 +296,31 @@ class Liveness:
         scale: per node, the real tensors it stands for (a saved activation of a
             depth-reduced graph counts once per block it stands for; else 1).
         points: ``(points, len(nodes))`` sparse 0/1, node ``j`` live at point ``i``.
+        positions: per point, its position in the graph order (where something is freed).
     """
 
     nodes: tuple[str, ...]
     scale: np.ndarray
     points: sp.csr_matrix
+    positions: np.ndarray
+
+
+def last_uses(graph) -> dict[str, int]:  # noqa: ANN001 - a TracedGraph (import cycle)
+    """Node -> position (in graph order) of the last op that reads it, directly or through
+    views of it: a view aliases its base's storage, so the base lives as long as any
+    view of it is read (a saved ``t`` of a weight's gradient input keeps that input)."""
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    last: dict[str, int] = {}
+    for n, info in graph.nodes.items():
+        for a in info.arg_nodes:
+            last[a] = max(last.get(a, -1), pos[n])
+    for n in reversed(order):  # a view's readers extend its base, chains included
+        info = graph.nodes[n]
+        if info.kind == "op" and is_view(info.target) and info.arg_nodes and n in last:
+            base = info.arg_nodes[0]
+            last[base] = max(last.get(base, -1), last[n])
+    return last
 
 
 def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
@@ -278,10 +330,7 @@ def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
     saved = set(graph.saved_for_backward()) if graph.multiplicity else set()
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
-    last_use: dict[str, int] = {}
-    for n, info in graph.nodes.items():
-        for a in info.arg_nodes:
-            last_use[a] = max(last_use.get(a, -1), pos[n])
+    last_use = last_uses(graph)
     nodes = [
         n
         for n, info in graph.nodes.items()
@@ -297,15 +346,18 @@ def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
     cols = np.repeat(np.arange(len(nodes)), last - first + 1)
     points = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(at), len(nodes)))
     scale = np.array([float(graph.mult(n)) if n in saved else 1.0 for n in nodes])
-    graph.liveness = Liveness(tuple(nodes), scale, points)
+    graph.liveness = Liveness(tuple(nodes), scale, points, at)
     return graph.liveness
 
 
 def activation_sizes(
-    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
+    sg: StrategyGraph,
+    node_strategy: dict[str, Strategy],
+    mesh_shape: tuple[int, ...],
+    scaled: bool = True,
 ) -> np.ndarray:
     """Bytes one device holds of each activation of :func:`liveness` under a plan (0 for
-    a node the plan leaves free), times its :attr:`Liveness.scale`."""
+    a node the plan leaves free), times its :attr:`Liveness.scale` when ``scaled``."""
     live = liveness(sg.graph)
     sizes = np.zeros(len(live.nodes))
     for j, n in enumerate(live.nodes):
@@ -318,15 +370,23 @@ def activation_sizes(
             for r, ps in zip(info.results, strat.outputs, strict=False)
             if r is not None
         )
-    return sizes * live.scale
+    return sizes * live.scale if scaled else sizes
 
 
 def peak_activation_bytes(
-    sg: StrategyGraph, node_strategy: dict[str, Strategy], mesh_shape: tuple[int, ...]
+    sg: StrategyGraph,
+    node_strategy: dict[str, Strategy],
+    mesh_shape: tuple[int, ...],
+    recompute: dict[int, int] | None = None,
 ) -> float:
     """Peak bytes of live activations on one device over the graph order
-    (:class:`Liveness`)."""
+    (:class:`Liveness`), less what the blocks ``recompute`` names free
+    (:meth:`autoshard.cost.checkpointing.Checkpointing.credit`)."""
     points = liveness(sg.graph).points
     if points.shape[0] == 0:
         return 0.0
-    return float((points @ activation_sizes(sg, node_strategy, mesh_shape)).max())
+    live = points @ activation_sizes(sg, node_strategy, mesh_shape)
+    if sg.checkpointing is not None and sg.checkpointing.blocks:
+        one_copy = activation_sizes(sg, node_strategy, mesh_shape, scaled=False)
+        live = live - sg.checkpointing.credit(one_copy, recompute)
+    return float(live.max())

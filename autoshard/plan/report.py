@@ -156,6 +156,11 @@ def cost_table(plan: Plan) -> Table:
     table.add_row("compute (roofline)", format_seconds(plan.compute_s), "", "", "")
     if plan.optimizer_s:
         table.add_row("optimizer step (AdamW)", format_seconds(plan.optimizer_s), "", "", "")
+    if plan.recompute_s:
+        n = len(plan.recomputed_blocks)
+        table.add_row(
+            f"recompute ({n} blocks' forward)", format_seconds(plan.recompute_s), "", "", ""
+        )
     exposed = plan.exposed_s
     for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
         if kind in plan.comm_s or plan.collectives.get(kind):
@@ -197,6 +202,35 @@ def flops_line(plan: Plan) -> str:
         f"MFU {plan.mfu:.1%} of {plan.peak_flops / 1e12:.4g} TFLOP/s x {plan.mesh.num_devices} "
         "devices"
     )
+
+
+def checkpointing_line(plan: Plan, mode: str = "auto") -> str | None:
+    """Which repeated blocks recompute in the backward pass (activation checkpointing,
+    :mod:`autoshard.cost.checkpointing`) and what it costs; None without the decision."""
+    ck = plan.sg.checkpointing
+    if ck is None or not ck.blocks:
+        return None
+    total = sum(len(b.real) for b in ck.blocks)
+    blocks = plan.recomputed_blocks
+    if not blocks:
+        why = "the plan fits without" if mode == "auto" else "--activation-checkpointing none"
+        return f"activation checkpointing: no block recomputes ({why})"
+    return (
+        f"activation checkpointing ({mode}): {len(blocks)} of {total} blocks recompute "
+        f"({_ranges(blocks)}), +{format_seconds(plan.recompute_s)} per step"
+    )
+
+
+def _ranges(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 def memory_table(plan: Plan, budget: float | None = None) -> Table:
@@ -254,7 +288,7 @@ def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
 def _busy_s(plan: Plan) -> float:
     """Seconds of compute, the optimizer step and every collective, before overlap: what a
     fallback's share is of."""
-    return plan.compute_s + plan.optimizer_s + plan.comm_total_s
+    return plan.compute_s + plan.optimizer_s + plan.comm_total_s + plan.recompute_s
 
 
 @dataclass
@@ -341,6 +375,7 @@ def report_dict(
                 "step": plan.step_time_s,
                 "compute": plan.compute_s,
                 "optimizer": plan.optimizer_s,
+                "recompute": plan.recompute_s,
                 "collectives": {
                     kind: {
                         "total": total,
@@ -350,6 +385,10 @@ def report_dict(
                     }
                     for kind, total in sorted(plan.comm_s.items())
                 },
+            },
+            "activation_checkpointing": {
+                "mode": cfg.activation_checkpointing,
+                "recomputed_blocks": list(plan.recomputed_blocks),
             },
             "step_flops": plan.step_flops,
             "mfu": plan.mfu,
@@ -424,6 +463,9 @@ def print_report(
     console.print(inputs_line(plan, shapes), highlight=False)
     console.print(cost_table(plan))
     console.print(flops_line(plan))
+    ckpt = checkpointing_line(plan, cfg.activation_checkpointing)
+    if ckpt is not None:
+        console.print(ckpt, highlight=False)
     console.print(memory_table(plan))
     gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
     status = ilp.status

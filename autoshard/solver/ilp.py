@@ -45,11 +45,12 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import scipy.sparse as sp
 
+from autoshard.cost.checkpointing import Columns, columns
 from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.plan.plan import local_bytes
@@ -84,6 +85,8 @@ class ILPResult:
     start: str | None = None  # the hand-written plan the search started from
     start_objective_s: float | None = None  # its objective (s)
     memory_rounds: int = 1  # solves, each adding budget rows a plan overflowed
+    # real blocks that recompute, per traced block's layer (autoshard.cost.checkpointing)
+    recompute: dict[int, int] = field(default_factory=dict)
 
     def stats(self) -> dict:
         """Everything but the choice, as a dict, with ``algo`` ``"ilp"`` (the statistics
@@ -107,6 +110,50 @@ class _Problem:
     edge_offsets: list[int]
     keep: list[np.ndarray]
     overlap: _OverlapRows | None = None
+    recompute: _RecomputeRows | None = None
+
+
+@dataclass(frozen=True)
+class _RecomputeRows:
+    """The checkpointing decision's data (:mod:`autoshard.cost.checkpointing`): its
+    columns, and per block one copy's forward seconds over ``x`` and ``y`` and their
+    largest value."""
+
+    cols: Columns
+    rx: list[np.ndarray]  # (n_x,) per block
+    ry: list[np.ndarray]  # (n_y,) per block
+    r_max: list[float]
+
+
+def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps):
+    """[``_recompute_rows``] the checkpointing decision's data, or None without one."""
+    cols = columns(sg)
+    if cols is None:
+        return None
+    rx, ry, r_max = [], [], []
+    for b in cols.ck.blocks:
+        x = np.zeros(n_x)
+        for n in b.forward:
+            ns = sg.nodes[n]
+            start = offsets[ns.rep]
+            x[start : start + len(ns.choice)] += ns.compute_s[ns.choice] / sg.graph.mult(n)
+        y = np.zeros(len(r))
+        for i, e in enumerate(sg.edges):
+            uses = e.forward_uses.get(b.layer, 0)
+            if uses:
+                start = edge_offsets[i]
+                y[start : start + len(keeps[i])] += r[start : start + len(keeps[i])] * uses / e.uses
+        most = sum(
+            float(x[offsets[q] : offsets[q] + len(sg.nodes[q].strategies)].max()) for q in sg.reps
+        )
+        most += sum(
+            float(y[edge_offsets[i] : edge_offsets[i] + len(keeps[i])].max(initial=0.0))
+            for i in range(len(sg.edges))
+        )
+        rx.append(x)
+        ry.append(y)
+        r_max.append(most)
+    return _RecomputeRows(cols, rx, ry, r_max)
 
 
 @dataclass(frozen=True)
@@ -235,7 +282,8 @@ def build_problem(sg: StrategyGraph) -> _Problem:
     A = sp.vstack([A_one, A_edges], format="csr")
     b = np.concatenate([np.ones(A_one.shape[0]), np.zeros(A_edges.shape[0])])
     overlap = _overlap_rows(sg, reps, offsets, n_x, r, edge_offsets, keeps)
-    return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap)
+    recompute = _recompute_rows(sg, offsets, n_x, r, edge_offsets, keeps)
+    return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap, recompute)
 
 
 def _milp(
@@ -263,7 +311,9 @@ def _milp(
     n_x, n_y = prob.n_x, prob.n_y
     ov = prob.overlap if prob.n_y else None
     k = len(ov.share) if ov is not None else 0
-    n = n_x + n_y + (k + 2 if ov is not None else 0)
+    rc = prob.recompute
+    ck0 = n_x + n_y + (k + 2 if ov is not None else 0)  # the checkpointing columns' first
+    n = ck0 + (rc.cols.n if rc is not None else 0)
     col_lower = np.zeros(n)
     col_upper = np.concatenate([np.ones(n_x), np.full(n - n_x, np.inf)])
     integer = np.zeros(n, dtype=bool)
@@ -273,19 +323,26 @@ def _milp(
     blocks = [sp.hstack([prob.A, sp.csr_matrix((prob.A.shape[0], n - n_x - n_y))])]
     lower, upper = [prob.b], [prob.b]
     if memory is not None:
+        blocks.append(_memory_block(prob, memory[0], n))
         rows = _memory_matrix(memory[0])
-        blocks.append(sp.hstack([sp.csr_matrix(rows), sp.csr_matrix((len(rows), n - n_x))]))
         lower.append(np.full(len(rows), -np.inf))
         upper.append(np.full(len(rows), float(memory[1])))
+    if rc is not None:
+        _add_recompute(
+            prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, col_upper, integer
+        )
     c = np.zeros(n)
     if memory_objective is not None:
         c[:n_x] = memory_objective
     else:
         c[:n_x] = SCALE * prob.c
         c[n_x : n_x + n_y] = SCALE * prob.r
+        if rc is not None:
+            for bi, b in enumerate(rc.cols.ck.blocks):
+                c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
     if ov is not None:
         z0, ca, cb = n_x + n_y, n_x + n_y + k, n_x + n_y + k + 1
-        col_lower[ca:] = -np.inf  # c_all, c_bwd: free
+        col_lower[ca:ck0] = -np.inf  # c_all, c_bwd: free
         if memory_objective is None:
             c[z0:ca] = -1.0
         grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
@@ -306,7 +363,9 @@ def _milp(
         # z_e - SCALE comm_e . y <= 0
         eye = sp.identity(k, format="csr")
         blocks.append(
-            sp.hstack([sp.csr_matrix((k, n_x)), -SCALE * ov.comm, eye, sp.csr_matrix((k, 2))])
+            sp.hstack(
+                [sp.csr_matrix((k, n_x)), -SCALE * ov.comm, eye, sp.csr_matrix((k, n - ck0 + 2))]
+            )
         )
         lower.append(np.full(k, -np.inf))
         upper.append(np.zeros(k))
@@ -341,12 +400,117 @@ def _milp(
     )
 
 
-def _start(prob: _Problem, choice: dict[str, int]) -> tuple:
-    """A plan as a partial MIP start: every column of ``x`` (HiGHS completes the rest)."""
+def _memory_block(prob: _Problem, m: np.ndarray, n: int) -> sp.csr_matrix:
+    """The budget rows over all ``n`` columns: given over ``x`` and, with the
+    checkpointing decision, its columns after (:meth:`autoshard.cost.memory.LiveMemory.rows`)."""
+    rows = _memory_matrix(m)
+    rc = prob.recompute
+    width = prob.n_x + (rc.cols.n if rc is not None else 0)
+    if rows.shape[1] < width:  # rows over x alone (a pipeline stage, a test)
+        rows = np.hstack([rows, np.zeros((len(rows), width - rows.shape[1]))])
+    if rc is None:
+        return sp.hstack([sp.csr_matrix(rows), sp.csr_matrix((len(rows), n - prob.n_x))], "csr")
+    ck0 = n - rc.cols.n
+    return sp.hstack(
+        [
+            sp.csr_matrix(rows[:, : prob.n_x]),
+            sp.csr_matrix((len(rows), ck0 - prob.n_x)),
+            sp.csr_matrix(rows[:, prob.n_x :]),
+        ],
+        "csr",
+    )
+
+
+def _add_recompute(prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, col_upper, integer):
+    """[``_recompute_rows``] the checkpointing decision's columns and rows
+    (:mod:`autoshard.cost.checkpointing`, module docstring), added in place."""
+    cols = rc.cols
+
+    def sparse_row(entries: dict[int, float]) -> sp.csr_matrix:
+        idx = np.fromiter(entries.keys(), dtype=np.int64)
+        val = np.fromiter(entries.values(), dtype=float)
+        return sp.csr_matrix((val, (np.zeros(len(idx), dtype=np.int64), idx)), shape=(1, n))
+
+    def add(row: sp.csr_matrix, lo: float, hi: float) -> None:
+        blocks.append(row)
+        lower.append([lo])
+        upper.append([hi])
+
+    for bi, b in enumerate(cols.ck.blocks):
+        beta = ck0 + cols.beta[bi] + np.arange(b.bits)
+        w = ck0 + cols.w[bi] + np.arange(b.bits)
+        integer[beta] = boolean
+        col_upper[beta] = 1.0
+        if cols.ck.fixed:  # every block recomputes
+            for d in range(b.bits):
+                col_lower[beta[d]] = col_upper[beta[d]] = float((b.copies >> d) & 1)
+        weights = {int(beta[d]): float(2**d) for d in range(b.bits)}
+        if 2**b.bits - 1 > b.copies:  # k <= copies
+            add(sparse_row(weights), -np.inf, float(b.copies))
+        # w_d - 2^d S (rx.x + ry.y) - 2^d S R_max beta_d >= -2^d S R_max
+        time = np.concatenate([rc.rx[bi], rc.ry[bi]])
+        nz = np.flatnonzero(time)
+        big = SCALE * rc.r_max[bi]
+        for d in range(b.bits):
+            entries = {int(j): -(2**d) * SCALE * time[j] for j in nz}
+            entries[int(w[d])] = 1.0
+            entries[int(beta[d])] = -(2**d) * big
+            add(sparse_row(entries), -(2**d) * big, np.inf)
+        gamma = cols.gamma[bi]
+        if gamma is not None:
+            col_upper[ck0 + gamma] = 1.0
+            for d in range(b.bits):  # gamma >= beta_d
+                add(sparse_row({ck0 + gamma: 1.0, int(beta[d]): -1.0}), 0.0, np.inf)
+        for r, start in cols.z[bi].items():
+            size = cols.sizes[r]
+            xs = prob.offsets[r] + np.arange(size)
+            zs = ck0 + start + np.arange(size)
+            # z - copies x <= 0
+            eye = sp.csr_matrix((np.ones(size), (np.arange(size), zs)), shape=(size, n))
+            xm = sp.csr_matrix((np.full(size, -float(b.copies)), (np.arange(size), xs)), (size, n))
+            blocks.append(eye + xm)
+            lower.append(np.full(size, -np.inf))
+            upper.append(np.zeros(size))
+            # sum z - sum 2^d beta_d = 0
+            entries = {int(j): 1.0 for j in zs}
+            entries.update({j: -v for j, v in weights.items()})
+            add(sparse_row(entries), 0.0, 0.0)
+            if gamma is not None:  # g - x - gamma >= -1
+                gs = ck0 + cols.g[bi][r] + np.arange(size)
+                g = sp.csr_matrix((np.ones(size), (np.arange(size), gs)), shape=(size, n))
+                xg = sp.csr_matrix((-np.ones(size), (np.arange(size), xs)), shape=(size, n))
+                gm = sp.csr_matrix(
+                    (-np.ones(size), (np.arange(size), np.full(size, ck0 + gamma))), (size, n)
+                )
+                blocks.append(g + xg + gm)
+                lower.append(np.full(size, -1.0))
+                upper.append(np.full(size, np.inf))
+
+
+def _start(
+    prob: _Problem, choice: dict[str, int], recompute: dict[int, int] | None = None
+) -> tuple:
+    """A plan as a partial MIP start: every column of ``x`` and, with the checkpointing
+    decision, its columns but ``w`` (HiGHS completes the rest)."""
     xv = np.zeros(prob.n_x)
     for r, i in choice.items():
         xv[prob.offsets[r] + i] = 1.0
-    return np.arange(prob.n_x), xv
+    if prob.recompute is None:
+        return np.arange(prob.n_x), xv
+    cols = prob.recompute.cols
+    ck = cols.values(choice, recompute)
+    w = np.zeros(cols.n, dtype=bool)
+    for bi, b in enumerate(cols.ck.blocks):
+        w[cols.w[bi] : cols.w[bi] + b.bits] = True
+    ck0 = _recompute_offset(prob)
+    idx = np.concatenate([np.arange(prob.n_x), ck0 + np.flatnonzero(~w)])
+    return idx, np.concatenate([xv, ck[~w]])
+
+
+def _recompute_offset(prob: _Problem) -> int:
+    """The first checkpointing column in the MILP (:func:`_milp`)."""
+    ov = prob.overlap if prob.n_y else None
+    return prob.n_x + prob.n_y + (len(ov.share) + 2 if ov is not None else 0)
 
 
 def solve(
@@ -373,6 +537,7 @@ def solve(
     options = options or SolverOptions()
     t0 = time.perf_counter()
     starts = dict(starts or {})
+    start_counts: dict[str, dict[int, int]] = {}  # a start's own recomputed blocks
     plain: ILPResult | None = None
     if overlappable(sg):
         # The savings variables make the LP relaxation fractional and slow on large meshes
@@ -381,6 +546,7 @@ def solve(
         try:
             plain = _search(replace(sg, overlap=False), options, memory, None)
             starts[NO_OVERLAP_START] = plain.choice
+            start_counts[NO_OVERLAP_START] = plain.recompute
         except MemoryBudgetError:
             raise
         except AutoshardError:  # no plan in the time limit: the hand-written starts remain
@@ -390,7 +556,7 @@ def solve(
         # 2x4 plan: 257 ms kept instead of 193 ms found at 50 s)
         left = options.time_limit_s - (time.perf_counter() - t0)
         options = replace(options, time_limit_s=max(1.0, left))
-    start = _best_start(sg, starts, memory)
+    start = _best_start(sg, starts, memory, start_counts)
     try:
         result = _search(sg, options, memory, start)
     except MemoryBudgetError:
@@ -414,7 +580,12 @@ def solve(
         gap = max(0.0, 1 - bound / start.objective_s) if finite else math.nan
         kept = "within_gap" if gap <= options.mip_gap else "time_limit"
         result = replace(
-            result, choice=start.choice, objective_s=start.objective_s, gap=gap, status=kept
+            result,
+            choice=start.choice,
+            recompute=start.recompute,
+            objective_s=start.objective_s,
+            gap=gap,
+            status=kept,
         )
     if start is not None:
         result = replace(result, start=start.start, start_objective_s=start.objective_s)
@@ -426,20 +597,33 @@ def solve(
 NO_OVERLAP_START = "ILP without overlap"
 
 
-def _best_start(sg: StrategyGraph, starts: dict[str, dict[str, int]], memory) -> ILPResult | None:
-    """The cheapest of ``starts`` that fits the memory budget, as an ILP result."""
+def _best_start(
+    sg: StrategyGraph,
+    starts: dict[str, dict[str, int]],
+    memory,
+    start_counts: dict[str, dict[int, int]] | None = None,
+) -> ILPResult | None:
+    """The cheapest of ``starts`` that fits the memory budget, as an ILP result. With the
+    checkpointing decision each start is tried keeping every activation, recomputing
+    every block, and with its own counts in ``start_counts``."""
     best: ILPResult | None = None
-    for name, choice in starts.items():
-        cost = evaluate(sg, choice)
+    ck = sg.checkpointing if columns(sg) is not None else None
+    # a start keeps every activation, or (when that does not fit) recomputes every block
+    counts = [None] if ck is None or ck.fixed else [{}, ck.full()]
+    tries = [(n, c, k) for (n, c), k in itertools.product(starts.items(), counts)]
+    tries += [(n, starts[n], k) for n, k in (start_counts or {}).items() if n in starts]
+    for name, choice, recompute in tries:
+        cost = evaluate(sg, choice, recompute)
         if not math.isfinite(cost):
             continue
         if memory is not None:
-            used = _memory(_offsets(sg), memory[0], choice)
+            used = _memory(sg, memory[0], choice, recompute)
             if used > memory[1] * (1 + 1e-9):
                 continue
         if best is None or cost < best.objective_s:
             best = ILPResult(
                 choice=dict(choice),
+                recompute=_counts(sg, recompute),
                 objective_s=cost,
                 status="time_limit",
                 gap=math.nan,
@@ -450,6 +634,11 @@ def _best_start(sg: StrategyGraph, starts: dict[str, dict[str, int]], memory) ->
                 start=name,
             )
     return best
+
+
+def _counts(sg: StrategyGraph, recompute: dict[int, int] | None) -> dict[int, int]:
+    """Every block's count of real blocks that recompute (empty without the decision)."""
+    return sg.checkpointing.counts(recompute) if columns(sg) is not None else {}
 
 
 def _offsets(sg: StrategyGraph) -> dict[str, int]:
@@ -500,7 +689,9 @@ def _search(
     milp = _milp(prob, memory=memory)
     build_s += time.perf_counter() - t1
     t1 = time.perf_counter()
-    start_cols = _start(prob, incumbent.choice) if incumbent is not None else None
+    start_cols = (
+        _start(prob, incumbent.choice, incumbent.recompute) if incumbent is not None else None
+    )
     cutoff = incumbent.objective_s * SCALE * (1 + 1e-9) if incumbent is not None else None
     found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff)
     solve_s = time.perf_counter() - t1
@@ -525,11 +716,12 @@ def _search(
     bound = bound / SCALE if bound is not None else None
     xv = found.x[: prob.n_x] if found.x is not None else None
     choice = _valid_choice(sg, prob, xv)
-    objective = evaluate(sg, choice) if choice is not None else math.inf
+    recompute = _found_counts(prob, found.x)
+    objective = evaluate(sg, choice, recompute) if choice is not None else math.inf
     if (
         memory is not None
         and choice is not None
-        and _memory(prob.offsets, memory[0], choice) > memory[1] * (1 + 1e-9)
+        and _memory(sg, memory[0], choice, recompute) > memory[1] * (1 + 1e-9)
     ):
         objective = math.inf  # a solution HiGHS left over its budget row (tolerances)
     if not math.isfinite(objective) or (
@@ -542,8 +734,8 @@ def _search(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
             f"(status {status}); raise --time-limit"
         )
-    choice = prefer_smaller_shards(sg, choice)  # never breaks the budget
-    objective = evaluate(sg, choice)
+    choice = prefer_smaller_shards(sg, choice, recompute=recompute)  # never breaks the budget
+    objective = evaluate(sg, choice, recompute)
     status_text = "optimal" if status == "optimal" else "time_limit"
     if status_text == "optimal" and gap is not None and gap > 1e-9:
         status_text = "within_gap"
@@ -551,6 +743,7 @@ def _search(
         gap = 0.0
     return ILPResult(
         choice=choice,
+        recompute=_counts(sg, recompute),
         objective_s=objective,
         status=status_text,
         gap=float(gap) if gap is not None else math.nan,
@@ -579,10 +772,29 @@ def _memory_matrix(m: np.ndarray) -> np.ndarray:
     return np.atleast_2d(np.asarray(m, dtype=float))
 
 
-def _memory(offsets: dict[str, int], m: np.ndarray, choice: dict[str, int]) -> float:
-    """The largest budget row's bytes under ``choice`` (its peak over the rows)."""
-    cols = [offsets[r] + c for r, c in choice.items()]
-    return float(_memory_matrix(m)[:, cols].sum(axis=1).max())
+def _memory(
+    sg: StrategyGraph, m: np.ndarray, choice: dict[str, int], recompute: dict[int, int] | None
+) -> float:
+    """The largest budget row's bytes under ``choice`` and ``recompute`` (its peak over the
+    rows; rows over ``x`` and, with the checkpointing decision, its columns)."""
+    rows = _memory_matrix(m)
+    offsets = _offsets(sg)
+    n_x = sum(len(sg.nodes[r].strategies) for r in sg.reps)
+    v = np.zeros(rows.shape[1])
+    for r, c in choice.items():
+        v[offsets[r] + c] = 1.0
+    cols = columns(sg)
+    if cols is not None and rows.shape[1] > n_x:
+        v[n_x:] = cols.values(choice, recompute)
+    return float((rows @ v).max())
+
+
+def _found_counts(prob: _Problem, values: np.ndarray | None) -> dict[int, int] | None:
+    """The counts of recomputed blocks in a HiGHS solution (None without the decision)."""
+    if prob.recompute is None or values is None:
+        return None
+    ck0 = _recompute_offset(prob)
+    return prob.recompute.cols.counts(values[ck0 : ck0 + prob.recompute.cols.n])
 
 
 def _finish_incumbent(
@@ -628,19 +840,26 @@ def _lp_first(
     lp = run(milp, _left(deadline))
     if lp.status != "optimal" or lp.x is None:
         return None  # infeasible or odd: the MIP path reports it properly
-    xv = lp.x[: prob.n_x]
+    values = lp.x
+    xv = values[: prob.n_x]
     bound = float(lp.objective) / SCALE
     integral = bool(np.all((xv < 1e-6) | (xv > 1 - 1e-6)))
+    if prob.recompute is not None:  # the digits of the recomputed counts too
+        ck0 = _recompute_offset(prob)
+        digits = values[ck0 : ck0 + prob.recompute.cols.n][prob.recompute.cols.digit_mask()]
+        integral = integral and bool(np.all((digits < 1e-6) | (digits > 1 - 1e-6)))
     if not integral:
         # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
         decided = np.flatnonzero(xv > 1 - 1e-6)
-        xv = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
-        if xv is None:
+        values = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
+        if values is None:
             return None
-    choice = prefer_smaller_shards(sg, _choice(sg, prob, xv))  # never breaks the budget
-    cost = evaluate(sg, choice)
-    if memory is not None:
-        if _memory(prob.offsets, memory[0], choice) > memory[1] * (1 + 1e-9):
+        xv = values[: prob.n_x]
+    recompute = _found_counts(prob, values)
+    choice = prefer_smaller_shards(sg, _choice(sg, prob, xv), recompute=recompute)
+    cost = evaluate(sg, choice, recompute)
+    if memory is not None:  # prefer_smaller_shards never breaks the budget: a check
+        if _memory(sg, memory[0], choice, recompute) > memory[1] * (1 + 1e-9):
             return None
     if not math.isfinite(cost):
         return None
@@ -650,6 +869,7 @@ def _lp_first(
         status = "incumbent"
     return ILPResult(
         choice=choice,
+        recompute=_counts(sg, recompute),
         objective_s=cost,
         status=status,
         gap=0.0 if integral else gap,
@@ -664,7 +884,7 @@ def _lp_first(
 def _fixed_mip(
     prob: _Problem, memory, decided: np.ndarray, options: SolverOptions, time_limit: float
 ):
-    """The MIP with the variables in ``decided`` fixed to 1; x's values, or None.
+    """The MIP with the variables in ``decided`` fixed to 1; its columns' values, or None.
 
     Solved to ``mip_gap`` (the caller measures the plan against the LP bound anyway)
     within ``time_limit`` seconds; a plan found when the time runs out is still returned
@@ -672,7 +892,7 @@ def _fixed_mip(
     found = run(_milp(prob, memory=memory, fixed=decided), time_limit, float(options.mip_gap))
     if found.status in ("infeasible", "error") or found.x is None:
         return None
-    return found.x[: prob.n_x]
+    return found.x
 
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
@@ -681,9 +901,7 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
     rows = _memory_matrix(m)
     base = _milp(prob, memory_objective=np.zeros(prob.n_x))
     n = base.num_cols
-    extra = sp.hstack(
-        [sp.csr_matrix(rows), sp.csr_matrix((len(rows), n - prob.n_x)), -np.ones((len(rows), 1))]
-    )
+    extra = sp.hstack([_memory_block(prob, rows, n), -np.ones((len(rows), 1))])
     milp = MILP(
         c=np.concatenate([np.zeros(n), [1.0]]),
         A=sp.vstack([sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], 1))]), extra], "csc"),
@@ -709,7 +927,12 @@ def _bound_and_gap(bound: float | None, gap: float | None) -> tuple[float | None
     return bound, gap
 
 
-def prefer_smaller_shards(sg: StrategyGraph, choice: dict[str, int], tol: float = 1e-12) -> dict:
+def prefer_smaller_shards(
+    sg: StrategyGraph,
+    choice: dict[str, int],
+    tol: float = 1e-12,
+    recompute: dict[int, int] | None = None,
+) -> dict:
     """Among plans of equal time, prefer parameters and inputs held in smaller pieces.
 
     Slicing a replicated tensor is free, so storing a weight whole or sharded often
@@ -751,20 +974,30 @@ def prefer_smaller_shards(sg: StrategyGraph, choice: dict[str, int], tol: float 
                 best = i
                 break
         choice[name] = best
-    if sg.overlap and evaluate(sg, choice) > evaluate(sg, original) + tol:
-        return dict(original)  # the local check does not see hidden communication move
+    if (sg.overlap or recompute) and evaluate(sg, choice, recompute) > evaluate(
+        sg, original, recompute
+    ) + tol:
+        # the local check sees neither hidden communication move nor a recomputed
+        # forward read a parameter again
+        return dict(original)
     return choice
 
 
-def evaluate(sg: StrategyGraph, choice: dict[str, int]) -> float:
+def evaluate(
+    sg: StrategyGraph, choice: dict[str, int], recompute: dict[int, int] | None = None
+) -> float:
     """The objective (s) of a given choice, as the ILP counts it: compute (with the
     optimizer step) plus resharding, less the communication hidden under compute
-    (:func:`autoshard.cost.overlap.hidden_seconds`)."""
+    (:func:`autoshard.cost.overlap.hidden_seconds`), plus the forward passes of the blocks
+    ``recompute`` names (layer -> how many real blocks;
+    :meth:`autoshard.cost.checkpointing.Checkpointing.seconds`)."""
     total = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
     for e in sg.edges:
         total += float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
     if sg.overlap and sg.graph is not None:
         total -= hidden_seconds(sg, choice).total_s
+    if columns(sg) is not None:
+        total += sg.checkpointing.seconds(sg, choice, recompute)
     return total
 
 

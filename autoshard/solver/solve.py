@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
 
+from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
+from autoshard.cost.checkpointing import Checkpointing
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
 from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import (
     LoadedModel,
     instantiate,
@@ -75,6 +77,7 @@ class SolveConfig:
     overlap: bool = True
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
+    activation_checkpointing: str = "auto"
     # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
     # on a copy, since tracing may cast it and cut its repeated blocks
     model: LoadedModel | None = field(default=None, repr=False, compare=False)
@@ -92,6 +95,11 @@ class SolveConfig:
             raise AutoshardError(
                 f"--dtype casts the whole step and --precision {self.precision} sets it too: "
                 "give one of them"
+            )
+        if self.activation_checkpointing not in CHECKPOINTING_MODES:
+            raise AutoshardError(
+                "--activation-checkpointing must be one of "
+                f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}"
             )
         if self.mode not in ("train", "infer"):
             raise AutoshardError(f"--mode must be train or infer, got {self.mode!r}")
@@ -146,6 +154,7 @@ class SolveConfig:
             "output_placement": self.output_placement,
             "bucket_bytes": self.bucket_bytes,
             "overlap": self.overlap,
+            "activation_checkpointing": self.activation_checkpointing,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -230,14 +239,24 @@ def strategies(
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"
+    if config.mode == "train" and config.activation_checkpointing != "none":
+        sg.checkpointing = Checkpointing(sg, fixed=config.activation_checkpointing == "full")
     return sg
 
 
-def finish_plan(config: SolveConfig, sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
-    """:func:`build_plan` plus the training memory kinds and the budget check."""
-    plan = build_plan(sg, choice, config.mesh, name=name)
+def finish_plan(
+    config: SolveConfig,
+    sg: StrategyGraph,
+    choice: dict[str, int],
+    name: str,
+    recompute: dict[int, int] | None = None,
+) -> Plan:
+    """:func:`build_plan` plus the training memory kinds and the budget check.
+    ``recompute``: real blocks that recompute per traced block's layer (none when absent,
+    every one under ``--activation-checkpointing full``)."""
+    plan = build_plan(sg, choice, config.mesh, name=name, recompute=recompute)
     plan.peak_flops = config.device.peak(config.compute_dtype(sg.graph))
-    mem = memory_by_kind(sg, choice, config.memory_model())
+    mem = memory_by_kind(sg, choice, config.memory_model(), recompute)
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
     plan.extra["saved_activations"] = mem.get("saved_activations")
     plan.extra["budget"] = config.budget()
@@ -275,10 +294,16 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
         progress("solve", 1, 1)
     seconds["ilp_build"] = result.build_seconds
     seconds["solve"] = result.solve_seconds
-    plan = finish_plan(config, sg, result.choice, "ilp")
+    plan = finish_plan(config, sg, result.choice, "ilp", result.recompute)
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes())
 
+
+BINDING = 0.98
+"""``--activation-checkpointing auto`` decides only when the plan that keeps every
+activation needs more than this share of the budget (or no such plan fits)."""
+
+NO_RECOMPUTE_START = "ILP without recomputation"
 
 MEMORY_ROUNDS = 12
 """At most this many solves add budget rows (points of the step) a plan overflowed."""
@@ -304,6 +329,25 @@ def solve_within_memory(
         AutoshardError: as :func:`autoshard.solver.ilp.solve` (``MemoryBudgetError`` when
             no plan fits), or no plan fits after :data:`MEMORY_ROUNDS` solves.
     """
+    ck = sg.checkpointing
+    if ck is not None and ck.blocks and not ck.fixed:
+        # auto: recomputing only costs time, so it can only help where memory binds. Solve
+        # without the decision first (its columns make the search slower: the Llama-70B
+        # shape's plan lost 0.6% at the time limit); when that plan is within
+        # BINDING of the budget, or none fits, solve again with it, from that plan.
+        t0 = time.perf_counter()
+        plain = replace(sg, checkpointing=None)
+        try:
+            first = solve_within_memory(plain, config, starts)
+        except MemoryBudgetError:
+            first = None
+        if first is not None:
+            used = LiveMemory(plain, config.memory_model()).per_point(first.choice).max()
+            if used < BINDING * config.budget():
+                return first
+            starts = {**starts, NO_RECOMPUTE_START: first.choice}
+        left = config.solver.time_limit_s - (time.perf_counter() - t0)
+        config = replace(config, solver=replace(config.solver, time_limit_s=max(1.0, left)))
     live = LiveMemory(sg, config.memory_model())
     budget = config.budget()
     points = live.first_points()
@@ -312,7 +356,7 @@ def solve_within_memory(
     options = config.solver
     for rounds in range(1, MEMORY_ROUNDS + 1):
         result = solve(sg, options, memory=(rows, budget), starts=starts)
-        used = live.per_point(result.choice)
+        used = live.per_point(result.choice, result.recompute)
         over = [int(k) for k in np.argsort(-used, kind="stable") if used[k] > budget * (1 + 1e-9)]
         if any(k in points for k in over):  # a row it was given: never a plan that overflows
             raise AutoshardError(

@@ -104,6 +104,11 @@ class Edge:
     members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
     overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.cost.overlap)
     hide_share: float = 0.0  # f_e of autoshard.cost.overlap, summed over merged edges
+    # the real tensor reads ``cost`` counts (each member times its multiplicity), and of
+    # them, per layer, the reads by one real copy of that layer's forward pass (what a
+    # recomputed block reads again: autoshard.cost.checkpointing)
+    uses: float = 1.0
+    forward_uses: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +133,8 @@ class StrategyGraph:
     seeded: set[str] = field(default_factory=set)
     # bytes per element gradients are reduced in, when not their own (mixed precision)
     reduce_itemsize: int | None = None
+    # which repeated blocks may recompute (autoshard.cost.checkpointing.Checkpointing)
+    checkpointing: Any = None
 
     @property
     def reps(self) -> list[str]:
@@ -861,6 +868,12 @@ def _build_edges(
             cost = np.array([[price(p, q, t.shape, item) for q in q_list] for p in p_list])
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
+        reader = graph.nodes.get(dst_name)
+        forward_layer = (
+            reader.layer
+            if reader is not None and reader.kind == "op" and not reader.backward
+            else None
+        )
         p_index = {p: i for i, p in enumerate(p_list)}
         q_index = {q: i for i, q in enumerate(q_list)}
         return Edge(
@@ -877,6 +890,8 @@ def _build_edges(
             members=[t],
             overlap=kind,
             hide_share=m * share(kind, src_name, dst_name) if kind else 0.0,
+            uses=float(m),
+            forward_uses={} if forward_layer is None else {forward_layer: 1},
         )
 
     return merge_edges(edge(*c) for c in consumers if c[2] not in free)
@@ -910,9 +925,12 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
         )
         kept = merged.get(key)
         if kept is None:
-            merged[key] = replace(e, members=list(e.members))
+            merged[key] = replace(e, members=list(e.members), forward_uses=dict(e.forward_uses))
         else:
             kept.cost = kept.cost + e.cost
             kept.members.extend(e.members)
             kept.hide_share += e.hide_share
+            kept.uses += e.uses
+            for layer, n in e.forward_uses.items():
+                kept.forward_uses[layer] = kept.forward_uses.get(layer, 0) + n
     return list(merged.values()), extra

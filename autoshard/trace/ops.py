@@ -36,6 +36,7 @@ VIEW_OPS: frozenset[Any] = frozenset(
         aten.squeeze.dims,
         aten.slice.Tensor,
         aten.alias.default,
+        aten.detach.default,
         aten.transpose.int,
         aten.select.int,
         aten.split_with_sizes.default,

@@ -1,0 +1,159 @@
+"""Activation checkpointing as a decision (autoshard.cost.checkpointing).
+
+The model: a stack of identical residual MLP blocks, ``x + fc2(relu(fc1(x)))``. Its
+backward reads, inside each block, the ReLU's output (b x h, fp32: ``fc2``'s weight
+gradient and the ReLU's own backward); the block's input (read by ``fc1``'s weight
+gradient) comes from outside the block and stays. So a recomputed block frees exactly
+``b * h * 4`` bytes between its forward and its backward: the reference below is what
+autograd itself saves (``torch.autograd.graph.saved_tensors_hooks``) with and without
+``torch.utils.checkpoint`` around each block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from helpers import write_model
+
+from autoshard.cost.memory import LiveMemory
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import MemoryBudgetError
+from autoshard.solver.solve import SolveConfig, finish_plan, plan_model, strategies, trace
+
+B, D, H = 512, 64, 1024  # the ReLU's output (512 x 1024 fp32, 2 MiB) dominates a block
+
+STACK = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear({d}, {h})
+        self.fc2 = nn.Linear({h}, {d})
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range({n})])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+def build_model():
+    return Stack()
+
+def example_inputs():
+    return (torch.randn({b}, {d}),)
+"""
+
+
+def _stack(tmp_path, n: int):
+    return write_model(tmp_path, STACK.format(b=B, d=D, h=H, n=n), f"stack{n}")
+
+
+def _saved_bytes(n: int, checkpoint: bool) -> int:
+    """Bytes of activations autograd saves for the backward of the n-block stack
+    (parameters left out; one count per storage)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
+        for _ in range(n)
+    )
+    params = {p.data_ptr() for p in blocks.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(B, D)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for blk in blocks:
+            if checkpoint:
+                x = x + torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = x + blk(x)
+    return sum(seen.values())
+
+
+def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):
+    """Three blocks (no depth reduction): recomputing all of them frees, between forward
+    and backward, what checkpointing frees in autograd: 3 x (512 x 1024 x 4 B) = 6 MiB."""
+    n = 3
+    freed_by_torch = _saved_bytes(n, False) - _saved_bytes(n, True)
+    assert freed_by_torch == n * B * H * 4
+    cfg = SolveConfig(model_path=_stack(tmp_path, n), mesh=MeshSpec.from_options("1"))
+    graph = trace(cfg)
+    sg = strategies(cfg, graph)
+    ck = sg.checkpointing
+    assert [b.real for b in ck.blocks] == [(0,), (1,), (2,)]
+    choice = {r: 0 for r in sg.reps}
+    keep = finish_plan(cfg, sg, choice, "keep", {})
+    full = finish_plan(cfg, sg, choice, "full", ck.full())
+    saved_keep = keep.extra["saved_activations"]
+    assert saved_keep - full.extra["saved_activations"] == freed_by_torch
+    # at every point of the step whole ReLU outputs are freed: all three between the last
+    # forward and the first backward of a block; none in the first block's forward
+    live = LiveMemory(sg, cfg.memory_model())
+    freed = live.per_point(choice, {}) - live.per_point(choice, ck.full())
+    assert set(np.round(freed / (B * H * 4), 9)) == {0.0, 1.0, 2.0, 3.0}
+    assert full.activation_bytes < keep.activation_bytes
+    assert full.recomputed_blocks == [0, 1, 2]
+    # the time: three more forward passes of a block, each its two matmuls and the rest
+    one = ck.forward_seconds(sg, ck.blocks[1], choice)
+    assert full.recompute_s == pytest.approx(3 * one)
+    assert full.step_time_s - keep.step_time_s == pytest.approx(3 * one)
+    fc = [n for n in ck.blocks[1].forward if "addmm" in str(graph.nodes[n].target)]
+    assert len(fc) == 2
+    roofline = sum(float(sg.nodes[n].compute_s[0]) for n in fc)
+    assert roofline < one  # the matmuls and, besides, the ReLU and the residual add
+
+
+def test_a_budget_forces_checkpointing_on_some_blocks_and_not_others(tmp_path):
+    """Eight blocks, traced as 0, 1, a middle block standing for 2-6, and 7. With a budget
+    2.5 ReLU outputs under what keeping everything peaks at, three blocks must recompute
+    (each frees one ReLU output at the peak, the start of the backward), and no more: each
+    costs a forward pass. The ILP's counts are the cheapest of every count that fits."""
+    cfg = SolveConfig(model_path=_stack(tmp_path, 8), mesh=MeshSpec.from_options("1"))
+    keep = plan_model(replace(cfg, activation_checkpointing="none")).plan
+    budget = keep.memory_bytes - 2.5 * B * H * 4
+    with pytest.raises(MemoryBudgetError):
+        plan_model(replace(cfg, activation_checkpointing="none", memory_budget=budget))
+    result = plan_model(replace(cfg, memory_budget=budget))
+    plan = result.plan
+    assert len(plan.recomputed_blocks) == 3
+    assert plan.memory_bytes <= budget
+    assert plan.step_time_s > keep.step_time_s
+    # every count of the four traced blocks: the cheapest that fits is the ILP's
+    sg = result.sg
+    ck = sg.checkpointing
+    assert [len(b.real) for b in ck.blocks] == [1, 1, 5, 1]
+    best = None
+    for ks in itertools.product(*[range(len(b.real) + 1) for b in ck.blocks]):
+        counts = {b.layer: k for b, k in zip(ck.blocks, ks, strict=True)}
+        p = finish_plan(cfg, sg, result.ilp.choice, "try", counts)
+        if p.memory_bytes <= budget and (best is None or p.step_time_s < best - 1e-12):
+            best = p.step_time_s
+    assert plan.step_time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_full_recomputes_every_block_and_none_keeps_them(tmp_path):
+    cfg = SolveConfig(model_path=_stack(tmp_path, 3), mesh=MeshSpec.from_options("2"))
+    full = plan_model(replace(cfg, activation_checkpointing="full")).plan
+    none = plan_model(replace(cfg, activation_checkpointing="none")).plan
+    auto = plan_model(cfg).plan
+    assert full.recomputed_blocks == [0, 1, 2] and full.recompute_s > 0
+    assert none.recomputed_blocks == [] and none.sg.checkpointing is None
+    assert auto.recomputed_blocks == []  # it fits: recomputing only costs time
+    assert auto.step_time_s == pytest.approx(none.step_time_s, rel=1e-9)
