@@ -233,6 +233,25 @@ def test_mlp_2d_megatron_is_tp_on_last_dim_dp_on_first(model_files):
     assert fsdp.parameters["fc1.weight"] == (S0, S0)
 
 
+@pytest.mark.skipif(not HAS_MODES, reason="no training mode in this tree")
+def test_mlp_2d_fsdp_tp_is_torchtitans_2d_plan(model_files):
+    """fsdp_tp (torchtitan's FSDP2 + TP): the Megatron roles on the TP dim (mesh dim 1),
+    every parameter also sharded on the DP dim (mesh dim 0), so each device keeps half of
+    what Megatron keeps; on the DP dim the weights are all-gathered before their forward
+    and backward uses and their gradients reduce-scattered, not all-reduced."""
+    mesh, sg = _sg(model_files, "mlp", "2x2", "train")
+    meg, _ = plan_for_algo(sg, "megatron", mesh)
+    plan, _ = plan_for_algo(sg, "fsdp_tp", mesh)
+    assert plan.parameters["fc1.weight"][1] == S0  # column parallel
+    assert plan.parameters["fc2.weight"][1] == S1  # row parallel
+    assert all(isinstance(ps[0], Shard) for ps in plan.parameters.values())
+    assert plan.param_bytes == pytest.approx(meg.param_bytes / 2)
+    on_dp = {(phase, kind) for (phase, kind, dim) in plan.collective_steps if dim == 0}
+    assert ("forward", "all_gather") in on_dp and ("backward", "all_gather") in on_dp
+    assert ("backward", "reduce_scatter") in on_dp
+    assert ("backward", "all_reduce") not in on_dp  # (the forward's is the loss's mean)
+
+
 def _roles_by_param(sg, tp) -> dict[str, str]:
     """Role of each matmul, keyed by the FQN of the parameter that is its weight."""
     graph = sg.graph

@@ -32,7 +32,7 @@ from autoshard.cli.options import (
 )
 @click.option(
     "--algo",
-    type=click.Choice(["ilp", "replicate", "ddp", "fsdp", "megatron", "megatron_sp"]),
+    type=click.Choice(["ilp", "replicate", "ddp", "fsdp", "megatron", "megatron_sp", "fsdp_tp"]),
     default="ilp",
     show_default=True,
     help="ilp: the optimal plan; the others export a hand-written-style plan (data parallel, "

@@ -81,6 +81,7 @@ def stages_command(
     dtype_name,
     precision,
     reduce_dtype_name,
+    activation_checkpointing,
     pp_text,
     microbatches,
     memory_budget,
@@ -115,6 +116,11 @@ def stages_command(
             intra_node_latency,
             inter_node_latency,
         )
+        if activation_checkpointing == "full":
+            raise AutoshardError(
+                "--activation-checkpointing full is not priced for pipeline stages (each "
+                "stage keeps its micro-batches' activations); use solve or compare, or drop it"
+            )
         device = get_device(device_name)
         config = SolveConfig(
             model_path=model_file,
@@ -127,6 +133,7 @@ def stages_command(
             reduce_dtype=getattr(torch, reduce_dtype_name),
             memory_budget=memory_budget,
             tie=False,  # every layer traced: stages are cut between real layers
+            activation_checkpointing="none",  # a stage's budget holds at its turn only
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes
         path, _ = run_stages(

@@ -50,6 +50,12 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
     forward role fixed (which makes it row- or column-like), and propagation places the
     activation gradients. Weights read outside every tensor-parallel region (an LM head
     tied to the embedding) stay replicated on the TP dim.
+``fsdp_tp``
+    torchtitan's 2-D parallelism, FSDP2 on the DP dims and tensor parallelism on the TP
+    dim: ``megatron_sp``, except that every parameter is stored sharded on each DP dim
+    (any tensor dim the strategies allow, chosen by propagation), gathered on the DP dims
+    before each use (forward and backward) and used as stored on the TP dim; its gradient is
+    reduce-scattered on the DP dims into the parameter's shards.
 ``megatron_sp``
     ``megatron`` plus sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models"): ops outside the tensor-parallel regions
@@ -578,7 +584,11 @@ def _role_ok(role: str, weight: tuple[int, int, bool], tp_dim: int) -> Callable[
 
 
 def _megatron(
-    sg: StrategyGraph, mesh: MeshSpec, sequence_parallel: bool, pin_outside: bool = True
+    sg: StrategyGraph,
+    mesh: MeshSpec,
+    sequence_parallel: bool,
+    pin_outside: bool = True,
+    fsdp: bool = False,
 ) -> tuple[Restriction, dict]:
     r = Restriction()
     ndim = mesh.ndim
@@ -680,10 +690,19 @@ def _megatron(
 
         def param_ok(i: int, rep=rep) -> bool:
             ps = _out(sg, rep, i)
-            return all(_is_r(ps[d]) for d in dp) and (rep in feeds_role or _is_r(ps[t]))
+            on_dp = all((_is_s(ps[d]) if fsdp else _is_r(ps[d])) for d in dp)
+            return on_dp and (rep in feeds_role or _is_r(ps[t]))
 
-        r.allow(sg, rep, param_ok, "parameters")
-    _restrict_param_uses(r, sg, _used_as_stored)
+        if not r.allow(sg, rep, param_ok, "parameters") and fsdp:
+            r.notes.append(f"parameter {sg.graph.nodes[rep].fqn}: not sharded on the DP dims")
+    if fsdp:  # gathered on the DP dims before each use, used as stored on the TP dim
+
+        def use(p: Placements, q: Placements) -> bool:
+            return _gathered(p[:t], q[:t]) and _used_as_stored(p[t:], q[t:])
+
+        _restrict_param_uses(r, sg, use)
+    else:
+        _restrict_param_uses(r, sg, _used_as_stored)
 
     # every other op: replicated on the TP dim (megatron) or sharded on it (sequence parallel)
     # Graph outputs count as outside ops (what the model returns is replicated, or sequence
@@ -755,6 +774,8 @@ def _restriction(
         return _megatron(sg, mesh, sequence_parallel=False, pin_outside=not relax)
     if name == "megatron_sp":
         return _megatron(sg, mesh, sequence_parallel=True, pin_outside=not relax)
+    if name == "fsdp_tp":
+        return _megatron(sg, mesh, sequence_parallel=True, pin_outside=not relax, fsdp=True)
     raise AutoshardError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
 
 
@@ -900,7 +921,7 @@ def run_baseline(
 
 
 # the hand-written plans the ILP starts from (replicate is never better than ddp's split)
-START_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "megatron", "megatron_sp")
+START_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "megatron", "megatron_sp", "fsdp_tp")
 
 
 def hand_plan_starts(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from autoshard.errors import AutoshardError
 
-BASELINES: tuple[str, ...] = ("replicate", "ddp", "fsdp", "megatron", "megatron_sp")
+BASELINES: tuple[str, ...] = ("replicate", "ddp", "fsdp", "megatron", "megatron_sp", "fsdp_tp")
 """Baseline names, in the order ``compare`` prints them."""
 
 ALGOS: tuple[str, ...] = ("ilp",) + BASELINES

@@ -332,8 +332,8 @@ def solve_within_memory(
     ck = sg.checkpointing
     if ck is not None and ck.blocks and not ck.fixed:
         # auto: recomputing only costs time, so it can only help where memory binds. Solve
-        # without the decision first (its columns make the search slower: the Llama-70B
-        # shape's plan lost 0.6% at the time limit); when that plan is within
+        # without the decision first (its columns, thousands on a large mesh, enlarge the
+        # search for nothing where memory does not bind); when that plan is within
         # BINDING of the budget, or none fits, solve again with it, from that plan.
         t0 = time.perf_counter()
         plain = replace(sg, checkpointing=None)
@@ -348,6 +348,16 @@ def solve_within_memory(
             starts = {**starts, NO_RECOMPUTE_START: first.choice}
         left = config.solver.time_limit_s - (time.perf_counter() - t0)
         config = replace(config, solver=replace(config.solver, time_limit_s=max(1.0, left)))
+        result = _solve_rows(sg, config, starts)
+        return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
+    return _solve_rows(sg, config, starts)
+
+
+def _solve_rows(
+    sg: StrategyGraph, config: SolveConfig, starts: dict[str, dict[str, int]]
+) -> ILPResult:
+    """:func:`solve_within_memory` on ``sg`` as it is (its checkpointing decision
+    included)."""
     live = LiveMemory(sg, config.memory_model())
     budget = config.budget()
     points = live.first_points()
