@@ -51,7 +51,9 @@ def solve(model: Path, out: Path, mesh: str = "2x4", *extra: str) -> Path:
 def observed_rows(out: str) -> list[tuple[str, str, str, int, int]]:
     """The report's collective rows: (phase, kind, mesh dim, seen, predicted)."""
     rows = re.findall(
-        r"^  (forward|backward|optimizer)\s+(\w+)\s+(\w+)\s+(\d+)\s+(\d+)", out, flags=re.M
+        r"^  (forward|recompute|backward|optimizer)\s+(\w+)\s+(\w+)\s+(\d+)\s+(\d+)",
+        out,
+        flags=re.M,
     )
     return [(a, b, c, int(d), int(e)) for a, b, c, d, e in rows]
 
@@ -116,6 +118,25 @@ def test_torch_transformer_encoder_trains_as_planned(tmp_path: Path) -> None:
     plan = solve(model, tmp_path, "2x2")
     run = torchrun(4, str(plan), str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)
+
+
+def test_recomputed_blocks_rerun_their_forward_as_predicted(tmp_path: Path) -> None:
+    """Activation checkpointing at launch: the 2-layer Llama's Megatron plan with every
+    block recomputed, on 2x2 (4 gloo ranks). Each block's forward runs again before its
+    backward: its two tensor-parallel all-reduces are seen a second time, in the recompute
+    phase, as many as the plan predicted; the step still matches one device."""
+    model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
+    plan = solve(model, tmp_path, "2x2", "--algo", "megatron", "--activation-checkpointing", "full")
+    assert json.loads(plan.read_text())["predicted"]["recomputed_blocks"] == [0, 1]
+    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "activation checkpointing: 2 block(s)" in run.stdout
+    rows = observed_rows(run.stdout)
+    again = [r for r in rows if r[0] == "recompute"]
+    forward_tp = [r for r in rows if r[0] == "forward" and r[1] == "all_reduce" and r[2] == "tp"]
+    assert again == [("recompute", "all_reduce", "tp", 4, 4)], run.stdout
+    assert forward_tp and forward_tp[0][3] == 4  # the same all-reduces, once more
     assert_runs_the_plan(run.stdout)
 
 

@@ -48,14 +48,6 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
         if opts.mode == "plan":  # the plan must describe this model's graph: refuse now
             prepare_program(smap, mf, opts)
         n_devices = smap.world_size
-        recomputed = smap.predicted.get("recomputed_blocks") or []
-        if recomputed:
-            click.echo(
-                f"note: the plan recomputes {len(recomputed)} blocks in the backward pass; the "
-                "launcher keeps their activations (recomputation is not applied at launch), so "
-                "each rank holds more memory than the plan's prediction",
-                err=True,
-            )
     argv = torchrun_argv(plan, model, opts, torchrun_args, n_devices)
 
     env = dict(os.environ)

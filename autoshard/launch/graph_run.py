@@ -96,6 +96,9 @@ class GraphProgram:
     mesh: MeshSpec
     dtype: torch.dtype | None = None  # the solve's --dtype cast, which the launch repeats
     reduce_dtype: torch.dtype | None = None  # mixed precision: gradients reduced in this
+    # real repeated blocks whose forward reruns before their backward (activation
+    # checkpointing, autoshard.cost.checkpointing): their activations are not kept
+    recompute: frozenset[int] = frozenset()
 
 
 def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
@@ -232,7 +235,10 @@ def program_from_solution(
         if sinks[k] is None and owner is not None:
             names = graph.param_names.get(owner, [owner])
             sinks[k] = next((param_out[a] for a in (owner, *names) if a in param_out), None)
-    return GraphProgram(graph, nodes, sinks, grad_of, mesh)
+    recompute = frozenset(
+        int(b) for b in (solution.get("predicted") or {}).get("recomputed_blocks") or ()
+    )
+    return GraphProgram(graph, nodes, sinks, grad_of, mesh, recompute=recompute)
 
 
 @dataclass
@@ -383,6 +389,18 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.comm = comm_model(program.mesh)
         self._collectives = CollectiveLog(mesh)
         self.fault = Fault.from_env()
+        self._phase_override: str | None = None
+        self._drop_at, self._rerun_at, self._needed, reread = _recomputation(
+            self.module.graph, program
+        )
+        if reread:  # what a rerun reads from outside its block lives until it reran
+            order = {n: i for i, n in enumerate(self.module.graph.nodes)}
+            last = {d: node for node, dying in self.user_to_last_uses.items() for d in dying}
+            for d, until in reread.items():
+                if d in last:
+                    self.user_to_last_uses[last[d]].remove(d)
+                    until = max(until, last[d], key=order.__getitem__)
+                self.user_to_last_uses.setdefault(until, []).append(d)
 
     # -- placing values ----------------------------------------------------------------
 
@@ -433,6 +451,30 @@ class PlanInterpreter(torch.fx.Interpreter):
     # -- running nodes -----------------------------------------------------------------
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        for dropped in self._drop_at.get(n, ()):  # a recomputed block's forward is over
+            self.env.pop(dropped, None)
+        if self._rerun_at.get(n):  # its backward starts: its forward runs again first
+            self._rerun(self._rerun_at[n])
+        return self._run_node(n)
+
+    def _phase_of(self, plan: NodePlan) -> str:
+        """The phase a node's collectives count in (``recompute`` while rerunning)."""
+        return self._phase_override or plan.phase
+
+    def _rerun(self, forward: list[torch.fx.Node]) -> None:
+        """Run a recomputed block's forward nodes again (collectives in the ``recompute``
+        phase) and keep what its backward reads."""
+        self._phase_override = "recompute"
+        try:
+            for f in forward:
+                self.env[f] = self._run_node(f)
+        finally:
+            self._phase_override = None
+        for f in forward:
+            if f not in self._needed:
+                self.env.pop(f, None)
+
+    def _run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -451,7 +493,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         k = 0
         for i, x in enumerate(node_leaves):
             if isinstance(x, torch.fx.Node) and id(x) in tensor_nodes:
-                leaves[i] = self.place(leaves[i], plan.inputs[k], plan.phase)
+                leaves[i] = self.place(leaves[i], plan.inputs[k], self._phase_of(plan))
                 k += 1
         args_list, kwargs = tree_unflatten(leaves, spec)
         back = self._substitute(n, args_list)
@@ -460,10 +502,10 @@ class PlanInterpreter(torch.fx.Interpreter):
         elif n.target in SHARD_LOCAL_OPS:
             out = self._run_shard_local(n, args_list, kwargs, plan)
         elif n.target in NO_FLOAT64 and self.dtype_map and _has_float64(args_list):
-            with self._phase(plan.phase):
+            with self._phase(self._phase_of(plan)):
                 out = run_narrowed(n.target, args_list, kwargs, self.log.substitutions)
         else:
-            with self._phase(plan.phase):
+            with self._phase(self._phase_of(plan)):
                 out = n.target(*args_list, **kwargs)
         if back is not None:
             out = out.to(back)
@@ -529,7 +571,7 @@ class PlanInterpreter(torch.fx.Interpreter):
                     outs[k] = _zeros_placed(value, want)
                     continue
                 self.log.deviations[str(n.target)] += 1
-                outs[k] = self.place(value, want, plan.phase)
+                outs[k] = self.place(value, want, self._phase_of(plan))
         if not many:
             return outs[0]
         return type(out)(outs) if isinstance(out, tuple) else outs
@@ -556,3 +598,48 @@ class PlanInterpreter(torch.fx.Interpreter):
             with torch.no_grad():
                 placed.append(self.place(value, want, phase))
         return placed
+
+
+def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, dict, set, dict]:
+    """For the blocks ``program.recompute`` names: the node before which each block's
+    forward values that nothing outside it reads are dropped (the one after its last
+    forward node), the node before which its forward reruns (its first backward node) with
+    the nodes to rerun, the nodes a backward node reads (kept after a rerun), and what a
+    rerun reads from outside its block -> the latest first backward node that rereads it
+    (it must live until then)."""
+    if not program.recompute:
+        return {}, {}, set(), {}
+    infos = program.graph.nodes
+    order = list(graph.nodes)
+    layer_of = {n: infos[n.name].layer if n.name in infos else None for n in order}
+    position = {n: i for i, n in enumerate(order)}
+    drop_at: dict = {}
+    rerun_at: dict = {}
+    needed: set = set()
+    reread: dict = {}
+    for b in sorted(program.recompute):
+        forward = [
+            n
+            for n in order
+            if n.op == "call_function" and layer_of[n] == b and not infos[n.name].backward
+        ]
+        backward = [
+            n
+            for n in order
+            if n.op == "call_function" and layer_of[n] == b and infos[n.name].backward
+        ]
+        if not forward or not backward:
+            continue
+        inside = set(forward)
+        outside_read = {
+            n for n in forward if any(u not in inside and layer_of[u] != b for u in n.users)
+        }
+        after = order[order.index(forward[-1]) + 1]
+        drop_at.setdefault(after, []).extend(n for n in forward if n not in outside_read)
+        rerun_at[backward[0]] = forward
+        for a in {a for f in forward for a in f.all_input_nodes if a not in inside}:
+            reread[a] = max(reread.get(a, backward[0]), backward[0], key=position.__getitem__)
+        needed |= {
+            n for n in forward if any(u.name in infos and infos[u.name].backward for u in n.users)
+        }
+    return drop_at, rerun_at, needed, reread

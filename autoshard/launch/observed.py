@@ -26,7 +26,7 @@ from autoshard.model.model_file import ModelFile, instantiate
 from autoshard.plan.formats import ShardingMap, load_solution
 from autoshard.trace.tracer import reduce_depth, trace_model
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "recompute", "backward", "optimizer")
 
 GLOO_SUBSTITUTES = {"all_to_all": "all_gather"}
 """Collectives gloo lacks and what DTensor runs instead on CPU: ``shard_dim_alltoall``

@@ -137,6 +137,13 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
             f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}, "
             f"running {how}{', float64 (--check)' if opts.check else ''}"
         )
+        if program is not None and program.recompute and opts.train:
+            blocks = sorted(program.recompute)
+            say(
+                f"activation checkpointing: {len(blocks)} block(s) drop their activations "
+                f"after the forward and run it again before their backward "
+                f"({listing([str(b) for b in blocks])})"
+            )
         if fallback:
             say(
                 f"note: {len(fallback)} parameter(s) have no initialiser in the model "

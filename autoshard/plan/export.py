@@ -128,6 +128,7 @@ def sharding_map_dict(plan: Plan, solution: Path | None = None) -> dict[str, Any
             "flops": float(plan.step_flops),
             "mfu": float(plan.mfu),
             "collective_steps": collective_steps(plan),
+            "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
         },
     }
     if solution is not None:

@@ -139,6 +139,9 @@ def build_plan(
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()
     steps: Counter = Counter()
+    # the reshardings a recomputed block's forward reads run again before its backward
+    ck = sg.checkpointing
+    reruns = ck.counts(recompute) if ck is not None and ck.blocks else {}
     for producer, consumer, k, t in tensor_uses(sg):
         p = node_strategy[producer].outputs[0]
         q = node_strategy[consumer].inputs[k]
@@ -152,6 +155,9 @@ def build_plan(
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
             steps[(phase_of(sg, consumer), step.kind, step.mesh_dim)] += m
+            info = graph.nodes.get(consumer)
+            if reruns.get(info.layer if info is not None and not info.backward else None):
+                steps[("recompute", step.kind, step.mesh_dim)] += reruns[info.layer]
     hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
 
     parameters: dict[str, Placements] = {}
