@@ -46,12 +46,15 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
       autoshard compare examples/mlp.py --mesh 4 --json
     """
     # heavy (torch, HiGHS): only once the command runs
+    from autoshard.solver.baselines import TWO_D_ONLY
     from autoshard.solver.compare import compare_plans, comparison_table
     from autoshard.solver.solve import strategies, trace
 
     config = config_from_options(model_file, opts)
     mesh, device = config.mesh, config.device
     algos = tuple(a.strip() for a in plans.split(",") if a.strip())
+    if plans == ",".join(ALGOS) and mesh.ndim < 2:  # the default: no duplicate column
+        algos = tuple(a for a in algos if a not in TWO_D_ONLY)
     budget = config.budget()
     err = Console(stderr=True)
     with Progress(err) as progress:

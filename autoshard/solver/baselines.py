@@ -920,6 +920,10 @@ def run_baseline(
     )
 
 
+# families that differ from another only on a mesh of 2+ dims (fsdp_tp is megatron_sp
+# when there is no DP dim)
+TWO_D_ONLY: frozenset[str] = frozenset({"fsdp_tp"})
+
 # the hand-written plans the ILP starts from (replicate is never better than ddp's split)
 START_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "megatron", "megatron_sp", "fsdp_tp")
 
@@ -933,6 +937,8 @@ def hand_plan_starts(
     starts: dict[str, dict[str, int]] = {}
     notes: list[str] = []
     for name in START_FAMILIES:
+        if name in TWO_D_ONLY and mesh.ndim < 2:
+            continue  # on one mesh dim it is megatron_sp
         try:
             starts[name] = run_baseline(sg, name, mesh).choice
         except AutoshardError as exc:  # the family cannot place this graph: say why
