@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from autoshard.plan.plan import last_uses, liveness, local_bytes
+from autoshard.plan.plan import activation_sizes, last_uses, liveness, local_bytes
 
 MODES = ("auto", "none", "full")
 """``--activation-checkpointing``: ``auto`` (the ILP decides per block), ``none`` (no
@@ -140,7 +140,8 @@ class Checkpointing:
         at = live.positions
         rows_b, cols_b, rows_i, cols_i = [], [], [], []
         for b in blocks:
-            gap = (at >= fwd_end[b.layer]) & (at < bwd_start[b.layer])
+            # strictly after its last forward op (which still runs at its own point)
+            gap = (at > fwd_end[b.layer]) & (at < bwd_start[b.layer])
             for j in b.saved:
                 pts = live.points[:, j].nonzero()[0]
                 between = pts[gap[pts]]
@@ -197,18 +198,32 @@ class Checkpointing:
             if counts[b.layer]
         )
 
-    def credit(self, sizes: np.ndarray, recompute: dict[int, int] | None) -> np.ndarray:
-        """Bytes freed at each point: ``sizes`` the bytes of one copy of each liveness node
-        (unscaled, one device) under the plan."""
+    def freed(self, sg, node_strategy: dict, recompute: dict[int, int] | None) -> np.ndarray:  # noqa: ANN001
+        """Bytes one device frees at each liveness point under a plan (its strategy per
+        node) when the blocks ``recompute`` names recompute."""
+        one_copy = activation_sizes(sg, node_strategy, sg.mesh_shape, scaled=False)
         counts = self.counts(recompute)
-        k_between = np.zeros(len(sizes))
-        k_inside = np.zeros(len(sizes))
+        k_between = np.zeros(len(one_copy))
+        k_inside = np.zeros(len(one_copy))
         for b in self.blocks:
             k = counts[b.layer]
             idx = np.array(b.saved)
             k_between[idx] = k
             k_inside[idx] = max(k - 1, 0)
-        return self.between @ (sizes * k_between) + self.inside @ (sizes * k_inside)
+        return self.between @ (one_copy * k_between) + self.inside @ (one_copy * k_inside)
+
+    def saved_bytes(self, sg, node_strategy: dict, recompute: dict[int, int] | None) -> float:  # noqa: ANN001
+        """Bytes one device does not keep from forward to backward because the blocks
+        ``recompute`` names recompute."""
+        one_copy = activation_sizes(sg, node_strategy, sg.mesh_shape, scaled=False)
+        counts = self.counts(recompute)
+        return sum(counts[b.layer] * float(one_copy[list(b.saved)].sum()) for b in self.blocks)
+
+    def counts_of_blocks(self, real: list[int]) -> dict[int, int]:
+        """The counts that recompute the real blocks ``real`` (a solution's
+        ``recomputed_blocks``): per traced block, how many of those it stands for."""
+        wanted = set(real)
+        return {b.layer: len(wanted.intersection(b.real)) for b in self.blocks}
 
     def recomputed_blocks(self, recompute: dict[int, int] | None) -> list[int]:
         """The real block indices that recompute (the first ``k`` of each traced block's)."""

@@ -31,7 +31,7 @@ import scipy.sparse as sp
 import torch
 
 from autoshard.cost.checkpointing import columns
-from autoshard.plan.plan import activation_sizes, liveness, local_bytes
+from autoshard.plan.plan import chosen_strategies, liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
@@ -150,14 +150,9 @@ def memory_by_kind(
         ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
         saved += sg.graph.mult(name) * local_bytes(sg.graph.nodes[name].results[0], ps, mesh)
     if sg.graph.mode == "train":
-        if columns(sg) is not None:  # every freed activation is saved: one copy per block
-            node_strategy = {
-                n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()
-            }
-            one_copy = activation_sizes(sg, node_strategy, mesh, scaled=False)
-            counts = sg.checkpointing.counts(recompute)
-            for b in sg.checkpointing.blocks:
-                saved -= counts[b.layer] * float(one_copy[list(b.saved)].sum())
+        if columns(sg) is not None:
+            ck = sg.checkpointing
+            saved -= ck.saved_bytes(sg, chosen_strategies(sg, choice), recompute)
         out["saved_activations"] = saved
     return out
 
@@ -227,11 +222,8 @@ class LiveMemory:
             x[self.offsets[r] + c] = 1.0
         used = self.live.points @ (self.bytes @ x) + float(self.params @ x)
         if columns(self.sg) is not None:
-            node_strategy = {
-                n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in self.sg.nodes.items()
-            }
-            one_copy = activation_sizes(self.sg, node_strategy, self.sg.mesh_shape, scaled=False)
-            used = used - self.sg.checkpointing.credit(one_copy, recompute)
+            ck = self.sg.checkpointing
+            used = used - ck.freed(self.sg, chosen_strategies(self.sg, choice), recompute)
         return used
 
     def first_points(self, k: int = 1) -> list[int]:

@@ -604,7 +604,7 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
     """For the blocks ``program.recompute`` names: the node before which each block's
     forward values that nothing outside it reads are dropped (the one after its last
     forward node), the node before which its forward reruns (its first backward node) with
-    the nodes to rerun, the nodes a backward node reads (kept after a rerun), and what a
+    the nodes to rerun, the nodes read from its backward on (kept after a rerun), and what a
     rerun reads from outside its block -> the latest first backward node that rereads it
     (it must live until then)."""
     if not program.recompute:
@@ -639,7 +639,8 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
         rerun_at[backward[0]] = forward
         for a in {a for f in forward for a in f.all_input_nodes if a not in inside}:
             reread[a] = max(reread.get(a, backward[0]), backward[0], key=position.__getitem__)
-        needed |= {
-            n for n in forward if any(u.name in infos and infos[u.name].backward for u in n.users)
-        }
+        # kept after the rerun: what is read from the block's backward on (a block output
+        # the next block's backward read earlier is not kept again)
+        start = position[backward[0]]
+        needed |= {n for n in forward if any(position[u] >= start for u in n.users)}
     return drop_at, rerun_at, needed, reread

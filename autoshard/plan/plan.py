@@ -113,6 +113,11 @@ class Plan:
         return out
 
 
+def chosen_strategies(sg: StrategyGraph, choice: dict[str, int]) -> dict[str, Strategy]:
+    """Node -> its strategy when each representative takes ``choice[rep]``."""
+    return {n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()}
+
+
 def build_plan(
     sg: StrategyGraph,
     choice: dict[str, int],
@@ -129,7 +134,7 @@ def build_plan(
         KeyError: when ``choice`` lacks a representative of ``sg``.
     """
     graph = sg.graph
-    node_strategy = {n: ns.strategies[ns.choice[choice[ns.rep]]] for n, ns in sg.nodes.items()}
+    node_strategy = chosen_strategies(sg, choice)
     optimizer = sum(  # a parameter's only cost is its AdamW step (strategies.adamw_step_time)
         float(ns.compute_s[ns.choice[choice[ns.rep]]])
         for n, ns in sg.nodes.items()
@@ -333,7 +338,6 @@ def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
     """The :class:`Liveness` of ``graph`` (computed once per graph, then cached on it)."""
     if graph.liveness is not None:
         return graph.liveness
-    saved = set(graph.saved_for_backward()) if graph.multiplicity else set()
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
     last_use = last_uses(graph)
@@ -344,6 +348,14 @@ def liveness(graph) -> Liveness:  # noqa: ANN001 - a TracedGraph (import cycle)
     ]
     begin = np.array([pos[n] for n in nodes], dtype=np.int64)
     end = np.array([max(last_use.get(n, pos[n]), pos[n]) for n in nodes], dtype=np.int64)
+    # saved: a forward tensor live into the backward (read there directly or through a
+    # view): every block a traced block stands for keeps its own copy until then
+    turn = next((pos[n] for n, i in graph.nodes.items() if i.backward), len(order))
+    saved = (
+        {n for n, e in zip(nodes, end, strict=True) if e >= turn and not graph.nodes[n].backward}
+        if graph.multiplicity
+        else set()
+    )
     at = np.unique(end)  # a live set only shrinks where something is freed
     first = np.searchsorted(at, begin)  # the first point at or after the allocation
     last = np.searchsorted(at, end)  # the point of the free
@@ -393,6 +405,5 @@ def peak_activation_bytes(
         return 0.0
     live = points @ activation_sizes(sg, node_strategy, mesh_shape)
     if sg.checkpointing is not None and sg.checkpointing.blocks:
-        one_copy = activation_sizes(sg, node_strategy, mesh_shape, scaled=False)
-        live = live - sg.checkpointing.credit(one_copy, recompute)
+        live = live - sg.checkpointing.freed(sg, node_strategy, recompute)
     return float(live.max())

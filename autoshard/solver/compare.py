@@ -93,8 +93,8 @@ def compare_plans(
             raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(ALGOS)}")
     budget = config.budget()
 
-    def finish(sg: StrategyGraph, choice: dict[str, int], name: str) -> Plan:
-        return finish_plan(config, sg, choice, name)
+    def finish(sg: StrategyGraph, choice: dict[str, int], name: str, recompute=None) -> Plan:  # noqa: ANN001
+        return finish_plan(config, sg, choice, name, recompute)
 
     rows = []
     for i, algo in enumerate(algos):
@@ -104,7 +104,8 @@ def compare_plans(
             if algo == "ilp":  # as `solve` plans it: the budget at every point of the step
                 starts, _ = hand_plan_starts(sg, config.mesh)
                 result = solve_within_memory(sg, config, starts)
-                plan, stats = finish(sg, result.choice, "ilp"), result.stats()
+                plan = finish(sg, result.choice, "ilp", result.recompute)
+                stats = result.stats()
             else:
                 plan, stats = plan_for_algo(sg, algo, config.mesh, config.solver, None, finish)
         except AutoshardError as exc:  # e.g. no plan fits the budget: say so in its row

@@ -312,7 +312,7 @@ def _milp(
     ov = prob.overlap if prob.n_y else None
     k = len(ov.share) if ov is not None else 0
     rc = prob.recompute
-    ck0 = n_x + n_y + (k + 2 if ov is not None else 0)  # the checkpointing columns' first
+    ck0 = _recompute_offset(prob)  # the first checkpointing column
     n = ck0 + (rc.cols.n if rc is not None else 0)
     col_lower = np.zeros(n)
     col_upper = np.concatenate([np.ones(n_x), np.full(n - n_x, np.inf)])

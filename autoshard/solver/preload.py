@@ -818,9 +818,14 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
         sg, solution, config.mesh, source=str(solution_path), options=config.solver
     )
     seconds["preload"] = time.perf_counter() - t
+    # the blocks the solution recomputes, matched to this graph's traced blocks
+    recomputed = (solution.get("predicted") or {}).get("recomputed_blocks") or []
+    ck = sg.checkpointing
+    recompute = ck.counts_of_blocks(recomputed) if ck is not None and ck.blocks else None
     ilp = ILPResult(
         choice=pre.choice,
-        objective_s=evaluate(sg, pre.choice),
+        recompute=recompute or {},
+        objective_s=evaluate(sg, pre.choice, recompute),
         status="preloaded",
         gap=0.0,
         num_variables=0,
@@ -829,6 +834,6 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
         solve_seconds=0.0,
     )
     # priced as a solved plan: every memory kind, the budget, the MFU's peak
-    plan = finish_plan(config, sg, pre.choice, "preloaded")
+    plan = finish_plan(config, sg, pre.choice, "preloaded", recompute)
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes()), pre
