@@ -26,7 +26,9 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
     Parameters ``R`` on every mesh dim, used as stored; inputs batch-sharded: ``S(0)`` on
     every mesh dim whose size (times the earlier sharding dims) divides the batch. Every
     op then runs on its shard of the batch; each weight gradient comes out ``Partial``
-    and is all-reduced into its ``R`` parameter.
+    and is all-reduced into its ``R`` parameter. Any other ``Partial`` (a BatchNorm
+    statistic, summed over the batch) is all-reduced before it grows, never scattered
+    (:func:`_resolve_partials`; fsdp too).
 ``fsdp``
     ZeRO-3: parameters stored ``S(0)`` on every mesh dim whose size (cumulatively) divides
     their dim 0, ``R`` elsewhere; before each use (forward and backward) a parameter is
@@ -91,7 +93,12 @@ from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.ilp import ILPResult, evaluate, solve
 from autoshard.solver.options import ALGOS, BASELINES, SolverOptions
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
-from autoshard.trace.ops import ATTENTION_REGION_OPS, LAYOUT_OPS, WEIGHT_CHAIN_OPS, packet
+from autoshard.trace.ops import (
+    ATTENTION_REGION_OPS,
+    LAYOUT_OPS,
+    WEIGHT_CHAIN_OPS,
+    packet,
+)
 
 Placements = tuple[Placement, ...]
 
@@ -395,7 +402,38 @@ def _data_parallel(sg: StrategyGraph, mesh: MeshSpec, fsdp: bool) -> Restriction
         want = shard_dim0(shape, mesh.shape, dims) if fsdp else (Replicate(),) * mesh.ndim
         _pin_placeholder(r, sg, rep, want, "parameters")
     _restrict_param_uses(r, sg, _gathered if fsdp else _used_as_stored)
+    _resolve_partials(r, sg)
     return r
+
+
+def _resolve_partials(r: Restriction, sg: StrategyGraph) -> None:
+    """Data parallelism all-reduces a ``Partial`` before it grows, never scatters one.
+
+    A ``Partial`` tensor of a data-parallel step is a sum over the batch: a weight
+    gradient (reduced into its parameter at the graph's output, after the local
+    accumulation of a tied weight's two gradients) or a per-channel statistic
+    (BatchNorm's mean and variance, which ``SyncBatchNorm`` all-reduces). So, but for the
+    graph output (the gradient's own reduction into its parameter's placement), a
+    consumer reads a ``Partial`` replicated, or as ``Partial`` when its output is no
+    larger (a sum, a view, a scaling). Without this, propagation carries a statistic's
+    ``Partial`` through its broadcast and reduce-scatters a whole activation in the
+    backward, or reduce-scatters a statistic over channels and gathers it back: no
+    data-parallel run does either.
+    """
+    for i, e in enumerate(sg.edges):
+        info = sg.graph.nodes.get(e.consumer or e.dst)
+        if info is None or info.kind == "output":
+            continue
+        out = info.results[0] if info.results else None
+        keeps = out is not None and math.prod(out.shape) <= math.prod(e.tensor.shape)
+
+        def bad(p: Placements, q: Placements, keeps: bool = keeps) -> bool:
+            return any(
+                _is_p(a) and not (_is_r(b) or (keeps and _is_p(b)))
+                for a, b in zip(p, q, strict=True)
+            )
+
+        r.forbid(i, e, bad)
 
 
 # --- tensor parallelism: roles from the graph's structure ------------------------------
