@@ -30,7 +30,7 @@ import torch
 
 from autoshard.cost.collectives import CommModel, comm_model
 from autoshard.cost.devices import DEVICES, DeviceSpec, get_device
-from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.mesh import MeshSpec, parse_mesh_shape
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import loaded_from_module
 from autoshard.pipeline.pricing import plan_pipeline
@@ -81,6 +81,7 @@ def solve(
     tie: bool = True,
     loss_fn: Any = None,
     name: str | None = None,
+    profile: str | Path | None = None,
 ) -> SolveResult:
     """Plan ``model`` (built in Python, best on the meta device: ``with
     torch.device("meta"): model = ...``) for ``example_inputs`` (global shapes) on ``mesh``:
@@ -103,6 +104,9 @@ def solve(
         loss_fn: ``loss_fn(output, *inputs) -> scalar`` for training (default: the mean
             of the first floating output, as for a model file without one).
         name: the model's name in reports and file names (default: its class name).
+        profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
+            links and device replace the datasheet's (``mesh`` must then be the shape it
+            was measured on, given as a string, and ``device`` is not read).
 
     Returns:
         A :class:`SolveResult`: ``.plan`` (placements by FQN in ``.parameters``, the time
@@ -112,12 +116,23 @@ def solve(
         AutoshardError: bad inputs, an untraceable model, no plan within the budget.
     """
     loaded = loaded_from_module(model, example_inputs, name, loss_fn)
-    spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
+    if profile is not None:
+        from autoshard.calibrate import load_profile
+
+        if not isinstance(mesh, str):
+            raise AutoshardError(
+                'with profile=, give mesh as its shape ("2x4"): the profile sets the links'
+            )
+        measured = load_profile(profile)
+        spec, chip = measured.mesh(parse_mesh_shape(mesh)), measured.device_spec()
+    else:
+        spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
+        chip = get_device(device)
     options = SolverOptions() if time_limit is None else SolverOptions(time_limit_s=time_limit)
     config = SolveConfig(
         model_path=Path(f"<{loaded.name}>"),
         mesh=spec,
-        device=get_device(device),
+        device=chip,
         solver=options,
         mode=mode,
         memory_budget=memory_budget,

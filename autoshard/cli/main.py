@@ -18,6 +18,7 @@ import traceback
 import click
 
 from autoshard import __version__, interrupt
+from autoshard.cli.calibrate import calibrate_command
 from autoshard.cli.compare import compare_command
 from autoshard.cli.launch import launch_command
 from autoshard.cli.show import show_command
@@ -116,6 +117,7 @@ main.add_command(show_command, "show")
 main.add_command(compare_command, "compare")
 main.add_command(stages_command, "stages")
 main.add_command(launch_command, "launch")
+main.add_command(calibrate_command, "calibrate")
 
 
 if __name__ == "__main__":  # pragma: no cover

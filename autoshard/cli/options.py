@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, get_device
+from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
 from autoshard.cost.mesh import (
     DDP_BUCKET_BYTES,
     DEFAULT_INTER_NODE_BW,
@@ -25,6 +26,7 @@ from autoshard.cost.mesh import (
     DEFAULT_INTRA_NODE_BW,
     DEFAULT_INTRA_NODE_LATENCY,
     MeshSpec,
+    parse_mesh_shape,
 )
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import SolverOptions
@@ -87,6 +89,16 @@ def mesh_options(f):
             show_default=True,
             type=click.Choice(sorted(DEVICES), case_sensitive=False),
             help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline).",
+        ),
+        click.option(
+            "--profile",
+            "profile_path",
+            type=click.Path(path_type=Path),
+            default=None,
+            metavar="FILE",
+            help="A profile from `autoshard calibrate`: measured latency and bandwidth per "
+            "mesh dim, achieved FLOP/s and memory bandwidth, in place of the link options "
+            "and --device.",
         ),
     ]
     for opt in reversed(options):
@@ -249,6 +261,36 @@ _MESH_KEYS = (
 )
 
 
+def mesh_and_device(opts: dict) -> tuple[MeshSpec, DeviceSpec]:
+    """The mesh and the device of the mesh options (click's keyword names): from
+    ``--profile`` when given (:mod:`autoshard.calibrate`), else from the link options and
+    ``--device``.
+
+    Raises:
+        AutoshardError: a bad mesh or profile, a profile measured on another mesh, or a
+            link option or ``--device`` given beside ``--profile`` (which sets them).
+    """
+    path = opts.get("profile_path")
+    if path is None:
+        return mesh_from_options(*(opts[k] for k in _MESH_KEYS)), get_device(opts["device_name"])
+    from autoshard.calibrate import load_profile
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        given = [
+            "--" + k.replace("_", "-").removesuffix("-name")
+            for k in (*_MESH_KEYS[2:], "device_name")
+            if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE
+        ]
+        if given:
+            raise AutoshardError(
+                f"--profile sets the links and the device; drop {', '.join(given)}"
+            )
+    profile = load_profile(path)
+    names = opts["mesh_dim_names"].split(",") if opts.get("mesh_dim_names") else None
+    return profile.mesh(parse_mesh_shape(opts["mesh_shape"]), names), profile.device_spec()
+
+
 def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
     """The :class:`~autoshard.solver.solve.SolveConfig` of the mesh and planning options
     (click's keyword names).
@@ -260,11 +302,11 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
 
     from autoshard.solver.solve import SolveConfig
 
-    mesh = mesh_from_options(*(opts[k] for k in _MESH_KEYS))
+    mesh, device = mesh_and_device(opts)
     return SolveConfig(
         model_path=model_file,
         mesh=mesh,
-        device=get_device(opts["device_name"]),
+        device=device,
         input_placement=opts["input_placement"],
         output_placement=opts["output_placement"],
         solver=SolverOptions(time_limit_s=opts["time_limit"], mip_gap=opts["mip_gap"]),

@@ -9,8 +9,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from autoshard.cli.options import mesh_from_options, mesh_options, step_options
-from autoshard.cost.devices import get_device
+from autoshard.cli.options import mesh_and_device, mesh_options, step_options
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import SolverOptions
 from autoshard.units import BytesType
@@ -77,6 +76,7 @@ def stages_command(
     intra_node_latency,
     inter_node_latency,
     device_name,
+    profile_path,
     mode,
     dtype_name,
     precision,
@@ -108,20 +108,23 @@ def stages_command(
     from autoshard.solver.solve import SolveConfig
 
     try:
-        mesh = mesh_from_options(
-            mesh_shape,
-            mesh_dim_names,
-            intra_node_bw,
-            inter_node_bw,
-            intra_node_latency,
-            inter_node_latency,
+        mesh, device = mesh_and_device(
+            {
+                "mesh_shape": mesh_shape,
+                "mesh_dim_names": mesh_dim_names,
+                "intra_node_bw": intra_node_bw,
+                "inter_node_bw": inter_node_bw,
+                "intra_node_latency": intra_node_latency,
+                "inter_node_latency": inter_node_latency,
+                "device_name": device_name,
+                "profile_path": profile_path,
+            }
         )
         if activation_checkpointing == "full":
             raise AutoshardError(
                 "--activation-checkpointing full is not priced for pipeline stages (each "
                 "stage keeps its micro-batches' activations); use solve or compare, or drop it"
             )
-        device = get_device(device_name)
         config = SolveConfig(
             model_path=model_file,
             mesh=mesh,

@@ -40,12 +40,23 @@ def _option_value(args: Sequence[str], name: str) -> str | None:
 def torchrun_argv(
     plan: Path, model: Path, opts: RunOptions, torchrun_args: Sequence[str], n_devices: int
 ) -> list[str]:
-    """The torchrun command line for a launch.
+    """The torchrun command line for a launch (:func:`torchrun_prefix` then the rank module).
+
+    Raises:
+        AutoshardError: the processes torchrun would start cannot match the mesh.
+    """
+    argv = torchrun_prefix(torchrun_args, n_devices)
+    argv += ["-m", "autoshard.launch", str(plan.resolve()), str(model.resolve())]
+    return argv + opts.to_argv()
+
+
+def torchrun_prefix(torchrun_args: Sequence[str], n_devices: int) -> list[str]:
+    """``python -m torch.distributed.run [OPTIONS]`` starting ``n_devices`` processes.
 
     Defaults: ``--standalone`` (one node, a free local port) unless ``torchrun_args``
     names a rendezvous or node option; ``--nproc-per-node`` = ``n_devices`` divided by
     ``--nnodes`` (when that is a number) unless given. ``torchrun_args`` come after the
-    defaults.
+    defaults; the caller appends the program (``-m MODULE ...``).
 
     Raises:
         AutoshardError: the processes torchrun would start cannot match the mesh.
@@ -58,7 +69,7 @@ def torchrun_argv(
         if nnodes is not None and n_devices % nnodes:
             raise AutoshardError(
                 f"the mesh has {n_devices} devices, which --nnodes {nnodes} does not divide; "
-                "pass --nproc-per-node too, or solve for another mesh"
+                "pass --nproc-per-node too, or use another mesh"
             )
         argv += ["--nproc-per-node", str(n_devices // (nnodes or 1))]
     else:
@@ -66,11 +77,9 @@ def torchrun_argv(
         if nproc_text and nproc_text.isdigit() and int(nproc_text) * (nnodes or 1) != n_devices:
             started = int(nproc_text) * (nnodes or 1)
             raise AutoshardError(
-                f"the plan's mesh needs {n_devices} processes but --nproc-per-node "
+                f"the mesh needs {n_devices} processes but --nproc-per-node "
                 f"{nproc_text}{f' x --nnodes {nnodes}' if nnodes else ''} starts {started}"
             )
     if not names & _RDZV_OPTIONS:
         argv.append("--standalone")
-    argv += list(torchrun_args)
-    argv += ["-m", "autoshard.launch", str(plan.resolve()), str(model.resolve())]
-    return argv + opts.to_argv()
+    return argv + list(torchrun_args)

@@ -1,0 +1,117 @@
+"""``autoshard calibrate``: measure the mesh's links and the device, write a profile
+(:mod:`autoshard.calibrate`)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from autoshard.calibrate.options import SIZE_OPTIONS, mesh_dim_names_of, with_options
+from autoshard.cli.options import check_writable
+from autoshard.cost.mesh import parse_mesh_shape
+from autoshard.errors import AutoshardError
+from autoshard.launch.torchrun import torchrun_prefix
+from autoshard.units import format_bandwidth, format_bytes, format_seconds
+
+
+@click.command(
+    "calibrate",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Anything after -- goes to torchrun, e.g. "
+    "-- --nnodes 2 --rdzv-endpoint host:29500 --rdzv-id cal1.",
+)
+@click.option("--mesh", "mesh_text", required=True, metavar="SHAPE", help="e.g. 8, 2x4.")
+@click.option("--mesh-dim-names", default=None, metavar="NAMES", help="e.g. dp,tp.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Profile to write (default: profiles/<mesh>.json).",
+)
+@with_options(SIZE_OPTIONS)
+@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHRUN...]")
+def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters, torchrun_args):
+    """Measure the links of each mesh dim and the device's speed; write a profile that
+    `solve --profile FILE` (and compare, stages) use instead of the datasheet numbers.
+
+    Starts one process per device under torchrun (NCCL on GPUs, gloo on CPU). Each times
+    all-gather, reduce-scatter, all-reduce and all-to-all on every mesh dim at sizes from
+    --min-size to --max-size, fits the cost model's ring formulas (latency alpha per step,
+    bandwidth per device) by least squares and reports the fit's residual; then times
+    matmuls (achieved FLOP/s) and a copy (memory bandwidth). docs/calibrate.md.
+
+    \b
+    Examples:
+      autoshard calibrate --mesh 2x4
+      autoshard solve examples/gpt2.py --mesh 2x4 --profile profiles/2x4.json
+    """
+    shape = parse_mesh_shape(mesh_text)
+    names = mesh_dim_names_of(mesh_text, mesh_dim_names)
+    if min_bytes <= 0 or max_bytes < min_bytes:
+        raise AutoshardError(
+            f"--min-size {min_bytes} B and --max-size {max_bytes} B: give 0 < min <= max"
+        )
+    path = out if out is not None else Path("profiles") / f"{'x'.join(map(str, shape))}.json"
+    check_writable(path.parent)
+    n_devices = 1
+    for s in shape:
+        n_devices *= s
+    argv = torchrun_prefix(torchrun_args, n_devices)
+    argv += [
+        "-m",
+        "autoshard.calibrate",
+        "--mesh",
+        mesh_text,
+        "--mesh-dim-names",
+        ",".join(names),
+        "--out",
+        str(path.resolve()),
+        "--min-size",
+        f"{min_bytes}B",
+        "--max-size",
+        f"{max_bytes}B",
+        "--iters",
+        str(iters),
+    ]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # so ranks import this autoshard
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    click.echo("running: " + shlex.join(argv), err=True)
+    code = subprocess.run(argv, env=env, check=False).returncode
+    if code:
+        sys.exit(code)
+    print_profile(path)
+
+
+def print_profile(path: Path) -> None:
+    """The profile's fits, one line per mesh dim, then the device."""
+    from autoshard.calibrate import load_profile
+
+    p = load_profile(path)
+    click.echo(f"profile {path} ({p.backend}, {p.device}):")
+    for d, (name, n, fit) in enumerate(zip(p.dim_names, p.mesh_shape, p.links, strict=True)):
+        if fit is None:
+            click.echo(f"  mesh dim {d} ({name}, {n} device): no link")
+        else:
+            click.echo(
+                f"  mesh dim {d} ({name}, {n} devices): latency {format_seconds(fit.latency)} "
+                f"per step, bandwidth {format_bandwidth(fit.bandwidth)}, fit residual "
+                f"{fit.residual:.1%}" + _worst(fit.by_kind)
+            )
+    flops = ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in p.peak_flops.items())
+    click.echo(
+        f"  device: matmul {flops}; memory {format_bandwidth(p.memory_bandwidth)}, "
+        f"{format_bytes(p.memory_bytes)}"
+    )
+
+
+def _worst(by_kind: dict[str, float]) -> str:
+    if not by_kind:
+        return ""
+    kind = max(by_kind, key=by_kind.__getitem__)
+    return f" (worst: {kind.replace('_', '-')}, {by_kind[kind]:.1%})"

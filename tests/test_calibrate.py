@@ -1,0 +1,203 @@
+"""``autoshard calibrate`` and ``--profile`` (issue 15, item 5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, rank_env
+
+from autoshard.calibrate import PROFILE_FORMAT, coefficients, fit_link, load_profile
+from autoshard.errors import AutoshardError
+
+ALPHA, BW = 30e-6, 2e9
+
+
+def _ring(kind: str, n: int, nbytes: int) -> float:
+    """The NCCL tests' ring times, written out for n = 4 (PERFORMANCE.md: algorithm
+    bandwidth = bus bandwidth x n / (2(n-1)) for all-reduce, x n / (n-1) for the others)."""
+    assert n == 4
+    return {
+        "all_gather": 3 * ALPHA + 0.75 * nbytes / BW,
+        "reduce_scatter": 3 * ALPHA + 0.75 * nbytes / BW,
+        "all_reduce": 6 * ALPHA + 1.5 * nbytes / BW,
+        "all_to_all": 3 * ALPHA + 0.1875 * nbytes / BW,
+    }[kind]
+
+
+def _samples(slower: dict[str, float] | None = None) -> list[dict]:
+    slower = slower or {}
+    return [
+        {"kind": k, "bytes": b, "seconds": _ring(k, 4, b) * slower.get(k, 1.0)}
+        for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        for b in (2**14, 2**16, 2**18, 2**20, 2**22)
+    ]
+
+
+def test_the_fit_recovers_the_ring_formulas_latency_and_bandwidth():
+    """Times made by the ring formulas (written by hand above) give back alpha and bw, with
+    no residual; the coefficients are the cost model's (autoshard.cost.collectives)."""
+    assert coefficients("all_reduce", 4) == (6.0, 1.5)
+    fit = fit_link(_samples(), 4)
+    assert fit.latency == pytest.approx(ALPHA, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(BW, rel=1e-9)
+    assert fit.residual == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_collective_slower_than_its_formula_shows_in_its_residual():
+    """A planted fault: reduce-scatter twice as slow as the ring (as gloo's is). The fit
+    stays a least-squares compromise and the per-kind residual names reduce-scatter."""
+    fit = fit_link(_samples({"reduce_scatter": 2.0}), 4)
+    assert fit.residual > 0.1
+    assert max(fit.by_kind, key=fit.by_kind.__getitem__) == "reduce_scatter"
+    assert fit.by_kind["reduce_scatter"] > 2 * fit.by_kind["all_gather"]
+
+
+def test_times_that_do_not_grow_with_size_fit_no_bandwidth():
+    flat = [{"kind": "all_gather", "bytes": b, "seconds": 1e-3} for b in (2**10, 2**20)]
+    with pytest.raises(AutoshardError, match="no bandwidth can be fitted"):
+        fit_link(flat, 4)
+
+
+def test_a_file_that_is_not_a_profile_is_one_line(tmp_path: Path):
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"format": "autoshard.sharding_map/2"}))
+    with pytest.raises(AutoshardError, match="is not an autoshard profile"):
+        load_profile(bad)
+    with pytest.raises(AutoshardError, match="not found: write one with `autoshard calibrate"):
+        load_profile(tmp_path / "missing.json")
+
+
+def _autoshard(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", *args],
+        cwd=cwd,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _solve_json(tmp_path: Path, *extra: str) -> dict:
+    args = ["solve", str(ROOT / "examples/mlp.py"), "--mesh", "2x2", "--mode", "infer"]
+    args += ["--inputs", "replicate", "--outputs", "replicate", "--out", str(tmp_path / "s")]
+    out = _autoshard(*args, "--json", "-q", *extra, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_a_calibrated_profile_on_four_gloo_ranks_changes_the_plan(tmp_path: Path):
+    """4 gloo ranks on this CPU: latency hundreds of times an H100's NVLink step and matmuls
+    thousands of times slower. The MLP example (1.07 GFLOP, replicated input and output):
+    on H100 numbers sharding saves ~9 us of compute and would cost >= 25 us of all-gather
+    latency, so every device runs it whole; on the profile's, the 4-way batch split saves
+    ~3/4 of milliseconds of compute for one all-gather of the output (256 KiB), priced
+    with the profile's own alpha and bw by hand below."""
+    profile = tmp_path / "cpu.json"
+    out = _autoshard("calibrate", "--mesh", "2x2", "--out", str(profile), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"profile {profile} (gloo, cpu):" in out.stdout
+    assert "fit residual" in out.stdout
+    raw = json.loads(profile.read_text())
+    assert raw["format"] == PROFILE_FORMAT and raw["world_size"] == 4
+    assert {s["kind"] for s in raw["links"][0]["samples"]} == {
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+        "all_to_all",
+    }
+    for m in raw["compute"]["matmuls"]:
+        assert m["flops_per_s"] == pytest.approx(2 * m["m"] * m["n"] * m["k"] / m["seconds"])
+    p = load_profile(profile)
+    (a0, a1), (bw0, bw1) = (f.latency for f in p.links), (f.bandwidth for f in p.links)
+
+    datasheet = _solve_json(tmp_path)
+    assert datasheet["device"] == "h100"
+    assert datasheet["time_s"]["collectives"] == {}
+    assert all(ps == ["R", "R"] for ps in datasheet["plan"]["parameters"].values())
+    unsplit = _solve_json(tmp_path, "--algo", "replicate")["time_s"]
+    assert datasheet["time_s"]["compute"] == pytest.approx(unsplit["compute"])  # whole
+
+    measured = _solve_json(tmp_path, "--profile", str(profile))
+    assert measured["device"] == "calibrated"
+    assert measured["mesh"]["latency_s"] == [a0, a1]
+    assert measured["mesh"]["bandwidth_Bps"] == [bw0, bw1]
+    whole = _solve_json(tmp_path, "--profile", str(profile), "--algo", "replicate")
+    # split 4 ways, but for what every device reads whole (the weights, on a roofline
+    # whose memory term is the profile's copy bandwidth)
+    assert measured["time_s"]["compute"] < whole["time_s"]["compute"] / 3
+    # the output (64 x 1024 fp32, B bytes) from S(0)·S(0) to R·R: the inner (tp) dim first,
+    # as DTensor nests it, on the half each tp pair holds, then dp on the whole
+    b = 64 * 1024 * 4
+    gather = a1 + (b / 2) / (2 * bw1) + a0 + b / (2 * bw0)
+    assert measured["time_s"]["collectives"]["all_gather"]["total"] == pytest.approx(gather)
+    assert measured["time_s"]["step"] < whole["time_s"]["step"] / 2
+    assert measured["plan"]["parameters"] == datasheet["plan"]["parameters"]  # DDP-like
+
+
+def _write_profile(path: Path) -> Path:
+    fit = {"latency_s": ALPHA, "bandwidth_Bps": BW, "residual": 0.0}
+    path.write_text(
+        json.dumps(
+            {
+                "format": PROFILE_FORMAT,
+                "backend": "gloo",
+                "device": "cpu",
+                "mesh": {"shape": [2, 2], "dim_names": ["dp", "tp"]},
+                "links": [fit, fit],
+                "compute": {
+                    "peak_flops": {"float32": 1e11},
+                    "memory_bandwidth_Bps": 1e12,
+                    "memory_bytes": 2**33,
+                },
+            }
+        )
+    )
+    return path
+
+
+def test_the_python_api_plans_with_a_profile(tmp_path: Path):
+    """``autoshard.solve(..., profile=)``: the profile's links and device price the plan.
+    Two 256x256 matmuls on a batch of 8 take 2 x 2 x 8 x 256 x 256 FLOPs, 21 us at the
+    profile's 1e11 FLOP/s (compute-bound: 0.5 MiB of weights at 1e12 B/s is 0.5 us). The
+    best plan splits the batch 4 ways with nothing to communicate (free inputs and
+    outputs): a quarter of that, and no collective."""
+    import torch
+
+    import autoshard
+
+    profile = _write_profile(tmp_path / "p.json")
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False)
+        )
+    x = torch.empty(8, 256, device="meta")
+    result = autoshard.solve(model, x, mesh="2x2", mode="infer", profile=profile)
+    assert result.config.mesh.latency == (ALPHA, ALPHA)
+    assert result.config.mesh.bandwidth == (BW, BW)
+    assert result.config.device.name == "calibrated"
+    whole = 2 * 2 * 8 * 256 * 256 / 1e11
+    assert result.plan.compute_s == pytest.approx(whole / 4, rel=1e-3)
+    assert result.plan.step_time_s == pytest.approx(result.plan.compute_s)
+    with pytest.raises(AutoshardError, match="was measured on mesh 2x2, not 4"):
+        autoshard.solve(model, x, mesh="4", mode="infer", profile=profile)
+
+
+def test_profile_and_link_options_together_are_refused(tmp_path: Path):
+    profile = _write_profile(tmp_path / "p.json")
+    mlp = str(ROOT / "examples/mlp.py")
+    out = _autoshard(
+        "solve", mlp, "--mesh", "2x2", "--profile", str(profile), "--device", "a100", cwd=tmp_path
+    )
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "error: --profile sets the links and the device; drop --device"
+    ]
+    out = _autoshard("solve", mlp, "--mesh", "4", "--profile", str(profile), cwd=tmp_path)
+    assert out.returncode != 0
+    assert "was measured on mesh 2x2, not 4" in out.stderr
