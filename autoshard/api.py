@@ -32,6 +32,7 @@ from autoshard.cost.collectives import CommModel, comm_model
 from autoshard.cost.devices import DEVICES, DeviceSpec, get_device
 from autoshard.cost.mesh import MeshSpec, parse_mesh_shape
 from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.launch.apply import Applied, apply
 from autoshard.model.model_file import loaded_from_module
 from autoshard.pipeline.pricing import plan_pipeline
 from autoshard.plan.export import write_outputs
@@ -44,6 +45,7 @@ from autoshard.solver.solve import SolveConfig, SolveResult, plan_baseline, plan
 
 __all__ = [
     "DEVICES",
+    "Applied",
     "AutoshardError",
     "CommModel",
     "DeviceSpec",
@@ -53,6 +55,7 @@ __all__ = [
     "SolveConfig",
     "SolveResult",
     "SolverOptions",
+    "apply",
     "comm_model",
     "compare_plans",
     "get_device",

@@ -160,7 +160,15 @@ def test_the_command_line_loads_without_torch_highspy_or_the_pipeline():
 def test_every_command_is_registered():
     from autoshard.cli.main import main
 
-    assert sorted(main.commands) == ["calibrate", "compare", "launch", "show", "solve", "stages"]
+    assert sorted(main.commands) == [
+        "calibrate",
+        "compare",
+        "export",
+        "launch",
+        "show",
+        "solve",
+        "stages",
+    ]
 
 
 def test_the_public_api_plans_a_model_as_the_command_line_does(tmp_path):

@@ -20,6 +20,7 @@ import click
 from autoshard import __version__, interrupt
 from autoshard.cli.calibrate import calibrate_command
 from autoshard.cli.compare import compare_command
+from autoshard.cli.export import export_command
 from autoshard.cli.launch import launch_command
 from autoshard.cli.show import show_command
 from autoshard.cli.solve import solve_command
@@ -118,6 +119,7 @@ main.add_command(compare_command, "compare")
 main.add_command(stages_command, "stages")
 main.add_command(launch_command, "launch")
 main.add_command(calibrate_command, "calibrate")
+main.add_command(export_command, "export")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -902,6 +902,7 @@ def run_baseline(
     options: SolverOptions | None = None,
     memory: tuple[np.ndarray, float] | None = None,
     method: str = "propagate",
+    pins: Restriction | None = None,
 ) -> BaselineResult:
     """Baseline ``name`` on ``sg``: its pins, then :func:`propagate` (or the restricted ILP).
 
@@ -915,6 +916,8 @@ def run_baseline(
         method: ``propagate`` (DTensor's rule, the default) or ``ilp`` (the best plan of
             the family). When propagation meets a node its inputs cannot reach, the
             restricted ILP decides instead (and a note says so).
+        pins: the family's restriction, in place of ``name``'s (e.g. :func:`pinned`);
+            ``name`` then only names it.
 
     Raises:
         AutoshardError: an unknown name or method, a mesh that is not ``sg``'s, or no plan
@@ -923,7 +926,10 @@ def run_baseline(
     if method not in METHODS:
         raise AutoshardError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     t0 = time.perf_counter()
-    r, roles = _restriction(sg, name, mesh)
+    if pins is not None:
+        r, roles = pins, {}
+    else:
+        r, roles = _restriction(sg, name, mesh)
     sub = restrict(sg, r)
     result = None
     if method == "propagate":
@@ -956,6 +962,77 @@ def run_baseline(
     return BaselineResult(
         name, choice, cost, method, result, time.perf_counter() - t0, r.notes, roles, r.pinned
     )
+
+
+def pinned(
+    sg: StrategyGraph,
+    parameters: dict[str, Placements],
+    inputs: dict[str, Placements],
+    gathered_dims: frozenset[int] = frozenset(),
+    tp_styles: dict[str, str] | None = None,
+    tp_dim: int | None = None,
+) -> Restriction:
+    """The family of plans that store each parameter and input as given (by FQN / input
+    name): each parameter used as stored, except on ``gathered_dims`` where it is gathered
+    before use (FSDP); every ``Partial`` activation resolved as data parallelism does
+    (:func:`_resolve_partials`). What ``parallelize_module`` styles and FSDP2 fix by hand,
+    with everything else left to DTensor's propagation (:func:`run_baseline` with ``pins``).
+
+    ``tp_styles`` (module FQN -> ``"column"`` / ``"row"``) on mesh dim ``tp_dim``: the
+    styles hand plain local tensors between their modules, so every forward op outside a
+    column/row pair of styled modules (:func:`find_tensor_parallel`'s regions, matched by
+    the ops' module paths) computes replicated on ``tp_dim``, as in ``megatron``.
+    """
+    r = Restriction()
+    if tp_styles and tp_dim is not None:
+        _replicated_outside_styles(r, sg, tp_styles, tp_dim)
+    for rep in _placeholders(sg, "input"):
+        want = inputs.get(sg.graph.nodes[rep].fqn or "")
+        if want is not None:
+            _pin_placeholder(r, sg, rep, tuple(want), "inputs")
+    for rep in _placeholders(sg, "param"):
+        want = parameters.get(sg.graph.nodes[rep].fqn or "")
+        if want is not None:
+            _pin_placeholder(r, sg, rep, tuple(want), "parameters")
+
+    def use(p: Placements, q: Placements) -> bool:
+        return all(
+            (_gathered if d in gathered_dims else _used_as_stored)((a,), (b,))
+            for d, (a, b) in enumerate(zip(p, q, strict=True))
+        )
+
+    _restrict_param_uses(r, sg, use)
+    _resolve_partials(r, sg)
+    return r
+
+
+def _replicated_outside_styles(
+    r: Restriction, sg: StrategyGraph, styles: dict[str, str], t: int
+) -> None:
+    tp = find_tensor_parallel(sg)
+
+    def module(m: str) -> str | None:
+        return sg.graph.nodes[m].module_path
+
+    inside: set[str] = set()
+    for columns, row in tp.pairs:
+        if row is None or styles.get(module(row) or "") != "row":
+            continue
+        if all(styles.get(module(c) or "") == "column" for c in columns):
+            nodes = [*columns, row, *(n for n in tp.region[(columns, row)] if n in sg.nodes)]
+            inside |= {sg.nodes[n].rep for n in nodes}
+    for rep in sg.reps:
+        info = sg.graph.nodes.get(rep)
+        if info is None or info.kind != "op" or info.backward or rep in inside:
+            continue
+        ns = sg.nodes[rep]
+
+        def replicated(i: int, ns=ns) -> bool:
+            s = ns.strategies[i]
+            tensors = [p for p in s.outputs if p is not None] or list(s.inputs)
+            return all(_is_r(p[t]) for p in tensors)
+
+        r.allow(sg, rep, replicated, "replicated_on_tp")
 
 
 # families that differ from another only on a mesh of 2+ dims (fsdp_tp is megatron_sp

@@ -34,10 +34,10 @@ from autoshard.model.model_file import (
     split_microbatches,
 )
 from autoshard.plan.plan import Plan, build_plan
-from autoshard.solver.baselines import hand_plan_starts, plan_for_algo
+from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import SolverOptions
-from autoshard.strategies.graph import StrategyGraph, build_strategy_graph
+from autoshard.strategies.graph import Placements, StrategyGraph, build_strategy_graph
 from autoshard.trace.tracer import TracedGraph, reduce_depth, trace_model
 from autoshard.units import format_bytes
 
@@ -140,6 +140,36 @@ class SolveConfig:
 
     def memory_model(self) -> MemoryModel:
         return MemoryModel(self.mode, self.mixed)
+
+    @classmethod
+    def from_solution(cls, model_path: Path, solution: dict[str, Any]) -> SolveConfig:
+        """The config a solution was solved with (its ``mesh`` and ``cost_model``), for
+        ``model_path``: the inverse of :meth:`cost_model`.
+
+        Raises:
+            AutoshardError: the solution lacks its mesh or cost model (a MASE pickle).
+        """
+        cost = solution.get("cost_model")
+        if not cost or "mesh" not in solution:
+            raise AutoshardError(
+                "the solution names no cost model (a MASE pickle?): solve again with autoshard"
+            )
+        dtype = cost.get("dtype", "model")
+        return cls(
+            model_path=model_path,
+            mesh=MeshSpec.from_dict(solution["mesh"]),
+            device=DeviceSpec.from_dict(cost["device"]),
+            input_placement=cost.get("input_placement", "free"),
+            output_placement=cost.get("output_placement", "free"),
+            mode=cost.get("mode", "train"),
+            dtype=None if dtype == "model" else getattr(torch, dtype),
+            precision=cost.get("precision", "model"),
+            reduce_dtype=getattr(torch, cost.get("reduce_dtype", "float32")),
+            memory_budget=cost.get("memory_budget_bytes"),
+            bucket_bytes=cost.get("bucket_bytes", DDP_BUCKET_BYTES),
+            overlap=cost.get("overlap", True),
+            activation_checkpointing=cost.get("activation_checkpointing", "auto"),
+        )
 
     def cost_model(self) -> dict[str, Any]:
         """The cost-model parameters, as plain builtins for the solution file."""
@@ -386,6 +416,44 @@ def _solve_rows(
         f"{format_bytes(budget)} per device at {len(over)} more point(s) of the step; raise "
         "--memory-budget or --time-limit"
     )
+
+
+def plan_pinned(
+    config: SolveConfig,
+    parameters: dict[str, Placements],
+    inputs: dict[str, Placements],
+    gathered_dims: frozenset[int] = frozenset(),
+    name: str = "pinned",
+    tp_styles: dict[str, str] | None = None,
+    tp_dim: int | None = None,
+) -> SolveResult:
+    """The plan DTensor's propagation makes from these parameter and input placements
+    (:func:`autoshard.solver.baselines.pinned`; ``tp_styles`` module FQN -> ``"column"``
+    / ``"row"`` on mesh dim ``tp_dim``), priced as a solve: what hand-written
+    ``parallelize_module`` styles and FSDP2 groups run (``autoshard export``).
+
+    Raises:
+        AutoshardError: no plan of the family (an op whose inputs cannot be resharded).
+    """
+    seconds: dict[str, float] = {}
+    graph, sg = _graph_and_strategies(config, None, seconds)
+    t = time.perf_counter()
+    pins = pinned(sg, parameters, inputs, gathered_dims, tp_styles, tp_dim)
+    found = run_baseline(sg, name, config.mesh, config.solver, pins=pins)
+    plan = finish_plan(config, sg, found.choice, name)
+    seconds["baseline"] = time.perf_counter() - t
+    seconds["total"] = sum(seconds.values())
+    ilp = ILPResult(
+        choice=plan.choice,
+        objective_s=plan.step_time_s,
+        status=f"pinned {name}",
+        gap=0.0,
+        num_variables=0,
+        num_constraints=0,
+        build_seconds=0.0,
+        solve_seconds=0.0,
+    )
+    return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes())
 
 
 def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = None) -> SolveResult:

@@ -1,0 +1,100 @@
+"""``autoshard export --format torchtitan``: a plan as ``parallelize_module`` styles and FSDP2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from autoshard.errors import AutoshardError
+
+
+@click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("plan", type=click.Path(path_type=Path))
+@click.argument("model_file", type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["torchtitan"]),
+    default="torchtitan",
+    show_default=True,
+    help="torchtitan: a parallelize(model) function with parallelize_module's "
+    "ColwiseParallel/RowwiseParallel plan and FSDP2 fully_shard per block.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the Python to this file (default: stdout; the notes go to stderr).",
+)
+@click.option(
+    "--no-price",
+    is_flag=True,
+    help="Skip pricing the styles (a trace of MODEL_FILE and DTensor's propagation).",
+)
+def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_price: bool):
+    """Write the sharding map PLAN for MODEL_FILE as torchtitan users write plans: a
+    parallelize(model) function (parallelize_module styles on the tensor-parallel mesh dim,
+    fully_shard on the data-parallel one, one FSDP2 group per repeated block). In Python,
+    autoshard.apply(model, PLAN) does the same to your model (docs/python.md).
+
+    Styles fix the parameters; DTensor's propagation places the activations. The notes
+    list every parameter the styles place otherwise than the plan, and price the styles
+    with the plan's own cost model beside the plan's predicted step.
+
+    \b
+    Example:
+      autoshard solve examples/llama.py --mesh 2x4 --algo megatron
+      autoshard export solutions/llama_2x4_megatron.json examples/llama.py --out tp.py
+    """
+    # heavy (torch): only once the command runs
+    from autoshard.model.model_file import instantiate, load_model_file
+    from autoshard.plan.formats import atomic_write_text, load_sharding_map, load_solution
+    from autoshard.plan.styles import COLWISE, style_plan, torchtitan_code
+    from autoshard.units import format_seconds
+
+    del fmt  # one format so far
+    smap = load_sharding_map(plan)
+    mf = load_model_file(model_file)
+    sp = style_plan(instantiate(mf, device="meta").module, smap)
+    names = smap.dim_names or tuple(f"d{i}" for i in range(len(smap.mesh_shape)))
+    code = torchtitan_code(sp, smap.mesh_shape, names)
+    if out is None:
+        sys.stdout.write(code)
+    else:
+        atomic_write_text(out, code)
+        click.echo(f"wrote {out}", err=True)
+    for name, planned, applied in sp.differences:
+        click.echo(f"note: {name}: the plan places it {planned}, the styles {applied}", err=True)
+    if no_price:
+        return
+    solution = smap.solution_path()
+    predicted = smap.predicted.get("step_time_s")
+    if solution is None or predicted is None:
+        click.echo(f"note: {plan} names no solution: the styles are not priced", err=True)
+        return
+    from autoshard.solver.solve import SolveConfig, plan_pinned
+
+    config = SolveConfig.from_solution(mf.path, load_solution(solution))
+    gathered = frozenset({sp.dp_dim}) if sp.dp_mode == "fsdp" else frozenset()
+    try:
+        styled = plan_pinned(
+            config,
+            sp.placements,
+            dict(smap.inputs),
+            gathered,
+            "torchtitan",
+            {m: "column" if style == COLWISE else "row" for m, (style, _) in sp.tp.items()},
+            sp.tp_dim,
+        )
+    except AutoshardError as exc:
+        click.echo(f"note: the styles could not be priced ({exc})", err=True)
+        return
+    step = styled.plan.step_time_s
+    click.echo(
+        f"predicted step: the plan {format_seconds(predicted)}; these styles "
+        f"{format_seconds(step)} ({(step / predicted - 1) * 100:+.1f}%: the styles fix the "
+        "parameters, DTensor's propagation the activations)",
+        err=True,
+    )

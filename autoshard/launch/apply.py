@@ -1,0 +1,141 @@
+"""``autoshard.apply``: a plan on the user's own eager model, as torchtitan applies its plans.
+
+:func:`apply` turns a sharding map into ``parallelize_module`` styles and FSDP2 groups
+(:func:`autoshard.plan.styles.style_plan`) and applies them in place, so that the user's
+training loop, ``torch.optim`` optimizer, ``state_dict`` and DCP checkpoints work on
+DTensor parameters under their FQNs. A data-parallel dim with replicated parameters runs
+as HSDP with a shard group of one device (FSDP2's replication: each gradient all-reduced,
+as DDP does), so only public PyTorch APIs are used. Call it on every rank, under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from autoshard.errors import AutoshardError
+from autoshard.plan.formats import ShardingMap, load_sharding_map
+from autoshard.plan.styles import COLWISE, StylePlan, style_plan
+
+_LAYOUTS = {"Replicate()": Replicate()}
+
+
+@dataclass
+class Applied:
+    """What :func:`apply` did.
+
+    Attributes:
+        model: the model, parallelized in place (the same object that was passed).
+        mesh: the device mesh the styles use (with a ``<dp>_shard`` dim of one device
+            when the data-parallel dim replicates parameters).
+        styles: the tensor-parallel styles and FSDP groups (:class:`StylePlan`), with
+            ``differences`` from the plan.
+        smap: the sharding map applied.
+    """
+
+    model: nn.Module
+    mesh: DeviceMesh
+    styles: StylePlan
+    smap: ShardingMap
+
+    def local_inputs(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each global input: its batch shard on the data-parallel
+        dim (the map's ``S(0)``), the whole tensor on the tensor-parallel dim.
+
+        Raises:
+            AutoshardError: a batch the data-parallel dim does not divide.
+        """
+        d = self.styles.dp_dim
+        if d is None:
+            return tuple(inputs)
+        name = self._names()[d]
+        n, r = self.mesh[name].size(), self.mesh[name].get_local_rank()
+        out = []
+        for x in inputs:
+            if x.shape[0] % n:
+                raise AutoshardError(
+                    f"a batch of {x.shape[0]} does not split over {n} data-parallel ranks"
+                )
+            step = x.shape[0] // n
+            out.append(x[r * step : (r + 1) * step])
+        return tuple(out)
+
+    def _names(self) -> tuple[str, ...]:
+        return self.smap.dim_names or tuple(f"d{i}" for i in range(len(self.smap.mesh_shape)))
+
+
+def apply(
+    model: nn.Module,
+    plan: str | os.PathLike[str] | ShardingMap,
+    device_mesh: DeviceMesh | None = None,
+) -> Applied:
+    """Parallelize ``model`` in place as the sharding map ``plan`` says, torchtitan-style.
+
+    Args:
+        model: the eager model (real weights, the same on every rank: build it with one
+            seed, or load a checkpoint after ``apply``); its parameter FQNs must be the map's.
+        plan: a sharding map from ``autoshard solve`` (path or :class:`ShardingMap`).
+        device_mesh: the mesh to use, shaped as the map's; default: a new one on
+            ``cuda`` (NCCL) when available, else ``cpu`` (gloo).
+
+    Returns:
+        :class:`Applied`; its ``styles.differences`` lists each parameter the styles place
+        otherwise than the plan (then the run is the styles' approximation of the plan).
+
+    Raises:
+        AutoshardError: the map does not fit the model or the mesh, or its mesh has more
+            than one data-parallel or tensor-parallel dim (run it with ``autoshard launch``).
+    """
+    smap = plan if isinstance(plan, ShardingMap) else load_sharding_map(Path(plan))
+    sp = style_plan(model, smap)
+    names = smap.dim_names or tuple(f"d{i}" for i in range(len(smap.mesh_shape)))
+    if device_mesh is not None and tuple(device_mesh.shape) != tuple(smap.mesh_shape):
+        raise AutoshardError(
+            f"device_mesh has shape {tuple(device_mesh.shape)}; {smap.source} was solved for "
+            f"{tuple(smap.mesh_shape)}"
+        )
+    mesh = _mesh(smap, sp, names, device_mesh)
+    if sp.tp:
+        styles = {}
+        for fqn, (style, kwargs) in sp.folded_tp().items():
+            kw = {k: _LAYOUTS[v] for k, v in kwargs.items()}
+            styles[fqn] = ColwiseParallel(**kw) if style == COLWISE else RowwiseParallel(**kw)
+        parallelize_module(model, mesh[names[sp.tp_dim]], styles)
+    if sp.dp_mode is not None:
+        dp = names[sp.dp_dim]
+        dp_mesh = mesh[dp] if sp.dp_mode == "fsdp" else mesh[dp, f"{dp}_shard"]
+        by_param = {id(p): n for n, p in model.named_parameters()}
+
+        def placement(p: nn.Parameter) -> Shard:
+            return Shard(sp.shard_dims.get(by_param.get(id(p), ""), 0))
+
+        for g in sp.groups:
+            fully_shard(
+                model.get_submodule(g) if g else model,
+                mesh=dp_mesh,
+                shard_placement_fn=placement if sp.dp_mode == "fsdp" else None,
+            )
+    return Applied(model, mesh, sp, smap)
+
+
+def _mesh(
+    smap: ShardingMap, sp: StylePlan, names: tuple[str, ...], given: DeviceMesh | None
+) -> DeviceMesh:
+    device = (
+        given.device_type if given is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    shape, dim_names = list(smap.mesh_shape), list(names)
+    if sp.dp_mode == "ddp":
+        shape.insert(sp.dp_dim + 1, 1)
+        dim_names.insert(sp.dp_dim + 1, f"{names[sp.dp_dim]}_shard")
+    if given is None:
+        return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(dim_names))
+    return DeviceMesh(device, given.mesh.reshape(shape), mesh_dim_names=tuple(dim_names))

@@ -1,0 +1,273 @@
+"""A plan as torchtitan users write one: ``parallelize_module`` styles and FSDP2 groups.
+
+torchtitan (and anyone using ``torch.distributed.tensor.parallel``) writes 2-D parallelism
+as a *tensor-parallel plan*, module FQN -> ``ColwiseParallel`` / ``RowwiseParallel``, on
+one mesh dim, and FSDP2 ``fully_shard`` (or replication, DDP-style) over the data-parallel
+dim, one group per transformer block and one for the root. :func:`style_plan` reads that
+out of a sharding map's parameter placements:
+
+- A mesh dim on which the inputs are batch-sharded is the *data-parallel dim*: FSDP if the
+  plan shards parameters there (``shard_placement_fn`` keeps the plan's tensor dim), DDP if
+  it keeps them replicated (HSDP with a shard group of one: every gradient all-reduced).
+- Another mesh dim is the *tensor-parallel dim*. There a ``nn.Linear`` whose weight
+  (``out x in``) is ``S(0)`` is ``ColwiseParallel`` (bias ``S(0)``), ``S(1)``
+  ``RowwiseParallel`` (bias ``R``); an ``nn.Embedding`` ``S(0)`` is ``RowwiseParallel``
+  (vocab-parallel, ``input_layouts=Replicate()``), ``S(1)`` ``ColwiseParallel``. A
+  row-parallel linear takes its input as the column-parallel sibling in its parent module
+  leaves it (sharded on features: Megatron's pair, Shoeybi et al. 2019, section 3); with no
+  such sibling it takes a replicated input. A column-parallel linear with no row-parallel
+  sibling to feed returns its output gathered (``output_layouts=Replicate()``).
+- Every other parameter is replicated on the tensor-parallel dim.
+
+What the styles place is compared with the plan parameter by parameter; every difference
+(a norm's weight sharded, a bias placed unlike its weight, a third mesh dim) is listed in
+:attr:`StylePlan.differences`: the styles are then an approximation of the plan, whose
+activation placements are DTensor's propagation, not the ILP's (``autoshard launch`` runs
+the plan's own graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from autoshard.errors import AutoshardError
+from autoshard.placements import short
+from autoshard.plan.formats import ShardingMap
+from autoshard.trace.tracer import find_block_prefixes
+
+COLWISE, ROWWISE = "ColwiseParallel", "RowwiseParallel"
+
+
+@dataclass
+class StylePlan:
+    """What :func:`style_plan` found.
+
+    Attributes:
+        tp_dim, dp_dim: the mesh dims (indices) of tensor and data parallelism, or None.
+        dp_mode: ``"fsdp"`` or ``"ddp"`` on ``dp_dim`` (None without one).
+        tp: module FQN -> ``(style, kwargs)``, kwargs as text (``input_layouts=Replicate()``).
+        shard_dims: parameter FQN -> the tensor dim FSDP shards (``fsdp`` only).
+        groups: module FQNs given their own FSDP group (the repeated blocks), root last
+            (``""``).
+        differences: ``(parameter FQN, planned, applied)`` placements, one per parameter the
+            styles place otherwise than the plan.
+        placements: parameter FQN -> the placements the styles give it (one per mesh dim).
+    """
+
+    tp_dim: int | None
+    dp_dim: int | None
+    dp_mode: str | None
+    tp: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
+    shard_dims: dict[str, int] = field(default_factory=dict)
+    groups: list[str] = field(default_factory=list)
+    differences: list[tuple[str, str, str]] = field(default_factory=list)
+    placements: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
+
+    def folded_tp(self) -> dict[str, tuple[str, dict[str, str]]]:
+        """``tp`` with the repeated blocks folded: ``layers.*.mlp.up_proj`` for an entry
+        every block has alike (``parallelize_module`` matches ``*`` per FQN atom)."""
+        blocks = [g for g in self.groups if g]
+        if len(blocks) < 2:
+            return dict(self.tp)
+        container = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
+        per_block: dict[str, list[tuple[str, tuple]]] = {}
+        rest: dict[str, tuple[str, dict[str, str]]] = {}
+        for fqn, style in self.tp.items():
+            block = next((b for b in blocks if fqn.startswith(b + ".")), None)
+            if block is None:
+                rest[fqn] = style
+            else:
+                key = fqn[len(block) + 1 :]
+                per_block.setdefault(key, []).append((block, (style[0], tuple(style[1].items()))))
+        out: dict[str, tuple[str, dict[str, str]]] = {}
+        star = f"{container}.*" if container else "*"
+        for key, entries in per_block.items():
+            kinds = {e[1] for e in entries}
+            if len(entries) == len(blocks) and len(kinds) == 1:
+                style, kw = next(iter(kinds))
+                out[f"{star}.{key}"] = (style, dict(kw))
+            else:
+                for block, (style, kw) in entries:
+                    out[f"{block}.{key}"] = (style, dict(kw))
+        return {**rest, **out}
+
+
+def _dims(smap: ShardingMap) -> tuple[int | None, int | None]:
+    """(tp_dim, dp_dim): the mesh dim the inputs are batch-sharded on is data parallel."""
+    n = len(smap.mesh_shape)
+    sized = [d for d in range(n) if smap.mesh_shape[d] > 1]
+    batch = [
+        d
+        for d in sized
+        if any(isinstance(ps[d], Shard) and ps[d].dim == 0 for ps in smap.inputs.values())
+    ]
+    others = [d for d in sized if d not in batch]
+    if len(batch) > 1 or len(others) > 1:
+        raise AutoshardError(
+            f"{smap.source}: torchtitan styles take one data-parallel and one tensor-parallel "
+            f"mesh dim; this plan's mesh {'x'.join(map(str, smap.mesh_shape))} has "
+            f"{len(batch)} batch-sharded and {len(others)} other dims of 2+ devices; run it "
+            "with `autoshard launch`"
+        )
+    return (others[0] if others else None), (batch[0] if batch else None)
+
+
+def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
+    """The torchtitan styles of ``smap`` for ``model`` (its parameters' FQNs as the map's).
+
+    Raises:
+        AutoshardError: the map names a parameter the model lacks (or the reverse), or has
+            more than one data-parallel or tensor-parallel mesh dim.
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(set(smap.parameters) ^ set(params))
+    if missing:
+        raise AutoshardError(
+            f"{smap.source} and the model differ in parameters ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): solve again for this model"
+        )
+    tp_dim, dp_dim = _dims(smap)
+    applied: dict[str, list[Placement]] = {
+        name: [Replicate()] * len(smap.mesh_shape) for name in params
+    }
+    sp = StylePlan(tp_dim, dp_dim, None)
+    if tp_dim is not None:
+        _tensor_parallel(model, smap, tp_dim, sp, applied)
+    if dp_dim is not None:
+        sharded = [n for n in params if isinstance(smap.parameters[n][dp_dim], Shard)]
+        sp.dp_mode = "fsdp" if len(sharded) * 2 > len(params) else "ddp"
+        if sp.dp_mode == "fsdp":
+            for name in params:
+                planned = smap.parameters[name][dp_dim]
+                sp.shard_dims[name] = planned.dim if isinstance(planned, Shard) else 0
+                applied[name][dp_dim] = Shard(sp.shard_dims[name])
+        sp.groups = [*sorted(find_block_prefixes(model), key=_natural), ""]
+    for name in params:
+        planned, got = tuple(smap.parameters[name]), tuple(applied[name])
+        sp.placements[name] = got
+        if planned != got:
+            sp.differences.append((name, short(planned), short(got)))
+    return sp
+
+
+def _natural(fqn: str) -> list:
+    return [int(a) if a.isdigit() else a for a in fqn.split(".")]
+
+
+def _tensor_parallel(
+    model: nn.Module, smap: ShardingMap, d: int, sp: StylePlan, applied: dict
+) -> None:
+    role: dict[str, str] = {}
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            p = smap.parameters[f"{fqn}.weight"][d]
+            if isinstance(p, Shard):
+                linear = isinstance(mod, nn.Linear)
+                role[fqn] = (
+                    (COLWISE if p.dim == 0 else ROWWISE)
+                    if linear
+                    else (ROWWISE if p.dim == 0 else COLWISE)
+                )
+    modules = dict(model.named_modules())
+    for fqn, style in role.items():
+        mod = modules[fqn]
+        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        siblings = [
+            (f, modules[f])
+            for f in role
+            if f != fqn and (f.rsplit(".", 1)[0] if "." in f else "") == parent
+        ]
+        kwargs: dict[str, str] = {}
+        if isinstance(mod, nn.Embedding):
+            kwargs["input_layouts"] = "Replicate()"
+        elif style == ROWWISE:
+            fed = any(
+                role[f] == COLWISE
+                and isinstance(m, nn.Linear)
+                and m.out_features == mod.in_features
+                for f, m in siblings
+            )
+            if not fed:
+                kwargs["input_layouts"] = "Replicate()"
+        else:
+            feeds = any(
+                role[f] == ROWWISE
+                and isinstance(m, nn.Linear)
+                and m.in_features == mod.out_features
+                for f, m in siblings
+            )
+            if not feeds:
+                kwargs["output_layouts"] = "Replicate()"
+        sp.tp[fqn] = (style, kwargs)
+        weight_dim = 0 if (style == COLWISE) == isinstance(mod, nn.Linear) else 1
+        applied[f"{fqn}.weight"][d] = Shard(weight_dim)
+        if isinstance(mod, nn.Linear) and mod.bias is not None and style == COLWISE:
+            applied[f"{fqn}.bias"][d] = Shard(0)
+
+
+def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
+    """Python that applies ``sp`` as a torchtitan user writes it (``parallelize_module``,
+    then ``fully_shard`` per block and on the root)."""
+    tp_name = dim_names[sp.tp_dim] if sp.tp_dim is not None else None
+    dp_name = dim_names[sp.dp_dim] if sp.dp_dim is not None else None
+    lines = [
+        "# written by `autoshard export --format torchtitan`",
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.fsdp import fully_shard",
+        "from torch.distributed.tensor import Replicate, Shard",
+        "from torch.distributed.tensor.parallel import (",
+        "    ColwiseParallel,",
+        "    RowwiseParallel,",
+        "    parallelize_module,",
+        ")",
+        "",
+        "",
+        "def parallelize(model, device_type='cuda'):",
+    ]
+    shape = [mesh_shape[d] for d in (sp.dp_dim, sp.tp_dim) if d is not None]
+    names = [n for n in (dp_name, tp_name) if n]
+    if sp.dp_mode == "ddp":  # HSDP with a shard group of one: replicated, all-reduced
+        shape.insert(1, 1)
+        names.insert(1, f"{dp_name}_shard")
+    lines.append(
+        f"    mesh = init_device_mesh(device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})"
+    )
+    if sp.tp:
+        lines.append(f"    parallelize_module(model, mesh[{tp_name!r}], {{")
+        for fqn, (style, kw) in sp.folded_tp().items():
+            args = ", ".join(f"{k}={v}" for k, v in kw.items())
+            lines.append(f"        {fqn!r}: {style}({args}),")
+        lines.append("    })")
+    if sp.dp_mode is not None:
+        dp_mesh = (
+            f"mesh[{dp_name!r}]"
+            if sp.dp_mode == "fsdp"
+            else (f"mesh[{dp_name!r}, {dp_name + '_shard'!r}]")
+        )
+        kw = ""
+        if sp.dp_mode == "fsdp" and any(v for v in sp.shard_dims.values()):
+            lines.append("    shard_dims = {  # the tensor dim FSDP shards, where not 0")
+            lines += [f"        {k!r}: {v}," for k, v in sp.shard_dims.items() if v]
+            lines.append("    }")
+            lines.append("    names = {p: n for n, p in model.named_parameters()}")
+            lines.append("")
+            lines.append("    def placement(p):")
+            lines.append("        return Shard(shard_dims.get(names[p], 0))")
+            lines.append("")
+            kw = ", shard_placement_fn=placement"
+        blocks = [g for g in sp.groups if g]
+        if blocks:  # one FSDP group per repeated block, as torchtitan groups its layers
+            container = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
+            lines.append(f"    for block in model.get_submodule({container!r}):")
+            lines.append(f"        fully_shard(block, mesh={dp_mesh}{kw})")
+        lines.append(f"    fully_shard(model, mesh={dp_mesh}{kw})")
+    lines.append("    return model")
+    body = "\n".join(lines[12:])
+    used = [n for n in ("Replicate", "Shard") if f"{n}(" in body]
+    lines[3] = (
+        f"from torch.distributed.tensor import {', '.join(used)}" if used else "# (no placements)"
+    )
+    return "\n".join(line for line in lines if line != "# (no placements)") + "\n"

@@ -1,0 +1,87 @@
+"""One rank of ``tests/test_apply.py``: a user's own training step on ``autoshard.apply``.
+
+``torchrun --nproc-per-node 8 tests/apply_rank.py MAP MODEL OUT [EXPORTED]``: every rank
+builds the model with one seed (float64), keeps a single-device copy as the reference,
+applies the plan (with ``EXPORTED``: calls the ``parallelize(model, device_type)`` that
+``autoshard export`` wrote instead), trains one AdamW step on its part of the batch, and
+compares the loss, every gradient and every parameter after the step with the
+reference's. Rank 0 writes OUT (JSON).
+"""
+
+import copy
+import json
+import runpy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import autoshard
+from autoshard.model.loss import default_loss
+from autoshard.model.model_file import load_model_file
+from autoshard.plan.formats import load_sharding_map
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def main(plan: str, model_file: str, out: str, exported: str | None = None) -> None:
+    dist.init_process_group("gloo")
+    mf = load_model_file(model_file)
+    torch.manual_seed(0)
+    model = mf.module.build_model().double()
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in mf.module.example_inputs())
+    ref = copy.deepcopy(model)
+    if exported is None:
+        applied = autoshard.apply(model, plan)
+        local = applied.local_inputs(*inputs)
+        differences = applied.styles.differences
+    else:  # the user's copy of the exported function; batch split over mesh dim 0
+        runpy.run_path(exported)["parallelize"](model, device_type="cpu")
+        shape = load_sharding_map(plan).mesh_shape
+        dp_rank, n = dist.get_rank() // (dist.get_world_size() // shape[0]), shape[0]
+        local = tuple(x[dp_rank * len(x) // n : (dp_rank + 1) * len(x) // n] for x in inputs)
+        differences = []
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = default_loss(model(*local), *local)
+    loss.backward()
+    grads = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+    opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_loss = default_loss(ref(*inputs), *inputs)
+    ref_loss.backward()
+    ref_opt.step()
+
+    # the data-parallel ranks' local losses average to the global one
+    seen = full(loss).detach().clone()
+    dist.all_reduce(seen)
+    seen /= dist.get_world_size()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    ref_params = dict(ref.named_parameters())
+    report = {
+        "loss": rel(seen, ref_loss.detach()),
+        "grads": max(rel(g, ref_params[n].grad) for n, g in grads.items()),
+        "params": max(rel(full(p.data), ref_params[n].data) for n, p in model.named_parameters()),
+        "dtensors": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "placements": {
+            n: [str(x) for x in p.placements]
+            for n, p in model.named_parameters()
+            if isinstance(p, DTensor)
+        },
+        "differences": differences,
+    }
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

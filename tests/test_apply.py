@@ -1,0 +1,169 @@
+"""``autoshard.apply`` and ``autoshard export --format torchtitan`` (issue 15, item 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, rank_env, write_mlp, write_model
+
+from autoshard.api import save
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.model.model_file import load_model_file
+from autoshard.plan.formats import load_sharding_map
+from autoshard.plan.styles import style_plan, torchtitan_code
+from autoshard.solver.solve import SolveConfig, plan_baseline
+
+LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_model():
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+            max_position_embeddings=64,
+        )
+    )
+
+
+def example_inputs():
+    return (torch.randint(0, 256, (4, 16)),)
+"""
+
+# torchtitan's Llama plan (torchtitan/models/llama3/parallelize.py, without sequence
+# parallelism) in HF's module names: attention q/k/v and the MLP's gate/up column-
+# parallel, o_proj and down_proj row-parallel, one FSDP2 group per block and the root
+LLAMA_TP = {
+    "model.layers.*.self_attn.q_proj": ("ColwiseParallel", {}),
+    "model.layers.*.self_attn.k_proj": ("ColwiseParallel", {}),
+    "model.layers.*.self_attn.v_proj": ("ColwiseParallel", {}),
+    "model.layers.*.self_attn.o_proj": ("RowwiseParallel", {}),
+    "model.layers.*.mlp.gate_proj": ("ColwiseParallel", {}),
+    "model.layers.*.mlp.up_proj": ("ColwiseParallel", {}),
+    "model.layers.*.mlp.down_proj": ("RowwiseParallel", {}),
+}
+
+
+def _map(tmp_path: Path, model: Path, algo: str, mesh: str = "2x4") -> Path:
+    cfg = SolveConfig(model_path=model, mesh=MeshSpec.from_options(mesh), mode="train")
+    _, smap = save(plan_baseline(cfg, algo), tmp_path / f"out_{algo}")
+    return smap
+
+
+def _module(path: Path) -> torch.nn.Module:
+    with torch.device("meta"):
+        return load_model_file(path).module.build_model()
+
+
+@pytest.mark.parametrize(("algo", "dp_mode"), [("megatron", "ddp"), ("fsdp_tp", "fsdp")])
+def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, dp_mode):
+    """The Megatron-shaped plans of a 2-layer Llama, read back as styles: exactly
+    torchtitan's tensor-parallel plan, DDP (megatron) or FSDP2 (fsdp_tp) on dp, per block."""
+    model = write_model(tmp_path, LLAMA, "llama")
+    smap = load_sharding_map(_map(tmp_path, model, algo))
+    sp = style_plan(_module(model), smap)
+    assert (sp.tp_dim, sp.dp_dim, sp.dp_mode) == (1, 0, dp_mode)
+    assert sp.folded_tp() == LLAMA_TP
+    assert sp.groups == ["model.layers.0", "model.layers.1", ""]
+    if algo == "megatron":
+        assert sp.differences == []
+    code = torchtitan_code(sp, smap.mesh_shape, smap.dim_names)
+    compile(code, "export", "exec")
+    assert "'model.layers.*.mlp.down_proj': RowwiseParallel()," in code
+
+
+def test_a_placement_the_styles_cannot_express_is_listed(tmp_path: Path):
+    """A planted fault: the Megatron map with one norm's weight sharded on tp. No style
+    shards a norm: the parameter is listed with both placements."""
+    model = write_model(tmp_path, LLAMA, "llama")
+    path = _map(tmp_path, model, "megatron")
+    raw = json.loads(path.read_text())
+    raw["parameters"]["model.norm.weight"] = ["R", "S(0)"]
+    path.write_text(json.dumps(raw))
+    sp = style_plan(_module(model), load_sharding_map(path))
+    assert sp.differences == [("model.norm.weight", "R·S(0)", "R·R")]
+
+
+def test_a_plan_of_another_model_is_refused(tmp_path: Path):
+    smap = load_sharding_map(_map(tmp_path, write_mlp(tmp_path, 8, 16, 32), "megatron"))
+    with pytest.raises(AutoshardError, match="differ in parameters"):
+        style_plan(_module(write_model(tmp_path, LLAMA, "llama")), smap)
+
+
+def _train(tmp_path: Path, smap: Path, model: Path, *exported: Path) -> dict:
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["8", str(ROOT / "tests/apply_rank.py"), str(smap), str(model), str(out)]
+    cmd += [str(p) for p in exported]
+    run = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, "\n".join(x for x in run.stderr.splitlines() if "rank" in x)[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["megatron", "fsdp_tp"])
+def test_applied_llama_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path, algo):
+    """The styles applied to the user's own model and AdamW on 2x4: loss, every gradient
+    and every parameter after one step equal one device's (float64)."""
+    model = write_model(tmp_path, LLAMA, "llama")
+    report = _train(tmp_path, _map(tmp_path, model, algo), model)
+    assert report["loss"] < 1e-12, report
+    assert report["grads"] < 1e-10, report
+    assert report["params"] < 1e-10, report
+    q = report["placements"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q[-1] == "S(0)", q  # column-parallel on tp
+
+
+@pytest.mark.slow
+def test_applied_and_exported_mlp_train_like_one_device_on_8_gloo_ranks(tmp_path: Path):
+    """The MLP's Megatron plan, through ``autoshard.apply`` and through the function
+    ``autoshard export`` writes, run by the user's own loop: both equal one device."""
+    model = write_mlp(tmp_path, 16, 32, 64)
+    smap = _map(tmp_path, model, "megatron")
+    report = _train(tmp_path, smap, model)
+    assert report["loss"] < 1e-12 and report["grads"] < 1e-10 and report["params"] < 1e-10
+    assert report["differences"] == []
+    exported = tmp_path / "parallelize_mlp.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "export", str(smap), str(model)]
+        + ["--out", str(exported), "--no-price"],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = _train(tmp_path, smap, model, exported)
+    assert report["loss"] < 1e-12 and report["grads"] < 1e-10 and report["params"] < 1e-10
+    assert report["placements"]["fc1.weight"][-1] == "S(0)"
+
+
+def test_export_writes_the_styles_and_prices_them_with_the_plans_cost_model(tmp_path: Path):
+    """`autoshard export` on the MLP's Megatron plan: fc1 column-, fc2 row-parallel, DDP on
+    dp; every parameter placed as planned, so the styles' price (DTensor's propagation from
+    those parameter placements, outside the styled pairs replicated on tp) is the plan's."""
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    smap = _map(tmp_path, model, "megatron")
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "export", str(smap), str(model)],
+        cwd=tmp_path,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "        'fc1': ColwiseParallel(),\n        'fc2': RowwiseParallel(),\n" in out.stdout
+    assert "fully_shard(model, mesh=mesh['dp', 'dp_shard'])" in out.stdout
+    compile(out.stdout, "export", "exec")
+    assert "note:" not in out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("predicted step:")]
+    assert "(+0.0%:" in line, line
