@@ -8,9 +8,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: `import autoshard` stays light for the CLI
-    """``autoshard.solve``, ``autoshard.save`` and ``autoshard.apply`` (:mod:`autoshard.api`),
-    imported on use."""
-    if name in ("solve", "save", "apply"):
+    """``autoshard.solve``, ``compare``, ``stages``, ``save`` and ``apply``
+    (:mod:`autoshard.api`), imported on use."""
+    if name in ("solve", "compare", "stages", "save", "apply"):
         from autoshard import api
 
         return getattr(api, name)

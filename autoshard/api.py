@@ -28,25 +28,35 @@ from typing import Any
 
 import torch
 
+from autoshard.calibrate import load_profile
 from autoshard.cost.collectives import CommModel, comm_model
 from autoshard.cost.devices import DEVICES, DeviceSpec, get_device
 from autoshard.cost.mesh import MeshSpec, parse_mesh_shape
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.launch.apply import Applied, apply
 from autoshard.model.model_file import loaded_from_module
-from autoshard.pipeline.pricing import plan_pipeline
+from autoshard.pipeline.pricing import StagesResult, layer_map, plan_pipeline
 from autoshard.plan.export import write_outputs
 from autoshard.plan.formats import load_sharding_map, load_solution
 from autoshard.plan.plan import Plan
-from autoshard.solver.compare import compare_plans
-from autoshard.solver.options import SolverOptions
+from autoshard.solver.baselines import TWO_D_ONLY
+from autoshard.solver.compare import ComparedPlan, compare_plans
+from autoshard.solver.options import ALGOS, SolverOptions
 from autoshard.solver.preload import plan_preloaded
-from autoshard.solver.solve import SolveConfig, SolveResult, plan_baseline, plan_model
+from autoshard.solver.solve import (
+    SolveConfig,
+    SolveResult,
+    plan_baseline,
+    plan_model,
+    strategies,
+    trace,
+)
 
 __all__ = [
     "DEVICES",
     "Applied",
     "AutoshardError",
+    "ComparedPlan",
     "CommModel",
     "DeviceSpec",
     "MemoryBudgetError",
@@ -55,8 +65,10 @@ __all__ = [
     "SolveConfig",
     "SolveResult",
     "SolverOptions",
+    "StagesResult",
     "apply",
     "comm_model",
+    "compare",
     "compare_plans",
     "get_device",
     "load_sharding_map",
@@ -67,6 +79,7 @@ __all__ = [
     "plan_preloaded",
     "save",
     "solve",
+    "stages",
     "write_outputs",
 ]
 
@@ -118,10 +131,40 @@ def solve(
     Raises:
         AutoshardError: bad inputs, an untraceable model, no plan within the budget.
     """
+    config = _config(
+        model,
+        example_inputs,
+        mesh,
+        mode,
+        device,
+        memory_budget,
+        precision,
+        time_limit,
+        tie,
+        loss_fn,
+        name,
+        profile,
+    )
+    return plan_model(config)
+
+
+def _config(
+    model,
+    example_inputs,
+    mesh,
+    mode,
+    device,
+    memory_budget,
+    precision,
+    time_limit,
+    tie,
+    loss_fn,
+    name,
+    profile,
+) -> SolveConfig:
+    """The :class:`SolveConfig` of a module built in Python (what :func:`solve` takes)."""
     loaded = loaded_from_module(model, example_inputs, name, loss_fn)
     if profile is not None:
-        from autoshard.calibrate import load_profile
-
         if not isinstance(mesh, str):
             raise AutoshardError(
                 'with profile=, give mesh as its shape ("2x4"): the profile sets the links'
@@ -143,7 +186,102 @@ def solve(
         precision=precision,
         model=loaded,
     )
-    return plan_model(config)
+    return config
+
+
+def compare(
+    model: torch.nn.Module,
+    example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
+    mesh: str | MeshSpec = "2x4",
+    *,
+    plans: tuple[str, ...] | None = None,
+    mode: str = "train",
+    device: str = "h100",
+    memory_budget: float | None = None,
+    precision: str = "model",
+    time_limit: float | None = None,
+    tie: bool = True,
+    loss_fn: Any = None,
+    name: str | None = None,
+    profile: str | Path | None = None,
+) -> list[ComparedPlan]:
+    """The ILP's plan beside the hand-written ones (``autoshard compare``) for a module
+    built in Python; the keywords are :func:`solve`'s.
+
+    Args:
+        plans: which (default: ``ilp``, ``replicate``, ``ddp``, ``fsdp``, ``megatron``,
+            ``megatron_sp`` and, on a mesh of 2+ dims, ``fsdp_tp``).
+
+    Returns:
+        One :class:`ComparedPlan` per plan, in that order: ``.plan`` (or ``.error``),
+        ``.fits`` the memory budget, ``.best`` the fastest that fits.
+
+    Raises:
+        AutoshardError: bad inputs or an unknown plan name.
+    """
+    config = _config(
+        model,
+        example_inputs,
+        mesh,
+        mode,
+        device,
+        memory_budget,
+        precision,
+        time_limit,
+        tie,
+        loss_fn,
+        name,
+        profile,
+    )
+    if plans is None:
+        plans = tuple(a for a in ALGOS if config.mesh.ndim > 1 or a not in TWO_D_ONLY)
+    return compare_plans(config, strategies(config, trace(config)), tuple(plans))
+
+
+def stages(
+    model: torch.nn.Module,
+    example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
+    mesh: str | MeshSpec = "2x2x2",
+    *,
+    pp: int = 2,
+    microbatches: int = 8,
+    mode: str = "train",
+    device: str = "h100",
+    memory_budget: float | None = None,
+    precision: str = "model",
+    time_limit: float | None = None,
+    loss_fn: Any = None,
+    name: str | None = None,
+    profile: str | Path | None = None,
+) -> StagesResult:
+    """Pipeline stages (``autoshard stages --pp PP``) for a module built in Python: the
+    layers split into ``pp`` stages over the leading mesh dims, each stage with its
+    intra-op plan on the submesh, for a 1F1B schedule of ``microbatches``.
+
+    Returns:
+        A :class:`StagesResult`: ``.stage_plan`` (``.stages``, ``.step_time_s``) and
+        ``.costs`` (the per-layer pricing).
+
+    Raises:
+        AutoshardError: bad inputs, a ``pp`` that does not split the mesh or exceeds the
+            layers, no split within the memory budget.
+    """
+    config = _config(
+        model,
+        example_inputs,
+        mesh,
+        mode,
+        device,
+        memory_budget,
+        precision,
+        time_limit,
+        False,
+        loss_fn,
+        name,
+        profile,
+    )
+    graph = trace(config, microbatches=microbatches)
+    return plan_pipeline(config, graph, layer_map(graph), pp, microbatches, memory_budget)
 
 
 def save(result: SolveResult, out_dir: str | Path = "solutions") -> tuple[Path, Path]:

@@ -61,3 +61,55 @@ def test_bad_inputs_are_one_clear_error():
         autoshard.solve(model, (torch.randn(2, 4), torch.randn(2, 4)))
     with pytest.raises(AutoshardError, match="must be a torch.nn.Module"):
         autoshard.solve("not a model", (torch.randn(2, 4),))
+
+
+def test_compare_from_python_is_the_command_lines_compare():
+    """``autoshard.compare`` on the MLP example built in Python: the same rows, in the same
+    order, with the same step times as ``autoshard compare examples/mlp.py --mesh 4``
+    (JSON), the ILP's plan the fastest (never above a baseline: the same search space)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import rank_env
+
+    from autoshard.model.model_file import load_model_file
+
+    mf = load_model_file(ROOT / "examples" / "mlp.py")
+    with torch.device("meta"):
+        model = mf.module.build_model()
+        inputs = mf.module.example_inputs()
+    rows = autoshard.compare(model, inputs, mesh="4", mode="infer")
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "compare", "examples/mlp.py", "--mesh", "4"]
+        + ["--mode", "infer", "--json"],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    cli = json.loads(out.stdout)["plans"]
+    assert [r.name for r in rows] == [p["name"] for p in cli]
+    assert "fsdp_tp" not in [r.name for r in rows]  # a 1-D mesh: it is megatron_sp
+    for r, p in zip(rows, cli, strict=True):
+        assert r.plan.step_time_s == pytest.approx(p["step_time_s"], rel=1e-9), r.name
+    ilp = rows[0]
+    assert ilp.name == "ilp" and ilp.best
+    assert all(ilp.plan.step_time_s <= r.plan.step_time_s * (1 + 1e-9) for r in rows)
+
+
+def test_stages_from_python_split_identical_blocks_evenly():
+    """Four identical blocks on 2x2 in two pipeline stages: two blocks each (any other
+    split puts three blocks' time on one stage of the 1F1B schedule)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(4)]
+        )
+    x = torch.empty(64, 512, device="meta")
+    result = autoshard.stages(model, x, mesh="2x2", pp=2, microbatches=4)
+    sp = result.stage_plan
+    assert sp.balance == (2, 2)
+    assert sp.microbatches == 4
+    assert sp.stage_times_s[0] == pytest.approx(sp.stage_times_s[1], rel=0.25)
