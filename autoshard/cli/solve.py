@@ -54,7 +54,16 @@ from autoshard.cli.options import (
     help="Print the report as JSON on stdout (stable keys: docs/formats.md); the "
     "readable report goes to stderr.",
 )
-def solve_command(model_file, out_dir, algo, preload, quiet, as_json, **opts) -> None:
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="Also write the report as one self-contained HTML page: placements per block, "
+    "the time split, memory against the budget, the plan beside the hand-written ones.",
+)
+def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path, **opts) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
 
     MODEL_FILE is a Python file defining build_model() and example_inputs() (global
@@ -79,6 +88,8 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, **opts) ->
 
     console = Console(stderr=as_json, quiet=quiet)
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
+    if html_path is not None:
+        check_writable(html_path.parent)
     config = config_from_options(model_file, opts)
     mesh = config.mesh
     # the model is named after its file: the output names are known before any work
@@ -106,10 +117,37 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, **opts) ->
     print_report(console, result, files, facts)
     for note in notes:
         console.print(f"note: {note}")
+    if html_path is not None:
+        _write_html(html_path, result)
+        console.print(f"wrote {html_path}")
     if as_json:  # stdout is the JSON document alone, with or without --quiet
         import json
 
         report = report_dict(result, files, notes, facts)
         click.echo(json.dumps(report, indent=2, sort_keys=True))
     elif quiet:
-        click.echo("\n".join(str(f) for f in files))
+        click.echo("\n".join(str(f) for f in (*files, *([html_path] if html_path else []))))
+
+
+def _write_html(path: Path, result) -> None:  # noqa: ANN001 - a SolveResult
+    """The HTML report, with the hand-written plans priced on the solve's own graph."""
+    # heavy (torch, matplotlib): only once the command runs
+    from autoshard.plan.formats import atomic_write_text
+    from autoshard.plan.html import html_report
+    from autoshard.solver.baselines import TWO_D_ONLY
+    from autoshard.solver.compare import ComparedPlan, compare_plans
+    from autoshard.solver.options import BASELINES
+
+    config, plan = result.config, result.plan
+    names = [
+        b for b in BASELINES if b != plan.name and (config.mesh.ndim > 1 or b not in TWO_D_ONLY)
+    ]
+    budget = config.budget()
+    rows = [ComparedPlan(plan.name, plan, fits=plan.memory_bytes <= budget)]
+    rows += compare_plans(config, result.sg, tuple(names))
+    made = [r for r in rows if r.plan is not None]
+    fit = [r for r in made if r.fits] or made
+    fastest = min(r.plan.step_time_s for r in fit)
+    for r in rows:
+        r.best = r in fit and r.plan.step_time_s <= fastest * (1 + 1e-9)
+    atomic_write_text(path, html_report(result, rows))
