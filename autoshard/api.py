@@ -287,12 +287,6 @@ def stages(
 def save(result: SolveResult, out_dir: str | Path = "solutions") -> tuple[Path, Path]:
     """Write ``result``'s solution pickle and sharding map into ``out_dir`` (created), as
     ``autoshard solve`` names them (``<model>_<mesh>.pkl`` / ``.json``); returns the two
-    paths. ``autoshard launch`` runs the map with a model file for the same model."""
-    from autoshard.plan.export import output_stem
-
-    config = result.config
-    stem = output_stem(result.sg.graph.model_name, config.mesh.shape, "")
-    files = write_outputs(
-        result.plan, Path(out_dir), stem, config.cost_model(), result.solver_stats()
-    )
-    return Path(files[0]), Path(files[1])
+    paths. ``autoshard launch`` runs the map with a model file for the same model; the
+    same as ``result.save(out_dir)``."""
+    return result.save(out_dir)

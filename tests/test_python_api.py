@@ -113,3 +113,14 @@ def test_stages_from_python_split_identical_blocks_evenly():
     assert sp.balance == (2, 2)
     assert sp.microbatches == 4
     assert sp.stage_times_s[0] == pytest.approx(sp.stage_times_s[1], rel=0.25)
+
+
+def test_a_result_saves_itself_as_the_command_line_names_its_files(tmp_path):
+    from autoshard.plan.formats import load_sharding_map
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    result = autoshard.solve(model, torch.empty(32, 64, device="meta"), mesh="4", name="mlp")
+    pkl, smap = result.save(tmp_path)
+    assert (pkl.name, smap.name) == ("mlp_4.pkl", "mlp_4.json")
+    assert load_sharding_map(smap).parameters == result.plan.parameters

@@ -33,6 +33,7 @@ from autoshard.model.model_file import (
     load_model_file,
     split_microbatches,
 )
+from autoshard.plan.export import output_stem, write_outputs
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.ilp import ILPResult, solve
@@ -200,6 +201,20 @@ class SolveResult:
     plan: Plan
     seconds: dict[str, float]
     peak_rss_bytes: int
+
+    def save(self, out_dir: str | Path = "solutions") -> tuple[Path, Path]:
+        """Write the solution pickle and the sharding map into ``out_dir`` (created), named
+        as ``autoshard solve`` names them (``<model>_<mesh>.pkl`` / ``.json``); returns the
+        two paths.
+
+        Raises:
+            AutoshardError: the folder or a file cannot be written.
+        """
+        stem = output_stem(self.sg.graph.model_name, self.config.mesh.shape, "")
+        pkl, smap = write_outputs(
+            self.plan, Path(out_dir), stem, self.config.cost_model(), self.solver_stats()
+        )
+        return Path(pkl), Path(smap)
 
     def solver_stats(self) -> dict[str, Any]:
         """Solver statistics as plain builtins (for the solution file and the report)."""
