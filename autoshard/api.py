@@ -23,6 +23,7 @@ not listed in ``__all__`` are internal and may change.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,7 @@ def compare(
     example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
     mesh: str | MeshSpec = "2x4",
     *,
-    plans: tuple[str, ...] | None = None,
+    plans: tuple[str, ...] | str | None = None,
     mode: str = "train",
     device: str = "h100",
     memory_budget: float | None = None,
@@ -209,8 +210,9 @@ def compare(
     built in Python; the keywords are :func:`solve`'s.
 
     Args:
-        plans: which (default: ``ilp``, ``replicate``, ``ddp``, ``fsdp``, ``megatron``,
-            ``megatron_sp`` and, on a mesh of 2+ dims, ``fsdp_tp``).
+        plans: which, a sequence or ``"ilp,ddp"`` (default: ``ilp``, ``replicate``,
+            ``ddp``, ``fsdp``, ``megatron``, ``megatron_sp`` and, on a mesh of 2+ dims,
+            ``fsdp_tp``).
 
     Returns:
         One :class:`ComparedPlan` per plan, in that order: ``.plan`` (or ``.error``),
@@ -235,6 +237,8 @@ def compare(
     )
     if plans is None:
         plans = tuple(a for a in ALGOS if config.mesh.ndim > 1 or a not in TWO_D_ONLY)
+    elif isinstance(plans, str):  # "ilp,ddp", as the command line takes it
+        plans = tuple(a.strip() for a in plans.split(",") if a.strip())
     return compare_plans(config, strategies(config, trace(config)), tuple(plans))
 
 
@@ -280,6 +284,7 @@ def stages(
         name,
         profile,
     )
+    config = replace(config, activation_checkpointing="none")  # as `autoshard stages`
     graph = trace(config, microbatches=microbatches)
     return plan_pipeline(config, graph, layer_map(graph), pp, microbatches, memory_budget)
 

@@ -80,6 +80,63 @@ def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, 
     assert "'model.layers.*.mlp.down_proj': RowwiseParallel()," in code
 
 
+LLAMA_GQA_TIED = LLAMA.replace(
+    "num_key_value_heads=4", "num_key_value_heads=2, tie_word_embeddings=True"
+)
+
+
+def test_grouped_query_attention_and_tied_embeddings_keep_torchtitans_styles(tmp_path: Path):
+    """A Llama with half as many key/value heads (k/v projections narrower than o_proj's
+    input) and its LM head tied to the embedding, Megatron on 2x2: k/v are still column-
+    parallel into o_proj (the pair is the attention module, not matching widths), and the
+    tied head is read under both names."""
+    model = write_model(tmp_path, LLAMA_GQA_TIED, "llama_gqa")
+    smap = load_sharding_map(_map(tmp_path, model, "megatron", mesh="2x2"))
+    assert "lm_head.weight" in smap.parameters
+    sp = style_plan(_module(model), smap)
+    assert sp.folded_tp() == LLAMA_TP
+    assert sp.differences == []
+
+
+@pytest.mark.slow
+def test_applied_gqa_llama_with_a_tied_head_trains_like_one_device(tmp_path: Path):
+    """On 4x2 (two key/value heads, tensor parallel over 2: one head each)."""
+    model = write_model(tmp_path, LLAMA_GQA_TIED, "llama_gqa")
+    report = _train(tmp_path, _map(tmp_path, model, "megatron", mesh="4x2"), model)
+    assert report["loss"] < 1e-12 and report["grads"] < 1e-10 and report["params"] < 1e-10
+
+
+def test_styles_that_would_split_a_head_are_refused(tmp_path: Path):
+    """Two key/value heads over 4 tensor-parallel devices: half a head each, which the
+    model's own reshape by head_dim cannot take (DTensor's graph-level launch can)."""
+    model = write_model(tmp_path, LLAMA_GQA_TIED, "llama_gqa")
+    smap = load_sharding_map(_map(tmp_path, model, "megatron", mesh="2x4"))
+    sp = style_plan(_module(model), smap)
+    assert sp.unrunnable == [
+        f"model.layers.{i}.self_attn.{p}: 32 features over 4 devices is not a whole number "
+        "of heads of 16"
+        for i in (0, 1)
+        for p in ("k_proj", "v_proj")
+    ]
+
+
+def test_export_prices_a_mixed_precision_plan(tmp_path: Path):
+    """A bf16-mixed solution is read back as it was solved (its precision, not a cast of
+    its own) and priced."""
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    cfg = SolveConfig(model_path=model, mesh=MeshSpec.from_options("2x2"), precision="bf16-mixed")
+    _, smap = save(plan_baseline(cfg, "megatron"), tmp_path / "mixed")
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "export", str(smap), str(model)],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "(+0.0%:" in out.stderr, out.stderr
+
+
 def test_a_placement_the_styles_cannot_express_is_listed(tmp_path: Path):
     """A planted fault: the Megatron map with one norm's weight sharded on tp. No style
     shards a norm: the parameter is listed with both placements."""

@@ -11,6 +11,8 @@ import pytest
 from helpers import ROOT, rank_env
 
 from autoshard.calibrate import PROFILE_FORMAT, coefficients, fit_link, load_profile
+from autoshard.cost.collectives import comm_model
+from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 
 ALPHA, BW = 30e-6, 2e9
@@ -41,6 +43,12 @@ def test_the_fit_recovers_the_ring_formulas_latency_and_bandwidth():
     """Times made by the ring formulas (written by hand above) give back alpha and bw, with
     no residual; the coefficients are the cost model's (autoshard.cost.collectives)."""
     assert coefficients("all_reduce", 4) == (6.0, 1.5)
+    # the fit's model is the cost model's: the same seconds for every kind and size
+    cm = comm_model(MeshSpec((4,), ("d0",), (BW,), (ALPHA,)))
+    for sample in _samples():
+        assert cm.collective(sample["kind"], sample["bytes"], 0) == pytest.approx(
+            sample["seconds"], rel=1e-12
+        )
     fit = fit_link(_samples(), 4)
     assert fit.latency == pytest.approx(ALPHA, rel=1e-9)
     assert fit.bandwidth == pytest.approx(BW, rel=1e-9)

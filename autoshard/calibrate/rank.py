@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autoshard.calibrate import KINDS, PROFILE_FORMAT, fit_link
 from autoshard.calibrate.options import SIZE_OPTIONS, mesh_dim_names_of, with_options
 from autoshard.cost.mesh import parse_mesh_shape
+from autoshard.errors import AutoshardError
 from autoshard.plan.formats import atomic_write_text
 
 
@@ -184,31 +186,37 @@ def run_rank(
             )
         else:
             compute = measure_compute(device, [torch.float32], [256, 512], 64 << 20, iters, sync)
+        error = None
         if dist.get_rank() == 0:
-            for link in links:
-                if link["size"] > 1:
-                    fit = fit_link(link["samples"], link["size"])
-                    link.update(
-                        latency_s=fit.latency,
-                        bandwidth_Bps=fit.bandwidth,
-                        residual=fit.residual,
-                        residual_by_kind=fit.by_kind,
-                    )
-                else:
-                    link.update(latency_s=None, bandwidth_Bps=None, residual=None)
-            profile = {
-                "format": PROFILE_FORMAT,
-                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "torch": torch.__version__,
-                "backend": backend,
-                "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-                "world_size": dist.get_world_size(),
-                "mesh": {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
-                "links": links,
-                "compute": compute,
-            }
-            atomic_write_text(out, json.dumps(profile, indent=1) + "\n")
+            try:
+                for link in links:
+                    if link["size"] > 1:
+                        fit = fit_link(link["samples"], link["size"])
+                        link.update(
+                            latency_s=fit.latency,
+                            bandwidth_Bps=fit.bandwidth,
+                            residual=fit.residual,
+                            residual_by_kind=fit.by_kind,
+                        )
+                    else:
+                        link.update(latency_s=None, bandwidth_Bps=None, residual=None)
+                profile = {
+                    "format": PROFILE_FORMAT,
+                    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "torch": torch.__version__,
+                    "backend": backend,
+                    "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                    "world_size": dist.get_world_size(),
+                    "mesh": {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
+                    "links": links,
+                    "compute": compute,
+                }
+                atomic_write_text(out, json.dumps(profile, indent=1) + "\n")
+            except AutoshardError as exc:  # raised after the barrier: no rank is left waiting
+                error = exc
         dist.barrier()
+        if error is not None:
+            raise error
     finally:
         dist.destroy_process_group()
 
@@ -227,4 +235,11 @@ def rank_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters) ->
             f"--mesh {mesh_text}`"
         )
     shape = parse_mesh_shape(mesh_text)
-    run_rank(shape, mesh_dim_names_of(mesh_text, mesh_dim_names), out, min_bytes, max_bytes, iters)
+    try:
+        run_rank(
+            shape, mesh_dim_names_of(mesh_text, mesh_dim_names), out, min_bytes, max_bytes, iters
+        )
+    except AutoshardError as exc:  # e.g. no bandwidth fitted: say it once, in one line
+        if os.environ.get("RANK", "0") == "0":
+            click.echo(f"error: {exc}", err=True)
+        sys.exit(2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import click
@@ -84,7 +83,9 @@ def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iter
     click.echo("running: " + shlex.join(argv), err=True)
     code = subprocess.run(argv, env=env, check=False).returncode
     if code:
-        sys.exit(code)
+        raise AutoshardError(
+            f"the calibration ranks failed (torchrun exit {code}); rank 0's error is above"
+        )
     print_profile(path)
 
 

@@ -49,6 +49,7 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
       autoshard export solutions/llama_2x4_megatron.json examples/llama.py --out tp.py
     """
     # heavy (torch): only once the command runs
+    from autoshard.cost.mesh import default_dim_names
     from autoshard.model.model_file import instantiate, load_model_file
     from autoshard.plan.formats import atomic_write_text, load_sharding_map, load_solution
     from autoshard.plan.styles import COLWISE, style_plan, torchtitan_code
@@ -58,13 +59,15 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
     smap = load_sharding_map(plan)
     mf = load_model_file(model_file)
     sp = style_plan(instantiate(mf, device="meta").module, smap)
-    names = smap.dim_names or tuple(f"d{i}" for i in range(len(smap.mesh_shape)))
+    names = smap.dim_names or default_dim_names(len(smap.mesh_shape))
     code = torchtitan_code(sp, smap.mesh_shape, names)
     if out is None:
         sys.stdout.write(code)
     else:
         atomic_write_text(out, code)
         click.echo(f"wrote {out}", err=True)
+    for why in sp.unrunnable:
+        click.echo(f"warning: these styles cannot run on the model's own code: {why}", err=True)
     for name, planned, applied in sp.differences:
         click.echo(f"note: {name}: the plan places it {planned}, the styles {applied}", err=True)
     if no_price:
@@ -76,9 +79,9 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
         return
     from autoshard.solver.solve import SolveConfig, plan_pinned
 
-    config = SolveConfig.from_solution(mf.path, load_solution(solution))
     gathered = frozenset({sp.dp_dim}) if sp.dp_mode == "fsdp" else frozenset()
     try:
+        config = SolveConfig.from_solution(mf.path, load_solution(solution))
         styled = plan_pinned(
             config,
             sp.placements,
@@ -91,6 +94,8 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
     except AutoshardError as exc:
         click.echo(f"note: the styles could not be priced ({exc})", err=True)
         return
+    for note in styled.plan.extra.get("notes", []):
+        click.echo(f"note: pricing the styles: {note}", err=True)
     step = styled.plan.step_time_s
     click.echo(
         f"predicted step: the plan {format_seconds(predicted)}; these styles "

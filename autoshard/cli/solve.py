@@ -135,7 +135,7 @@ def _write_html(path: Path, result) -> None:  # noqa: ANN001 - a SolveResult
     from autoshard.plan.formats import atomic_write_text
     from autoshard.plan.html import html_report
     from autoshard.solver.baselines import TWO_D_ONLY
-    from autoshard.solver.compare import ComparedPlan, compare_plans
+    from autoshard.solver.compare import ComparedPlan, compare_plans, mark_best
     from autoshard.solver.options import BASELINES
 
     config, plan = result.config, result.plan
@@ -145,9 +145,5 @@ def _write_html(path: Path, result) -> None:  # noqa: ANN001 - a SolveResult
     budget = config.budget()
     rows = [ComparedPlan(plan.name, plan, fits=plan.memory_bytes <= budget)]
     rows += compare_plans(config, result.sg, tuple(names))
-    made = [r for r in rows if r.plan is not None]
-    fit = [r for r in made if r.fits] or made
-    fastest = min(r.plan.step_time_s for r in fit)
-    for r in rows:
-        r.best = r in fit and r.plan.step_time_s <= fastest * (1 + 1e-9)
+    mark_best(rows)
     atomic_write_text(path, html_report(result, rows))

@@ -61,7 +61,7 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _default_dim_names(ndim: int) -> tuple[str, ...]:
+def default_dim_names(ndim: int) -> tuple[str, ...]:
     """``("dp", "tp")`` for a 2-D mesh, else ``("d0", "d1", ...)``."""
     return ("dp", "tp") if ndim == 2 else tuple(f"d{i}" for i in range(ndim))
 
@@ -175,7 +175,7 @@ class MeshSpec:
         """
         dims = parse_mesh_shape(shape) if isinstance(shape, str) else tuple(shape)
         if dim_names is None:
-            names = _default_dim_names(len(dims))
+            names = default_dim_names(len(dims))
         elif isinstance(dim_names, str):
             names = tuple(n.strip() for n in dim_names.split(","))
         else:

@@ -21,9 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from autoshard.cost.mesh import default_dim_names
 from autoshard.errors import AutoshardError
 from autoshard.plan.formats import ShardingMap, load_sharding_map
-from autoshard.plan.styles import COLWISE, StylePlan, style_plan
+from autoshard.plan.styles import COLWISE, StylePlan, style_plan, styles_mesh
 
 _LAYOUTS = {"Replicate()": Replicate()}
 
@@ -58,8 +59,13 @@ class Applied:
             return tuple(inputs)
         name = self._names()[d]
         n, r = self.mesh[name].size(), self.mesh[name].get_local_rank()
+        placed = list(self.smap.inputs.values())
         out = []
-        for x in inputs:
+        for i, x in enumerate(inputs):
+            ps = placed[i] if i < len(placed) else None
+            if ps is None or not (isinstance(ps[d], Shard) and ps[d].dim == 0):
+                out.append(x)  # the plan keeps it whole on the data-parallel dim
+                continue
             if x.shape[0] % n:
                 raise AutoshardError(
                     f"a batch of {x.shape[0]} does not split over {n} data-parallel ranks"
@@ -69,7 +75,7 @@ class Applied:
         return tuple(out)
 
     def _names(self) -> tuple[str, ...]:
-        return self.smap.dim_names or tuple(f"d{i}" for i in range(len(self.smap.mesh_shape)))
+        return self.smap.dim_names or default_dim_names(len(self.smap.mesh_shape))
 
 
 def apply(
@@ -91,12 +97,19 @@ def apply(
         otherwise than the plan (then the run is the styles' approximation of the plan).
 
     Raises:
-        AutoshardError: the map does not fit the model or the mesh, or its mesh has more
-            than one data-parallel or tensor-parallel dim (run it with ``autoshard launch``).
+        AutoshardError: the map does not fit the model or the mesh, its mesh has more than
+            one data-parallel or tensor-parallel dim, or a column-parallel projection would
+            split an attention head (run such plans with ``autoshard launch``).
     """
     smap = plan if isinstance(plan, ShardingMap) else load_sharding_map(Path(plan))
     sp = style_plan(model, smap)
-    names = smap.dim_names or tuple(f"d{i}" for i in range(len(smap.mesh_shape)))
+    if sp.unrunnable:
+        raise AutoshardError(
+            f"the styles of {smap.source} would split attention heads ({sp.unrunnable[0]}): "
+            "solve for a tensor-parallel size that divides the heads, or run the plan with "
+            "`autoshard launch`"
+        )
+    names = smap.dim_names or default_dim_names(len(smap.mesh_shape))
     if device_mesh is not None and tuple(device_mesh.shape) != tuple(smap.mesh_shape):
         raise AutoshardError(
             f"device_mesh has shape {tuple(device_mesh.shape)}; {smap.source} was solved for "
@@ -132,10 +145,7 @@ def _mesh(
     device = (
         given.device_type if given is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
-    shape, dim_names = list(smap.mesh_shape), list(names)
-    if sp.dp_mode == "ddp":
-        shape.insert(sp.dp_dim + 1, 1)
-        dim_names.insert(sp.dp_dim + 1, f"{names[sp.dp_dim]}_shard")
+    shape, dim_names = styles_mesh(sp, smap.mesh_shape, names)
     if given is None:
-        return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(dim_names))
-    return DeviceMesh(device, given.mesh.reshape(shape), mesh_dim_names=tuple(dim_names))
+        return init_device_mesh(device, shape, mesh_dim_names=dim_names)
+    return DeviceMesh(device, given.mesh.reshape(shape), mesh_dim_names=dim_names)

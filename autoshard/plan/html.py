@@ -19,7 +19,8 @@ from typing import Any
 
 from autoshard.placements import short
 from autoshard.plan.plan import Plan
-from autoshard.units import format_bytes, format_seconds
+from autoshard.plan.report import split_block
+from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 # one colour per bar of the compare chart: the best plan, the others, a plan over budget
 BEST, OTHER, OVER = "#2ca02c", "#1f77b4", "#d62728"
@@ -119,11 +120,11 @@ def _grid(plan: Plan) -> str:
     cells: dict[str, dict[int, str]] = {}
     outside: list[tuple[str, str]] = []
     for fqn, ps in sorted(plan.parameters.items()):
-        prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
-        if prefix is None:
+        where = split_block(fqn, blocks)
+        if where is None:
             outside.append((fqn, short(ps)))
         else:
-            cells.setdefault(fqn[len(prefix) + 1 :], {})[blocks[prefix]] = short(ps)
+            cells.setdefault(where[1], {})[where[0]] = short(ps)
     seen = sorted({p for row in cells.values() for p in row.values()} | {p for _, p in outside})
     colour = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(seen)}
 
@@ -158,7 +159,7 @@ def html_report(result: Any, rows: Sequence[Any] | None = None) -> str:
     mesh = cfg.mesh
     budget = plan.extra.get("budget")
     links = ", ".join(
-        f"{n}={s} ({b / 1e9:.3g} GB/s, {format_seconds(a)})"
+        f"{n}={s} ({format_bandwidth(b)}, {format_seconds(a)})"
         for n, s, b, a in zip(mesh.dim_names, mesh.shape, mesh.bandwidth, mesh.latency, strict=True)
     )
     facts = [

@@ -28,7 +28,7 @@ def format_ranges(layers: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def _split_block(fqn: str, blocks: dict[str, int]) -> tuple[int, str] | None:
+def split_block(fqn: str, blocks: dict[str, int]) -> tuple[int, str] | None:
     """``(block index, name inside the block)`` of a parameter FQN, or None outside the
     repeated blocks."""
     prefix = next((p for p in blocks if fqn.startswith(p + ".")), None)
@@ -53,7 +53,7 @@ def layer_table(plan: Plan) -> Table:
     # (parameter path inside the block, placement) -> layers holding it, and one real FQN
     rows: dict[tuple[str, str], tuple[list[int], str]] = {}
     for fqn, ps in plan.parameters.items():
-        where = _split_block(fqn, blocks)
+        where = split_block(fqn, blocks)
         if where is None:
             table.add_row(fqn, "", short(ps), str(shapes.get(fqn, "")))
             continue
@@ -68,7 +68,7 @@ def _block_plans(plan: Plan) -> dict[int, tuple]:
     """Block index -> its parameters' placements (within-block name, placement), sorted."""
     out: dict[int, list] = {}
     for fqn, ps in plan.parameters.items():
-        where = _split_block(fqn, plan.sg.graph.block_prefixes)
+        where = split_block(fqn, plan.sg.graph.block_prefixes)
         if where is not None:
             out.setdefault(where[0], []).append((where[1], short(ps)))
     return {b: tuple(sorted(v)) for b, v in out.items()}

@@ -244,7 +244,8 @@ def _placement_table(
     return table
 
 
-def _natural(key: str) -> list:
+def natural_key(key: str) -> list:
+    """Sort key that orders ``layers.2`` before ``layers.10``."""
     return [int(t) if t.isdecimal() else t for t in re.split(r"(\d+)", key)]
 
 
@@ -268,7 +269,7 @@ def fold_layers(entries: Mapping[str, Sequence[Any]]) -> list[tuple[str, tuple]]
         ranges = format_ranges(n for n, _ in members)
         shown = ".".join(f"<{ranges}>" if t == "*" else t for t in template)
         rows.append((shown, placements, members[0][1]))
-    rows.sort(key=lambda r: _natural(r[2]))
+    rows.sort(key=lambda r: natural_key(r[2]))
     return [(name, placements) for name, placements, _ in rows]
 
 

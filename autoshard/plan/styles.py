@@ -12,11 +12,13 @@ out of a sharding map's parameter placements:
 - Another mesh dim is the *tensor-parallel dim*. There a ``nn.Linear`` whose weight
   (``out x in``) is ``S(0)`` is ``ColwiseParallel`` (bias ``S(0)``), ``S(1)``
   ``RowwiseParallel`` (bias ``R``); an ``nn.Embedding`` ``S(0)`` is ``RowwiseParallel``
-  (vocab-parallel, ``input_layouts=Replicate()``), ``S(1)`` ``ColwiseParallel``. A
-  row-parallel linear takes its input as the column-parallel sibling in its parent module
-  leaves it (sharded on features: Megatron's pair, Shoeybi et al. 2019, section 3); with no
-  such sibling it takes a replicated input. A column-parallel linear with no row-parallel
-  sibling to feed returns its output gathered (``output_layouts=Replicate()``).
+  (vocab-parallel, ``input_layouts=Replicate()``), ``S(1)`` ``ColwiseParallel`` (its output
+  gathered). A row-parallel linear takes its input as the column-parallel siblings in its
+  parent module leave it (sharded on features: Megatron's pair, Shoeybi et al. 2019,
+  section 3; attention's q/k/v and o_proj, an MLP's gate/up and down); with no such sibling
+  it takes a replicated input. A column-parallel linear with no row-parallel sibling to
+  feed returns its output gathered (``output_layouts=Replicate()``). Other module types
+  (HF's ``Conv1D`` in GPT-2) get no style: their parameters are listed as differences.
 - Every other parameter is replicated on the tensor-parallel dim.
 
 What the styles place is compared with the plan parameter by parameter; every difference
@@ -36,6 +38,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from autoshard.errors import AutoshardError
 from autoshard.placements import short
 from autoshard.plan.formats import ShardingMap
+from autoshard.plan.show import natural_key
 from autoshard.trace.tracer import find_block_prefixes
 
 COLWISE, ROWWISE = "ColwiseParallel", "RowwiseParallel"
@@ -55,6 +58,9 @@ class StylePlan:
         differences: ``(parameter FQN, planned, applied)`` placements, one per parameter the
             styles place otherwise than the plan.
         placements: parameter FQN -> the placements the styles give it (one per mesh dim).
+        unrunnable: why the styles cannot run on the model's own code (a column-parallel
+            projection whose shard is not a whole number of attention heads: the model
+            reshapes its local output by ``head_dim``).
     """
 
     tp_dim: int | None
@@ -65,6 +71,7 @@ class StylePlan:
     groups: list[str] = field(default_factory=list)
     differences: list[tuple[str, str, str]] = field(default_factory=list)
     placements: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
+    unrunnable: list[str] = field(default_factory=list)
 
     def folded_tp(self) -> dict[str, tuple[str, dict[str, str]]]:
         """``tp`` with the repeated blocks folded: ``layers.*.mlp.up_proj`` for an entry
@@ -122,7 +129,7 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
         AutoshardError: the map names a parameter the model lacks (or the reverse), or has
             more than one data-parallel or tensor-parallel mesh dim.
     """
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied aliases too
     missing = sorted(set(smap.parameters) ^ set(params))
     if missing:
         raise AutoshardError(
@@ -144,17 +151,13 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
                 planned = smap.parameters[name][dp_dim]
                 sp.shard_dims[name] = planned.dim if isinstance(planned, Shard) else 0
                 applied[name][dp_dim] = Shard(sp.shard_dims[name])
-        sp.groups = [*sorted(find_block_prefixes(model), key=_natural), ""]
+        sp.groups = [*sorted(find_block_prefixes(model), key=natural_key), ""]
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
         if planned != got:
             sp.differences.append((name, short(planned), short(got)))
     return sp
-
-
-def _natural(fqn: str) -> list:
-    return [int(a) if a.isdigit() else a for a in fqn.split(".")]
 
 
 def _tensor_parallel(
@@ -181,31 +184,46 @@ def _tensor_parallel(
             if f != fqn and (f.rsplit(".", 1)[0] if "." in f else "") == parent
         ]
         kwargs: dict[str, str] = {}
-        if isinstance(mod, nn.Embedding):
+        if isinstance(mod, nn.Embedding):  # vocab- or feature-parallel, whole tokens in and out
             kwargs["input_layouts"] = "Replicate()"
-        elif style == ROWWISE:
-            fed = any(
-                role[f] == COLWISE
-                and isinstance(m, nn.Linear)
-                and m.out_features == mod.in_features
-                for f, m in siblings
-            )
-            if not fed:
-                kwargs["input_layouts"] = "Replicate()"
-        else:
-            feeds = any(
-                role[f] == ROWWISE
-                and isinstance(m, nn.Linear)
-                and m.in_features == mod.out_features
-                for f, m in siblings
-            )
-            if not feeds:
+            if style == COLWISE:
                 kwargs["output_layouts"] = "Replicate()"
+        elif style == ROWWISE:
+            # Megatron's pair: the column-parallel siblings (q/k/v, gate/up) feed it
+            if not any(role[f] == COLWISE for f, _ in siblings):
+                kwargs["input_layouts"] = "Replicate()"
+        elif not any(role[f] == ROWWISE for f, _ in siblings):
+            kwargs["output_layouts"] = "Replicate()"  # no row-parallel sibling to feed
+        head_dim = getattr(modules.get(parent), "head_dim", None)
+        if (
+            style == COLWISE
+            and isinstance(mod, nn.Linear)
+            and isinstance(head_dim, int)
+            and head_dim > 0
+            and (mod.out_features // smap.mesh_shape[d]) % head_dim
+        ):
+            sp.unrunnable.append(
+                f"{fqn}: {mod.out_features} features over {smap.mesh_shape[d]} devices is "
+                f"not a whole number of heads of {head_dim}"
+            )
         sp.tp[fqn] = (style, kwargs)
         weight_dim = 0 if (style == COLWISE) == isinstance(mod, nn.Linear) else 1
         applied[f"{fqn}.weight"][d] = Shard(weight_dim)
         if isinstance(mod, nn.Linear) and mod.bias is not None and style == COLWISE:
             applied[f"{fqn}.bias"][d] = Shard(0)
+
+
+def styles_mesh(
+    sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh the styles run on: the plan's, in its order, with a ``<dp>_shard`` dim of
+    one device after the data-parallel dim when it replicates parameters (FSDP2's HSDP
+    with a shard group of one: every gradient all-reduced, as DDP does)."""
+    shape, names = list(mesh_shape), list(dim_names)
+    if sp.dp_mode == "ddp":
+        shape.insert(sp.dp_dim + 1, 1)
+        names.insert(sp.dp_dim + 1, f"{dim_names[sp.dp_dim]}_shard")
+    return tuple(shape), tuple(names)
 
 
 def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
@@ -227,11 +245,7 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
         "",
         "def parallelize(model, device_type='cuda'):",
     ]
-    shape = [mesh_shape[d] for d in (sp.dp_dim, sp.tp_dim) if d is not None]
-    names = [n for n in (dp_name, tp_name) if n]
-    if sp.dp_mode == "ddp":  # HSDP with a shard group of one: replicated, all-reduced
-        shape.insert(1, 1)
-        names.insert(1, f"{dp_name}_shard")
+    shape, names = styles_mesh(sp, mesh_shape, dim_names)
     lines.append(
         f"    mesh = init_device_mesh(device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})"
     )
@@ -260,9 +274,10 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
             kw = ", shard_placement_fn=placement"
         blocks = [g for g in sp.groups if g]
         if blocks:  # one FSDP group per repeated block, as torchtitan groups its layers
-            container = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
-            lines.append(f"    for block in model.get_submodule({container!r}):")
-            lines.append(f"        fully_shard(block, mesh={dp_mesh}{kw})")
+            lines.append("    for name in (")
+            lines += [f"        {b!r}," for b in blocks]
+            lines.append("    ):")
+            lines.append(f"        fully_shard(model.get_submodule(name), mesh={dp_mesh}{kw})")
         lines.append(f"    fully_shard(model, mesh={dp_mesh}{kw})")
     lines.append("    return model")
     body = "\n".join(lines[12:])

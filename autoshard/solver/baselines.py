@@ -1021,6 +1021,7 @@ def _replicated_outside_styles(
         if all(styles.get(module(c) or "") == "column" for c in columns):
             nodes = [*columns, row, *(n for n in tp.region[(columns, row)] if n in sg.nodes)]
             inside |= {sg.nodes[n].rep for n in nodes}
+    stuck = 0
     for rep in sg.reps:
         info = sg.graph.nodes.get(rep)
         if info is None or info.kind != "op" or info.backward or rep in inside:
@@ -1032,7 +1033,13 @@ def _replicated_outside_styles(
             tensors = [p for p in s.outputs if p is not None] or list(s.inputs)
             return all(_is_r(p[t]) for p in tensors)
 
-        r.allow(sg, rep, replicated, "replicated_on_tp")
+        if not r.allow(sg, rep, replicated, "replicated_on_tp"):
+            stuck += 1
+    if stuck:
+        r.notes.append(
+            f"{stuck} ops outside the styled column/row pairs have no strategy replicated on "
+            f"mesh dim {t}; left to propagation"
+        )
 
 
 # families that differ from another only on a mesh of 2+ dims (fsdp_tp is megatron_sp

@@ -114,13 +114,19 @@ def compare_plans(
         rows.append(ComparedPlan(algo, plan, stats, fits=plan.memory_bytes <= budget))
     if progress:
         progress("solve", len(algos), len(algos))
+    mark_best(rows)
+    return rows
+
+
+def mark_best(rows: list[ComparedPlan]) -> None:
+    """Set ``best`` on the fastest rows that fit (on the fastest of all when none fits),
+    ties within :data:`TIE_REL_TOL` all marked."""
     done = [r for r in rows if r.plan is not None]
     pool = [r for r in done if r.fits] or done
     if pool:
         fastest = min(r.plan.step_time_s for r in pool)
         for r in pool:
             r.best = math.isclose(r.plan.step_time_s, fastest, rel_tol=TIE_REL_TOL, abs_tol=1e-15)
-    return rows
 
 
 _LABEL = {

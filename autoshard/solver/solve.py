@@ -145,7 +145,8 @@ class SolveConfig:
     @classmethod
     def from_solution(cls, model_path: Path, solution: dict[str, Any]) -> SolveConfig:
         """The config a solution was solved with (its ``mesh`` and ``cost_model``), for
-        ``model_path``: the inverse of :meth:`cost_model`.
+        ``model_path``: the inverse of :meth:`cost_model` but for ``tie`` and the solver's
+        options, which it does not record (the defaults).
 
         Raises:
             AutoshardError: the solution lacks its mesh or cost model (a MASE pickle).
@@ -156,6 +157,9 @@ class SolveConfig:
                 "the solution names no cost model (a MASE pickle?): solve again with autoshard"
             )
         dtype = cost.get("dtype", "model")
+        precision = cost.get("precision", "model")
+        if precision != "model":
+            dtype = "model"  # the precision's compute dtype, not a cast of its own
         return cls(
             model_path=model_path,
             mesh=MeshSpec.from_dict(solution["mesh"]),
@@ -164,7 +168,7 @@ class SolveConfig:
             output_placement=cost.get("output_placement", "free"),
             mode=cost.get("mode", "train"),
             dtype=None if dtype == "model" else getattr(torch, dtype),
-            precision=cost.get("precision", "model"),
+            precision=precision,
             reduce_dtype=getattr(torch, cost.get("reduce_dtype", "float32")),
             memory_budget=cost.get("memory_budget_bytes"),
             bucket_bytes=cost.get("bucket_bytes", DDP_BUCKET_BYTES),
@@ -456,6 +460,7 @@ def plan_pinned(
     pins = pinned(sg, parameters, inputs, gathered_dims, tp_styles, tp_dim)
     found = run_baseline(sg, name, config.mesh, config.solver, pins=pins)
     plan = finish_plan(config, sg, found.choice, name)
+    plan.extra.setdefault("notes", []).extend(found.notes)
     seconds["baseline"] = time.perf_counter() - t
     seconds["total"] = sum(seconds.values())
     ilp = ILPResult(
