@@ -139,11 +139,28 @@ def test_a_calibrated_profile_on_four_gloo_ranks_changes_the_plan(tmp_path: Path
     # split 4 ways, but for what every device reads whole (the weights, on a roofline
     # whose memory term is the profile's copy bandwidth)
     assert measured["time_s"]["compute"] < whole["time_s"]["compute"] / 3
-    # the output (64 x 1024 fp32, B bytes) from S(0)·S(0) to R·R: the inner (tp) dim first,
-    # as DTensor nests it, on the half each tp pair holds, then dp on the whole
+    # what the plan moves, by hand with the profile's alpha and bw (n = 2 on each dim);
+    # the output is 64 x 1024 fp32, B bytes. Which plan wins depends on the measured
+    # numbers: the batch split on both dims, or on one dim with Megatron's column/row
+    # pair on the other
     b = 64 * 1024 * 4
-    gather = a1 + (b / 2) / (2 * bw1) + a0 + b / (2 * bw0)
-    assert measured["time_s"]["collectives"]["all_gather"]["total"] == pytest.approx(gather)
+    alpha, bw = (a0, a1), (bw0, bw1)
+    params = measured["plan"]["parameters"]
+    seen = {k: v["total"] for k, v in measured["time_s"]["collectives"].items()}
+    if all(ps == ["R", "R"] for ps in params.values()):
+        # S(0)·S(0) -> R·R: the inner (tp) dim first, as DTensor nests it, on the half
+        # each tp pair holds, then dp on the whole
+        want = {"all_gather": a1 + (b / 2) / (2 * bw1) + a0 + b / (2 * bw0)}
+    else:
+        (t,) = [d for d in (0, 1) if params["fc1.weight"][d] == "S(0)"]
+        assert params["fc2.weight"][t] == "S(1)", params  # the row of the pair
+        d = 1 - t
+        # fc2's Partial output all-reduced on t (on the batch half), then gathered on d
+        want = {
+            "all_reduce": 2 * alpha[t] + (b / 2) / bw[t],
+            "all_gather": alpha[d] + b / (2 * bw[d]),
+        }
+    assert seen == pytest.approx(want), params
     assert measured["time_s"]["step"] < whole["time_s"]["step"] / 2
     assert measured["plan"]["parameters"] == datasheet["plan"]["parameters"]  # DDP-like
 
