@@ -84,6 +84,9 @@ def main(ctx: click.Context, debug: bool, verbose: bool) -> None:
       autoshard show solutions/gpt2_2x4.json             read a plan back
       autoshard launch solutions/gpt2_2x4.json examples/gpt2.py --check
                                                          run it sharded under torchrun
+      autoshard export solutions/llama_2x4.json examples/llama.py
+                                                         the plan as torchtitan styles
+      autoshard calibrate --mesh 2x4                     measure links; solve --profile
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
