@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, rank_env, write_mlp, write_model
+from helpers import LLAMA_SMALL, ROOT, rank_env, write_mlp, write_model
 
 from autoshard.api import save
 from autoshard.cost.mesh import MeshSpec
@@ -19,24 +19,8 @@ from autoshard.plan.formats import load_sharding_map
 from autoshard.plan.styles import style_plan, torchtitan_code
 from autoshard.solver.solve import SolveConfig, plan_baseline
 
-LLAMA = """
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-
-def build_model():
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
-            max_position_embeddings=64,
-        )
-    )
-
-
-def example_inputs():
-    return (torch.randint(0, 256, (4, 16)),)
-"""
+# helpers' small Llama with as many key/value heads as query heads (one per tp rank)
+LLAMA = LLAMA_SMALL.replace("num_key_value_heads=2", "num_key_value_heads=4")
 
 # torchtitan's Llama plan (torchtitan/models/llama3/parallelize.py, without sequence
 # parallelism) in HF's module names: attention q/k/v and the MLP's gate/up column-
@@ -113,8 +97,8 @@ def test_styles_that_would_split_a_head_are_refused(tmp_path: Path):
     smap = load_sharding_map(_map(tmp_path, model, "megatron", mesh="2x4"))
     sp = style_plan(_module(model), smap)
     assert sp.unrunnable == [
-        f"model.layers.{i}.self_attn.{p}: 32 features over 4 devices is not a whole number "
-        "of heads of 16"
+        f"model.layers.{i}.self_attn.{p}: 64 features over 4 devices is not a whole number "
+        "of heads of 32"
         for i in (0, 1)
         for p in ("k_proj", "v_proj")
     ]

@@ -462,11 +462,23 @@ def plan_pinned(
     plan = finish_plan(config, sg, found.choice, name)
     plan.extra.setdefault("notes", []).extend(found.notes)
     seconds["baseline"] = time.perf_counter() - t
+    return _unsolved(config, graph, sg, plan, seconds, f"pinned {name}")
+
+
+def _unsolved(
+    config: SolveConfig,
+    graph: TracedGraph,
+    sg: StrategyGraph,
+    plan: Plan,
+    seconds: dict[str, float],
+    status: str,
+) -> SolveResult:
+    """A :class:`SolveResult` for a plan made without the ILP (a baseline, pinned styles)."""
     seconds["total"] = sum(seconds.values())
     ilp = ILPResult(
         choice=plan.choice,
         objective_s=plan.step_time_s,
-        status=f"pinned {name}",
+        status=status,
         gap=0.0,
         num_variables=0,
         num_constraints=0,
@@ -494,15 +506,4 @@ def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = No
         finish=lambda g, c, n: finish_plan(config, g, c, n),
     )
     seconds["baseline"] = time.perf_counter() - t
-    seconds["total"] = sum(seconds.values())
-    ilp = ILPResult(
-        choice=plan.choice,
-        objective_s=plan.step_time_s,
-        status=f"baseline {algo}",
-        gap=0.0,
-        num_variables=0,
-        num_constraints=0,
-        build_seconds=0.0,
-        solve_seconds=0.0,
-    )
-    return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes())
+    return _unsolved(config, graph, sg, plan, seconds, f"baseline {algo}")
