@@ -121,6 +121,29 @@ def test_export_prices_a_mixed_precision_plan(tmp_path: Path):
     assert "(+0.0%:" in out.stderr, out.stderr
 
 
+def test_export_prices_a_vocab_parallel_head(tmp_path: Path):
+    """The Megatron map of the Llama with its LM head sharded by vocabulary on tp: a
+    standalone column (its logits gathered for the loss), whose own ops the style shards
+    while its readers get the logits whole; the styles are priced (before: infeasible)."""
+    model = write_model(tmp_path, LLAMA, "llama")
+    path = _map(tmp_path, model, "megatron")
+    raw = json.loads(path.read_text())
+    raw["parameters"]["lm_head.weight"] = ["R", "S(0)"]
+    path.write_text(json.dumps(raw))
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "export", str(path), str(model)],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "'lm_head': ColwiseParallel(output_layouts=Replicate())," in out.stdout
+    assert "could not be priced" not in out.stderr, out.stderr
+    assert "predicted step: the plan" in out.stderr
+    assert "note: lm_head.weight: the plan places it R·R, the styles R·S(0)" not in out.stderr
+
+
 def test_a_placement_the_styles_cannot_express_is_listed(tmp_path: Path):
     """A planted fault: the Megatron map with one norm's weight sharded on tp. No style
     shards a norm: the parameter is listed with both placements."""

@@ -981,7 +981,8 @@ def pinned(
     ``tp_styles`` (module FQN -> ``"column"`` / ``"row"``) on mesh dim ``tp_dim``: the
     styles hand plain local tensors between their modules, so every forward op outside a
     column/row pair of styled modules (:func:`find_tensor_parallel`'s regions, matched by
-    the ops' module paths) computes replicated on ``tp_dim``, as in ``megatron``.
+    the ops' module paths) and outside every styled module computes replicated on
+    ``tp_dim``, as in ``megatron``.
     """
     r = Restriction()
     if tp_styles and tp_dim is not None:
@@ -1026,6 +1027,8 @@ def _replicated_outside_styles(
         info = sg.graph.nodes.get(rep)
         if info is None or info.kind != "op" or info.backward or rep in inside:
             continue
+        if info.module_path in styles:  # a styled module's own ops (a standalone column,
+            continue  # an embedding): the style shards them; its readers get them whole
         ns = sg.nodes[rep]
 
         def replicated(i: int, ns=ns) -> bool:
