@@ -123,6 +123,19 @@ def torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[
     )
 
 
+def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m autoshard.cli ARGS`` in a subprocess (this checkout importable), captured;
+    ``env``: extra environment variables."""
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", *args],
+        cwd=cwd,
+        env=rank_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def number(pattern: str, text: str) -> float:
     """The float that ``pattern``'s first group matches in ``text`` (asserted present)."""
     m = re.search(pattern, text)

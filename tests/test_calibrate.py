@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, rank_env
+from helpers import ROOT, autoshard_cli
 
 from autoshard.calibrate import PROFILE_FORMAT, coefficients, fit_link, load_profile
 from autoshard.cost.collectives import comm_model
@@ -79,21 +77,10 @@ def test_a_file_that_is_not_a_profile_is_one_line(tmp_path: Path):
         load_profile(tmp_path / "missing.json")
 
 
-def _autoshard(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autoshard.cli", *args],
-        cwd=cwd,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def _solve_json(tmp_path: Path, *extra: str) -> dict:
     args = ["solve", str(ROOT / "examples/mlp.py"), "--mesh", "2x2", "--mode", "infer"]
     args += ["--inputs", "replicate", "--outputs", "replicate", "--out", str(tmp_path / "s")]
-    out = _autoshard(*args, "--json", "-q", *extra, cwd=tmp_path)
+    out = autoshard_cli(*args, "--json", "-q", *extra, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -107,7 +94,7 @@ def test_a_calibrated_profile_on_four_gloo_ranks_changes_the_plan(tmp_path: Path
     ~3/4 of milliseconds of compute for one all-gather of the output (256 KiB), priced
     with the profile's own alpha and bw by hand below."""
     profile = tmp_path / "cpu.json"
-    out = _autoshard("calibrate", "--mesh", "2x2", "--out", str(profile), cwd=tmp_path)
+    out = autoshard_cli("calibrate", "--mesh", "2x2", "--out", str(profile), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"profile {profile} (gloo, cpu):" in out.stdout
     assert "fit residual" in out.stdout
@@ -216,13 +203,13 @@ def test_the_python_api_plans_with_a_profile(tmp_path: Path):
 def test_profile_and_link_options_together_are_refused(tmp_path: Path):
     profile = _write_profile(tmp_path / "p.json")
     mlp = str(ROOT / "examples/mlp.py")
-    out = _autoshard(
+    out = autoshard_cli(
         "solve", mlp, "--mesh", "2x2", "--profile", str(profile), "--device", "a100", cwd=tmp_path
     )
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
         "error: --profile sets the links and the device; drop --device"
     ]
-    out = _autoshard("solve", mlp, "--mesh", "4", "--profile", str(profile), cwd=tmp_path)
+    out = autoshard_cli("solve", mlp, "--mesh", "4", "--profile", str(profile), cwd=tmp_path)
     assert out.returncode != 0
     assert "was measured on mesh 2x2, not 4" in out.stderr

@@ -7,14 +7,12 @@ from __future__ import annotations
 import base64
 import io
 import re
-import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, rank_env, write_mlp
+from helpers import ROOT, autoshard_cli, write_mlp
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.plan.html import BEST, OTHER, OVER, html_report
@@ -107,13 +105,17 @@ def test_solve_html_writes_one_self_contained_page(tmp_path: Path):
     """`autoshard solve --html` on a 4-block GPT-2: no script, no link out; the three
     charts decode; the grid has one placement cell per weight of each of the 4 blocks."""
     page_path = tmp_path / "report.html"
-    out = subprocess.run(
-        [sys.executable, "-m", "autoshard.cli", "solve", str(ROOT / "examples/gpt2.py")]
-        + ["--mesh", "2x4", "--out", str(tmp_path), "--html", str(page_path), "-q"],
-        env=rank_env(AUTOSHARD_LAYERS="4"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = autoshard_cli(
+        "solve",
+        str(ROOT / "examples/gpt2.py"),
+        "--mesh",
+        "2x4",
+        "--out",
+        str(tmp_path),
+        "--html",
+        str(page_path),
+        "-q",
+        AUTOSHARD_LAYERS="4",
     )
     assert out.returncode == 0, out.stderr
     assert str(page_path) in out.stdout.splitlines()

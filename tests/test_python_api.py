@@ -68,10 +68,8 @@ def test_compare_from_python_is_the_command_lines_compare():
     order, with the same step times as ``autoshard compare examples/mlp.py --mesh 4``
     (JSON), the ILP's plan the fastest (never above a baseline: the same search space)."""
     import json
-    import subprocess
-    import sys
 
-    from helpers import rank_env
+    from helpers import autoshard_cli
 
     from autoshard.model.model_file import load_model_file
 
@@ -80,15 +78,7 @@ def test_compare_from_python_is_the_command_lines_compare():
         model = mf.module.build_model()
         inputs = mf.module.example_inputs()
     rows = autoshard.compare(model, inputs, mesh="4", mode="infer")
-    out = subprocess.run(
-        [sys.executable, "-m", "autoshard.cli", "compare", "examples/mlp.py", "--mesh", "4"]
-        + ["--mode", "infer", "--json"],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = autoshard_cli("compare", "examples/mlp.py", "--mesh", "4", "--mode", "infer", "--json")
     assert out.returncode == 0, out.stderr
     cli = json.loads(out.stdout)["plans"]
     assert [r.name for r in rows] == [p["name"] for p in cli]

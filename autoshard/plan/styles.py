@@ -231,20 +231,7 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
     then ``fully_shard`` per block and on the root)."""
     tp_name = dim_names[sp.tp_dim] if sp.tp_dim is not None else None
     dp_name = dim_names[sp.dp_dim] if sp.dp_dim is not None else None
-    lines = [
-        "# written by `autoshard export --format torchtitan`",
-        "from torch.distributed.device_mesh import init_device_mesh",
-        "from torch.distributed.fsdp import fully_shard",
-        "from torch.distributed.tensor import Replicate, Shard",
-        "from torch.distributed.tensor.parallel import (",
-        "    ColwiseParallel,",
-        "    RowwiseParallel,",
-        "    parallelize_module,",
-        ")",
-        "",
-        "",
-        "def parallelize(model, device_type='cuda'):",
-    ]
+    lines = ["def parallelize(model, device_type='cuda'):"]
     shape, names = styles_mesh(sp, mesh_shape, dim_names)
     lines.append(
         f"    mesh = init_device_mesh(device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})"
@@ -280,9 +267,17 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
             lines.append(f"        fully_shard(model.get_submodule(name), mesh={dp_mesh}{kw})")
         lines.append(f"    fully_shard(model, mesh={dp_mesh}{kw})")
     lines.append("    return model")
-    body = "\n".join(lines[12:])
+    body = "\n".join(lines)
     used = [n for n in ("Replicate", "Shard") if f"{n}(" in body]
-    lines[3] = (
-        f"from torch.distributed.tensor import {', '.join(used)}" if used else "# (no placements)"
-    )
-    return "\n".join(line for line in lines if line != "# (no placements)") + "\n"
+    header = [
+        "# written by `autoshard export --format torchtitan`",
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.fsdp import fully_shard",
+        *([f"from torch.distributed.tensor import {', '.join(used)}"] if used else []),
+        "from torch.distributed.tensor.parallel import (",
+        "    ColwiseParallel,",
+        "    RowwiseParallel,",
+        "    parallelize_module,",
+        ")",
+    ]
+    return "\n".join(header) + "\n\n\n" + body + "\n"

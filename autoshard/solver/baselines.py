@@ -366,6 +366,21 @@ def _restrict_param_uses(r: Restriction, sg: StrategyGraph, use: Callable) -> No
             r.forbid(i, e, lambda p, q: not use(p, q))
 
 
+def _all_on(
+    sg: StrategyGraph, rep: str, t: int, test: Callable[[Placement], bool]
+) -> Callable[[int], bool]:
+    """Whether strategy ``i`` of ``rep`` places every tensor it makes (or, with none, reads)
+    so that ``test`` holds on mesh dim ``t``."""
+    ns = sg.nodes[rep]
+
+    def ok(i: int) -> bool:
+        s = ns.strategies[i]
+        tensors = [p for p in s.outputs if p is not None] or list(s.inputs)
+        return all(test(p[t]) for p in tensors)
+
+    return ok
+
+
 def _placeholders(sg: StrategyGraph, kind: str) -> list[str]:
     return [rep for rep in sg.reps if _kind(sg, rep) == kind]
 
@@ -762,21 +777,9 @@ def _megatron(
         )
     unpinned = 0
     for rep in outside:
-        ns = sg.nodes[rep]
-
-        def tensors(i: int, ns=ns) -> list[Placements]:
-            s = ns.strategies[i]
-            return [p for p in s.outputs if p is not None] or list(s.inputs)
-
-        def rep_on_tp(i: int) -> bool:
-            return all(_is_r(p[t]) for p in tensors(i))
-
-        def shard_on_tp(i: int) -> bool:
-            return all(_is_s(p[t]) for p in tensors(i))
-
-        if sequence_parallel and r.allow(sg, rep, shard_on_tp, "sequence_parallel"):
+        if sequence_parallel and r.allow(sg, rep, _all_on(sg, rep, t, _is_s), "sequence_parallel"):
             continue
-        if not r.allow(sg, rep, rep_on_tp, "replicated_on_tp"):
+        if not r.allow(sg, rep, _all_on(sg, rep, t, _is_r), "replicated_on_tp"):
             unpinned += 1
     if unpinned:
         r.notes.append(
@@ -1029,14 +1032,7 @@ def _replicated_outside_styles(
             continue
         if info.module_path in styles:  # a styled module's own ops (a standalone column,
             continue  # an embedding): the style shards them; its readers get them whole
-        ns = sg.nodes[rep]
-
-        def replicated(i: int, ns=ns) -> bool:
-            s = ns.strategies[i]
-            tensors = [p for p in s.outputs if p is not None] or list(s.inputs)
-            return all(_is_r(p[t]) for p in tensors)
-
-        if not r.allow(sg, rep, replicated, "replicated_on_tp"):
+        if not r.allow(sg, rep, _all_on(sg, rep, t, _is_r), "replicated_on_tp"):
             stuck += 1
     if stuck:
         r.notes.append(
