@@ -326,3 +326,18 @@ def dtensor_transform_steps(
         DTensorSpec(mesh, tuple(src), meta), DTensorSpec(mesh, tuple(dst), meta)
     )
     return [(t.mesh_dim, *t.src_dst_placements) for t in infos]
+
+
+@contextlib.contextmanager
+def autograd_inside_op() -> Iterator[None]:
+    """Autograd recording inside a custom op's implementation, which torch runs with the
+    autograd dispatch keys excluded (``torch._library.autograd``: the op's own autograd
+    formula stands for it): the keys are taken out of the thread's exclude set while the
+    body runs, so it may differentiate its own computation (``torch.autograd.grad``)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keys = [k for k in torch._C.DispatchKey.__members__.values() if excluded.has(k)]
+    autograd = [k for k in keys if k.name.startswith("Autograd") or k.name == "ADInplaceOrView"]
+    for k in autograd:
+        excluded = excluded.remove(k)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+        yield

@@ -50,17 +50,21 @@ def test_a_block_planted_unlike_the_others_is_named_with_what_it_costs(monkeypat
 
 
 def test_every_replicate_fallback_is_listed_with_the_time_it_carries(tmp_path):
-    """The Mixtral-style MoE's grouped matmuls have no sharding rule. Under the replicated
-    plan nothing is resharded into them, so each op's time is the roofline of its whole
-    tensors on one device (FLOPs and bytes from the graph, the H100's datasheet numbers);
-    under the ILP's plan the line lists the same ops, each with at least that time."""
+    """Experts the fused op does not cover (here: an activation it does not know,
+    ``gelu_new``) stay HuggingFace's grouped matmuls, which have no sharding rule. Under the
+    replicated plan nothing is resharded into them, so each op's time is the roofline of its
+    whole tensors on one device (FLOPs and bytes from the graph, the H100's datasheet
+    numbers); under the ILP's plan the line lists the same ops, each with at least that
+    time."""
     from helpers import MIXTRAL_SMALL, write_model
 
     from autoshard.plan.report import fallback_costs, fallback_line
     from autoshard.solver.solve import plan_baseline
 
+    unfused = MIXTRAL_SMALL.replace("vocab_size=256,", "vocab_size=256, hidden_act='gelu_new',")
+    assert unfused != MIXTRAL_SMALL
     cfg = SolveConfig(
-        model_path=write_model(tmp_path, MIXTRAL_SMALL, "moe"),
+        model_path=write_model(tmp_path, unfused, "moe"),
         mesh=MeshSpec.from_options("2x2"),
         mode="train",
     )

@@ -15,6 +15,9 @@ as meta-pytorch/autoparallel's ``apply_sharding.py`` does:
   plan's is a *deviation*: counted, named, and redistributed to the plan's placement;
 - an op with no DTensor rule (the plan gave it replicated inputs and outputs, as the
   solver's fallback does) runs on each rank's local, full copy;
+- the fused experts ops run :func:`autoshard.trace.experts.experts_local` on each rank's
+  shards, exchanging tokens by ``all_to_all_single`` where the plan shards experts and
+  tokens on the same mesh dim (expert parallelism, :mod:`autoshard.strategies.experts`);
 - nodes the plan marks free (factory ops, masks, position ids, buffers) run on plain
   tensors on every rank and enter the DTensor world as ``Replicate``, from which any
   placement is a local slice.
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor import zeros as dtensor_zeros
 
 from autoshard import _torch_private as tp
@@ -48,6 +51,13 @@ from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
 from autoshard.strategies.graph import SHARD_LOCAL_OPS
+from autoshard.trace.experts import (
+    EXPERT_OPS,
+    EXPERTS_FORWARD,
+    Exchange,
+    experts_backward_local,
+    experts_local,
+)
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
 Placements = tuple[Placement, ...]
@@ -501,6 +511,9 @@ class PlanInterpreter(torch.fx.Interpreter):
             out = self._run_local(n, args_list, kwargs)
         elif n.target in SHARD_LOCAL_OPS:
             out = self._run_shard_local(n, args_list, kwargs, plan)
+        elif n.target in EXPERT_OPS:
+            with self._phase(self._phase_of(plan)):
+                out = self._run_experts(n, args_list, kwargs, plan)
         elif n.target in NO_FLOAT64 and self.dtype_map and _has_float64(args_list):
             with self._phase(self._phase_of(plan)):
                 out = run_narrowed(n.target, args_list, kwargs, self.log.substitutions)
@@ -540,6 +553,36 @@ class PlanInterpreter(torch.fx.Interpreter):
             return x
 
         return tree_map(wrap, out)
+
+    def _run_experts(self, n: torch.fx.Node, args: list, kwargs: dict, plan: NodePlan) -> Any:
+        """The fused experts op (:mod:`autoshard.trace.experts`) on this rank's shards, as
+        its strategy places it (:mod:`autoshard.strategies.experts`): the experts it holds
+        are the block of its coordinate on the mesh dim that shards them; where that dim
+        also shards the tokens, tokens go to their experts' rank and back by all-to-all."""
+        forward = n.target is EXPERTS_FORWARD
+        first = 0 if forward else 1
+        experts = plan.inputs[first + 3]
+        tokens = plan.inputs[first]
+        num_experts = int(args[first + 3].shape[0])
+        kw: dict[str, Any] = {}
+        for dim, p in enumerate(experts):
+            if not isinstance(p, Shard):
+                continue
+            size, rank = self.mesh.size(dim), self.mesh.get_local_rank(dim)
+            kw.update(first_expert=rank * (num_experts // size), num_experts=num_experts)
+            if isinstance(tokens[dim], Shard):
+                kw["exchange"] = Exchange(self.mesh.get_group(dim), size, rank)
+        local = tree_map(_local, args)
+        out = (experts_local if forward else experts_backward_local)(*local, **kwargs, **kw)
+        outs = [out] if forward else list(out)
+        metas = [n.meta["val"]] if forward else list(n.meta["val"])
+        placed = [
+            DTensor.from_local(
+                x, self.mesh, list(want), run_check=False, shape=meta.shape, stride=meta.stride()
+            )
+            for x, want, meta in zip(outs, plan.outputs, metas, strict=True)
+        ]
+        return placed[0] if forward else tuple(placed)
 
     def _run_shard_local(self, n: torch.fx.Node, args: list, kwargs: dict, plan: NodePlan) -> Any:
         """An op whose strategies need no communication (the fused attention ops, sharded

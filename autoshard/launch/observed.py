@@ -172,11 +172,14 @@ def observed_rows(result: PlanStepResult, smap: ShardingMap, device: torch.devic
 
 
 def _expected(smap: ShardingMap, device: torch.device) -> Counter:
-    """The prediction with gloo's substitutes applied on CPU."""
+    """The prediction with gloo's substitutes applied on CPU, to reshardings only (an op's
+    own exchange, a row marked ``in_op``, calls ``all_to_all_single`` itself)."""
     subst: dict[str, str] = GLOO_SUBSTITUTES if device.type == "cpu" else {}
     expected: Counter = Counter()
-    for (phase, kind, dim), n in predicted_steps(smap).items():
-        expected[(phase, subst.get(kind, kind), dim)] += n
+    for row in smap.predicted.get("collective_steps") or []:
+        kind = str(row["kind"])
+        kind = kind if row.get("in_op") else subst.get(kind, kind)
+        expected[(str(row["phase"]), kind, int(row["mesh_dim"]))] += int(row["count"])
     return expected
 
 
@@ -189,7 +192,6 @@ def report_observed(
     and named. The per-mesh-dim log and CommDebugMode must also agree on the totals by
     kind.
     """
-    predicted = predicted_steps(smap)
     subst: dict[str, str] = GLOO_SUBSTITUTES if device.type == "cpu" else {}
     rows = observed_rows(result, smap, device)
     if rows:
@@ -203,7 +205,13 @@ def report_observed(
     else:
         say("collectives of step 1: none; predicted: none")
     seen = result.observed
-    used = sorted({k for (_, k, _), n in predicted.items() if n and k in subst})
+    used = sorted(
+        {
+            str(r["kind"])
+            for r in smap.predicted.get("collective_steps") or []
+            if r["count"] and not r.get("in_op") and r["kind"] in subst
+        }
+    )
     if used:
         say(
             "note: gloo has no "

@@ -106,11 +106,18 @@ def predicted(plan: Plan) -> dict[str, Any]:
 
 def collective_steps(plan: Plan) -> list[dict[str, Any]]:
     """The plan's collectives per phase, kind and mesh dim, as the launcher checks them:
-    ``[{"phase": "backward", "kind": "all_reduce", "mesh_dim": 0, "count": 4}, ...]``."""
-    return [
-        {"phase": ph, "kind": kind, "mesh_dim": int(dim), "count": int(n)}
-        for (ph, kind, dim), n in sorted(plan.collective_steps.items())
-    ]
+    ``[{"phase": "backward", "kind": "all_reduce", "mesh_dim": 0, "count": 4}, ...]``;
+    those an op issues itself (the experts' token exchange) in rows of their own marked
+    ``"in_op": true``."""
+    rows = []
+    for (ph, kind, dim), n in sorted(plan.collective_steps.items()):
+        own = plan.own_steps.get((ph, kind, dim), 0)
+        row = {"phase": ph, "kind": kind, "mesh_dim": int(dim)}
+        if n - own:
+            rows.append({**row, "count": int(n - own)})
+        if own:
+            rows.append({**row, "count": int(own), "in_op": True})
+    return rows
 
 
 def sharding_map_dict(plan: Plan, solution: Path | None = None) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class Plan:
     step_flops: float = 0.0
     peak_flops: float = 0.0  # one device's peak FLOP/s for the step's dtype (for the MFU)
     collective_steps: Counter = field(default_factory=Counter)  # (phase, kind, mesh dim)
+    # of collective_steps, those an op issues itself (the experts' all-to-all exchange), not
+    # a resharding of its inputs: they run as planned on every backend
+    own_steps: Counter = field(default_factory=Counter)
     # activation checkpointing (autoshard.cost.checkpointing): per traced block's layer the
     # real blocks that recompute, the real block indices, and the seconds they add
     recompute: dict[int, int] = field(default_factory=dict)
@@ -144,6 +147,7 @@ def build_plan(
     comm: dict[str, float] = defaultdict(float)
     collectives: Counter = Counter()
     steps: Counter = Counter()
+    own_steps: Counter = Counter()  # of steps, those ops issue themselves
     # the reshardings a recomputed block's forward reads run again before its backward
     ck = sg.checkpointing
     reruns = ck.counts(recompute) if ck is not None and ck.blocks else {}
@@ -163,6 +167,26 @@ def build_plan(
             info = graph.nodes.get(consumer)
             if reruns.get(info.layer if info is not None and not info.backward else None):
                 steps[("recompute", step.kind, step.mesh_dim)] += reruns[info.layer]
+    # what ops communicate themselves (the experts' token exchange) is in their cost
+    own = 0.0
+    cm = comm_model(mesh)
+    for n, s in node_strategy.items():
+        info = graph.nodes.get(n)
+        if info is None or not s.collectives:
+            continue
+        m = graph.mult(n)
+        phase = "backward" if info.backward else "forward"
+        for kind, dim, nbytes in s.collectives:
+            seconds = cm.collective(kind, nbytes, dim)
+            own += m * seconds
+            comm[kind] += m * seconds
+            collectives[kind] += m
+            steps[(phase, kind, dim)] += m
+            own_steps[(phase, kind, dim)] += m
+            if reruns.get(info.layer if not info.backward else None):
+                steps[("recompute", kind, dim)] += reruns[info.layer]
+                own_steps[("recompute", kind, dim)] += reruns[info.layer]
+    compute -= own
     hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
 
     parameters: dict[str, Placements] = {}
@@ -199,6 +223,7 @@ def build_plan(
         hidden_s=hidden,
         step_flops=graph.step_flops,
         collective_steps=steps,
+        own_steps=own_steps,
         **_recomputation(sg, choice, recompute),
     )
 

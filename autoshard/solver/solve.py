@@ -285,6 +285,7 @@ def strategies(
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
         bucketed_cost=functools.partial(comm_model(config.mesh).bucketed_cost, bucket_bytes=bucket),
         reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
+        collective_cost=comm_model(config.mesh).collective,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

@@ -41,25 +41,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch_private as tp
 from autoshard.cost.overlap import GATHER, GRADIENT, hide_share_fn
+from autoshard.strategies.experts import EXPERTS_COSTS, EXPERTS_RULES
+from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
 from autoshard.trace.tracer import TensorInfo, TracedGraph, op_flops
 
-Placements = tuple[Placement, ...]
-
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """Placements of a node's tensor outputs and tensor inputs (one tuple per tensor)."""
-
-    outputs: tuple[Placements | None, ...]
-    inputs: tuple[Placements, ...]
 
 
 @dataclass
@@ -70,7 +62,9 @@ class NodeStrategies:
     representative). ``choice[i]``: index into ``strategies`` when the
     representative picks its strategy ``i``. ``compute_s[j]``: roofline time of
     strategy ``j`` on one device, seconds (for a parameter in training: its AdamW step,
-    :func:`adamw_step_time`).
+    :func:`adamw_step_time`), plus what the op communicates itself
+    (:attr:`Strategy.collectives`; :func:`autoshard.plan.plan.build_plan` counts that part
+    as communication).
     """
 
     name: str
@@ -154,33 +148,6 @@ class StrategyGraph:
                 costs[rep] += extra
             self.__dict__["_rep_cost_cache"] = costs
         return self.__dict__["_rep_cost_cache"]
-
-
-def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
-    """Every Replicate/Shard placement of a tensor of ``shape`` that shards evenly.
-
-    A tensor dim may be sharded over several mesh dims (its size must divide by
-    their product). Partial is excluded: only ops produce partial values.
-    """
-    per_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    out = []
-    for combo in itertools.product(per_dim, repeat=len(mesh_shape)):
-        div = [1] * len(shape)
-        for p, n in zip(combo, mesh_shape, strict=True):
-            if isinstance(p, Shard):
-                div[p.dim] *= n
-        if all(s % d == 0 for s, d in zip(shape, div, strict=True)):
-            out.append(combo)
-    return out
-
-
-def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple:
-    """Shape of the shard one device holds (even sharding; ceil otherwise)."""
-    local = list(shape)
-    for p, n in zip(placements, mesh_shape, strict=True):
-        if isinstance(p, Shard) and p.dim < len(local):
-            local[p.dim] = -(-local[p.dim] // n)
-    return tuple(local)
 
 
 # --- autoshard's own rules: ops PyTorch has no (working) rule for ---------------------
@@ -268,9 +235,11 @@ def _attention_rule(node, args, results, mesh_shape) -> list[Strategy]:
 OWN_RULES: dict[Any, OwnRule] = {
     aten.nll_loss_forward.default: _nll_loss_forward_rule,
     **{op: _attention_rule for op in FLASH_OPS},
+    **EXPERTS_RULES,
 }
 """autoshard's rules, by op. The fused attention ops have no DTensor rule; the launcher
-runs them shard by shard (:data:`SHARD_LOCAL_OPS`)."""
+runs them shard by shard (:data:`SHARD_LOCAL_OPS`). The fused experts ops: expert
+parallelism (:mod:`autoshard.strategies.experts`), run by the launcher's own kernel."""
 
 SHARD_LOCAL_OPS = FLASH_OPS
 """Ops whose every strategy needs no communication: the launcher runs them on each rank's
@@ -336,6 +305,7 @@ def build_strategy_graph(
     progress: Callable[[int, int], None] | None = None,
     bucketed_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
     reduce_itemsize: int | None = None,
+    collective_cost: Callable[[str, float, int], float] | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -357,6 +327,10 @@ def build_strategy_graph(
             them as any resharding.
         reduce_itemsize: bytes per element gradients are reduced in (mixed precision:
             4, fp32), when not their own dtype's.
+        collective_cost: ``(kind, bytes, mesh dim) -> seconds``
+            (:meth:`~autoshard.cost.collectives.CommModel.collective`) for what an op
+            communicates itself (:attr:`Strategy.collectives`), added to its strategy's
+            cost; required when the graph has such an op (the fused experts).
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -364,6 +338,7 @@ def build_strategy_graph(
     """
     t0 = time.perf_counter()
     b = _Builder(graph, tuple(mesh_shape), compute_time, fixed_inputs, fixed_outputs)
+    b.collective_cost = collective_cost
     with tp.fake_mesh(b.mesh_shape) as mesh:
         b.mesh = mesh
         total = len(graph.nodes)
@@ -424,6 +399,7 @@ class _Builder:
         self.fixed_inputs = fixed_inputs
         self.fixed_outputs = fixed_outputs
         self.mesh = None  # the fake DeviceMesh, set while building
+        self.collective_cost: Callable[[str, float, int], float] | None = None
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.infos = {
             name: info.results[0]
@@ -593,6 +569,7 @@ class _Builder:
             compute = np.array(
                 [
                     _compute_cost(node, info, s, self.mesh_shape, self.compute_time)
+                    + self.own_collectives(s)
                     for s in strategies
                 ]
             )
@@ -601,6 +578,15 @@ class _Builder:
             self.nodes[name] = NodeStrategies(
                 name, strategies, compute, name, np.arange(len(strategies)), used_fallback
             )
+
+    def own_collectives(self, s: Strategy) -> float:
+        """Seconds of what strategy ``s``'s op communicates itself (build_plan counts them
+        as communication, not compute)."""
+        if not s.collectives:
+            return 0.0
+        if self.collective_cost is None:
+            raise ValueError("an op communicates itself, so collective_cost is required")
+        return sum(self.collective_cost(kind, nbytes, dim) for kind, dim, nbytes in s.collectives)
 
     def follow(self, name, info, strategies, compute, used_fallback) -> bool:
         """A follow node: one tensor input, and each placement its producer may give maps
@@ -699,12 +685,16 @@ def _even(s: Strategy, info, mesh_shape) -> bool:
 
 
 def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
-    """Roofline seconds of strategy ``s`` on one device: its local shard of the op.
+    """Roofline seconds of strategy ``s`` on one device: its local shard of the op (the
+    fused experts: :func:`autoshard.strategies.experts.experts_cost`).
 
     Views (``view``, ``t``, ``permute``, ``expand``, ...) alias their input: 0 s.
     """
     if is_view(node.target):
         return 0.0
+    own = EXPERTS_COSTS.get(node.target)
+    if own is not None:
+        return own(node, info, s, mesh_shape, compute_time)
     args = [
         TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
         for t, p in zip(info.args, s.inputs, strict=True)

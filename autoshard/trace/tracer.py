@@ -41,6 +41,7 @@ from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
 from autoshard.trace.attention import FLASH_FORWARD, FLASH_OPS, flash_attention_traced, flash_flops
 from autoshard.trace.batchnorm import batch_norm_traced
+from autoshard.trace.experts import experts_traced
 
 
 @dataclass(frozen=True)
@@ -551,7 +552,11 @@ def trace_model(
         raise AutoshardError(f"mode must be 'train' or 'infer', got {mode!r}")
     t0 = time.perf_counter()
     export = _export_joint if mode == "train" else _export_inference
-    with kv_cache_off(loaded.module), batch_norm_traced(loaded.module, mode == "train"):
+    with (
+        kv_cache_off(loaded.module),
+        batch_norm_traced(loaded.module, mode == "train"),
+        experts_traced(loaded.module),
+    ):
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)

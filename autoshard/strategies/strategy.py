@@ -1,0 +1,53 @@
+"""One strategy of a node: a placement per mesh dim for each of its tensors."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of a node's tensor outputs and tensor inputs (one tuple per tensor).
+
+    ``collectives``: what the op itself communicates under this strategy, beyond the
+    resharding of its inputs: ``(kind, mesh dim, bytes)`` as
+    :meth:`autoshard.cost.collectives.CommModel.collective` prices them (the experts'
+    token exchange, :mod:`autoshard.strategies.experts`); empty for every other op.
+    """
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+    collectives: tuple[tuple[str, int, float], ...] = ()
+
+
+def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every Replicate/Shard placement of a tensor of ``shape`` that shards evenly.
+
+    A tensor dim may be sharded over several mesh dims (its size must divide by
+    their product). Partial is excluded: only ops produce partial values.
+    """
+    per_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    out = []
+    for combo in itertools.product(per_dim, repeat=len(mesh_shape)):
+        div = [1] * len(shape)
+        for p, n in zip(combo, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                div[p.dim] *= n
+        if all(s % d == 0 for s, d in zip(shape, div, strict=True)):
+            out.append(combo)
+    return out
+
+
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple:
+    """Shape of the shard one device holds (even sharding; ceil otherwise)."""
+    local = list(shape)
+    for p, n in zip(placements, mesh_shape, strict=True):
+        if isinstance(p, Shard) and p.dim < len(local):
+            local[p.dim] = -(-local[p.dim] // n)
+    return tuple(local)
