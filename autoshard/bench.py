@@ -41,6 +41,7 @@ def _case(
     tie: bool = True,
     precision: str = "model",
     memory_budget: float | None = None,
+    dtype: str | None = None,
 ) -> dict:
     env = {"AUTOSHARD_LAYERS": str(layers)} if layers else {}
     return {
@@ -51,6 +52,7 @@ def _case(
         "tie": tie,
         "precision": precision,
         "memory_budget": memory_budget,
+        "dtype": dtype,
     }
 
 
@@ -87,6 +89,15 @@ CASES["train llama-70b-shape L80 32x2048 8x8 bf16-mixed 26GiB"] = _case(
     precision="bf16-mixed",
     memory_budget=26 * 2**30,
 )
+# issue 14: a mixture of experts (Mixtral-8x7B shape): expert parallelism in the search.
+# Training 46.7B parameters needs more than 8 H100s hold (16 B per parameter, 87 GiB per
+# device before any activation): on 2x4 the forward pass in bf16
+CASES["train mixtral-8x7b-shape L32 8x8 bf16-mixed"] = _case(
+    "examples/mixtral.py", "8x8", "train", precision="bf16-mixed"
+)
+CASES["infer mixtral-8x7b-shape L32 2x4 bf16"] = _case(
+    "examples/mixtral.py", "2x4", "infer", dtype="bfloat16"
+)
 # issue 6: pipeline stages, one ILP per candidate stage (training, 8 micro-batches)
 CASES["stages gpt2-small 2x4 pp2"] = {**_case("examples/gpt2.py", "2x4", "train"), "pp": 2}
 CASES["stages gpt2-small 2x4 pp4"] = {**_case("examples/gpt2.py", "2x4", "train"), "pp": 4}
@@ -99,6 +110,7 @@ CASES["stages llama-7b-shape L8 2x4 pp2"] = {
 def run_stages_case(name: str) -> dict:
     """Plan the pipeline stages of one case (``autoshard stages``) in this process."""
     # imported in the case's own process, so that its wall time and memory include them
+
     from autoshard.cost.mesh import MeshSpec
     from autoshard.pipeline.pricing import layer_map, plan_pipeline
     from autoshard.solver.solve import SolveConfig, peak_rss_bytes, trace
@@ -134,8 +146,11 @@ def run_stages_case(name: str) -> dict:
 def run_case(name: str) -> dict:
     """Solve one case in this process and return its measurements."""
     # imported in the case's own process, so that its wall time and memory include them
+    import torch
+
     from autoshard.cost.mesh import MeshSpec
     from autoshard.plan.export import write_outputs
+    from autoshard.plan.report import experts_summary
     from autoshard.solver.solve import SolveConfig, plan_model
 
     case = CASES[name]
@@ -149,12 +164,15 @@ def run_case(name: str) -> dict:
         tie=case["tie"],
         precision=case["precision"],
         memory_budget=case.get("memory_budget"),
+        dtype=getattr(torch, case["dtype"]) if case.get("dtype") else None,
     )
     result = plan_model(config)
     with tempfile.TemporaryDirectory() as out:  # what a user waits for: files written too
         write_outputs(result.plan, out, "bench", config.cost_model(), result.solver_stats())
     st = result.sg.stats
     ilp = result.ilp
+    plan = result.plan
+    experts = experts_summary(plan)
     return {
         "case": name,
         **{f"{k}_s": round(v, 3) for k, v in result.seconds.items()},
@@ -166,8 +184,14 @@ def run_case(name: str) -> dict:
         "gap": result.ilp.gap,
         "objective_s": result.ilp.objective_s,
         "objective_ms": round(result.ilp.objective_s * 1e3, 4),
-        "mfu": result.plan.mfu,
-        "memory_bytes": result.plan.memory_bytes,
+        "mfu": plan.mfu,
+        "compute_ms": round((plan.compute_s + plan.optimizer_s) * 1e3, 3),
+        "exposed_comm_ms": round((plan.comm_total_s - plan.hidden_total_s) * 1e3, 3),
+        "experts": None
+        if experts is None
+        else ", ".join(f"{m} x{n}" for m, n in experts["modes"]["forward"].items())
+        + f"; a2a {experts['all_to_all_s'] * 1e3:.3g} ms",
+        "memory_bytes": plan.memory_bytes,
         "recomputed_blocks": len(result.plan.recomputed_blocks),
         "start": ilp.start,
         "vs_start": ilp.objective_s / ilp.start_objective_s if ilp.start_objective_s else None,
@@ -267,13 +291,16 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         ("gap", "gap"),
         ("objective ms", "objective_ms"),
         ("MFU", "mfu"),
+        ("compute ms", "compute_ms"),
+        ("exposed comm ms", "exposed_comm_ms"),
+        ("experts (forward modes per mesh dim)", "experts"),
         ("vs start", "vs_start"),
         ("plan memory/device", "memory_bytes"),
         ("recomputed blocks", "recomputed_blocks"),
         ("peak memory", "peak_rss_bytes"),
     ]
     for title, _ in cols:
-        left = title in ("case", "status", "largest")
+        left = title in ("case", "status", "largest") or title.startswith("experts")
         table.add_column(title, justify="left" if left else "right")
     for row in rows:
         cells = []

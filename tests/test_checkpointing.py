@@ -187,3 +187,42 @@ def test_a_traced_middle_block_keeps_as_much_at_the_turn_as_the_blocks_it_stands
         at_turn.append(float((live.points @ sizes)[point]))
     assert graph.depth is None  # the second trace is whole
     assert at_turn[0] == pytest.approx(at_turn[1], rel=1e-12)
+
+
+def test_no_plan_fits_even_recomputing_so_the_error_names_the_least_memory(tmp_path):
+    """A budget nothing meets: the error says what the least plan needs. Keeping every
+    activation (``none``), that is the plan that keeps everything (one device, one plan);
+    with recomputation allowed (``auto``) it is at most the plan recomputing every block,
+    and below the other: the least-memory program with the checkpointing columns, whose
+    bytes once left HiGHS calling it infeasible."""
+    cfg = SolveConfig(model_path=_stack(tmp_path, 8), mesh=MeshSpec.from_options("1"))
+    full = plan_model(replace(cfg, activation_checkpointing="full")).plan
+    keep = plan_model(replace(cfg, activation_checkpointing="none")).plan
+    with pytest.raises(MemoryBudgetError) as none:
+        plan_model(replace(cfg, activation_checkpointing="none", memory_budget=1000.0))
+    with pytest.raises(MemoryBudgetError) as auto:
+        plan_model(replace(cfg, memory_budget=1000.0))
+    assert none.value.least_bytes == pytest.approx(keep.memory_bytes, rel=1e-6)
+    # the least over every plan that may recompute: no more than the time-optimal plan
+    # recomputing every block, and under keeping everything
+    assert auto.value.least_bytes <= full.memory_bytes * (1 + 1e-9)
+    assert auto.value.least_bytes < none.value.least_bytes
+
+
+@pytest.mark.slow
+def test_a_llama_no_budget_fits_gets_the_least_memory_not_a_solver_error(monkeypatch):
+    """The 7B Llama shape cut to 2 layers on 2x4 under 1 GiB per device: whatever it
+    recomputes, no plan fits. The error is the budget's, with the least memory of any plan
+    (recomputation included: no more than without it), not "HiGHS found no plan at all",
+    which the least-memory program's bytes (1e9, of both signs) once made HiGHS say."""
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    cfg = SolveConfig(
+        model_path=ROOT / "examples" / "llama.py",
+        mesh=MeshSpec.from_options("2x4"),
+        memory_budget=2.0**30,
+    )
+    with pytest.raises(MemoryBudgetError) as none:
+        plan_model(replace(cfg, activation_checkpointing="none"))
+    with pytest.raises(MemoryBudgetError) as auto:
+        plan_model(cfg)
+    assert 2**30 < auto.value.least_bytes <= none.value.least_bytes

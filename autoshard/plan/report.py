@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -321,6 +322,79 @@ def fallback_line(plan: Plan, costs: dict[str, tuple[int, float]] | None = None)
     )
 
 
+MODE_NAMES = {
+    "R": "replicated",
+    "DP": "data parallel",
+    "EP": "expert parallel (all-to-all)",
+    "EPR": "experts split, tokens replicated",
+}
+"""How the report names :data:`autoshard.strategies.experts.MODES`."""
+
+
+def experts_summary(plan: Plan) -> dict | None:
+    """How the plan places the fused experts ops (:mod:`autoshard.strategies.experts`), or
+    None when the model has none: per phase, ``"dp: expert parallel (all-to-all), tp:
+    replicated"``-style descriptions -> the real layers planned so; the number of experts
+    per layer; and the token exchange's all-to-alls per step and their seconds (priced
+    under uniform routing)."""
+    from autoshard.cost.collectives import comm_model
+    from autoshard.strategies.experts import modes_of
+    from autoshard.trace.experts import EXPERT_OPS, EXPERTS_FORWARD
+
+    graph = plan.sg.graph
+    comm = comm_model(plan.mesh)
+    phases: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
+    codes: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
+    count, seconds, experts = 0, 0.0, 0
+    for n, s in plan.node_strategy.items():
+        info = graph.nodes.get(n)
+        if info is None or info.target not in EXPERT_OPS:
+            continue
+        m = graph.mult(n)
+        modes = modes_of(info.target, s)
+        text = ", ".join(
+            f"{d}: {MODE_NAMES[mode]}" for d, mode in zip(plan.mesh.dim_names, modes, strict=True)
+        )
+        phase = "forward" if info.target is EXPERTS_FORWARD else "backward"
+        phases[phase][text] += m
+        codes[phase]["·".join(modes)] += m
+        experts = info.args[3 if phase == "forward" else 4].shape[0]
+        for kind, dim, nbytes in s.collectives:
+            count += m
+            seconds += m * comm.collective(kind, nbytes, dim)
+    if not phases["forward"]:
+        return None
+    return {
+        "experts": experts,
+        "forward": dict(phases["forward"]),
+        "backward": dict(phases["backward"]),
+        "modes": {k: dict(v) for k, v in codes.items()},
+        "all_to_all_count": count,
+        "all_to_all_s": seconds,
+    }
+
+
+def experts_line(plan: Plan, summary: dict | None = None) -> str | None:
+    """``experts (E per layer): forward <dim: mode, ...> (layers), ...; token exchange N
+    all-to-alls, T per step`` or None without experts."""
+    summary = experts_summary(plan) if summary is None else summary
+    if summary is None:
+        return None
+
+    def phase(name: str) -> str:
+        return "; ".join(f"{text} ({n} layers)" for text, n in summary[name].items())
+
+    out = f"experts ({summary['experts']} per layer): forward {phase('forward')}"
+    if summary["backward"]:
+        out += f"; backward {phase('backward')}"
+    if summary["all_to_all_count"]:
+        out += (
+            f"; token exchange: {summary['all_to_all_count']} all-to-alls, "
+            f"{format_seconds(summary['all_to_all_s'])} per step (uniform routing assumed)"
+        )
+    return out
+
+
 REPORT_FORMAT = "autoshard.report/1"
 
 
@@ -402,6 +476,7 @@ def report_dict(
                 op: {"nodes": n, "seconds": secs, "share": secs / _busy_s(plan)}
                 for op, (n, secs) in facts.fallbacks.items()
             },
+            "experts": experts_summary(plan),
             "notes": [*facts.differences, *notes],
         }
     )
@@ -453,6 +528,9 @@ def print_report(
     if fell is not None:
         console.print(f"[yellow]{escape(fell)}[/yellow]")
     console.print(layer_table(plan))
+    experts = experts_line(plan)
+    if experts is not None:
+        console.print(experts, highlight=False)
     for line in facts.differences:
         console.print(line, highlight=False)
     shapes = {

@@ -60,6 +60,7 @@ from autoshard.strategies.graph import StrategyGraph
 from autoshard.units import format_bytes
 
 SCALE = 1e6  # the ILP's objective is in microseconds
+GIB = float(2**30)  # the least-memory program counts bytes in GiB
 
 
 @dataclass
@@ -901,7 +902,9 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
     rows = _memory_matrix(m)
     base = _milp(prob, memory_objective=np.zeros(prob.n_x))
     n = base.num_cols
-    extra = sp.hstack([_memory_block(prob, rows, n), -np.ones((len(rows), 1))])
+    # in GiB: bytes (1e9 and more, of both signs with recomputation) left HiGHS's presolve
+    # calling the program infeasible
+    extra = sp.hstack([_memory_block(prob, rows, n) / GIB, -np.ones((len(rows), 1))])
     milp = MILP(
         c=np.concatenate([np.zeros(n), [1.0]]),
         A=sp.vstack([sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], 1))]), extra], "csc"),
@@ -916,7 +919,7 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
         raise AutoshardError(
             f"HiGHS found no plan at all when minimising memory ({found.model_status})"
         )
-    return found.objective
+    return found.objective * GIB
 
 
 def _bound_and_gap(bound: float | None, gap: float | None) -> tuple[float | None, float | None]:
