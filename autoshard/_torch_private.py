@@ -341,3 +341,13 @@ def autograd_inside_op() -> Iterator[None]:
         excluded = excluded.remove(k)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
         yield
+
+
+def all_to_all_uneven(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
+    """``all_to_all_single`` with uneven splits (rows sent to / received from each rank of
+    ``group``) through torch's functional collectives
+    (``torch.distributed._functional_collectives``), which DTensor uses and the launcher's
+    collective log sees; waited on before it returns."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, group))

@@ -60,7 +60,6 @@ from autoshard.strategies.graph import StrategyGraph
 from autoshard.units import format_bytes
 
 SCALE = 1e6  # the ILP's objective is in microseconds
-GIB = float(2**30)  # the least-memory program counts bytes in GiB
 
 
 @dataclass
@@ -902,9 +901,10 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
     rows = _memory_matrix(m)
     base = _milp(prob, memory_objective=np.zeros(prob.n_x))
     n = base.num_cols
-    # in GiB: bytes (1e9 and more, of both signs with recomputation) left HiGHS's presolve
-    # calling the program infeasible
-    extra = sp.hstack([_memory_block(prob, rows, n) / GIB, -np.ones((len(rows), 1))])
+    # in units of the largest coefficient: bytes (1e9 and more, of both signs with
+    # recomputation) left HiGHS's presolve calling the program infeasible
+    unit = max(float(np.abs(rows).max()) if rows.size else 1.0, 1.0)
+    extra = sp.hstack([_memory_block(prob, rows, n) / unit, -np.ones((len(rows), 1))])
     milp = MILP(
         c=np.concatenate([np.zeros(n), [1.0]]),
         A=sp.vstack([sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], 1))]), extra], "csc"),
@@ -919,7 +919,7 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
         raise AutoshardError(
             f"HiGHS found no plan at all when minimising memory ({found.model_status})"
         )
-    return found.objective * GIB
+    return found.objective * unit
 
 
 def _bound_and_gap(bound: float | None, gap: float | None) -> tuple[float | None, float | None]:

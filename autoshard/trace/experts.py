@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from autoshard._torch_private import autograd_inside_op
+from autoshard._torch_private import all_to_all_uneven, autograd_inside_op
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -62,14 +62,6 @@ class Exchange:
     group: Any  # a torch.distributed ProcessGroup
     size: int
     rank: int
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
-    """``all_to_all_single`` with uneven splits, through torch's functional collectives
-    (which the launcher's collective log sees)."""
-    import torch.distributed._functional_collectives as fc
-
-    return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
 @dataclass
@@ -97,7 +89,7 @@ class _Routes:
         n, per = exchange.size, num_experts // exchange.size
         order = torch.sort(flat, stable=True).indices  # by expert, so by destination rank
         counts = torch.bincount(flat, minlength=num_experts)  # [E] rows per expert
-        recv = _all_to_all(counts, [per] * n, [per] * n, exchange.group).view(n, per)
+        recv = all_to_all_uneven(counts, [per] * n, [per] * n, exchange.group).view(n, per)
         experts = torch.arange(per, device=flat.device).repeat(n)  # each source's block
         return cls(
             order,
@@ -112,13 +104,13 @@ class _Routes:
         rows = rows[self.order]
         if self.exchange is None:
             return rows
-        return _all_to_all(rows, self.recv, self.send, self.exchange.group)
+        return all_to_all_uneven(rows, self.recv, self.send, self.exchange.group)
 
     def combine(self, rows: torch.Tensor, total: int) -> torch.Tensor:
         """The experts' results back to ``[total, C]`` rows in slot order (rows left out
         by a non-exchange are 0)."""
         if self.exchange is not None:
-            rows = _all_to_all(rows, self.send, self.recv, self.exchange.group)
+            rows = all_to_all_uneven(rows, self.send, self.recv, self.exchange.group)
         return rows.new_zeros(total, rows.shape[1]).index_copy(0, self.order, rows)
 
 
