@@ -217,3 +217,26 @@ def test_expert_parallel_plan_trains_like_one_device_on_4_ranks(tmp_path: Path) 
     assert ("backward", "all_to_all", "d0", 6, 6) in rows, run.stdout
     assert_runs_the_plan(run.stdout)
     assert_checked(run.stdout, 1e-9, grads=1e-9, params=1e-6)
+
+
+@pytest.mark.slow
+def test_expert_and_data_parallel_compose_on_a_2x2_mesh(tmp_path: Path) -> None:
+    """The kernel the launcher runs, on 4 gloo ranks of a 2x2 mesh (dp, ep), against
+    HuggingFace's ``MixtralExperts`` run eagerly on one device (float64): experts split
+    over ``ep`` with tokens exchanged there while ``dp`` splits the tokens too (``EP·DP``,
+    the Mixtral-8x7B plan's placement), and over ``ep`` for tokens replicated there
+    (``EPR·DP``). Every rank's rows, its experts' gradients (summed over ``dp``) and the
+    ``Partial`` sums over ``ep`` equal the one-device values to 1e-12."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, rank_env
+
+    out = tmp_path / "worst.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["4", str(ROOT / "tests" / "experts_rank.py"), str(out)]
+    run = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    worst = json.loads(out.read_text())
+    assert len(worst) == 8, worst
+    assert all(v < 1e-12 for v in worst.values()), worst
