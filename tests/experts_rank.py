@@ -12,8 +12,10 @@ under two placements of a 2x2 mesh (dp, ep):
   output and token gradients summed over ``ep`` (the ``Partial``), expert gradients over
   ``dp``.
 
-Each rank compares its rows and its experts with the one-device result; rank 0 writes the
-largest differences to OUT (JSON).
+and ``EP·DP`` again with skewed routing (every slot to expert 0, or to index ``E``, which
+HuggingFace skips): half the ranks' experts receive no row. Each rank compares its rows
+and its experts with the one-device result; rank 0 writes the largest differences to OUT
+(JSON).
 """
 
 import json
@@ -91,6 +93,20 @@ def main(out: str) -> None:
     compare("EPR·DP weight gradient", summed(lw, 1), gw[rows])
     compare("EPR·DP expert gradients", summed(l1, 0), g1[mine])
     compare("EPR·DP expert gradients", summed(l2, 0), g2[mine])
+
+    # skewed routing: every slot to expert 0 or to index E (which HuggingFace skips), so
+    # the ep=1 ranks' experts receive no row at all
+    skewed = torch.where(torch.rand(T, K) < 0.25, E, 0)
+    y, gx, gw, g1, g2 = huggingface(x, skewed, weights, w1, w2, grad)
+    rows = slice((dp * 2 + ep) * T // 4, (dp * 2 + ep + 1) * T // 4)
+    kw = dict(first_expert=ep * per, num_experts=E, exchange=Exchange(mesh.get_group(1), 2, ep))
+    local = (x[rows], skewed[rows], weights[rows], w1[mine], w2[mine])
+    compare("skewed EP·DP output", experts_local(*local, "silu", **kw), y[rows])
+    lx, lw, l1, l2 = experts_backward_local(grad[rows], *local, "silu", **kw)
+    compare("skewed EP·DP token gradient", lx, gx[rows])
+    compare("skewed EP·DP weight gradient", lw, gw[rows])
+    compare("skewed EP·DP expert gradients", summed(l1, 0), g1[mine])
+    compare("skewed EP·DP expert gradients", summed(l2, 0), g2[mine])
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, worst)

@@ -175,13 +175,14 @@ class Checkpointing:
 
     def forward_seconds(self, sg, block: CheckpointBlock, choice: dict[str, int]) -> float:  # noqa: ANN001
         """Seconds of one real copy of ``block``'s forward pass under ``choice``: its ops'
-        compute and the reshardings they read (:attr:`autoshard.strategies.graph.Edge.
-        forward_uses` of every edge's real reads)."""
+        compute and what they communicate themselves, and the reshardings they read
+        (:attr:`autoshard.strategies.graph.Edge.forward_uses` of every edge's real reads)."""
         graph = sg.graph
         total = 0.0
         for n in block.forward:
             ns = sg.nodes[n]
-            total += float(ns.compute_s[ns.choice[choice[ns.rep]]]) / graph.mult(n)
+            k = ns.choice[choice[ns.rep]]
+            total += float(ns.compute_s[k]) / graph.mult(n) + ns.strategies[k].own_s
         for e in sg.edges:
             uses = e.forward_uses.get(block.layer, 0)
             if uses:

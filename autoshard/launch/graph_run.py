@@ -565,6 +565,11 @@ class PlanInterpreter(torch.fx.Interpreter):
         tokens = plan.inputs[first]
         num_experts = int(args[first + 3].shape[0])
         kw: dict[str, Any] = {}
+        if sum(isinstance(p, Shard) for p in experts) > 1:
+            raise AutoshardError(
+                f"{n.name}: the plan shards the experts over more than one mesh dim "
+                f"({experts}); the experts op takes one (solve again)"
+            )
         for dim, p in enumerate(experts):
             if not isinstance(p, Shard):
                 continue

@@ -136,7 +136,8 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps):
         for n in b.forward:
             ns = sg.nodes[n]
             start = offsets[ns.rep]
-            x[start : start + len(ns.choice)] += ns.compute_s[ns.choice] / sg.graph.mult(n)
+            per_block = ns.compute_s / sg.graph.mult(n) + ns.comm_s  # a rerun's exchange too
+            x[start : start + len(ns.choice)] += per_block[ns.choice]
         y = np.zeros(len(r))
         for i, e in enumerate(sg.edges):
             uses = e.forward_uses.get(b.layer, 0)

@@ -93,8 +93,8 @@ def experts_rule(node, args, results, mesh_shape) -> list[Strategy]:
     out = []
     for modes in itertools.product(MODES, repeat=len(mesh_shape)):
         expert_dims = [i for i, m in enumerate(modes) if m in ("EP", "EPR")]
-        if len(expert_dims) > 1:
-            continue
+        if len(expert_dims) > 1 or any(mesh_shape[i] == 1 for i in expert_dims):
+            continue  # one dim holds experts; on a dim of one device they are whole
         split = math.prod(n for m, n in zip(modes, mesh_shape, strict=True) if m in ("DP", "EP"))
         if tokens % split or any(experts % mesh_shape[i] for i in expert_dims):
             continue

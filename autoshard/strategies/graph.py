@@ -62,9 +62,8 @@ class NodeStrategies:
     representative). ``choice[i]``: index into ``strategies`` when the
     representative picks its strategy ``i``. ``compute_s[j]``: roofline time of
     strategy ``j`` on one device, seconds (for a parameter in training: its AdamW step,
-    :func:`adamw_step_time`), plus what the op communicates itself
-    (:attr:`Strategy.collectives`; :func:`autoshard.plan.plan.build_plan` counts that part
-    as communication).
+    :func:`adamw_step_time`). What the op communicates itself is :attr:`comm_s`: not
+    compute, so no collective hides under it (:mod:`autoshard.cost.overlap`).
     """
 
     name: str
@@ -73,6 +72,13 @@ class NodeStrategies:
     rep: str
     choice: np.ndarray
     fallback: bool = False
+
+    @property
+    def comm_s(self) -> np.ndarray:
+        """Seconds per strategy of what the op communicates itself on one device
+        (:attr:`Strategy.own_s`: the experts' token exchange), for ONE real node (not times
+        the blocks a traced node stands for, unlike ``compute_s``)."""
+        return np.array([s.own_s for s in self.strategies])
 
 
 @dataclass
@@ -142,8 +148,10 @@ class StrategyGraph:
     def _rep_costs(self) -> dict[str, np.ndarray]:
         if "_rep_cost_cache" not in self.__dict__:
             costs = {r: np.zeros(len(self.nodes[r].strategies)) for r in self.reps}
-            for ns in self.nodes.values():
+            for n, ns in self.nodes.items():
                 costs[ns.rep] += ns.compute_s[ns.choice]
+                if any(s.own_s for s in ns.strategies):
+                    costs[ns.rep] += self.graph.mult(n) * ns.comm_s[ns.choice]
             for rep, extra in self.extra_cost.items():
                 costs[rep] += extra
             self.__dict__["_rep_cost_cache"] = costs
@@ -557,6 +565,7 @@ class _Builder:
             used_fallback = strategies is None
             if used_fallback:
                 strategies = _replicate_fallback(len(info.args), info.results, self.ndim)
+            strategies = [self.priced(s) for s in strategies]
             self.cache[key] = (strategies, used_fallback)
         else:
             self.hits += 1
@@ -569,7 +578,6 @@ class _Builder:
             compute = np.array(
                 [
                     _compute_cost(node, info, s, self.mesh_shape, self.compute_time)
-                    + self.own_collectives(s)
                     for s in strategies
                 ]
             )
@@ -579,14 +587,15 @@ class _Builder:
                 name, strategies, compute, name, np.arange(len(strategies)), used_fallback
             )
 
-    def own_collectives(self, s: Strategy) -> float:
-        """Seconds of what strategy ``s``'s op communicates itself (build_plan counts them
-        as communication, not compute)."""
+    def priced(self, s: Strategy) -> Strategy:
+        """``s`` with :attr:`Strategy.own_s` set: the seconds of what its op communicates
+        itself (build_plan counts them as communication, not compute)."""
         if not s.collectives:
-            return 0.0
+            return s
         if self.collective_cost is None:
             raise ValueError("an op communicates itself, so collective_cost is required")
-        return sum(self.collective_cost(kind, nbytes, dim) for kind, dim, nbytes in s.collectives)
+        own = sum(self.collective_cost(kind, nbytes, dim) for kind, dim, nbytes in s.collectives)
+        return replace(s, own_s=float(own))
 
     def follow(self, name, info, strategies, compute, used_fallback) -> bool:
         """A follow node: one tensor input, and each placement its producer may give maps

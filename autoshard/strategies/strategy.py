@@ -19,11 +19,13 @@ class Strategy:
     resharding of its inputs: ``(kind, mesh dim, bytes)`` as
     :meth:`autoshard.cost.collectives.CommModel.collective` prices them (the experts'
     token exchange, :mod:`autoshard.strategies.experts`); empty for every other op.
+    ``own_s``: their seconds on one device, set when the strategy graph prices them.
     """
 
     outputs: tuple[Placements | None, ...]
     inputs: tuple[Placements, ...]
     collectives: tuple[tuple[str, int, float], ...] = ()
+    own_s: float = 0.0
 
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:

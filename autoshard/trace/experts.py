@@ -87,8 +87,11 @@ class _Routes:
             return cls(order, [], [], local[order], None)
         assert num_experts is not None, "an expert exchange needs num_experts"
         n, per = exchange.size, num_experts // exchange.size
-        order = torch.sort(flat, stable=True).indices  # by expert, so by destination rank
-        counts = torch.bincount(flat, minlength=num_experts)  # [E] rows per expert
+        assert held == per and first == exchange.rank * per, "experts not split by rank"
+        # an index outside 0..E-1 (HuggingFace's loop skips index E) goes nowhere, as above
+        valid = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(1)
+        order = valid[torch.sort(flat[valid], stable=True).indices]  # by expert, so by rank
+        counts = torch.bincount(flat[valid], minlength=num_experts)  # [E] rows per expert
         recv = all_to_all_uneven(counts, [per] * n, [per] * n, exchange.group).view(n, per)
         experts = torch.arange(per, device=flat.device).repeat(n)  # each source's block
         return cls(
@@ -194,9 +197,12 @@ def experts_backward_local(
     sent = routes.dispatch(torch.cat([x[token], grad[token].to(x.dtype), weight], dim=1))
     rows_x, rows_g, rows_w = sent[:, :d], sent[:, d : 2 * d], sent[:, 2 * d :]
     leaves = [t.detach().requires_grad_() for t in (rows_x, w1, w2)]
-    with torch.enable_grad():
-        y = _expert_rows(leaves[0], routes.experts, leaves[1], leaves[2], act)
-        gx, g1, g2 = torch.autograd.grad(y, leaves, rows_g * rows_w)
+    if rows_x.shape[0] == 0:  # no row reached this rank's experts: zero gradients
+        y, gx, g1, g2 = rows_g, rows_x, torch.zeros_like(w1), torch.zeros_like(w2)
+    else:
+        with torch.enable_grad():
+            y = _expert_rows(leaves[0], routes.experts, leaves[1], leaves[2], act)
+            gx, g1, g2 = torch.autograd.grad(y, leaves, rows_g * rows_w)
     back = routes.combine(torch.cat([gx, (rows_g * y.detach()).sum(1, keepdim=True)], 1), t_l * k)
     grad_x = torch.zeros_like(x).index_add(0, token, back[:, :d])
     return grad_x, back[:, d].view(t_l, k).to(top_k_weights.dtype), g1, g2
