@@ -57,7 +57,6 @@ def main(out: str) -> None:
     w1 = torch.randn(E, 2 * F, D, dtype=torch.float64)
     w2 = torch.randn(E, D, F, dtype=torch.float64)
     grad = torch.randn(T, D, dtype=torch.float64)
-    y, gx, gw, g1, g2 = huggingface(x, index, weights, w1, w2, grad)
 
     dp, ep = mesh.get_local_rank(0), mesh.get_local_rank(1)
     per = E // 2
@@ -72,41 +71,34 @@ def main(out: str) -> None:
         dist.all_reduce(t, group=mesh.get_group(dim))
         return t
 
-    # EP·DP: 4 token chunks (dp outer, ep inner), each rank's experts exchanged over ep
-    rows = slice((dp * 2 + ep) * T // 4, (dp * 2 + ep + 1) * T // 4)
-    kw = dict(first_expert=ep * per, num_experts=E, exchange=Exchange(mesh.get_group(1), 2, ep))
-    local = (x[rows], index[rows], weights[rows], w1[mine], w2[mine])
-    compare("EP·DP output", experts_local(*local, "silu", **kw), y[rows])
-    lx, lw, l1, l2 = experts_backward_local(grad[rows], *local, "silu", **kw)
-    compare("EP·DP token gradient", lx, gx[rows])
-    compare("EP·DP weight gradient", lw, gw[rows])
-    compare("EP·DP expert gradients", summed(l1, 0), g1[mine])
-    compare("EP·DP expert gradients", summed(l2, 0), g2[mine])
+    def check(tag: str, route: torch.Tensor, rows: slice, exchange: bool) -> None:
+        """Compare this rank's part under one placement with HuggingFace's whole layer.
+        ``exchange``: experts split over ep with tokens exchanged there (``EP``); else
+        over ep for tokens replicated there (``EPR``: output and token gradients are the
+        ``Partial`` sums over ep). Expert gradients are summed over dp (data parallel)."""
+        want = huggingface(x, route, weights, w1, w2, grad)
+        kw = dict(first_expert=ep * per, num_experts=E)
+        if exchange:
+            kw["exchange"] = Exchange(mesh.get_group(1), 2, ep)
 
-    # EPR·DP: 2 token chunks over dp, replicated over ep; the sum over ep is the output
-    rows = slice(dp * T // 2, (dp + 1) * T // 2)
-    kw = dict(first_expert=ep * per, num_experts=E)
-    local = (x[rows], index[rows], weights[rows], w1[mine], w2[mine])
-    compare("EPR·DP output", summed(experts_local(*local, "silu", **kw), 1), y[rows])
-    lx, lw, l1, l2 = experts_backward_local(grad[rows], *local, "silu", **kw)
-    compare("EPR·DP token gradient", summed(lx, 1), gx[rows])
-    compare("EPR·DP weight gradient", summed(lw, 1), gw[rows])
-    compare("EPR·DP expert gradients", summed(l1, 0), g1[mine])
-    compare("EPR·DP expert gradients", summed(l2, 0), g2[mine])
+        def over_ep(t: torch.Tensor) -> torch.Tensor:
+            return t if exchange else summed(t, 1)
 
+        local = (x[rows], route[rows], weights[rows], w1[mine], w2[mine])
+        out = experts_local(*local, "silu", **kw)
+        lx, lw, l1, l2 = experts_backward_local(grad[rows], *local, "silu", **kw)
+        compare(f"{tag} output", over_ep(out), want[0][rows])
+        compare(f"{tag} token gradient", over_ep(lx), want[1][rows])
+        compare(f"{tag} weight gradient", over_ep(lw), want[2][rows])
+        compare(f"{tag} expert gradients", summed(l1, 0), want[3][mine])
+        compare(f"{tag} expert gradients", summed(l2, 0), want[4][mine])
+
+    quarter = slice((dp * 2 + ep) * T // 4, (dp * 2 + ep + 1) * T // 4)  # dp outer, ep inner
+    check("EP·DP", index, quarter, exchange=True)
+    check("EPR·DP", index, slice(dp * T // 2, (dp + 1) * T // 2), exchange=False)
     # skewed routing: every slot to expert 0 or to index E (which HuggingFace skips), so
     # the ep=1 ranks' experts receive no row at all
-    skewed = torch.where(torch.rand(T, K) < 0.25, E, 0)
-    y, gx, gw, g1, g2 = huggingface(x, skewed, weights, w1, w2, grad)
-    rows = slice((dp * 2 + ep) * T // 4, (dp * 2 + ep + 1) * T // 4)
-    kw = dict(first_expert=ep * per, num_experts=E, exchange=Exchange(mesh.get_group(1), 2, ep))
-    local = (x[rows], skewed[rows], weights[rows], w1[mine], w2[mine])
-    compare("skewed EP·DP output", experts_local(*local, "silu", **kw), y[rows])
-    lx, lw, l1, l2 = experts_backward_local(grad[rows], *local, "silu", **kw)
-    compare("skewed EP·DP token gradient", lx, gx[rows])
-    compare("skewed EP·DP weight gradient", lw, gw[rows])
-    compare("skewed EP·DP expert gradients", summed(l1, 0), g1[mine])
-    compare("skewed EP·DP expert gradients", summed(l2, 0), g2[mine])
+    check("skewed EP·DP", torch.where(torch.rand(T, K) < 0.25, E, 0), quarter, exchange=True)
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, worst)
