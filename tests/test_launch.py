@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from autoshard.cli.launch import launch_command
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import compare_runs, relative_error
 from autoshard.launch.options import RunOptions
-from autoshard.launch.torchrun import torchrun_argv
+from autoshard.launch.torchrun import MMAP_THRESHOLD, rank_environment, torchrun_argv
 from autoshard.launch.validate import check_plan, check_world_size
 from autoshard.model.materialize import (
     build_skeleton,
@@ -344,6 +345,18 @@ def test_torchrun_argv_defaults_and_pass_through(tmp_path: Path) -> None:
         torchrun_argv(plan, model, opts, ["--nproc-per-node", "4"], 8)
     with pytest.raises(AutoshardError, match="--nnodes 3 does not divide"):
         torchrun_argv(plan, model, opts, ["--nnodes", "3"], 8)
+
+
+def test_ranks_import_this_autoshard_and_give_freed_buffers_back(tmp_path: Path) -> None:
+    """The ranks' environment puts this checkout first on PYTHONPATH and fixes glibc's
+    mmap threshold (GPT-2 small at sequence 1024 on 8 ranks was killed for memory
+    without it); a threshold the user set is kept."""
+    env = rank_environment({"PYTHONPATH": "/elsewhere"}, tmp_path)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(MMAP_THRESHOLD)
+    mine = rank_environment({"MALLOC_MMAP_THRESHOLD_": "1048576"}, tmp_path)
+    assert mine["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+    assert mine["PYTHONPATH"] == str(tmp_path)
 
 
 def test_relative_error_is_scaled_by_each_tensor_and_floored() -> None:

@@ -164,6 +164,8 @@ def test_mlp_plan_runs_as_predicted(tmp_path: Path, mlp_plan: tuple[Path, Path])
     ]
     assert rows == observed_rows(run.stdout)
     assert len(data["peak_memory_bytes"]) == 4 and min(data["peak_memory_bytes"]) > 0
+    before = data["setup_peak_memory_bytes"]
+    assert all(0 < b <= p for b, p in zip(before, data["peak_memory_bytes"], strict=True))
     assert set(data["check"]["gradients"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
 
 

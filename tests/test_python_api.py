@@ -53,6 +53,21 @@ def test_the_callers_model_is_left_whole():
     )
 
 
+def test_a_meta_model_takes_inputs_made_on_the_cpu():
+    """The docstring's advice (build on meta) with inputs made as anyone makes them, on
+    the CPU: HuggingFace's GPT-2 traces its meta buffers with them (it failed with "found
+    at least two devices, meta and cpu") and plans as with meta inputs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128))
+    ids = torch.randint(0, 128, (8, 64))
+    on_cpu = autoshard.solve(model, ids, mesh="2x2", mode="train", precision="fp32")
+    on_meta = autoshard.solve(model, ids.to("meta"), mesh="2x2", mode="train", precision="fp32")
+    assert on_cpu.plan.step_time_s == pytest.approx(on_meta.plan.step_time_s, rel=1e-9)
+    assert on_cpu.plan.parameters == on_meta.plan.parameters
+
+
 def test_bad_inputs_are_one_clear_error():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(AutoshardError, match="example_inputs must be a non-empty tuple"):

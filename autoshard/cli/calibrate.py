@@ -14,7 +14,7 @@ from autoshard.calibrate.options import SIZE_OPTIONS, mesh_dim_names_of, with_op
 from autoshard.cli.options import check_writable
 from autoshard.cost.mesh import parse_mesh_shape
 from autoshard.errors import AutoshardError
-from autoshard.launch.torchrun import torchrun_prefix
+from autoshard.launch.torchrun import rank_environment, torchrun_prefix
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 
@@ -77,9 +77,7 @@ def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iter
         "--iters",
         str(iters),
     ]
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # so ranks import this autoshard
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = rank_environment(os.environ, Path(__file__).resolve().parents[2])
     click.echo("running: " + shlex.join(argv), err=True)
     code = subprocess.run(argv, env=env, check=False).returncode
     if code:

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from autoshard.launch.options import RunOptions, run_options
-from autoshard.launch.torchrun import torchrun_argv
+from autoshard.launch.torchrun import rank_environment, torchrun_argv
 
 
 @click.command(
@@ -50,8 +50,6 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
         n_devices = smap.world_size
     argv = torchrun_argv(plan, model, opts, torchrun_args, n_devices)
 
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # so ranks import this autoshard
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = rank_environment(os.environ, Path(__file__).resolve().parents[2])
     click.echo("running: " + shlex.join(argv), err=True)
     sys.exit(subprocess.run(argv, env=env, check=False).returncode)

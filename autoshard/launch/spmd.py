@@ -157,6 +157,7 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     per_rank: list[int] = [0] * world
     dist.all_gather_object(per_rank, local)
 
+    setup_peak = peak_memory_bytes(device)  # imports, trace, weights: before any step
     recorder = Recorder(keep=rank == 0)
     observer = recorder if opts.check else None
     agree = True
@@ -184,12 +185,15 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     slowest = [max(t[i] for t in times) for i in range(opts.steps)]
     peaks: list[int] = [0] * world
     dist.all_gather_object(peaks, peak_memory_bytes(device))
+    setup_peaks: list[int] = [0] * world
+    dist.all_gather_object(setup_peaks, setup_peak)
     report: dict[str, Any] = {}
     if rank == 0:
         _report_bytes(per_rank)
         say(
             f"peak memory per rank ({'GPU allocated' if device.type == 'cuda' else 'RSS'}): "
-            f"max {format_bytes(max(peaks))}, min {format_bytes(min(peaks))}"
+            f"max {format_bytes(max(peaks))}, min {format_bytes(min(peaks))}; "
+            f"before step 1 (imports, trace, weights) max {format_bytes(max(setup_peaks))}"
         )
         if program is not None:
             agree = report_observed(presult, smap, device, opts)
@@ -215,6 +219,7 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
                 "predicted_step_time_s": smap.predicted.get("step_time_s"),
                 "local_parameter_bytes": per_rank,
                 "peak_memory_bytes": peaks,
+                "setup_peak_memory_bytes": setup_peaks,
             }
         )
     verdict = [0 if agree else 1]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
@@ -35,6 +36,27 @@ def _option_value(args: Sequence[str], name: str) -> str | None:
                 return a.split("=", 1)[1]
             return args[i + 1] if i + 1 < len(args) else None
     return None
+
+
+MMAP_THRESHOLD = 65536
+"""Bytes from which glibc's ``malloc`` serves an allocation by ``mmap`` in a launched
+rank (``MALLOC_MMAP_THRESHOLD_``, mallopt(3)). glibc's default threshold is dynamic: it
+rises to the size of each freed mmapped block, up to 32 MiB, so most activation buffers
+end up in the heap, which fragments and is not given back. Fixed at 64 KiB, a freed
+buffer returns to the system at once: GPT-2 small (12 layers, batch 8 x 1024) training on
+8 gloo ranks peaked at 2.74 GiB of RSS per rank with it and was killed for memory
+(over 3 GiB per rank, 24 GiB in all) without it."""
+
+
+def rank_environment(base: Mapping[str, str], root: Path) -> dict[str, str]:
+    """The environment of torchrun and its ranks: ``base`` with ``root`` (the folder
+    holding this ``autoshard`` package) first on ``PYTHONPATH``, so ranks import the same
+    autoshard, and ``MALLOC_MMAP_THRESHOLD_`` = :data:`MMAP_THRESHOLD` unless ``base``
+    sets it (the user's value wins)."""
+    env = dict(base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    return env
 
 
 def torchrun_argv(

@@ -343,7 +343,8 @@ def loaded_from_module(
 
     The module is put in ``eval()`` mode (dropout off); ``name`` defaults to its class
     name; ``loss_fn(output, *inputs)`` as a model file's (default: the mean of the first
-    floating output).
+    floating output). Inputs of a module with parameters on meta are moved to meta (only
+    their shapes and dtypes are read).
 
     Raises:
         AutoshardError: ``module`` is not an ``nn.Module``, the inputs are not a non-empty
@@ -361,6 +362,10 @@ def loaded_from_module(
             f"got {_describe(example_inputs)}"
         )
     module.eval()
+    if any(p.is_meta for p in module.parameters()):
+        # planning needs shapes only; a module built on meta traces with meta inputs (real
+        # ones beside meta buffers fail the trace: "found at least two devices")
+        inputs = tuple(x.to("meta") for x in inputs)
     return LoadedModel(
         module=module,
         inputs=inputs,
