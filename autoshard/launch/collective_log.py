@@ -34,6 +34,14 @@ _KINDS = {
 _NAMESPACES = ("_c10d_functional", "_dtensor")
 
 
+def collective_kind(op: Any) -> str | None:
+    """The kind sharding maps predict (``all_gather``, ``all_reduce``, ...) of a
+    functional collective op (an ``OpOverload``), else ``None``."""
+    ns = getattr(op, "namespace", "")
+    name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
+    return _KINDS[name] if ns in _NAMESPACES and name in _KINDS else None
+
+
 class CollectiveLog(TorchDispatchMode):
     """Counts the collectives issued under it, keyed ``(kind, mesh dim)``.
 
@@ -50,14 +58,13 @@ class CollectiveLog(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor lower itself into collectives first
         kwargs = kwargs or {}
-        ns = getattr(func, "namespace", "")
-        name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
-        if ns in _NAMESPACES and name in _KINDS:
+        kind = collective_kind(func)
+        if kind is not None:
             group = next(
                 (a for a in (*args, *kwargs.values()) if isinstance(a, str) and a in self.dims),
                 None,
             )
-            self.counts[(_KINDS[name], self.dims.get(group, -1) if group else -1)] += 1
+            self.counts[(kind, self.dims.get(group, -1) if group else -1)] += 1
         return func(*args, **kwargs)
 
     def take(self) -> Counter:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor import zeros as dtensor_zeros
@@ -50,6 +51,7 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
+from autoshard.launch.lowered import PHASE
 from autoshard.strategies.graph import SHARD_LOCAL_OPS
 from autoshard.trace.experts import (
     EXPERT_OPS,
@@ -276,11 +278,15 @@ class Fault:
       (``all_reduce``, ``all_gather``, ``reduce_scatter``) is relabelled without
       communicating, as if the collective were forgotten;
     - ``grad:<fqn>:<factor>``: that parameter's gradient is multiplied by ``factor``
-      (``2``, ``-1``, ``1.01``) before the optimizer step.
+      (``2``, ``-1``, ``1.01``) before the optimizer step;
+    - ``lowered-drop:all_reduce``: the first all-reduce is cut from the lowered graph
+      (:func:`autoshard.launch.lowered.drop_collective`) once it is recorded; step 1 ran
+      it, steps 2..N do not.
     """
 
     drop: str | None = None
     grad: tuple[str, float] | None = None
+    lowered_drop: str | None = None
     dropped: int = 0
 
     @classmethod
@@ -291,6 +297,8 @@ class Fault:
         kind, _, rest = text.partition(":")
         if kind == "drop" and rest:
             return cls(drop=rest)
+        if kind == "lowered-drop" and rest:
+            return cls(lowered_drop=rest)
         if kind == "grad" and rest.count(":") >= 1:
             fqn, _, factor = rest.rpartition(":")
             try:
@@ -298,7 +306,8 @@ class Fault:
             except ValueError:
                 pass
         raise AutoshardError(
-            f"AUTOSHARD_FAULT={text!r}: use drop:<collective kind> or grad:<parameter>:<factor>"
+            f"AUTOSHARD_FAULT={text!r}: use drop:<collective kind>, grad:<parameter>:<factor> "
+            "or lowered-drop:all_reduce"
         )
 
     def drops(self, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
@@ -441,7 +450,8 @@ class PlanInterpreter(torch.fx.Interpreter):
 
     @contextlib.contextmanager
     def _phase(self, phase: str) -> Iterator[None]:
-        with self._collectives:
+        # the mark rides on the nodes make_fx records (autoshard.launch.lowered)
+        with fx_traceback.annotate({PHASE: phase}), self._collectives:
             yield
         for (kind, dim), n in self._collectives.take().items():
             self.log.collectives[(phase, kind, dim)] += n
@@ -623,6 +633,11 @@ class PlanInterpreter(torch.fx.Interpreter):
         if not many:
             return outs[0]
         return type(out)(outs) if isinstance(out, tuple) else outs
+
+    def run_values(self, placeholders: Sequence[Any]) -> list[Any]:
+        """:meth:`run_program` on a sequence (what :func:`autoshard.launch.lowered.lower`
+        calls)."""
+        return self.run_program(*placeholders)
 
     def run_program(self, *placeholders: Any) -> list[Any]:
         """Run the graph on ``placeholders`` (in graph order); every output placed per its

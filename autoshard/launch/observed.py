@@ -240,6 +240,7 @@ def report_observed(
     if result.substitutions:
         items = ", ".join(f"{k} ({n})" for k, n in result.substitutions.items())
         say(f"note: kernels this device lacks, run another way: {items}")
+    lowered = report_lowered(result, smap, device, opts)
     if opts.check:
         say(
             "check: collectives "
@@ -249,4 +250,84 @@ def report_observed(
                 else "differ from the plan's prediction FAILED"
             )
         )
-    return agree and consistent
+    return agree and consistent and lowered
+
+
+def lowered_report(result: PlanStepResult, smap: ShardingMap, device: torch.device) -> dict:
+    """What the lowered step holds (:mod:`autoshard.launch.lowered`), for ``--json``:
+    ``{"ops", "collectives": [{"phase", "kind", "mesh_dim", "count", "predicted"}],
+    "agree", "step2_agrees"}``, or ``{"not_lowered": why}``."""
+    step = result.lowered
+    if step is None:
+        return {"not_lowered": result.not_lowered}
+    expected = Counter(
+        {k: n for k, n in _expected(smap, device).items() if k[0] != "optimizer" and n}
+    )
+    graph = step.collectives()
+    keys = sorted(set(graph) | set(expected), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))
+    by_dim: Counter = Counter()
+    for (_, kind, dim), n in graph.items():
+        by_dim[(kind, dim)] += n
+    return {
+        "ops": step.num_ops,
+        "collectives": [
+            {
+                "phase": ph,
+                "kind": kind,
+                "mesh_dim": dim,
+                "count": graph[(ph, kind, dim)],
+                "predicted": expected[(ph, kind, dim)],
+            }
+            for ph, kind, dim in keys
+        ],
+        "agree": +graph == expected,
+        # a lowered step ran (steps >= 2): what it issued is what the graph holds
+        "step2_agrees": (+result.lowered_seen == +by_dim) if result.lowered_seen else None,
+        "replay_error": result.replay_error,
+    }
+
+
+def report_lowered(
+    result: PlanStepResult, smap: ShardingMap, device: torch.device, opts: RunOptions
+) -> bool:
+    """Say whether step 1 was lowered and whether the lowered graph's collectives (per
+    phase, kind and mesh dim; the optimizer's are outside it) are the plan's and, with
+    two steps or more, what step 2 issued from it; True when they agree (or it was not
+    lowered)."""
+    info = lowered_report(result, smap, device)
+    if "not_lowered" in info:
+        why = info["not_lowered"]
+        if opts.lower:
+            say(f"not lowered: {why}; every step ran on DTensors")
+        return True
+    total = sum(r["count"] for r in info["collectives"])
+    later = "step 2" if opts.steps == 2 else f"steps 2-{opts.steps}"
+    ran = f"{later} ran it" if opts.steps > 1 else "no later step ran it (--steps 1)"
+    say(
+        f"lowered: step 1 recorded (make_fx) as {info['ops']} ops on local tensors with "
+        f"{total} collective(s); {ran}"
+    )
+    replay = result.replay_error
+    ok = info["agree"] and info["step2_agrees"] is not False
+    if replay is not None:
+        ok = ok and replay <= opts.rtol
+        say(
+            f"check: the lowered graph run again on step 1's inputs: worst relative error "
+            f"{replay:.3g} over every output (rtol {opts.rtol:g}) "
+            + ("ok" if replay <= opts.rtol else "FAILED")
+        )
+    if not info["agree"]:
+        for r in info["collectives"]:
+            if r["count"] != r["predicted"]:
+                say(
+                    f"  lowered graph: {r['phase']} {r['kind']} on mesh dim {r['mesh_dim']}: "
+                    f"{r['count']}, predicted {r['predicted']}  <- differs"
+                )
+    if info["step2_agrees"] is False:
+        say(f"  step 2 issued {dict(+result.lowered_seen)}, not the collectives its graph holds")
+    if opts.check:
+        say(
+            "check: the lowered graph's collectives "
+            + ("equal the plan's prediction ok" if ok else "differ from the plan's FAILED")
+        )
+    return ok

@@ -44,6 +44,8 @@ class RunOptions:
         lr: AdamW learning rate.
         mode: ``plan`` or ``propagate`` (see :data:`MODES`).
         json_path: where rank 0 writes the report as JSON (``--json``), or ``None``.
+        lower: in ``plan`` mode, record step 1 as a graph on local tensors and run steps
+            2..N from it (:mod:`autoshard.launch.lowered`).
     """
 
     steps: int = 1
@@ -55,6 +57,7 @@ class RunOptions:
     lr: float = 1e-3
     mode: str = "plan"
     json_path: str | None = None
+    lower: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -79,6 +82,8 @@ class RunOptions:
             argv.append("--train")
         if self.check:
             argv.append("--check")
+        if not self.lower:
+            argv.append("--no-lower")
         return argv
 
 
@@ -108,6 +113,14 @@ _RUN_OPTIONS = (
         help="plan: run the solution's graph, every activation placed as planned. "
         "propagate: place parameters and inputs only and let DTensor choose the rest "
         "(not the plan).",
+    ),
+    click.option(
+        "--lower/--no-lower",
+        default=True,
+        show_default=True,
+        help="With --mode plan: record step 1 (run on DTensors) as a graph of local ops and "
+        "explicit collectives (make_fx), and run steps 2..N from it without DTensor. "
+        "Graphs with the fused experts ops run on DTensors at every step.",
     ),
     click.option(
         "--seed", type=int, default=0, show_default=True, help="Seed of weights and inputs."

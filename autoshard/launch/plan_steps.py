@@ -15,19 +15,25 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autoshard.errors import AutoshardError
+from autoshard.launch.check import relative_error
 from autoshard.launch.collective_log import CollectiveLog
 from autoshard.launch.graph_run import (
+    Fault,
     GraphProgram,
     PlanInterpreter,
     RunLog,
     plant_gradient_fault,
 )
+from autoshard.launch.lowered import LoweredStep, drop_collective, lower, lowerable
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import StepObserver, collective_counts, counting, sync_device, timed
 
@@ -44,6 +50,12 @@ class PlanStepResult:
         comm_debug: step 1's collectives by kind, as ``CommDebugMode`` counted them.
         deviations: op -> how often DTensor's output placement differed from the plan.
         substitutions: kernels the device lacks, run another way -> how often (step 1).
+        lowered: step 1 recorded as a graph on local tensors (steps 2..N ran it), else
+            ``None``; ``not_lowered`` then says why.
+        lowered_seen: the collectives of step 2 (the first lowered one), ``(kind, mesh
+            dim) -> count``; empty with one step.
+        replay_error: with ``--check``, the lowered graph run on step 1's placeholders
+            against step 1's outputs (:func:`_replay_error`); else ``None``.
     """
 
     output: torch.Tensor
@@ -53,6 +65,35 @@ class PlanStepResult:
     comm_debug: dict[str, int] = field(default_factory=dict)
     deviations: Counter = field(default_factory=Counter)
     substitutions: Counter = field(default_factory=Counter)
+    lowered: LoweredStep | None = None
+    not_lowered: str | None = None
+    lowered_seen: Counter = field(default_factory=Counter)
+    replay_error: float | None = None
+
+
+def _replay_error(
+    lowered: LoweredStep, values: list[Any], outs: list[Any], opts: RunOptions
+) -> float:
+    """The lowered graph run again on step 1's placeholders against step 1's outputs:
+    the worst relative error (:func:`~autoshard.launch.check.relative_error`) over every
+    output and rank (an all-reduce outside any count)."""
+    floor = opts.atol / opts.rtol
+    again = lowered(values)
+    worst = max(
+        (
+            relative_error(_local(a), _local(b), floor)
+            for a, b in zip(again, outs, strict=True)
+            if isinstance(b, torch.Tensor)
+        ),
+        default=0.0,
+    )
+    worst_t = torch.tensor([worst], dtype=torch.float64, device=_local(outs[0]).device)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    return float(worst_t.item())
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def placeholder_values(
@@ -127,6 +168,10 @@ def run_plan_steps(
     debug: Counter = Counter()
     deviations: Counter = Counter()
     substitutions: Counter = Counter()
+    lowered: LoweredStep | None = None
+    lowered_seen: Counter = Counter()
+    replay_error: float | None = None
+    not_lowered = lowerable(program.graph.graph_module.graph) if opts.lower else "--no-lower"
     for step in range(opts.steps):
         counted = step == 0
         log = RunLog()
@@ -134,10 +179,27 @@ def run_plan_steps(
         values = placeholder_values(program, module, inputs, device, dtype_map)
         sync_device(device)
         t0 = time.perf_counter()
+        interpreter = PlanInterpreter(program, mesh, device, dtype_map, log)
         with counting(modes):
-            outs = PlanInterpreter(program, mesh, device, dtype_map, log).run_program(*values)
+            if lowered is not None:
+                with CollectiveLog(mesh) as seen:
+                    outs = lowered(values)
+                if step == 1:
+                    lowered_seen = seen.take()
+            elif step == 0 and not_lowered is None:
+                outs, lowered = lower(interpreter.run_values, values, mesh)
+            else:
+                outs = interpreter.run_program(*values)
         out = outs[0]
         paused = 0.0
+        if step == 0 and lowered is not None:
+            fault = Fault.from_env().lowered_drop  # a planted fault, for tests
+            if fault is not None:
+                drop_collective(lowered, fault)
+            if opts.check:
+                t_replay = time.perf_counter()
+                replay_error = _replay_error(lowered, values, outs, opts)
+                paused += time.perf_counter() - t_replay
         if optimizer is not None:
             for k, grad in enumerate(outs):
                 owner = program.grad_of[k]
@@ -177,4 +239,8 @@ def run_plan_steps(
         comm_debug=dict(sorted(debug.items())),
         deviations=deviations,
         substitutions=substitutions,
+        lowered=lowered,
+        not_lowered=not_lowered,
+        lowered_seen=lowered_seen,
+        replay_error=replay_error,
     )

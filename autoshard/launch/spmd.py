@@ -35,7 +35,12 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
-from autoshard.launch.observed import observed_rows, prepare_program, report_observed
+from autoshard.launch.observed import (
+    lowered_report,
+    observed_rows,
+    prepare_program,
+    report_observed,
+)
 from autoshard.launch.options import RunOptions
 from autoshard.launch.plan_steps import run_plan_steps
 from autoshard.launch.steps import distribute_inputs, placed_parameter, run_steps
@@ -199,6 +204,7 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
             agree = report_observed(presult, smap, device, opts)
             report["collectives"] = observed_rows(presult, smap, device)
             report["deviations"] = dict(presult.deviations)
+            report["lowered"] = lowered_report(presult, smap, device)
         else:
             predicted = smap.predicted.get("collectives") or {}
             _report_collectives(result.comm_counts or {}, predicted)
