@@ -52,9 +52,9 @@ def report_time(
         text = f"{format_seconds(times[0])} (1 step, {step1})"
     else:
         rest = times[1:]
+        which = "step 2" if len(times) == 2 else f"mean of steps 2-{len(times)}"
         text = (
-            f"{format_seconds(sum(rest) / len(rest))} (mean of steps 2-{len(times)}; "
-            f"step 1: {format_seconds(times[0])})"
+            f"{format_seconds(sum(rest) / len(rest))} ({which}; step 1: {format_seconds(times[0])})"
         )
     say(f"step time: {text}")
     if isinstance(predicted, (int, float)):
