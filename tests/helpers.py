@@ -113,6 +113,10 @@ def torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[
     """``torchrun --standalone --nproc-per-node N -m autoshard.launch ARGS``, captured."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
+    from autoshard.launch.torchrun import MMAP_THRESHOLD
+
+    # the ranks' allocator as `autoshard launch` sets it (rank_environment)
+    env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **env}
     return subprocess.run(
         cmd,
         cwd=ROOT,

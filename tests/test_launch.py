@@ -357,6 +357,8 @@ def test_ranks_import_this_autoshard_and_give_freed_buffers_back(tmp_path: Path)
     mine = rank_environment({"MALLOC_MMAP_THRESHOLD_": "1048576"}, tmp_path)
     assert mine["MALLOC_MMAP_THRESHOLD_"] == "1048576"
     assert mine["PYTHONPATH"] == str(tmp_path)
+    # calibration measures the machine as it is
+    assert "MALLOC_MMAP_THRESHOLD_" not in rank_environment({}, tmp_path, mmap=False)
 
 
 def test_relative_error_is_scaled_by_each_tensor_and_floored() -> None:

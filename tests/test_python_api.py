@@ -67,6 +67,18 @@ def test_a_meta_model_takes_inputs_made_on_the_cpu():
     assert on_cpu.plan.step_time_s == pytest.approx(on_meta.plan.step_time_s, rel=1e-9)
     assert on_cpu.plan.parameters == on_meta.plan.parameters
 
+    class Scaled(torch.nn.Module):  # no parameters: its one buffer says it is on meta
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    with torch.device("meta"):
+        scaled = Scaled()
+    autoshard.solve(scaled, torch.randn(8, 64), mesh="2", mode="infer")
+
 
 def test_bad_inputs_are_one_clear_error():
     model = torch.nn.Linear(4, 4)

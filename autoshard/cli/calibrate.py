@@ -77,7 +77,7 @@ def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iter
         "--iters",
         str(iters),
     ]
-    env = rank_environment(os.environ, Path(__file__).resolve().parents[2])
+    env = rank_environment(os.environ, Path(__file__).resolve().parents[2], mmap=False)
     click.echo("running: " + shlex.join(argv), err=True)
     code = subprocess.run(argv, env=env, check=False).returncode
     if code:

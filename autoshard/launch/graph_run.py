@@ -281,12 +281,15 @@ class Fault:
       (``2``, ``-1``, ``1.01``) before the optimizer step;
     - ``lowered-drop:all_reduce``: the first all-reduce is cut from the lowered graph
       (:func:`autoshard.launch.lowered.drop_collective`) once it is recorded; step 1 ran
-      it, steps 2..N do not.
+      it, steps 2..N do not;
+    - ``lowered-stale:all``: steps 2..N call the lowered graph on step 1's placeholders,
+      as if the recording had frozen the parameters it read.
     """
 
     drop: str | None = None
     grad: tuple[str, float] | None = None
     lowered_drop: str | None = None
+    lowered_stale: bool = False
     dropped: int = 0
 
     @classmethod
@@ -297,8 +300,10 @@ class Fault:
         kind, _, rest = text.partition(":")
         if kind == "drop" and rest:
             return cls(drop=rest)
-        if kind == "lowered-drop" and rest:
+        if kind == "lowered-drop" and rest == "all_reduce":  # keeps its input's shape
             return cls(lowered_drop=rest)
+        if kind == "lowered-stale" and rest == "all":
+            return cls(lowered_stale=True)
         if kind == "grad" and rest.count(":") >= 1:
             fqn, _, factor = rest.rpartition(":")
             try:
@@ -307,7 +312,7 @@ class Fault:
                 pass
         raise AutoshardError(
             f"AUTOSHARD_FAULT={text!r}: use drop:<collective kind>, grad:<parameter>:<factor> "
-            "or lowered-drop:all_reduce"
+            "lowered-drop:all_reduce or lowered-stale:all"
         )
 
     def drops(self, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:

@@ -11,6 +11,9 @@ and the functional collectives its redistributions issue
 run's; steps 2..N call the recorded graph (:class:`LoweredStep`) on the local shards of
 the same placeholders, with no DTensor dispatch.
 
+With ``--check``, step 2 also runs on DTensors on the same placeholders and the two
+must agree (a value the recording froze, or a collective the graph lost, shows there).
+
 Each collective node carries the phase it was issued in (``forward``, ``backward``,
 ``recompute``: ``node.meta["custom"]["phase"]``, set by the interpreter through
 ``torch.fx.traceback.annotate``), so the lowered graph's collectives can be counted per

@@ -44,8 +44,8 @@ class RunOptions:
         lr: AdamW learning rate.
         mode: ``plan`` or ``propagate`` (see :data:`MODES`).
         json_path: where rank 0 writes the report as JSON (``--json``), or ``None``.
-        lower: in ``plan`` mode, record step 1 as a graph on local tensors and run steps
-            2..N from it (:mod:`autoshard.launch.lowered`).
+        lower: in ``plan`` mode with two steps or more, record step 1 as a graph on local
+            tensors and run steps 2..N from it (:mod:`autoshard.launch.lowered`).
     """
 
     steps: int = 1
@@ -118,9 +118,10 @@ _RUN_OPTIONS = (
         "--lower/--no-lower",
         default=True,
         show_default=True,
-        help="With --mode plan: record step 1 (run on DTensors) as a graph of local ops and "
-        "explicit collectives (make_fx), and run steps 2..N from it without DTensor. "
-        "Graphs with the fused experts ops run on DTensors at every step.",
+        help="With --mode plan and --steps 2 or more: record step 1 (run on DTensors) as a "
+        "graph of local ops and explicit collectives (make_fx), and run steps 2..N from it "
+        "without DTensor (--check compares step 2 with a DTensor run). Graphs with the "
+        "fused experts ops run on DTensors at every step.",
     ),
     click.option(
         "--seed", type=int, default=0, show_default=True, help="Seed of weights and inputs."

@@ -53,9 +53,10 @@ class PlanStepResult:
         lowered: step 1 recorded as a graph on local tensors (steps 2..N ran it), else
             ``None``; ``not_lowered`` then says why.
         lowered_seen: the collectives of step 2 (the first lowered one), ``(kind, mesh
-            dim) -> count``; empty with one step.
-        replay_error: with ``--check``, the lowered graph run on step 1's placeholders
-            against step 1's outputs (:func:`_replay_error`); else ``None``.
+            dim) -> count``; ``None`` when no lowered step ran.
+        step2_error: with ``--check``, step 2's outputs from the lowered graph against
+            the DTensor interpreter's on the same placeholders (:func:`_worst_error`);
+            else ``None``.
     """
 
     output: torch.Tensor
@@ -67,27 +68,36 @@ class PlanStepResult:
     substitutions: Counter = field(default_factory=Counter)
     lowered: LoweredStep | None = None
     not_lowered: str | None = None
-    lowered_seen: Counter = field(default_factory=Counter)
-    replay_error: float | None = None
+    lowered_seen: Counter | None = None
+    step2_error: float | None = None
 
 
-def _replay_error(
-    lowered: LoweredStep, values: list[Any], outs: list[Any], opts: RunOptions
-) -> float:
-    """The lowered graph run again on step 1's placeholders against step 1's outputs:
-    the worst relative error (:func:`~autoshard.launch.check.relative_error`) over every
-    output and rank (an all-reduce outside any count)."""
+def _why_not_lowered(program: GraphProgram, opts: RunOptions) -> str | None:
+    """``None`` when this launch records step 1 and runs steps 2..N from it, else why
+    not (``--no-lower``; one step, which no later step would reuse; a graph
+    :func:`~autoshard.launch.lowered.lowerable` refuses)."""
+    if not opts.lower:
+        return "--no-lower"
+    if opts.steps < 2:
+        return "--steps 1: no later step would run a recorded graph"
+    return lowerable(program.graph.graph_module.graph)
+
+
+def _worst_error(lowered: list[Any], reference: list[Any], opts: RunOptions) -> float:
+    """Step 2's outputs from the lowered graph against the DTensor interpreter's on the
+    same placeholders: the worst relative error
+    (:func:`~autoshard.launch.check.relative_error`) over every output and rank (an
+    all-reduce outside any count)."""
     floor = opts.atol / opts.rtol
-    again = lowered(values)
     worst = max(
         (
             relative_error(_local(a), _local(b), floor)
-            for a, b in zip(again, outs, strict=True)
+            for a, b in zip(lowered, reference, strict=True)
             if isinstance(b, torch.Tensor)
         ),
         default=0.0,
     )
-    worst_t = torch.tensor([worst], dtype=torch.float64, device=_local(outs[0]).device)
+    worst_t = torch.tensor([worst], dtype=torch.float64, device=_local(reference[0]).device)
     dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
     return float(worst_t.item())
 
@@ -169,9 +179,17 @@ def run_plan_steps(
     deviations: Counter = Counter()
     substitutions: Counter = Counter()
     lowered: LoweredStep | None = None
-    lowered_seen: Counter = Counter()
-    replay_error: float | None = None
-    not_lowered = lowerable(program.graph.graph_module.graph) if opts.lower else "--no-lower"
+    lowered_seen: Counter | None = None
+    step2_error: float | None = None
+    not_lowered = _why_not_lowered(program, opts)
+    planted = Fault.from_env()  # faults planted by tests
+    fault = planted.lowered_drop
+    if (fault is not None or planted.lowered_stale) and not_lowered is not None:
+        raise AutoshardError(
+            "AUTOSHARD_FAULT=lowered-... needs a lowered graph, and this launch has none "
+            f"({not_lowered})"
+        )
+    first_values: list[Any] = []
     for step in range(opts.steps):
         counted = step == 0
         log = RunLog()
@@ -183,23 +201,29 @@ def run_plan_steps(
         with counting(modes):
             if lowered is not None:
                 with CollectiveLog(mesh) as seen:
-                    outs = lowered(values)
+                    outs = lowered(first_values if planted.lowered_stale else values)
                 if step == 1:
                     lowered_seen = seen.take()
             elif step == 0 and not_lowered is None:
                 outs, lowered = lower(interpreter.run_values, values, mesh)
+                if planted.lowered_stale:
+                    first_values = [v.detach().clone() for v in values]
             else:
                 outs = interpreter.run_program(*values)
         out = outs[0]
         paused = 0.0
-        if step == 0 and lowered is not None:
-            fault = Fault.from_env().lowered_drop  # a planted fault, for tests
-            if fault is not None:
-                drop_collective(lowered, fault)
-            if opts.check:
-                t_replay = time.perf_counter()
-                replay_error = _replay_error(lowered, values, outs, opts)
-                paused += time.perf_counter() - t_replay
+        if step == 0 and lowered is not None and fault is not None:
+            if not drop_collective(lowered, fault):
+                raise AutoshardError(
+                    f"AUTOSHARD_FAULT=lowered-drop:{fault}: the lowered graph has no {fault}"
+                )
+        if step == 1 and lowered is not None and opts.check:
+            # the same placeholders on DTensors: a value the recording froze at step 1
+            # (a parameter, an input) or a collective it lost shows here
+            t_check = time.perf_counter()
+            again = PlanInterpreter(program, mesh, device, dtype_map).run_values(values)
+            step2_error = _worst_error(outs, again, opts)
+            paused += time.perf_counter() - t_check
         if optimizer is not None:
             for k, grad in enumerate(outs):
                 owner = program.grad_of[k]
@@ -212,7 +236,7 @@ def run_plan_steps(
                 params[owner].grad = grad.to(params[owner].dtype)
             plant_gradient_fault(module)  # AUTOSHARD_FAULT, for tests (graph_run.Fault)
             if observer is not None:
-                paused = timed(device, observer.gradients, step, module)
+                paused += timed(device, observer.gradients, step, module)
             opt_log = CollectiveLog(mesh)
             with counting(modes), opt_log:
                 optimizer.step()
@@ -242,5 +266,5 @@ def run_plan_steps(
         lowered=lowered,
         not_lowered=not_lowered,
         lowered_seen=lowered_seen,
-        replay_error=replay_error,
+        step2_error=step2_error,
     )

@@ -48,14 +48,17 @@ buffer returns to the system at once: GPT-2 small (12 layers, batch 8 x 1024) tr
 (over 3 GiB per rank, 24 GiB in all) without it."""
 
 
-def rank_environment(base: Mapping[str, str], root: Path) -> dict[str, str]:
+def rank_environment(base: Mapping[str, str], root: Path, mmap: bool = True) -> dict[str, str]:
     """The environment of torchrun and its ranks: ``base`` with ``root`` (the folder
     holding this ``autoshard`` package) first on ``PYTHONPATH``, so ranks import the same
-    autoshard, and ``MALLOC_MMAP_THRESHOLD_`` = :data:`MMAP_THRESHOLD` unless ``base``
-    sets it (the user's value wins)."""
+    autoshard; with ``mmap`` (launches, not ``calibrate``, whose timings it would slow:
+    every block of 64 KiB or more is then mapped and unmapped, with its page faults),
+    ``MALLOC_MMAP_THRESHOLD_`` = :data:`MMAP_THRESHOLD` unless ``base`` sets it (the
+    user's value wins)."""
     env = dict(base)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    if mmap:
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
     return env
 
 

@@ -343,8 +343,8 @@ def loaded_from_module(
 
     The module is put in ``eval()`` mode (dropout off); ``name`` defaults to its class
     name; ``loss_fn(output, *inputs)`` as a model file's (default: the mean of the first
-    floating output). Inputs of a module with parameters on meta are moved to meta (only
-    their shapes and dtypes are read).
+    floating output). Inputs of a module with parameters or buffers on meta are moved to
+    meta (only their shapes and dtypes are read).
 
     Raises:
         AutoshardError: ``module`` is not an ``nn.Module``, the inputs are not a non-empty
@@ -362,7 +362,7 @@ def loaded_from_module(
             f"got {_describe(example_inputs)}"
         )
     module.eval()
-    if any(p.is_meta for p in module.parameters()):
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         # planning needs shapes only; a module built on meta traces with meta inputs (real
         # ones beside meta buffers fail the trace: "found at least two devices")
         inputs = tuple(x.to("meta") for x in inputs)
