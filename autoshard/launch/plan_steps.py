@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import relative_error
@@ -33,7 +32,13 @@ from autoshard.launch.graph_run import (
     RunLog,
     plant_gradient_fault,
 )
-from autoshard.launch.lowered import LoweredStep, drop_collective, lower, lowerable
+from autoshard.launch.lowered import (
+    LoweredStep,
+    drop_collective,
+    local_shard,
+    lower,
+    lowerable,
+)
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import StepObserver, collective_counts, counting, sync_device, timed
 
@@ -52,8 +57,6 @@ class PlanStepResult:
         substitutions: kernels the device lacks, run another way -> how often (step 1).
         lowered: step 1 recorded as a graph on local tensors (steps 2..N ran it), else
             ``None``; ``not_lowered`` then says why.
-        lowered_seen: the collectives of step 2 (the first lowered one), ``(kind, mesh
-            dim) -> count``; ``None`` when no lowered step ran.
         step2_error: with ``--check``, step 2's outputs from the lowered graph against
             the DTensor interpreter's on the same placeholders (:func:`_worst_error`);
             else ``None``.
@@ -68,7 +71,6 @@ class PlanStepResult:
     substitutions: Counter = field(default_factory=Counter)
     lowered: LoweredStep | None = None
     not_lowered: str | None = None
-    lowered_seen: Counter | None = None
     step2_error: float | None = None
 
 
@@ -91,19 +93,15 @@ def _worst_error(lowered: list[Any], reference: list[Any], opts: RunOptions) -> 
     floor = opts.atol / opts.rtol
     worst = max(
         (
-            relative_error(_local(a), _local(b), floor)
+            relative_error(local_shard(a), local_shard(b), floor)
             for a, b in zip(lowered, reference, strict=True)
             if isinstance(b, torch.Tensor)
         ),
         default=0.0,
     )
-    worst_t = torch.tensor([worst], dtype=torch.float64, device=_local(reference[0]).device)
+    worst_t = torch.tensor([worst], dtype=torch.float64, device=local_shard(reference[0]).device)
     dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
     return float(worst_t.item())
-
-
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def placeholder_values(
@@ -179,7 +177,6 @@ def run_plan_steps(
     deviations: Counter = Counter()
     substitutions: Counter = Counter()
     lowered: LoweredStep | None = None
-    lowered_seen: Counter | None = None
     step2_error: float | None = None
     not_lowered = _why_not_lowered(program, opts)
     planted = Fault.from_env()  # faults planted by tests
@@ -197,19 +194,17 @@ def run_plan_steps(
         values = placeholder_values(program, module, inputs, device, dtype_map)
         sync_device(device)
         t0 = time.perf_counter()
-        interpreter = PlanInterpreter(program, mesh, device, dtype_map, log)
         with counting(modes):
             if lowered is not None:
-                with CollectiveLog(mesh) as seen:
-                    outs = lowered(first_values if planted.lowered_stale else values)
-                if step == 1:
-                    lowered_seen = seen.take()
-            elif step == 0 and not_lowered is None:
-                outs, lowered = lower(interpreter.run_values, values, mesh)
-                if planted.lowered_stale:
-                    first_values = [v.detach().clone() for v in values]
+                outs = lowered(first_values if planted.lowered_stale else values)
             else:
-                outs = interpreter.run_program(*values)
+                interpreter = PlanInterpreter(program, mesh, device, dtype_map, log)
+                if step == 0 and not_lowered is None:
+                    outs, lowered = lower(interpreter.run_values, values, mesh)
+                    if planted.lowered_stale:
+                        first_values = [v.detach().clone() for v in values]
+                else:
+                    outs = interpreter.run_program(*values)
         out = outs[0]
         paused = 0.0
         if step == 0 and lowered is not None and fault is not None:
@@ -265,6 +260,5 @@ def run_plan_steps(
         substitutions=substitutions,
         lowered=lowered,
         not_lowered=not_lowered,
-        lowered_seen=lowered_seen,
         step2_error=step2_error,
     )

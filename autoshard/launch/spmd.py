@@ -188,10 +188,9 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     times: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(times, step_times)
     slowest = [max(t[i] for t in times) for i in range(opts.steps)]
-    peaks: list[int] = [0] * world
-    dist.all_gather_object(peaks, peak_memory_bytes(device))
-    setup_peaks: list[int] = [0] * world
-    dist.all_gather_object(setup_peaks, setup_peak)
+    both: list[tuple[int, int]] = [(0, 0)] * world
+    dist.all_gather_object(both, (peak_memory_bytes(device), setup_peak))
+    peaks, setup_peaks = [p for p, _ in both], [b for _, b in both]
     report: dict[str, Any] = {}
     if rank == 0:
         _report_bytes(per_rank)
