@@ -19,11 +19,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import (
+    LLAMA_SMALL,
     TORCHRUN_TIMEOUT_S,
     assert_checked,
     rank_env,
     torchrun,
     write_gpt2_short,
+    write_model,
 )
 from torch import nn
 
@@ -487,3 +489,23 @@ def test_gpt2_two_layers_trains_like_one_device(
     assert "gradients summed across them): transformer.wte.weight" in out
     assert_checked(out, 1e-5, grads=1e-5, params=1e-5)
     assert "over 28 tensors" in out  # every parameter, the tied one once
+
+
+@pytest.mark.slow
+def test_llama_with_grouped_query_attention_trains_on_2x2_like_one_device(
+    tmp_path: Path,
+) -> None:
+    """HF Llama from a default-style config (4 query heads, 2 key/value heads, SDPA), one
+    block per stage, each stage on 2 devices (2x2, pp=2). DTensor places the stages'
+    activations: it needs a rule for the fused CPU attention (it had none) and a reshape
+    of an attention output whose shard is laid out unlike the global tensor (it failed
+    with "view size is not compatible"). Loss, gradients and parameters equal one
+    device's."""
+    model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
+    plan = _stages(model, tmp_path, "2x2", 2, 2, "--mode", "train")
+    assert load_stage_plan(plan).split_points == ["model.layers.1"]
+    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert_checked(out, 1e-12, grads=1e-12, params=1e-12)
+    assert "over 21 tensors" in out  # every parameter

@@ -72,6 +72,10 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
+from autoshard.launch.dtensor_rules import (
+    register_cpu_flash_attention_rules,
+    view_with_contiguous_local,
+)
 from autoshard.launch.graph_run import plant_gradient_fault
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import (
@@ -356,10 +360,16 @@ def shared_parameters(
     return {c: tuple(sorted(s)) for c, s in sorted(holders.items()) if len(s) > 1}
 
 
-def _drop_metadata_asserts(module: nn.Module) -> int:
-    """Remove ``aten._assert_tensor_metadata`` calls (``torch.export`` puts one at each
-    ``Tensor.to``) from every graph in ``module``; DTensor has no sharding rule for that
-    check, and it returns nothing. Returns how many were removed."""
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
+
+
+def _prepare_stage_graphs(module: nn.Module) -> int:
+    """Make every graph in ``module`` runnable on DTensors: remove the
+    ``aten._assert_tensor_metadata`` calls ``torch.export`` puts at each ``Tensor.to``
+    (DTensor has no sharding rule for that check, and it returns nothing), and run views
+    and reshapes through
+    :func:`~autoshard.launch.dtensor_rules.view_with_contiguous_local`. Returns how many asserts
+    were removed."""
     target = torch.ops.aten._assert_tensor_metadata.default
     removed = 0
     for mod in module.modules():
@@ -369,8 +379,11 @@ def _drop_metadata_asserts(module: nn.Module) -> int:
         dropped = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
         for node in dropped:
             graph.erase_node(node)
-        if dropped:
-            removed += len(dropped)
+        views = [n for n in graph.nodes if n.op == "call_function" and n.target in _VIEWS]
+        for node in views:
+            node.target = view_with_contiguous_local(node.target)
+        removed += len(dropped)
+        if dropped or views:
             for gm in (mod, mod.__dict__.get("graph_module")):  # unflatten's InterpreterModule
                 if isinstance(gm, torch.fx.GraphModule):
                     gm.recompile()
@@ -389,10 +402,10 @@ def run_on_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
     is reduced to ``Replicate`` before it is sent back. Run the forward and the backward
     pass under ``implicit_replication()`` (not re-entrant: enter it once, around the
     schedule's step), so that plain tensors made inside (position ids, masks) meet
-    DTensors as replicated. The graph's ``aten._assert_tensor_metadata`` checks, which
-    DTensor cannot run, are removed.
+    DTensors as replicated. The graph is made runnable on DTensors
+    (:func:`_prepare_stage_graphs`).
     """
-    _drop_metadata_asserts(module)
+    _prepare_stage_graphs(module)
     forward = module.forward
     replicate = [Replicate()] * mesh.ndim
 
@@ -628,6 +641,7 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
+    register_cpu_flash_attention_rules()  # DTensor places a stage's activations
     try:
         return _run_in_group(spec, model, opts, device)
     finally:

@@ -22,6 +22,7 @@ from autoshard.errors import AutoshardError
 from autoshard.launch.options import RunOptions
 from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
+from autoshard.trace.tracer import kv_cache_off
 
 
 def distribute_parameters(
@@ -254,7 +255,8 @@ def run_steps(
     :func:`autoshard.model.loss.default_loss`, as the plan's joint graph) and the step's
     output is the loss.
 
-    The module stays in ``eval()`` mode (dropout off, so runs compare exactly). Plain
+    The module stays in ``eval()`` mode (dropout off, so runs compare exactly), with a
+    HuggingFace model's KV cache off (:func:`autoshard.trace.tracer.kv_cache_off`). Plain
     tensors that meet DTensors inside the model (masks, position ids) are treated as
     replicated (``implicit_replication``). With ``count_collectives``, step 1 runs under
     ``CommDebugMode``. ``observer`` sees every step (see :class:`StepObserver`); its time
@@ -270,7 +272,8 @@ def run_steps(
         counted = modes if count_collectives and step == 0 else None
         sync_device(device)
         t0 = time.perf_counter()
-        with counting(counted), implicit_replication():
+        # a step over a whole batch reads no KV cache (the solve traced it off)
+        with counting(counted), implicit_replication(), kv_cache_off(module):
             if optimizer is None:
                 with torch.no_grad():
                     out = settle_output(output_tensor(module(*inputs)))

@@ -1,0 +1,130 @@
+"""DTensor sharding rules for the fused CPU attention ops, for the paths that let DTensor
+place activations (stage plans, ``--mode propagate``).
+
+``F.scaled_dot_product_attention`` on CPU runs ``aten._scaled_dot_product_flash_attention_for_cpu``
+(and its backward); torch 2.13's DTensor has rules for the CUDA flash and efficient kernels but
+none for these, so a model with SDPA on DTensors raised "does not have a sharding strategy
+registered" (eager) or fell to decomposition-based propagation, which placed the output so that
+HuggingFace's ``attn_output.transpose(1, 2).reshape(B, S, -1)`` failed on the local shard.
+
+:func:`register_cpu_flash_attention_rules` gives them the strategies DTensor gives the CUDA
+flash kernel (``torch/distributed/tensor/_ops/_matrix_ops.py``), per mesh dim: everything
+replicated; everything sharded by batch (``Shard(0)``); everything sharded by heads
+(``Shard(1)``). Attention is independent per batch row and per head, so each needs no
+communication. Heads are offered only where each rank's query heads read its own key/value
+heads: the key/value heads equal the query heads, or both counts divide by the mesh's size
+(grouped-query attention, query head ``i`` reading key/value head ``i // (Hq / Hkv)``). A mask
+stays replicated, and a dim is offered only where the mask broadcasts (size 1) or there is
+none: the masks these paths meet are plain tensors made on every rank (HuggingFace's causal
+mask inside a stage), which DTensor's implicit replication passes to the kernel whole, never
+resharded, so a batch-sized mask beside a batch-sharded query would not line up.
+
+A DTensor's strides are the global tensor's, worked out by the ops' meta kernels, and a
+reshape decides on them to view rather than copy. The fused CPU attention lays its output out
+as its query is laid out, so after a redistribution made the query's shard contiguous where
+the global query is a transposed projection, the output's shard is laid out unlike the global
+output, and HuggingFace's ``attn_output.transpose(1, 2).reshape(B, S, -1)`` failed on it with
+"view size is not compatible with input tensor's size and stride" (Llama, on 2 devices).
+:func:`view_with_contiguous_local` copies such a shard first; the stage graphs' views and
+reshapes run through it.
+
+The plan's own interpreter (:mod:`autoshard.launch.graph_run`) uses none of these: it runs the
+fused ops shard by shard as the solution places them, and reshapes the shards it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
+
+_registered = False
+
+
+def _heads_shardable(query: Any, key: Any) -> bool:
+    """Whether sharding dim 1 (heads) keeps every query head with its key/value head."""
+    hq, hkv = query.shape[1], key.shape[1]
+    n = query.mesh.size()
+    return hq == hkv or (hq % n == 0 and hkv % n == 0)
+
+
+def _strategies(
+    query: Any, key: Any, attn_mask: Any, outputs: int, tensors_before_mask: int
+) -> list[tuple[list[Any], list[Any]]]:
+    """(outputs' placements, tensor inputs' placements) per strategy, for one mesh dim."""
+    dims = [0] + ([1] if _heads_shardable(query, key) else [])
+    if attn_mask is not None:
+        dims = [d for d in dims if attn_mask.shape[d] == 1]
+    mask = [Replicate()] if attn_mask is not None else []
+    out = [([Replicate()] * outputs, [Replicate()] * tensors_before_mask + mask)]
+    for dim in dims:
+        out.append(([Shard(dim)] * outputs, [Shard(dim)] * tensors_before_mask + mask))
+    return out
+
+
+def _forward_rule(
+    query: Any,
+    key: Any,
+    value: Any,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Any = None,
+    scale: float | None = None,
+) -> list[tuple[list[Any], list[Any]]]:
+    """Outputs ``(output [B, H, S, D], logsumexp [B, H, S])``; tensor inputs ``query, key,
+    value[, attn_mask]``."""
+    return _strategies(query, key, attn_mask, outputs=2, tensors_before_mask=3)
+
+
+def _backward_rule(
+    grad_out: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    out: Any,
+    logsumexp: Any,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Any = None,
+    scale: float | None = None,
+) -> list[tuple[list[Any], list[Any]]]:
+    """Outputs ``(grad_query, grad_key, grad_value)``; tensor inputs ``grad_out, query, key,
+    value, out, logsumexp[, attn_mask]``."""
+    return _strategies(query, key, attn_mask, outputs=3, tensors_before_mask=6)
+
+
+def register_cpu_flash_attention_rules() -> None:
+    """Register the rules above with DTensor (once per process; later calls do nothing).
+
+    DTensor caches sharding decisions per op and input placements, so call this before the
+    first DTensor op runs."""
+    global _registered
+    if _registered:
+        return
+    register_sharding(FLASH_FORWARD)(_forward_rule)
+    register_sharding(FLASH_BACKWARD)(_backward_rule)
+    _registered = True
+
+
+def _local_layout_differs(x: Any) -> bool:
+    """A DTensor whose global strides say contiguous while its local shard is not."""
+    return isinstance(x, DTensor) and x.is_contiguous() and not x.to_local().is_contiguous()
+
+
+def view_with_contiguous_local(op: Any) -> Any:
+    """``op`` (a view or reshape taking the tensor first), first copying a DTensor whose
+    shard is laid out unlike its global tensor into a contiguous shard (module docstring).
+    The values are unchanged; the copy is made only where the two layouts differ."""
+
+    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if _local_layout_differs(x):
+            x = x.clone(memory_format=torch.contiguous_format)
+        return op(x, *args, **kwargs)
+
+    return run
