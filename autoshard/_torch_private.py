@@ -28,7 +28,13 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
 )
@@ -51,6 +57,7 @@ __all__ = [
     "RuleStrategy",
     "fake_mesh",
     "has_rule",
+    "key_sharding_cache_on",
     "rule_strategies",
     "tensor_meta",
 ]
@@ -85,6 +92,19 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def key_sharding_cache_on(op: Any, kwargs: Sequence[str]) -> None:
+    """Make DTensor's sharding cache for ``op`` tell calls apart by the tensor ``kwargs``
+    too (their shapes and placements).
+
+    DTensor caches an op's sharding decision by its positional tensor args and the args
+    its ``RuntimeSchemaInfo`` names; ``register_sharding`` names no kwarg, so a rule that
+    reads a tensor kwarg (an attention mask's shape) would have a call with another mask
+    reuse the first call's decision."""
+    _propagator().op_to_schema_info[op] = RuntimeSchemaInfo(
+        static_kwargkey=list(kwargs), needs_pytree=True
+    )
 
 
 def has_rule(op: Any) -> bool:

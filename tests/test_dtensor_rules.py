@@ -1,9 +1,9 @@
 """The rules autoshard gives DTensor where stage plans and ``--mode propagate`` let it place
-activations (``autoshard/launch/dtensor_rules.py``),
-in one process on a fake process group of 2 ranks (rank 0). Nothing here communicates:
-every input is a shard or a replica each rank holds, and rank 0's local results are
-compared with the same slice of the single-device result (an independent reference:
-PyTorch's own SDPA and reshape on whole tensors)."""
+activations (``autoshard/launch/dtensor_rules.py``), in one process on a fake process group
+of 2 ranks (this process is rank 0). Where values are compared, nothing is communicated:
+every input is a shard or a replica rank 0 holds, and rank 0's local results are compared
+with the same slice of the single-device result (an independent reference: PyTorch's own
+SDPA, its autograd and reshape on whole tensors)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
 
 from autoshard import _torch_private as tp
 from autoshard.launch.dtensor_rules import (
@@ -18,41 +19,119 @@ from autoshard.launch.dtensor_rules import (
     view_with_contiguous_local,
 )
 
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def qkv(batch: int = 2, heads: int = 4, kv_heads: int = 2) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, 16, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, 16, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, 16, 8, generator=g, dtype=torch.float64)
+    return q, k, v
+
 
 def test_grouped_query_attention_sharded_by_heads_equals_one_device() -> None:
     """4 query heads, 2 key/value heads on 2 ranks: rank 0 holds query heads 0-1, which
     read key/value head 0; the rule keeps them together (heads sharded, no exchange), and
-    rank 0's output is heads 0-1 of the whole attention with ``enable_gqa``."""
+    rank 0's output is heads 0-1 of the whole attention with ``enable_gqa``; its backward
+    gives heads 0-1 of the query's gradient and head 0 of the key's and value's."""
     register_cpu_flash_attention_rules()
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64)
-    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    q, k, v = qkv()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    grad_out = torch.randn_like(out_ref)
+    out_ref.backward(grad_out)
     with tp.fake_mesh((2,)) as mesh:
-        qd = DTensor.from_local(q[:, :2].contiguous(), mesh, [Shard(1)], run_check=False)
-        kd = DTensor.from_local(k, mesh, [Replicate()], run_check=False)
-        vd = DTensor.from_local(v, mesh, [Replicate()], run_check=False)
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qd, kd, vd, 0.0, True)
+
+        def place(t: torch.Tensor, p: object) -> DTensor:
+            return DTensor.from_local(t, mesh, [p], run_check=False)
+
+        qd = place(q[:, :2].contiguous(), Shard(1))
+        kd, vd = place(k, Replicate()), place(v, Replicate())
+        out, lse = FLASH(qd, kd, vd, 0.0, True)
         assert out.placements == (Shard(1),)
-        torch.testing.assert_close(out.to_local(), whole[:, :2], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out.to_local(), out_ref[:, :2], rtol=1e-12, atol=1e-12)
+        grads = FLASH_BACKWARD(
+            place(grad_out[:, :2].contiguous(), Shard(1)), qd, kd, vd, out, lse, 0.0, True
+        )
+        assert [g.placements for g in grads] == [(Shard(1),)] * 3
+        for got, ref, heads in zip(grads, whole, (2, 1, 1), strict=True):
+            torch.testing.assert_close(got.to_local(), ref.grad[:, :heads], rtol=1e-12, atol=1e-12)
 
 
-def test_reshape_of_a_shard_laid_out_unlike_its_global_tensor() -> None:
-    """A DTensor whose global strides say contiguous while its shard is a strided slice
-    (what a layout-following kernel gives after a redistribution): DTensor's reshape views
-    the shard and fails; the stage graphs' reshape copies it first and gives rank 0's slice
-    of the whole reshape."""
+def test_a_batch_sharded_query_keeps_its_shard_beside_a_2d_mask() -> None:
+    """A 2-D ``[L, S]`` mask broadcasts over batch and heads: a batch-sharded query stays
+    sharded (no all-gather) and rank 0's output is the whole attention's batch row 0."""
+    register_cpu_flash_attention_rules()
+    q, k, v = qkv(heads=2, kv_heads=2)
+    mask = torch.randn(16, 16, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with tp.fake_mesh((2,)) as mesh:
+        qd, kd, vd = (
+            DTensor.from_local(t[:1], mesh, [Shard(0)], run_check=False) for t in (q, k, v)
+        )
+        with implicit_replication():  # a plain mask, as the stages and propagate meet it
+            out, _ = FLASH(qd, kd, vd, 0.0, False, attn_mask=mask)
+        assert out.placements == (Shard(0),)
+        torch.testing.assert_close(out.to_local(), ref[:1], rtol=1e-12, atol=1e-12)
+
+
+def test_the_decision_is_not_reused_for_another_mask() -> None:
+    """DTensor caches a sharding decision per op and args; the rule reads the mask's
+    shape, so a batch-sized mask after a broadcast one must not reuse the batch shard
+    (its shard would not line up: "shape '[1, 1, 16, 16]' is invalid ...")."""
+    register_cpu_flash_attention_rules()
+    q, k, v = qkv(heads=2, kv_heads=2)
+    with tp.fake_mesh((2,)) as mesh:
+        qd, kd, vd = (
+            DTensor.from_local(t[:1], mesh, [Shard(0)], run_check=False) for t in (q, k, v)
+        )
+        with implicit_replication():
+            broadcast = torch.zeros(1, 1, 16, 16, dtype=torch.float64)
+            out, _ = FLASH(qd, kd, vd, 0.0, False, attn_mask=broadcast)
+            assert out.placements == (Shard(0),)
+            batch_sized = torch.zeros(2, 1, 16, 16, dtype=torch.float64)
+            out, _ = FLASH(qd, kd, vd, 0.0, False, attn_mask=batch_sized)
+            assert out.placements != (Shard(0),)
+
+
+@pytest.mark.parametrize(
+    "global_stride, local_layout",
+    [
+        # global contiguous; the shard laid out as the transpose of a contiguous (2, 2, 3, 5)
+        (None, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+        # global dims 0 and 1 swapped in memory (dims 2, 3 still merge); the same shard
+        ((20, 40, 5, 1), lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+        # global contiguous; the shard a strided slice (not dense)
+        (None, lambda t: t),
+    ],
+)
+def test_reshape_of_a_shard_laid_out_unlike_its_global_tensor(global_stride, local_layout) -> None:
+    """A DTensor whose shard is not laid out as its global tensor (what a layout-following
+    kernel gives after a redistribution): DTensor's reshape views the shard and fails; the
+    stage graphs' reshape copies it first and gives rank 0's slice of the whole reshape."""
     x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float64).reshape(2, 3, 4, 5)
-    # rank 0's half of dim 2, laid out as the transpose of a contiguous (2, 2, 3, 5)
-    local = x[:, :, :2].transpose(1, 2).contiguous().transpose(1, 2)
+    stride = global_stride or x.stride()
+    local = local_layout(x[:, :, :2])  # rank 0's half of dim 2
     reshape = torch.ops.aten.reshape.default
+    with tp.fake_mesh((2,)) as mesh:
+        xd = DTensor.from_local(
+            local, mesh, [Shard(2)], run_check=False, shape=x.shape, stride=stride
+        )
+        want = x.reshape(2, 3, 20)[:, :, :10]
+        out = view_with_contiguous_local(reshape)(xd, [2, 3, -1])
+        assert out.placements == (Shard(2),)
+        torch.testing.assert_close(out.to_local(), want)
+
+
+def test_dtensor_alone_fails_on_such_a_shard() -> None:
+    """Why the copy is needed (torch 2.13): the first case above without it."""
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float64).reshape(2, 3, 4, 5)
+    local = x[:, :, :2].transpose(1, 2).contiguous().transpose(1, 2)
     with tp.fake_mesh((2,)) as mesh:
         xd = DTensor.from_local(
             local, mesh, [Shard(2)], run_check=False, shape=x.shape, stride=x.stride()
         )
         with pytest.raises(RuntimeError, match="view size is not compatible"):
-            reshape(xd, [2, 3, -1])
-        out = view_with_contiguous_local(reshape)(xd, [2, 3, -1])
-        assert out.placements == (Shard(2),)
-        torch.testing.assert_close(out.to_local(), x.reshape(2, 3, 20)[:, :, :10])
+            torch.ops.aten.reshape.default(xd, [2, 3, -1])

@@ -14,10 +14,11 @@ replicated; everything sharded by batch (``Shard(0)``); everything sharded by he
 communication. Heads are offered only where each rank's query heads read its own key/value
 heads: the key/value heads equal the query heads, or both counts divide by the mesh's size
 (grouped-query attention, query head ``i`` reading key/value head ``i // (Hq / Hkv)``). A mask
-stays replicated, and a dim is offered only where the mask broadcasts (size 1) or there is
-none: the masks these paths meet are plain tensors made on every rank (HuggingFace's causal
-mask inside a stage), which DTensor's implicit replication passes to the kernel whole, never
-resharded, so a batch-sized mask beside a batch-sharded query would not line up.
+stays replicated, and a dim is offered only where the mask broadcasts (size 1, or a mask of
+fewer dims) or there is none: the masks these paths meet are plain tensors made on every
+rank (HuggingFace's causal mask inside a stage), which DTensor's implicit replication passes
+to the kernel whole, never resharded, so a batch-sized mask beside a batch-sharded query
+would not line up.
 
 A DTensor's strides are the global tensor's, worked out by the ops' meta kernels, and a
 reshape decides on them to view rather than copy. The fused CPU attention lays its output out
@@ -25,8 +26,8 @@ as its query is laid out, so after a redistribution made the query's shard conti
 the global query is a transposed projection, the output's shard is laid out unlike the global
 output, and HuggingFace's ``attn_output.transpose(1, 2).reshape(B, S, -1)`` failed on it with
 "view size is not compatible with input tensor's size and stride" (Llama, on 2 devices).
-:func:`view_with_contiguous_local` copies such a shard first; the stage graphs' views and
-reshapes run through it.
+:func:`view_with_contiguous_local` copies such a shard first (:func:`in_global_layout`); the
+stage graphs' views and reshapes run through it.
 
 The plan's own interpreter (:mod:`autoshard.launch.graph_run`) uses none of these: it runs the
 fused ops shard by shard as the solution places them, and reshapes the shards it holds.
@@ -40,6 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+from autoshard._torch_private import key_sharding_cache_on
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
 
 _registered = False
@@ -52,13 +54,20 @@ def _heads_shardable(query: Any, key: Any) -> bool:
     return hq == hkv or (hq % n == 0 and hkv % n == 0)
 
 
+def _mask_broadcasts(mask: Any, dim: int) -> bool:
+    """Whether a mask broadcasts over the query's ``dim`` (0: batch, 1: heads): it has no
+    such dim (a 2-D ``[L, S]`` or 3-D mask aligns from the right) or size 1 there."""
+    k = dim - (4 - len(mask.shape))
+    return k < 0 or mask.shape[k] == 1
+
+
 def _strategies(
     query: Any, key: Any, attn_mask: Any, outputs: int, tensors_before_mask: int
 ) -> list[tuple[list[Any], list[Any]]]:
     """(outputs' placements, tensor inputs' placements) per strategy, for one mesh dim."""
     dims = [0] + ([1] if _heads_shardable(query, key) else [])
     if attn_mask is not None:
-        dims = [d for d in dims if attn_mask.shape[d] == 1]
+        dims = [d for d in dims if _mask_broadcasts(attn_mask, d)]
     mask = [Replicate()] if attn_mask is not None else []
     out = [([Replicate()] * outputs, [Replicate()] * tensors_before_mask + mask)]
     for dim in dims:
@@ -107,24 +116,40 @@ def register_cpu_flash_attention_rules() -> None:
     global _registered
     if _registered:
         return
-    register_sharding(FLASH_FORWARD)(_forward_rule)
-    register_sharding(FLASH_BACKWARD)(_backward_rule)
+    for op, rule in ((FLASH_FORWARD, _forward_rule), (FLASH_BACKWARD, _backward_rule)):
+        register_sharding(op)(rule)
+        key_sharding_cache_on(op, ["attn_mask"])  # the rules read the mask's shape
     _registered = True
 
 
-def _local_layout_differs(x: Any) -> bool:
-    """A DTensor whose global strides say contiguous while its local shard is not."""
-    return isinstance(x, DTensor) and x.is_contiguous() and not x.to_local().is_contiguous()
+def _global_order(x: Any) -> list[int]:
+    """``x``'s dims from outermost to innermost in memory, by its (global) strides."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def in_global_layout(x: Any) -> Any:
+    """``x`` unchanged, unless it is a DTensor whose shard is not laid out densely in the
+    global tensor's dim order: then a copy whose shard is (same values, same placements).
+
+    DTensor's view rule works out the shard's view from shapes and then views the shard,
+    which fails when the shard is laid out otherwise (module docstring). The copy permutes
+    the dims into the global order, makes the shard contiguous there
+    (``clone(memory_format=contiguous_format)`` acts on the shard, where ``contiguous()``
+    would read the global strides and do nothing), and permutes back."""
+    if not isinstance(x, DTensor):
+        return x
+    order = _global_order(x)
+    if x.to_local().permute(order).is_contiguous():
+        return x
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return x.permute(order).clone(memory_format=torch.contiguous_format).permute(back)
 
 
 def view_with_contiguous_local(op: Any) -> Any:
-    """``op`` (a view or reshape taking the tensor first), first copying a DTensor whose
-    shard is laid out unlike its global tensor into a contiguous shard (module docstring).
-    The values are unchanged; the copy is made only where the two layouts differ."""
+    """``op`` (a view or reshape taking the tensor first) on :func:`in_global_layout` of
+    its tensor."""
 
     def run(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if _local_layout_differs(x):
-            x = x.clone(memory_format=torch.contiguous_format)
-        return op(x, *args, **kwargs)
+        return op(in_global_layout(x), *args, **kwargs)
 
     return run
