@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoshard import _torch_private as tp
@@ -135,3 +135,45 @@ def test_dtensor_alone_fails_on_such_a_shard() -> None:
         )
         with pytest.raises(RuntimeError, match="view size is not compatible"):
             torch.ops.aten.reshape.default(xd, [2, 3, -1])
+
+
+def test_hf_grouped_matmul_column_and_row_parallel_equal_one_device() -> None:
+    """HuggingFace's experts matmul (``transformers::grouped_mm_fallback``: rows grouped by
+    expert, each group times its expert's weight) with the weight split as Megatron splits
+    a matmul, on 2 ranks: column-parallel (output dim) gives rank 0 its columns of the
+    whole product, and its backward gives rank 0's columns of the weight's gradient;
+    row-parallel (input dim) gives a ``Partial`` whose two halves add up to the whole
+    product (rank 1's half computed here by hand from the whole tensors)."""
+    import transformers.integrations.moe  # noqa: F401  (defines the ops)
+
+    from autoshard.launch.dtensor_rules import register_transformers_grouped_mm_rules
+
+    assert register_transformers_grouped_mm_rules()
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64)  # 10 rows, K = 6
+    w = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)  # 3 experts, N = 4
+    offs = torch.tensor([3, 3, 10])  # expert 1 gets no row
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    whole = op(xr, wr, offs)
+    grad_out = torch.randn_like(whole)
+    whole.backward(grad_out)
+    with tp.fake_mesh((2,)) as mesh:
+
+        def place(t: torch.Tensor, p: object, grad: bool = False) -> DTensor:
+            return DTensor.from_local(t.contiguous(), mesh, [p], run_check=False).requires_grad_(
+                grad
+            )
+
+        xd, od = place(x, Replicate()), place(offs, Replicate())
+        wd = place(w[:, :, :2], Shard(2), grad=True)
+        col = op(xd, wd, od)
+        assert col.placements == (Shard(1),)
+        torch.testing.assert_close(col.to_local(), whole[:, :2].detach())
+        col.backward(place(grad_out[:, :2], Shard(1)))
+        assert wd.grad.placements == (Shard(2),)
+        torch.testing.assert_close(wd.grad.to_local(), wr.grad[:, :, :2])
+        row = op(place(x[:, :3], Shard(1)), place(w[:, :3], Shard(1)), od)
+        assert row.placements == (Partial(),)
+        other = op(x[:, 3:].contiguous(), w[:, 3:].contiguous(), offs)
+        torch.testing.assert_close(row.to_local() + other, whole.detach())

@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 from helpers import (
     LLAMA_SMALL,
+    MIXTRAL_SMALL,
     TORCHRUN_TIMEOUT_S,
     assert_checked,
     rank_env,
@@ -504,6 +505,28 @@ def test_llama_with_grouped_query_attention_trains_on_2x2_like_one_device(
     model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
     plan = _stages(model, tmp_path, "2x2", 2, 2, "--mode", "train")
     assert load_stage_plan(plan).split_points == ["model.layers.1"]
+    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert_checked(out, 1e-12, grads=1e-12, params=1e-12)
+    assert "over 21 tensors" in out  # every parameter
+
+
+@pytest.mark.slow
+def test_mixtral_experts_train_on_2x2_like_one_device(tmp_path: Path) -> None:
+    """A Mixtral-style MoE (4 experts, top-2), one block per stage on 2 devices each: the
+    stage plan splits the experts' weights on tp, and DTensor runs HuggingFace's grouped
+    matmul with autoshard's rule for it (it had none: "does not have a sharding strategy
+    registered"). Loss, gradients and parameters equal one device's."""
+    model = write_model(tmp_path, MIXTRAL_SMALL, "mixtral_small")
+    plan = _stages(model, tmp_path, "2x2", 2, 2, "--mode", "train")
+    experts = {
+        name: places
+        for stage in load_stage_plan(plan).stages
+        for name, places in stage.parameters.items()
+        if ".experts." in name
+    }
+    assert experts and any("S(" in str(p) for p in experts.values()), experts
     run = torchrun(4, str(plan), str(model), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""DTensor sharding rules for the fused CPU attention ops, for the paths that let DTensor
-place activations (stage plans, ``--mode propagate``).
+"""DTensor sharding rules for ops torch 2.13's DTensor has none for, for the paths that let
+DTensor place activations (stage plans, ``--mode propagate``): the fused CPU attention and
+HuggingFace's experts matmul (:func:`register_transformers_grouped_mm_rules`).
 
 ``F.scaled_dot_product_attention`` on CPU runs ``aten._scaled_dot_product_flash_attention_for_cpu``
 (and its backward); torch 2.13's DTensor has rules for the CUDA flash and efficient kernels but
@@ -35,16 +36,19 @@ fused ops shard by shard as the solution places them, and reshapes the shards it
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from autoshard._torch_private import key_sharding_cache_on
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
 
 _registered = False
+_grouped_mm_registered = False
 
 
 def _heads_shardable(query: Any, key: Any) -> bool:
@@ -153,3 +157,47 @@ def view_with_contiguous_local(op: Any) -> Any:
         return op(in_global_layout(x), *args, **kwargs)
 
     return run
+
+
+def _grouped_mm_rule(input: Any, weight: Any, offs: Any) -> list[tuple[list[Any], list[Any]]]:
+    """``transformers::grouped_mm_fallback(input [T, K], weight [E, K, N], offs [E]) ->
+    [T, N]``: rows ``offs[e-1]:offs[e]`` of ``input`` times ``weight[e]``. Per mesh dim:
+    replicated; column-parallel (``N`` sharded: output ``Shard(1)``); row-parallel (``K``
+    sharded in both: output ``Partial``). Each group's product is a matmul, split as
+    Megatron splits one; tokens and experts stay whole (``offs`` counts rows globally)."""
+    return [
+        ([Replicate()], [Replicate(), Replicate(), Replicate()]),
+        ([Shard(1)], [Replicate(), Shard(2), Replicate()]),
+        ([Partial()], [Shard(1), Shard(1), Replicate()]),
+    ]
+
+
+def _grouped_mm_backward_rule(
+    input: Any, weight: Any, offs: Any, grad_output: Any
+) -> list[tuple[list[Any], list[Any]]]:
+    """``transformers::grouped_mm_fallback_backward(input, weight, offs, grad_output) ->
+    (grad_input [T, K], grad_weight [E, K, N])``: the three strategies of
+    :func:`_grouped_mm_rule`, their gradients placed as a matmul's."""
+    return [
+        ([Replicate(), Replicate()], [Replicate()] * 4),
+        ([Partial(), Shard(2)], [Replicate(), Shard(2), Replicate(), Shard(1)]),
+        ([Shard(1), Shard(1)], [Shard(1), Shard(1), Replicate(), Replicate()]),
+    ]
+
+
+def register_transformers_grouped_mm_rules() -> bool:
+    """Register :func:`_grouped_mm_rule` and its backward for HuggingFace's experts
+    (``transformers.integrations.moe`` defines the ops; DTensor has no rule for them),
+    where transformers has been imported (a model file that builds an HF model). Returns
+    whether they were registered (once per process)."""
+    global _grouped_mm_registered
+    if _grouped_mm_registered:
+        return True
+    if "transformers" not in sys.modules:
+        return False
+    importlib.import_module("transformers.integrations.moe")
+    ops = torch.ops.transformers
+    register_sharding(ops.grouped_mm_fallback.default)(_grouped_mm_rule)
+    register_sharding(ops.grouped_mm_fallback_backward.default)(_grouped_mm_backward_rule)
+    _grouped_mm_registered = True
+    return True

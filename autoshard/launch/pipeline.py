@@ -74,6 +74,7 @@ from autoshard.launch.check import (
 )
 from autoshard.launch.dtensor_rules import (
     register_cpu_flash_attention_rules,
+    register_transformers_grouped_mm_rules,
     view_with_contiguous_local,
 )
 from autoshard.launch.graph_run import plant_gradient_fault
@@ -718,6 +719,7 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
                 f"(fallback init used): {listing(fallback)}"
             )
 
+    register_transformers_grouped_mm_rules()  # HF experts in a stage (the model is built)
     pipe = _trace(module, mbs[0], spec.split_points)
     if pipe.num_stages != spec.pp:
         raise AutoshardError(
