@@ -42,6 +42,7 @@ from torch.distributed.tensor._redistribute import (
     _gen_transform_infos_non_cached,
     redistribute_local_tensor,
 )
+from torch.distributed.tensor.experimental import register_sharding
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten
@@ -58,6 +59,7 @@ __all__ = [
     "fake_mesh",
     "has_rule",
     "key_sharding_cache_on",
+    "register_launch_rule",
     "rule_strategies",
     "tensor_meta",
 ]
@@ -107,8 +109,23 @@ def key_sharding_cache_on(op: Any, kwargs: Sequence[str]) -> None:
     )
 
 
+_LAUNCH_RULES: set[Any] = set()
+"""Ops :func:`register_launch_rule` gave DTensor a rule for in this process."""
+
+
+def register_launch_rule(op: Any, rule: Any) -> None:
+    """Give DTensor ``rule`` for ``op`` (``register_sharding``) for a launch path where
+    DTensor places activations; :func:`has_rule` keeps answering for PyTorch's own rules,
+    so a plan never depends on whether this process launched something before."""
+    register_sharding(op)(rule)
+    _LAUNCH_RULES.add(op)
+
+
 def has_rule(op: Any) -> bool:
-    """Whether PyTorch has a DTensor sharding rule for ``op`` (an ``OpOverload``)."""
+    """Whether PyTorch has a DTensor sharding rule for ``op`` (an ``OpOverload``); rules
+    autoshard's launcher registered (:func:`register_launch_rule`) do not count."""
+    if op in _LAUNCH_RULES:
+        return False
     sp = _propagator()
     return op in sp.op_single_dim_strategy_funcs or op in sp.op_strategy_funcs
 

@@ -139,17 +139,20 @@ def test_dtensor_alone_fails_on_such_a_shard() -> None:
 
 def test_hf_grouped_matmul_column_and_row_parallel_equal_one_device() -> None:
     """HuggingFace's experts matmul (``transformers::grouped_mm_fallback``: rows grouped by
-    expert, each group times its expert's weight) with the weight split as Megatron splits
-    a matmul, on 2 ranks: column-parallel (output dim) gives rank 0 its columns of the
-    whole product, and its backward gives rank 0's columns of the weight's gradient;
-    row-parallel (input dim) gives a ``Partial`` whose two halves add up to the whole
-    product (rank 1's half computed here by hand from the whole tensors)."""
+    expert, each group times its expert's weight) and its backward, with the weight split
+    as Megatron splits a matmul, on 2 ranks, against autograd of the op on whole tensors.
+    Column-parallel (output dim N): rank 0's columns of the product and of the weight's
+    gradient, and a ``Partial`` input gradient whose two halves add up to the whole.
+    Row-parallel (input dim K): a ``Partial`` product whose halves add up to the whole,
+    and rank 0's rows of both gradients. Rank 1's halves are computed here from the whole
+    tensors."""
     import transformers.integrations.moe  # noqa: F401  (defines the ops)
 
     from autoshard.launch.dtensor_rules import register_transformers_grouped_mm_rules
 
     assert register_transformers_grouped_mm_rules()
     op = torch.ops.transformers.grouped_mm_fallback.default
+    op_backward = torch.ops.transformers.grouped_mm_fallback_backward.default
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10, 6, generator=g, dtype=torch.float64)  # 10 rows, K = 6
     w = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)  # 3 experts, N = 4
@@ -158,22 +161,46 @@ def test_hf_grouped_matmul_column_and_row_parallel_equal_one_device() -> None:
     whole = op(xr, wr, offs)
     grad_out = torch.randn_like(whole)
     whole.backward(grad_out)
+    whole = whole.detach()
+
+    def c(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous()
+
     with tp.fake_mesh((2,)) as mesh:
 
-        def place(t: torch.Tensor, p: object, grad: bool = False) -> DTensor:
-            return DTensor.from_local(t.contiguous(), mesh, [p], run_check=False).requires_grad_(
-                grad
-            )
+        def place(t: torch.Tensor, p: object) -> DTensor:
+            return DTensor.from_local(c(t), mesh, [p], run_check=False)
 
-        xd, od = place(x, Replicate()), place(offs, Replicate())
-        wd = place(w[:, :, :2], Shard(2), grad=True)
+        xd, od, gd = place(x, Replicate()), place(offs, Replicate()), place(grad_out, Replicate())
+        # column-parallel
+        wd = place(w[:, :, :2], Shard(2))
         col = op(xd, wd, od)
         assert col.placements == (Shard(1),)
-        torch.testing.assert_close(col.to_local(), whole[:, :2].detach())
-        col.backward(place(grad_out[:, :2], Shard(1)))
-        assert wd.grad.placements == (Shard(2),)
-        torch.testing.assert_close(wd.grad.to_local(), wr.grad[:, :, :2])
-        row = op(place(x[:, :3], Shard(1)), place(w[:, :3], Shard(1)), od)
+        torch.testing.assert_close(col.to_local(), whole[:, :2])
+        gx, gw = op_backward(xd, wd, od, place(grad_out[:, :2], Shard(1)))
+        assert (gx.placements, gw.placements) == ((Partial(),), (Shard(2),))
+        torch.testing.assert_close(gw.to_local(), wr.grad[:, :, :2])
+        gx_other, _ = op_backward(x, c(w[:, :, 2:]), offs, c(grad_out[:, 2:]))
+        torch.testing.assert_close(gx.to_local() + gx_other, xr.grad)
+        # row-parallel
+        xk, wk = place(x[:, :3], Shard(1)), place(w[:, :3], Shard(1))
+        row = op(xk, wk, od)
         assert row.placements == (Partial(),)
-        other = op(x[:, 3:].contiguous(), w[:, 3:].contiguous(), offs)
-        torch.testing.assert_close(row.to_local() + other, whole.detach())
+        torch.testing.assert_close(row.to_local() + op(c(x[:, 3:]), c(w[:, 3:]), offs), whole)
+        gx, gw = op_backward(xk, wk, od, gd)
+        assert (gx.placements, gw.placements) == ((Shard(1),), (Shard(1),))
+        torch.testing.assert_close(gx.to_local(), xr.grad[:, :3])
+        torch.testing.assert_close(gw.to_local(), wr.grad[:, :3])
+
+
+def test_launch_rules_do_not_change_what_the_planner_sees() -> None:
+    """A rule the launcher gives DTensor (here, the experts matmul's, registered by the
+    test above or now) is not one of PyTorch's for the planner: an unfused experts matmul
+    stays a replicated fallback whether or not this process launched anything."""
+    import transformers.integrations.moe  # noqa: F401
+
+    from autoshard.launch.dtensor_rules import register_transformers_grouped_mm_rules
+
+    assert register_transformers_grouped_mm_rules()
+    assert not tp.has_rule(torch.ops.transformers.grouped_mm_fallback.default)
+    assert tp.has_rule(torch.ops.aten.mm.default)

@@ -37,14 +37,14 @@ fused ops shard by shard as the solution places them, and reshapes the shards it
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.experimental import register_sharding
 
-from autoshard._torch_private import key_sharding_cache_on
+from autoshard._torch_private import key_sharding_cache_on, register_launch_rule
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
 
 _registered = False
@@ -121,7 +121,7 @@ def register_cpu_flash_attention_rules() -> None:
     if _registered:
         return
     for op, rule in ((FLASH_FORWARD, _forward_rule), (FLASH_BACKWARD, _backward_rule)):
-        register_sharding(op)(rule)
+        register_launch_rule(op, rule)
         key_sharding_cache_on(op, ["attn_mask"])  # the rules read the mask's shape
     _registered = True
 
@@ -188,16 +188,23 @@ def _grouped_mm_backward_rule(
 def register_transformers_grouped_mm_rules() -> bool:
     """Register :func:`_grouped_mm_rule` and its backward for HuggingFace's experts
     (``transformers.integrations.moe`` defines the ops; DTensor has no rule for them),
-    where transformers has been imported (a model file that builds an HF model). Returns
-    whether they were registered (once per process)."""
+    where transformers has been imported (a model file that builds an HF model) and
+    defines them. Returns whether they are registered (once per process). The planner
+    does not use them (:func:`autoshard._torch_private.register_launch_rule`): it prices
+    an unfused experts matmul as a replicated fallback, as the launch's plan runs it."""
     global _grouped_mm_registered
     if _grouped_mm_registered:
         return True
-    if "transformers" not in sys.modules:
+    # transformers releases before its integrations.moe module lack the ops
+    if "transformers" not in sys.modules or not importlib.util.find_spec(
+        "transformers.integrations.moe"
+    ):
         return False
     importlib.import_module("transformers.integrations.moe")
     ops = torch.ops.transformers
-    register_sharding(ops.grouped_mm_fallback.default)(_grouped_mm_rule)
-    register_sharding(ops.grouped_mm_fallback_backward.default)(_grouped_mm_backward_rule)
+    if not (hasattr(ops, "grouped_mm_fallback") and hasattr(ops, "grouped_mm_fallback_backward")):
+        return False
+    register_launch_rule(ops.grouped_mm_fallback.default, _grouped_mm_rule)
+    register_launch_rule(ops.grouped_mm_fallback_backward.default, _grouped_mm_backward_rule)
     _grouped_mm_registered = True
     return True
