@@ -160,7 +160,6 @@ def test_a_calibrated_profile_on_four_gloo_ranks_changes_the_plan(tmp_path: Path
             want = {"reduce_scatter": half, "all_gather": gather}
     assert seen == pytest.approx(want), params
     assert measured["time_s"]["step"] < whole["time_s"]["step"] / 2
-    assert measured["plan"]["parameters"] == datasheet["plan"]["parameters"]  # DDP-like
 
 
 def _write_profile(path: Path) -> Path:
