@@ -115,10 +115,12 @@ _LAUNCH_RULES: set[Any] = set()
 
 def register_launch_rule(op: Any, rule: Any) -> None:
     """Give DTensor ``rule`` for ``op`` (``register_sharding``) for a launch path where
-    DTensor places activations; :func:`has_rule` keeps answering for PyTorch's own rules,
-    so a plan never depends on whether this process launched something before."""
-    register_sharding(op)(rule)
-    _LAUNCH_RULES.add(op)
+    DTensor places activations (once per op and process; later calls do nothing);
+    :func:`has_rule` keeps answering for PyTorch's own rules, so a plan never depends on
+    whether this process launched something before."""
+    if op not in _LAUNCH_RULES:
+        register_sharding(op)(rule)
+        _LAUNCH_RULES.add(op)
 
 
 def has_rule(op: Any) -> bool:

@@ -15,7 +15,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from autoshard import _torch_private as tp
 from autoshard.launch.dtensor_rules import (
-    register_cpu_flash_attention_rules,
+    register_launch_rules,
     view_with_contiguous_local,
 )
 
@@ -36,7 +36,7 @@ def test_grouped_query_attention_sharded_by_heads_equals_one_device() -> None:
     read key/value head 0; the rule keeps them together (heads sharded, no exchange), and
     rank 0's output is heads 0-1 of the whole attention with ``enable_gqa``; its backward
     gives heads 0-1 of the query's gradient and head 0 of the key's and value's."""
-    register_cpu_flash_attention_rules()
+    register_launch_rules()
     q, k, v = qkv()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
@@ -63,7 +63,7 @@ def test_grouped_query_attention_sharded_by_heads_equals_one_device() -> None:
 def test_a_batch_sharded_query_keeps_its_shard_beside_a_2d_mask() -> None:
     """A 2-D ``[L, S]`` mask broadcasts over batch and heads: a batch-sharded query stays
     sharded (no all-gather) and rank 0's output is the whole attention's batch row 0."""
-    register_cpu_flash_attention_rules()
+    register_launch_rules()
     q, k, v = qkv(heads=2, kv_heads=2)
     mask = torch.randn(16, 16, dtype=torch.float64)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -81,7 +81,7 @@ def test_the_decision_is_not_reused_for_another_mask() -> None:
     """DTensor caches a sharding decision per op and args; the rule reads the mask's
     shape, so a batch-sized mask after a broadcast one must not reuse the batch shard
     (its shard would not line up: "shape '[1, 1, 16, 16]' is invalid ...")."""
-    register_cpu_flash_attention_rules()
+    register_launch_rules()
     q, k, v = qkv(heads=2, kv_heads=2)
     with tp.fake_mesh((2,)) as mesh:
         qd, kd, vd = (

@@ -5,10 +5,10 @@ HuggingFace's experts matmul (:func:`register_transformers_grouped_mm_rules`).
 ``F.scaled_dot_product_attention`` on CPU runs ``aten._scaled_dot_product_flash_attention_for_cpu``
 (and its backward); torch 2.13's DTensor has rules for the CUDA flash and efficient kernels but
 none for these, so a model with SDPA on DTensors raised "does not have a sharding strategy
-registered" (eager) or fell to decomposition-based propagation, which placed the output so that
-HuggingFace's ``attn_output.transpose(1, 2).reshape(B, S, -1)`` failed on the local shard.
+registered" (eager) or, in a stage's exported graph, fell to DTensor's decomposition-based
+propagation.
 
-:func:`register_cpu_flash_attention_rules` gives them the strategies DTensor gives the CUDA
+:func:`register_launch_rules` gives them the strategies DTensor gives the CUDA
 flash kernel (``torch/distributed/tensor/_ops/_matrix_ops.py``), per mesh dim: everything
 replicated; everything sharded by batch (``Shard(0)``); everything sharded by heads
 (``Shard(1)``). Attention is independent per batch row and per head, so each needs no
@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,9 +47,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoshard._torch_private import key_sharding_cache_on, register_launch_rule
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
-
-_registered = False
-_grouped_mm_registered = False
 
 
 def _heads_shardable(query: Any, key: Any) -> bool:
@@ -65,65 +63,35 @@ def _mask_broadcasts(mask: Any, dim: int) -> bool:
     return k < 0 or mask.shape[k] == 1
 
 
-def _strategies(
-    query: Any, key: Any, attn_mask: Any, outputs: int, tensors_before_mask: int
+def _attention_rule(
+    query_at: int, outputs: int, *args: Any, attn_mask: Any = None, **_: Any
 ) -> list[tuple[list[Any], list[Any]]]:
-    """(outputs' placements, tensor inputs' placements) per strategy, for one mesh dim."""
+    """(outputs' placements, tensor inputs' placements) per strategy, for one mesh dim, of
+    the forward (``query_at=0``, 2 outputs: output, logsumexp; tensors query, key, value)
+    or the backward (``query_at=1``, 3 outputs: the gradients; tensors grad_out, query,
+    key, value, out, logsumexp); ``attn_mask``, when given, comes last."""
+    tensors = sum(hasattr(a, "placements") for a in args)  # DTensorSpecs; floats are not
+    query, key = args[query_at], args[query_at + 1]
     dims = [0] + ([1] if _heads_shardable(query, key) else [])
     if attn_mask is not None:
         dims = [d for d in dims if _mask_broadcasts(attn_mask, d)]
     mask = [Replicate()] if attn_mask is not None else []
-    out = [([Replicate()] * outputs, [Replicate()] * tensors_before_mask + mask)]
+    out = [([Replicate()] * outputs, [Replicate()] * tensors + mask)]
     for dim in dims:
-        out.append(([Shard(dim)] * outputs, [Shard(dim)] * tensors_before_mask + mask))
+        out.append(([Shard(dim)] * outputs, [Shard(dim)] * tensors + mask))
     return out
 
 
-def _forward_rule(
-    query: Any,
-    key: Any,
-    value: Any,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    *,
-    attn_mask: Any = None,
-    scale: float | None = None,
-) -> list[tuple[list[Any], list[Any]]]:
-    """Outputs ``(output [B, H, S, D], logsumexp [B, H, S])``; tensor inputs ``query, key,
-    value[, attn_mask]``."""
-    return _strategies(query, key, attn_mask, outputs=2, tensors_before_mask=3)
-
-
-def _backward_rule(
-    grad_out: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    out: Any,
-    logsumexp: Any,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    *,
-    attn_mask: Any = None,
-    scale: float | None = None,
-) -> list[tuple[list[Any], list[Any]]]:
-    """Outputs ``(grad_query, grad_key, grad_value)``; tensor inputs ``grad_out, query, key,
-    value, out, logsumexp[, attn_mask]``."""
-    return _strategies(query, key, attn_mask, outputs=3, tensors_before_mask=6)
-
-
-def register_cpu_flash_attention_rules() -> None:
-    """Register the rules above with DTensor (once per process; later calls do nothing).
-
-    DTensor caches sharding decisions per op and input placements, so call this before the
-    first DTensor op runs."""
-    global _registered
-    if _registered:
-        return
-    for op, rule in ((FLASH_FORWARD, _forward_rule), (FLASH_BACKWARD, _backward_rule)):
-        register_launch_rule(op, rule)
+def register_launch_rules() -> None:
+    """Give DTensor the rules of this module (once per process; later calls do nothing):
+    the fused CPU attention's, and the HF experts matmul's where transformers defines it
+    (:func:`register_transformers_grouped_mm_rules`). Call after the model file is loaded
+    and before the first DTensor op runs (DTensor caches its sharding decisions)."""
+    register_launch_rule(FLASH_FORWARD, partial(_attention_rule, 0, 2))
+    register_launch_rule(FLASH_BACKWARD, partial(_attention_rule, 1, 3))
+    for op in (FLASH_FORWARD, FLASH_BACKWARD):
         key_sharding_cache_on(op, ["attn_mask"])  # the rules read the mask's shape
-    _registered = True
+    register_transformers_grouped_mm_rules()
 
 
 def _global_order(x: Any) -> list[int]:
@@ -189,12 +157,9 @@ def register_transformers_grouped_mm_rules() -> bool:
     """Register :func:`_grouped_mm_rule` and its backward for HuggingFace's experts
     (``transformers.integrations.moe`` defines the ops; DTensor has no rule for them),
     where transformers has been imported (a model file that builds an HF model) and
-    defines them. Returns whether they are registered (once per process). The planner
-    does not use them (:func:`autoshard._torch_private.register_launch_rule`): it prices
-    an unfused experts matmul as a replicated fallback, as the launch's plan runs it."""
-    global _grouped_mm_registered
-    if _grouped_mm_registered:
-        return True
+    defines them. Returns whether they are registered. The planner does not use them
+    (:func:`autoshard._torch_private.register_launch_rule`): it prices an unfused experts
+    matmul as a replicated fallback, as the launch's plan runs it."""
     # transformers releases before its integrations.moe module lack the ops
     if "transformers" not in sys.modules or not importlib.util.find_spec(
         "transformers.integrations.moe"
@@ -206,5 +171,4 @@ def register_transformers_grouped_mm_rules() -> bool:
         return False
     register_launch_rule(ops.grouped_mm_fallback.default, _grouped_mm_rule)
     register_launch_rule(ops.grouped_mm_fallback_backward.default, _grouped_mm_backward_rule)
-    _grouped_mm_registered = True
     return True

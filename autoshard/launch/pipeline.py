@@ -72,11 +72,7 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
-from autoshard.launch.dtensor_rules import (
-    register_cpu_flash_attention_rules,
-    register_transformers_grouped_mm_rules,
-    view_with_contiguous_local,
-)
+from autoshard.launch.dtensor_rules import register_launch_rules, view_with_contiguous_local
 from autoshard.launch.graph_run import plant_gradient_fault
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import (
@@ -364,31 +360,31 @@ def shared_parameters(
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
 
 
-def _prepare_stage_graphs(module: nn.Module) -> int:
+def _prepare_stage_graphs(module: nn.Module) -> None:
     """Make every graph in ``module`` runnable on DTensors: remove the
     ``aten._assert_tensor_metadata`` calls ``torch.export`` puts at each ``Tensor.to``
     (DTensor has no sharding rule for that check, and it returns nothing), and run views
     and reshapes through
-    :func:`~autoshard.launch.dtensor_rules.view_with_contiguous_local`. Returns how many asserts
-    were removed."""
-    target = torch.ops.aten._assert_tensor_metadata.default
-    removed = 0
+    :func:`~autoshard.launch.dtensor_rules.view_with_contiguous_local`."""
+    assert_metadata = torch.ops.aten._assert_tensor_metadata.default
     for mod in module.modules():
         graph = getattr(mod, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
             continue
-        dropped = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
-        for node in dropped:
-            graph.erase_node(node)
-        views = [n for n in graph.nodes if n.op == "call_function" and n.target in _VIEWS]
-        for node in views:
-            node.target = view_with_contiguous_local(node.target)
-        removed += len(dropped)
-        if dropped or views:
+        calls = [n for n in graph.nodes if n.op == "call_function"]
+        changed = False
+        for node in calls:
+            if node.target is assert_metadata:
+                graph.erase_node(node)
+            elif node.target in _VIEWS:
+                node.target = view_with_contiguous_local(node.target)
+            else:
+                continue
+            changed = True
+        if changed:
             for gm in (mod, mod.__dict__.get("graph_module")):  # unflatten's InterpreterModule
                 if isinstance(gm, torch.fx.GraphModule):
                     gm.recompile()
-    return removed
 
 
 def run_on_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -642,7 +638,6 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
-    register_cpu_flash_attention_rules()  # DTensor places a stage's activations
     try:
         return _run_in_group(spec, model, opts, device)
     finally:
@@ -719,7 +714,7 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
                 f"(fallback init used): {listing(fallback)}"
             )
 
-    register_transformers_grouped_mm_rules()  # HF experts in a stage (the model is built)
+    register_launch_rules()  # DTensor places a stage's activations (the model is built)
     pipe = _trace(module, mbs[0], spec.split_points)
     if pipe.num_stages != spec.pp:
         raise AutoshardError(

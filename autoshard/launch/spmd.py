@@ -35,7 +35,7 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
-from autoshard.launch.dtensor_rules import register_cpu_flash_attention_rules
+from autoshard.launch.dtensor_rules import register_launch_rules
 from autoshard.launch.observed import (
     lowered_report,
     observed_rows,
@@ -108,7 +108,7 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     if opts.mode == "plan":
         program = prepare_program(smap, mf, opts, announce=rank == 0)
     else:
-        register_cpu_flash_attention_rules()  # DTensor places the activations
+        register_launch_rules()  # DTensor places the activations
     skeleton = build_skeleton(mf, opts.seed)
     check_plan(smap, skeleton, mf.path.name)
     # the solve's --dtype is a cast of the weights; mixed precision keeps fp32 master
