@@ -455,3 +455,58 @@ def _solve_error_lines(model: Path, tmp_path: Path) -> list[str]:
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""
     return [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
+
+
+def test_a_report_that_fails_before_writing_writes_nothing(tmp_path, monkeypatch):
+    """Issue 27: the report's facts (the block comparison, the fallbacks) are priced
+    before any file is written, so a planted failure there leaves --out empty."""
+    import autoshard.plan.report as report
+
+    def planted(plan):
+        raise KeyError(30)
+
+    monkeypatch.setattr(report, "block_differences", planted)
+    out = tmp_path / "out"
+    result = _run("solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "4", "--out", str(out))
+    assert isinstance(result.exception, KeyError)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_report_that_fails_after_writing_names_the_files_it_wrote(tmp_path, monkeypatch):
+    """Issue 27: a failure once the plan is written (here a planted one in printing the
+    report) first says which files hold the plan; both exist and load."""
+    import autoshard.plan.report as report
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(report, "print_report", planted)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "4", "--out", str(out)]
+    )
+    assert isinstance(result.exception, RuntimeError)
+    pkl, js = out / "mlp_4.pkl", out / "mlp_4.json"
+    assert f"the plan was written before this failure: {pkl}, {js}" in result.output
+    assert load_sharding_map(js).parameters and load_solution(pkl)
+
+
+def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
+    """Issue 27: ``python cli.py`` run by an interpreter without autoshard's dependencies
+    (here this one with its site-packages cut off, ``-S``) is one line, exit 2, naming
+    the interpreter to use instead of a ModuleNotFoundError traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-S", str(ROOT / "cli.py"), "solve", "examples/mlp.py", "--mesh", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "has no module" in lines[0] and "cli.py ...`" in lines[0], lines[0]
+    assert "Traceback" not in done.stderr

@@ -91,3 +91,31 @@ def test_every_replicate_fallback_is_listed_with_the_time_it_carries(tmp_path):
     assert line is not None and all(op in line for op in fell)
     for op, (_, seconds) in costs.items():
         assert seconds >= fallback_costs(rep)[op][1] * (1 - 1e-9)
+
+
+def test_a_depth_reduced_model_s_last_block_planned_apart_is_reported_not_a_crash(monkeypatch):
+    """Issue 27: a 6-block GPT-2 (an ``nn.ModuleList``) traced depth-reduced (blocks 0, 1,
+    2 standing for 2-4, and 5), with its last block's parameters placed unlike the others'
+    (planted in the plan's parameter map: tied blocks share their strategies, so a solve
+    that stops at its time limit is what makes such a plan). The nearest usual block, 4,
+    was never traced (``KeyError: 4`` before): it is compared through block 2, which stands
+    for it. The strategies did not change, so the line says the two plans cost the same."""
+    import dataclasses
+
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "6")
+    cfg = SolveConfig(model_path=GPT2, mesh=MeshSpec.from_options("2x4"), mode="infer")
+    res = plan_model(cfg)
+    plan = res.plan
+    assert plan.sg.graph.depth is not None and plan.sg.graph.depth.stands_for[2] == (2, 3, 4)
+    assert block_differences(plan) == []
+    name = "transformer.h.5.attn.c_attn.weight"
+    from torch.distributed.tensor import Replicate, Shard
+
+    candidates = [(Replicate(), Replicate()), (Shard(0), Replicate()), (Replicate(), Shard(0))]
+    other = next(ps for ps in candidates if ps != tuple(plan.parameters[name]))
+    planted = dataclasses.replace(plan, parameters={**plan.parameters, name: other})
+    lines = block_differences(planted)
+    assert lines == [
+        "block 5 planned unlike blocks 0-4: blocks 0-4' plan there would cost the same "
+        "(the two are equally fast here)"
+    ], lines

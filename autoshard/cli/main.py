@@ -79,13 +79,17 @@ def main(ctx: click.Context, debug: bool, verbose: bool) -> None:
     """Find how to shard a PyTorch model across a mesh of GPUs.
 
     \b
-    Workflows (docs/ has each in full):
-      autoshard solve examples/gpt2.py --mesh 2x4        plan, print, write solutions/
-      autoshard show solutions/gpt2_2x4.json             read a plan back
-      autoshard launch solutions/gpt2_2x4.json examples/gpt2.py --check
-                                                         run it sharded under torchrun
-      autoshard export solutions/llama_2x4.json examples/llama.py
-                                                         the plan as torchtitan styles
+    First steps (seconds each on a laptop; docs/ has each workflow in full):
+      autoshard solve examples/mlp.py --mesh 4           plan, print, write solutions/
+      autoshard show solutions/mlp_4.json                read the plan back
+      autoshard launch solutions/mlp_4.json examples/mlp.py --train --check
+                                                         run it on 4 CPU ranks, check it
+      autoshard solve examples/mlp.py --mesh 4 --algo megatron
+      autoshard export solutions/mlp_4_megatron.json examples/mlp.py
+                                                         a hand plan as torchtitan styles
+    Then real models (a minute or more on a laptop):
+      autoshard solve examples/gpt2.py --mesh 2x4        HuggingFace GPT-2 small, 2x4
+      autoshard compare examples/gpt2.py --mesh 2x4      the ILP beside DDP/FSDP/Megatron
       autoshard calibrate --mesh 2x4                     measure links; solve --profile
     """
     ctx.ensure_object(dict)

@@ -325,7 +325,14 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
 class Progress:
     """Progress of the long phases (trace, strategies, solve): a rich bar on a terminal;
     elsewhere (a pipe, a CI log) one line when a phase starts and one with its seconds when
-    it ends, so that a piped run is never silent for minutes."""
+    it ends, so that a piped run is never silent for minutes.
+
+    While a MIP runs (:func:`autoshard.solver.highs.listening`), its incumbent, bound and
+    gap show beside the solve phase on a terminal, and as a line every
+    :attr:`EVERY_S` seconds (when they changed) elsewhere. Only what is printed depends on
+    the clock, never the plan."""
+
+    EVERY_S = 5.0
 
     LABELS = {
         "trace": "tracing (torch.export, meta device)",
@@ -351,11 +358,40 @@ class Progress:
         self.finished: set[str] = set()
 
     def __enter__(self):
+        from autoshard.solver.highs import listening  # heavy (HiGHS): once a command runs
+
         self.bar.__enter__()
+        self.listening = listening(self.solver)
+        self.listening.__enter__()
+        self.last_line = -float("inf")
         return self
 
     def __exit__(self, *exc):
+        self.listening.__exit__(*exc)
         return self.bar.__exit__(*exc)
+
+    def solver(self, p) -> None:  # noqa: ANN001 - an autoshard.solver.highs.SolverProgress
+        """One MIP progress report: the incumbent, bound and gap, on the solve phase."""
+
+        def value(v: float | None) -> str:
+            if v is None:
+                return "none yet"
+            return format_seconds(v) if p.in_seconds else f"{v:.6g}"
+
+        gap = f"{100 * p.gap:.2f}%" if p.gap is not None else "-"
+        text = f"incumbent {value(p.incumbent)}, bound {value(p.bound)}, gap {gap}"
+        if not p.mip:
+            text = f"linear relaxation, {p.iterations} simplex iterations"
+        label = self.LABELS["solve"]
+        if self.lines:
+            now = time.perf_counter()
+            if now - self.last_line >= self.EVERY_S:
+                self.last_line = now
+                seconds = now - self.started.get("solve", now)
+                self.console.print(f"{label}: {seconds:.0f} s, {text}", highlight=False)
+            return
+        if "solve" in self.tasks:
+            self.bar.update(self.tasks["solve"], description=f"{label}: {text}")
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         label = self.LABELS.get(phase, phase)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -83,7 +84,7 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path,
     """
     # heavy (torch, HiGHS): only once the command runs
     from autoshard.plan.export import output_stem, write_outputs
-    from autoshard.plan.report import ReportFacts, print_report, report_dict
+    from autoshard.plan.report import ReportFacts
     from autoshard.solver.solve import plan_model
 
     console = Console(stderr=as_json, quiet=quiet)
@@ -111,9 +112,31 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path,
             notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)
+    # the report's facts are priced before any file is written: a failure there loses no
+    # work and leaves no half-reported plan behind
+    facts = ReportFacts.of(result.plan)  # priced once for the terminal and --json
     interrupt.check()  # a Ctrl-C some library swallowed still stops the write
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
-    facts = ReportFacts.of(result.plan)  # priced once for the terminal and --json
+    with _naming_written(files):
+        _report(console, result, files, facts, notes, html_path, as_json, quiet)
+
+
+@contextlib.contextmanager
+def _naming_written(files: list[Path]):
+    """Any failure once the plan is written first says which files hold it, then goes on
+    (the traceback, or the one-line error, follows)."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt):
+        written = ", ".join(str(f) for f in files)
+        click.echo(f"the plan was written before this failure: {written}", err=True)
+        raise
+
+
+def _report(console, result, files, facts, notes, html_path, as_json, quiet) -> None:  # noqa: ANN001
+    """The terminal report, the notes, the HTML page and the JSON document of a solve."""
+    from autoshard.plan.report import print_report, report_dict
+
     print_report(console, result, files, facts)
     for note in notes:
         console.print(f"note: {note}")

@@ -101,6 +101,11 @@ def block_differences(plan: Plan) -> list[str]:
     for name, info in graph.nodes.items():
         if info.layer is not None:
             seq.setdefault(info.layer, []).append(name)
+    # a depth-reduced graph (autoshard.trace.tracer.reduce_depth) traces one block for many:
+    # every block is compared through the traced block that stands for it
+    traced = {b: b for b in seq}
+    if graph.depth is not None:
+        traced = {j: sf[0] for sf in graph.depth.stands_for for j in sf if sf[0] in seq}
 
     within_block = path_within_block(graph.block_prefixes)
 
@@ -115,8 +120,14 @@ def block_differences(plan: Plan) -> list[str]:
     for blocks in by_plan.values():
         if blocks is usual:
             continue
-        b = blocks[0]
-        m = min(usual, key=lambda u: abs(u - b))
+        which = ("block " if len(blocks) == 1 else "blocks ") + format_ranges(blocks)
+        others = ("block " if len(usual) == 1 else "blocks ") + format_ranges(usual)
+        b = next((traced[k] for k in blocks if k in traced), None)
+        twins = [u for u in usual if u in traced and traced[u] != b]
+        if b is None or not twins:
+            lines.append(f"{which} planned unlike {others} (no traced pair of blocks to price)")
+            continue
+        m = traced[min(twins, key=lambda u: abs(u - b))]
         a_sig, m_sig = [sig(n) for n in seq[b]], [sig(n) for n in seq[m]]
         sm = difflib.SequenceMatcher(None, a_sig, m_sig, autojunk=False)
         choice = dict(plan.choice)
@@ -130,8 +141,6 @@ def block_differences(plan: Plan) -> list[str]:
                 if want in ns.strategies:
                     choice[node] = ns.strategies.index(want)
         delta = evaluate(sg, choice) - base
-        which = ("block " if len(blocks) == 1 else "blocks ") + format_ranges(blocks)
-        others = ("block " if len(usual) == 1 else "blocks ") + format_ranges(usual)
         if abs(delta) <= 1e-9 * max(base, 1e-12):
             why = f"{others}' plan there would cost the same (the two are equally fast here)"
         elif delta > 0:

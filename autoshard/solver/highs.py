@@ -21,16 +21,18 @@ anything else (model or solve errors, ...)    ``error``
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import highspy
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["HighsRun", "MILP", "run"]
+__all__ = ["HighsRun", "MILP", "SolverProgress", "listening", "run"]
 
 _LIMITS = {
     "kTimeLimit",
@@ -111,15 +113,105 @@ def new_highs() -> highspy.Highs:
         return highspy.Highs()
 
 
-def _run_interruptibly(h: highspy.Highs) -> None:
+@dataclass(frozen=True)
+class SolverProgress:
+    """Where a running MIP stands, as HiGHS's callbacks last reported it.
+
+    ``incumbent``: the best feasible objective so far (None before the first);
+    ``bound``: the dual bound (None while it is unbounded); ``gap``: HiGHS's relative gap
+    (None while it is infinite); ``seconds``: HiGHS's own running time (-1 where HiGHS
+    does not report it, as in a simplex callback). Objectives are in seconds when the
+    caller of :func:`run` gave ``seconds_per_unit``, else in the program's own units. A
+    linear program (``mip`` False) has no incumbent, bound or gap until it ends:
+    ``iterations`` counts its simplex iterations (a MIP's: its branch-and-bound nodes).
+    """
+
+    incumbent: float | None
+    bound: float | None
+    gap: float | None
+    seconds: float
+    in_seconds: bool
+    mip: bool = True
+    iterations: int = 0
+
+
+_listener: contextvars.ContextVar[Callable[[SolverProgress], None] | None] = contextvars.ContextVar(
+    "autoshard_highs_listener", default=None
+)
+
+
+@contextlib.contextmanager
+def listening(callback: Callable[[SolverProgress], None]) -> Iterator[None]:
+    """Within the block, every MIP :func:`run` solves reports its progress to ``callback``:
+    on the calling thread, every 0.1 s once HiGHS has reported. Reading HiGHS's callbacks
+    changes nothing in its search (the same plan)."""
+    token = _listener.set(callback)
+    try:
+        yield
+    finally:
+        _listener.reset(token)
+
+
+class _Watch:
+    """HiGHS's MIP callbacks (its solver thread) record the latest numbers here; the
+    calling thread passes them on (:func:`_run_interruptibly`)."""
+
+    def __init__(
+        self, h: highspy.Highs, callback, seconds_per_unit: float | None, mip: bool
+    ) -> None:
+        self.callback = callback
+        self.scale = seconds_per_unit
+        self.mip = mip
+        self.latest: tuple[float, float, float, float, int] | None = None
+        if mip:
+            h.cbMipInterrupt.subscribe(self._record)
+            h.cbMipImprovingSolution.subscribe(self._record)
+        else:
+            h.cbSimplexInterrupt.subscribe(self._record)
+
+    def _record(self, event) -> None:  # noqa: ANN001 - highspy's callback event
+        d = event.data_out
+        count = d.mip_node_count if self.mip else d.simplex_iteration_count
+        nan = math.nan
+        if self.mip:
+            self.latest = (d.mip_primal_bound, d.mip_dual_bound, d.mip_gap, d.running_time, count)
+        else:
+            self.latest = (nan, nan, nan, d.running_time, count)
+
+    def tell(self) -> None:
+        if self.latest is None:
+            return
+        primal, dual, gap, seconds, count = self.latest
+        scale = self.scale if self.scale is not None else 1.0
+
+        def finite(v: float) -> float | None:
+            return float(v) * scale if math.isfinite(v) and abs(v) < 1e30 else None
+
+        g = float(gap) if math.isfinite(gap) and 0 <= gap < 1e20 else None
+        self.callback(
+            SolverProgress(
+                finite(primal),
+                finite(dual),
+                g,
+                float(seconds),
+                self.scale is not None,
+                self.mip,
+                int(count),
+            )
+        )
+
+
+def _run_interruptibly(h: highspy.Highs, watch: _Watch | None = None) -> None:
     """``h.run()`` in highspy's solver thread, so that Ctrl-C reaches the main thread at
     once: HiGHS is then cancelled at its next interrupt check (highspy's
-    ``HandleUserInterrupt`` callbacks) and the :class:`KeyboardInterrupt` goes on."""
+    ``HandleUserInterrupt`` callbacks) and the :class:`KeyboardInterrupt` goes on.
+    ``watch``: progress passed on every 0.1 s."""
     h.HandleUserInterrupt = True
     h.startSolve()
     try:
         while not h.wait(0.1)[0]:
-            pass
+            if watch is not None:
+                watch.tell()
     except KeyboardInterrupt:
         h.cancelSolve()
         while not h.wait(0.1)[0]:
@@ -133,6 +225,7 @@ def run(
     mip_rel_gap: float | None = None,
     start: tuple[np.ndarray, np.ndarray] | None = None,
     objective_bound: float | None = None,
+    seconds_per_unit: float | None = None,
 ) -> HighsRun:
     """Solve ``milp`` with HiGHS within ``time_limit`` seconds.
 
@@ -146,6 +239,8 @@ def run(
         objective_bound: HiGHS's ``objective_bound``: every branch whose bound is not
             below it is cut (a start's objective, slightly raised, prunes as the start
             would once HiGHS has completed it).
+        seconds_per_unit: seconds of the step per unit of the objective, for the progress
+            a :func:`listening` block reports (None: the objective is not a time).
 
     Returns:
         A :class:`HighsRun`; no exception for infeasibility or limits, which its
@@ -192,7 +287,9 @@ def run(
         h.setSolution(
             len(index), np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
         )
-    _run_interruptibly(h)
+    callback = _listener.get()
+    watch = _Watch(h, callback, seconds_per_unit, mip) if callback is not None else None
+    _run_interruptibly(h, watch)
     word = h.modelStatusToString(h.getModelStatus())
     name = h.getModelStatus().name
     info = h.getInfo()

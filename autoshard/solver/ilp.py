@@ -694,7 +694,7 @@ def _search(
         _start(prob, incumbent.choice, incumbent.recompute) if incumbent is not None else None
     )
     cutoff = incumbent.objective_s * SCALE * (1 + 1e-9) if incumbent is not None else None
-    found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff)
+    found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff, 1 / SCALE)
     solve_s = time.perf_counter() - t1
     status = found.status
     if status == "error":
@@ -890,7 +890,8 @@ def _fixed_mip(
     Solved to ``mip_gap`` (the caller measures the plan against the LP bound anyway)
     within ``time_limit`` seconds; a plan found when the time runs out is still returned
     (its gap is measured by the caller)."""
-    found = run(_milp(prob, memory=memory, fixed=decided), time_limit, float(options.mip_gap))
+    milp = _milp(prob, memory=memory, fixed=decided)
+    found = run(milp, time_limit, float(options.mip_gap), seconds_per_unit=1 / SCALE)
     if found.status in ("infeasible", "error") or found.x is None:
         return None
     return found.x

@@ -1,0 +1,80 @@
+"""The MIP's progress while HiGHS runs (issue 27, item 3): what a listener is told is what
+HiGHS itself ends with, and listening changes nothing in the answer."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import scipy.sparse as sp
+from rich.console import Console
+
+from autoshard.solver.highs import MILP, SolverProgress, listening, run
+
+
+def knapsack(n: int = 120, rows: int = 5, seed: int = 0) -> MILP:
+    """A 0/1 multi-knapsack (maximise value under ``rows`` weight rows, a third of each
+    row's total weight): hard enough that HiGHS branches for about a second."""
+    rng = np.random.default_rng(seed)
+    value = rng.integers(10, 100, n).astype(float)
+    weights = rng.integers(10, 100, (rows, n)).astype(float)
+    return MILP(
+        c=-value,
+        A=sp.csr_matrix(weights),
+        row_lower=np.full(rows, -np.inf),
+        row_upper=weights.sum(axis=1) / 3,
+        col_lower=np.zeros(n),
+        col_upper=np.ones(n),
+        integer=np.ones(n, dtype=bool),
+    )
+
+
+def test_the_listener_sees_the_incumbent_bound_and_gap_that_highs_ends_with():
+    milp = knapsack()
+    quiet = run(milp, time_limit=60.0, seconds_per_unit=1e-6)
+    told: list[SolverProgress] = []
+    with listening(told.append):
+        found = run(milp, time_limit=60.0, seconds_per_unit=1e-6)
+    assert found.status == quiet.status == "optimal"
+    np.testing.assert_array_equal(found.x, quiet.x)  # listening changes nothing
+    assert len(told) >= 2 and all(p.mip and p.in_seconds for p in told)
+    with_incumbent = [p for p in told if p.incumbent is not None]
+    assert with_incumbent, told
+    # the incumbent only improves (a minimisation), the bound only rises, both in seconds
+    inc = [p.incumbent for p in with_incumbent]
+    assert inc == sorted(inc, reverse=True)
+    bounds = [p.bound for p in told if p.bound is not None]
+    assert bounds == sorted(bounds)
+    # the last report is no better than HiGHS's answer and within its final gap
+    last = with_incumbent[-1]
+    assert last.incumbent >= found.objective * 1e-6 - 1e-12
+    assert all(p.bound <= found.objective * 1e-6 + 1e-12 for p in told if p.bound is not None)
+    # a report with both has HiGHS's gap: (incumbent - bound) / |incumbent|
+    both = [p for p in told if p.incumbent is not None and p.bound is not None and p.gap]
+    for p in both:
+        assert abs(p.gap - (p.incumbent - p.bound) / abs(p.incumbent)) < 1e-6
+
+
+def test_nothing_listens_outside_the_block():
+    told: list[SolverProgress] = []
+    with listening(told.append):
+        pass
+    run(knapsack(n=40), time_limit=60.0)
+    assert told == []
+
+
+def test_a_piped_solve_prints_the_incumbent_bound_and_gap():
+    """The CLI's progress, piped (no terminal): a line per report at most every
+    EVERY_S seconds, with the incumbent, the bound and the gap in the step's units."""
+    from autoshard.cli.options import Progress
+
+    buf = io.StringIO()
+    with Progress(Console(file=buf, force_terminal=False, width=200)) as progress:
+        progress.EVERY_S = 0.0
+        progress("solve", 0, 1)
+        run(knapsack(), time_limit=60.0, seconds_per_unit=1e-6)
+        progress("solve", 1, 1)
+    lines = [line for line in buf.getvalue().splitlines() if "incumbent" in line]
+    assert lines, buf.getvalue()
+    assert re.search(r"incumbent -?[\d.]+ ms, bound -?[\d.]+ ms, gap [\d.]+%$", lines[-1]), lines
