@@ -1,7 +1,8 @@
 # autoshard: set-up, run, test, benchmark, lint.  GNU make.
 #
 #   make run    solve the bundled GPT-2 example on a 2x4 mesh
-#   make test   run the test suite
+#   make test   run the test suite (what CI runs)
+#   make test-fast  the suite without multi-process launches and large models (-m "not slow")
 #   make bench  time each stage on the MLP, GPT-2 small and the Llama-7B shape
 #   make lint   ruff check + ruff format --check
 #
@@ -16,7 +17,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench lint
+.PHONY: install run test test-fast bench lint
 
 install: $(STAMP)
 
@@ -33,6 +34,9 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m autoshard.bench

@@ -379,6 +379,7 @@ def test_relative_error_is_scaled_by_each_tensor_and_floored() -> None:
 # ------------------------------------------------------------------ real torchrun runs
 
 
+@pytest.mark.slow  # starts torchrun
 def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
     plan = _write_map(
         tmp_path / "mlp.json",
@@ -400,6 +401,7 @@ def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
     assert re.search(r"step time: \S+ (s|ms)", out)
 
 
+@pytest.mark.slow  # starts torchrun
 def test_mlp_forward_through_autoshard_launch(tmp_path: Path) -> None:
     plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]})
     cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan), str(MLP)]
@@ -414,6 +416,7 @@ def test_mlp_forward_through_autoshard_launch(tmp_path: Path) -> None:
     assert "(step 2; step 1: " in run.stdout
 
 
+@pytest.mark.slow  # starts torchrun
 def test_world_size_mismatch_fails_before_any_work(tmp_path: Path) -> None:
     plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]})
     run = torchrun(4, str(plan), str(MLP))
@@ -426,6 +429,7 @@ def test_world_size_mismatch_fails_before_any_work(tmp_path: Path) -> None:
     assert "exitcode  : 2" in run.stderr  # torchrun reports the rank that exited 2 first
 
 
+@pytest.mark.slow  # starts torchrun
 def test_unknown_parameter_fails_under_torchrun(tmp_path: Path) -> None:
     plan = _write_map(
         tmp_path / "mlp.json", {**MLP_DP_TP, "fc3.weight": ["R", "R"]}, {"x": ["S(0)", "R"]}
@@ -452,6 +456,7 @@ def _solve_map(model: Path, out: Path, *extra: str, **env: str) -> Path:
     return next(Path(line) for line in run.stdout.split() if line.endswith(".json"))
 
 
+@pytest.mark.slow  # starts torchrun
 def test_solved_mlp_plan_trains_like_one_device(tmp_path: Path) -> None:
     """The ILP's own plan (not a hand-written one) on 8 gloo processes: forward and one
     training step equal the single-device run within 1e-5."""

@@ -382,6 +382,7 @@ def test_copies_of_a_parameter_in_one_stage_get_the_summed_gradient() -> None:
 # ------------------------------------------------------------------ real torchrun runs
 
 
+@pytest.mark.slow  # starts torchrun
 def test_forward_through_autoshard_launch_matches_one_device(plan_pp2: Path, blocks: Path) -> None:
     cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan_pp2), str(blocks), "--check"]
     run = subprocess.run(
@@ -397,6 +398,7 @@ def test_forward_through_autoshard_launch_matches_one_device(plan_pp2: Path, blo
     assert_checked(out, 1e-6)
 
 
+@pytest.mark.slow  # starts torchrun
 def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
     """1F1B over 4 micro-batches, 2 AdamW steps: step 1's output, gradients and parameters
     equal the single-device run up to float32 rounding of the smaller matmuls."""
@@ -409,6 +411,7 @@ def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
     assert "(step 2; step 1: " in out
 
 
+@pytest.mark.slow  # starts torchrun
 def test_three_stages_gpipe_train_matches_one_device(blocks: Path, tmp_path: Path) -> None:
     """pp=3 with 2 micro-batches (fewer than the stages): ScheduleGPipe, a middle stage."""
     plan = _stages(blocks, tmp_path, "3", 3, 2)
@@ -419,6 +422,7 @@ def test_three_stages_gpipe_train_matches_one_device(blocks: Path, tmp_path: Pat
     assert_checked(out, 1e-6, grads=1e-6, params=1e-6)
 
 
+@pytest.mark.slow  # starts torchrun
 def test_pp_by_tp_forward_matches_one_device(plan_2x2: Path, blocks: Path) -> None:
     """4 gloo ranks, mesh 2x2, pp=2: each stage's 2 ranks hold its weights sharded per
     the plan (DTensors on the tp dim), the pipeline sends full activations between
@@ -434,6 +438,7 @@ def test_pp_by_tp_forward_matches_one_device(plan_2x2: Path, blocks: Path) -> No
     assert_checked(out, 1e-6)
 
 
+@pytest.mark.slow  # starts torchrun
 def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> None:
     """The same plan, 2 AdamW steps of 1F1B over 4 micro-batches: step 1's gradients
     (sharded ones gathered with full_tensor) and parameters equal one device's."""
@@ -444,6 +449,7 @@ def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> N
     assert "over 8 tensors" in out
 
 
+@pytest.mark.slow  # starts torchrun
 def test_check_beyond_tolerance_exits_1_on_every_rank(plan_pp2: Path, blocks: Path) -> None:
     """A planted fault (one gradient x 1.01 on the stage that holds it) fails the check."""
     run = torchrun(
@@ -459,6 +465,7 @@ def test_check_beyond_tolerance_exits_1_on_every_rank(plan_pp2: Path, blocks: Pa
     assert "check: beyond tolerance: grad layers." in run.stdout
 
 
+@pytest.mark.slow  # starts torchrun
 def test_wrong_process_count_exits_2_with_one_line(plan_pp2: Path, blocks: Path) -> None:
     run = torchrun(1, str(plan_pp2), str(blocks))
     assert run.returncode != 0
@@ -474,6 +481,7 @@ def _gpt2_short(tmp_path: Path) -> Path:
     return write_gpt2_short(tmp_path, 4)
 
 
+@pytest.mark.slow  # starts torchrun
 def test_gpt2_two_layers_trains_like_one_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

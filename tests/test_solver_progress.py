@@ -78,3 +78,16 @@ def test_a_piped_solve_prints_the_incumbent_bound_and_gap():
     lines = [line for line in buf.getvalue().splitlines() if "incumbent" in line]
     assert lines, buf.getvalue()
     assert re.search(r"incumbent -?[\d.]+ ms, bound -?[\d.]+ ms, gap [\d.]+%$", lines[-1]), lines
+
+
+def test_on_a_terminal_the_solve_phase_shows_the_incumbent_as_it_improves():
+    """On a terminal the rich bar's solve line carries the latest report."""
+    from autoshard.cli.options import Progress
+
+    buf = io.StringIO()
+    with Progress(Console(file=buf, force_terminal=True, width=200)) as progress:
+        progress("solve", 0, 1)
+        run(knapsack(), time_limit=60.0, seconds_per_unit=1e-6)
+        task = progress.bar.tasks[progress.tasks["solve"]]
+        assert re.search(r"incumbent -?[\d.]+ ms, bound -?[\d.]+ ms, gap", task.description)
+        progress("solve", 1, 1)
