@@ -179,6 +179,24 @@ def test_a_plan_above_the_start_is_never_returned(seed, monkeypatch):
     assert result.objective_s == pytest.approx(best)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_start_that_the_search_proves_optimal_reports_the_search_s_size(seed, monkeypatch):
+    """Issue 27 (a report seen at a time limit: "0 variables, 0 constraints"): the search
+    cut off at an optimal start finds nothing better and keeps the start, whose own record
+    has no program; the result gives the size of the program that proved it."""
+    import autoshard.solver.ilp as ilp
+
+    sg = _random_graph(seed)
+    best_choice, best = brute_force(sg)
+    monkeypatch.setattr(ilp, "_lp_first", lambda *a: None)  # straight to the cut-off MIP
+    result = solve(sg, SolverOptions(time_limit_s=60, mip_gap=0.0), starts={"hand": best_choice})
+    prob = ilp.build_problem(sg)
+    assert result.choice == best_choice and result.start == "hand"
+    assert result.status == "optimal" and result.gap == 0.0
+    assert result.num_variables == prob.n_x + prob.n_y > 0
+    assert result.num_constraints == prob.A.shape[0] > 0
+
+
 def test_a_search_that_finds_nothing_in_time_keeps_the_start(monkeypatch):
     import autoshard.solver.ilp as ilp
 

@@ -79,7 +79,7 @@ def main(ctx: click.Context, debug: bool, verbose: bool) -> None:
     """Find how to shard a PyTorch model across a mesh of GPUs.
 
     \b
-    First steps (seconds each on a laptop; docs/ has each workflow in full):
+    First steps (5 s each on 2 cores, the 4-process launch 30 s; docs/ has the rest):
       autoshard solve examples/mlp.py --mesh 4           plan, print, write solutions/
       autoshard show solutions/mlp_4.json                read the plan back
       autoshard launch solutions/mlp_4.json examples/mlp.py --train --check
@@ -87,7 +87,7 @@ def main(ctx: click.Context, debug: bool, verbose: bool) -> None:
       autoshard solve examples/mlp.py --mesh 4 --algo megatron
       autoshard export solutions/mlp_4_megatron.json examples/mlp.py
                                                          a hand plan as torchtitan styles
-    Then real models (a minute or more on a laptop):
+    Then real models (15-30 s each on 2 cores):
       autoshard solve examples/gpt2.py --mesh 2x4        HuggingFace GPT-2 small, 2x4
       autoshard compare examples/gpt2.py --mesh 2x4      the ILP beside DDP/FSDP/Megatron
       autoshard calibrate --mesh 2x4                     measure links; solve --profile

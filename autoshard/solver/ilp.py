@@ -697,13 +697,23 @@ def _search(
     found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff, 1 / SCALE)
     solve_s = time.perf_counter() - t1
     status = found.status
+
+    def _finish(inc: ILPResult, mip_bound: float | None, proven: bool) -> ILPResult:
+        # the incumbent (a hand-written start has no program) reports this search's size
+        return replace(
+            _finish_incumbent(inc, mip_bound, proven=proven, solve_s=solve_s),
+            num_variables=prob.n_x + prob.n_y,
+            num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
+            build_seconds=build_s,
+        )
+
     if status == "error":
         if incumbent is not None:
-            return _finish_incumbent(incumbent, None, proven=False, solve_s=solve_s)
+            return _finish(incumbent, None, proven=False)
         raise AutoshardError(f"the ILP solver failed: HiGHS ended with {found.model_status}")
     if status == "infeasible":
         if incumbent is not None:  # nothing beats the incumbent: it is optimal
-            return _finish_incumbent(incumbent, None, proven=True, solve_s=solve_s)
+            return _finish(incumbent, None, proven=True)
         if memory is not None:
             least = _least_memory(prob, memory[0], options)
             raise MemoryBudgetError(
@@ -730,7 +740,7 @@ def _search(
     ):
         if incumbent is not None:  # the MIP ended optimal: nothing beats the incumbent
             proven = status == "optimal" and xv is not None
-            return _finish_incumbent(incumbent, bound, proven=proven, solve_s=solve_s)
+            return _finish(incumbent, bound, proven=proven)
         raise AutoshardError(
             f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
             f"(status {status}); raise --time-limit"
