@@ -313,6 +313,28 @@ def export_joint(stack, module: torch.nn.Module, inputs: tuple) -> Any:
     return aot_export_joint_with_descriptors(stack, module, inputs)
 
 
+def composite_implicit_decompositions() -> dict:
+    """``torch.export``'s default decompositions of the CompositeImplicitAutograd ops only.
+
+    Applied to an exported program before :func:`export_joint`. On the meta device torch
+    2.13 gives these ops a Python Meta kernel (``torch._meta_registrations``), which AOT
+    autograd's Python dispatcher takes for a backend kernel: it skips the op's
+    decomposition and falls to autograd's not-implemented fallback, whose backward is an
+    undefined gradient. ``F.cross_entropy`` (``nll_loss``), ``var``, ``relu6``, ``selu``
+    then lose every gradient upstream of them (the loss's seed gradient had no user; a
+    GPT-2's last block and head got none). Decomposed first, AOT autograd only sees ops
+    with autograd formulas. Private: ``torch._C._dispatch_has_kernel_for_dispatch_key``.
+    """
+    table = torch.export.default_decompositions()
+    for op in list(table):
+        implicit = isinstance(op, torch._ops.OpOverload) and (
+            torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        )
+        if not implicit:
+            del table[op]
+    return table
+
+
 def describe_input(node: torch.fx.Node) -> tuple[str, str]:
     """A joint-graph placeholder's role: (``param`` | ``buffer`` | ``input`` | ``tangent``, target).
 

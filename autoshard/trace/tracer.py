@@ -485,6 +485,7 @@ def _export_joint(loaded: LoadedModel):
     try:
         with _quiet_torch(), flash_attention_traced():
             ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
+            ep = ep.run_decompositions(_IMPLICIT_DECOMPOSITIONS)  # see the function's doc
             joint = tp.export_joint(stack, ep.module(), loaded.inputs)
     except Exception as exc:
         stack.close()
@@ -509,7 +510,48 @@ def _export_joint(loaded: LoadedModel):
     grad_of = [
         (g.removeprefix("model.") if g is not None else None) for g in tp.describe_outputs(out)
     ]
+    try:
+        _check_gradients(gm, kinds, out, loaded.name)
+    except AutoshardError:
+        stack.close()
+        raise
     return gm, kinds, tuple(labels), grad_of, stack.close
+
+
+_IMPLICIT_DECOMPOSITIONS = tp.composite_implicit_decompositions()
+
+
+def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, name: str) -> None:
+    """The joint graph is a whole training step: the loss's seed gradient is read, and no
+    parameter the forward reads has its gradient output traced as ``None``.
+
+    Raises:
+        AutoshardError: the trace lost gradients (an op whose backward torch traced as
+            undefined on the meta device; see
+            :func:`autoshard._torch_private.composite_implicit_decompositions`).
+    """
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    unread = [n.name for n in holders if kinds[n.name][0] == "tangent" and not n.users]
+    values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    missing = {
+        g.removeprefix("model.")
+        for g, v in zip(tp.describe_outputs(out), values, strict=False)
+        if g is not None and v is None
+    }
+    lost = sorted(
+        kinds[n.name][1]
+        for n in holders
+        if kinds[n.name][0] == "param" and n.users and kinds[n.name][1] in missing
+    )
+    if unread or lost:
+        what = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
+        raise AutoshardError(
+            f"the training graph of {name} lost gradients: "
+            + ("the loss's seed gradient is never read; " if unread else "")
+            + (f"{len(lost)} parameters ({what}) get none; " if lost else "")
+            + "an op in the loss or the model has no traced backward on the meta device: "
+            "report it with the model file (docs/model-file.md, 'Tracing')"
+        )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,124 @@
+"""The losses people train with trace to a whole training step (issue 30, item 3).
+
+On the meta device torch 2.13 traced ``F.cross_entropy``'s backward as undefined: the
+loss's seed gradient had no reader, the head and the last block got no gradient, and the
+launcher crashed on a ``None`` (``'NoneType' object has no attribute 'device'``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.solver.solve import SolveConfig, trace
+
+GPT2_CE = """
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=4096,
+                                      n_positions=128))
+
+
+def example_inputs():
+    return (torch.randint(0, 4096, (4, 128)),)
+
+
+def loss_fn(output, input_ids):
+    # next-token prediction: the shifted cross-entropy every causal LM trains with
+    logits = output.logits[:, :-1, :]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
+"""
+
+
+def _flops_of_a_real_step(path) -> int:
+    """FlopCounterMode's count of the model and its loss_fn, forward and backward, run
+    eagerly on fake CPU tensors (the reference autoshard did not write)."""
+    from test_cost_model import CPU_FLASH_AS_CUDA
+
+    mf = load_model_file(path)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        loaded = instantiate(mf, device="cpu")
+        with FlopCounterMode(display=False, custom_mapping=CPU_FLASH_AS_CUDA) as counter:
+            loss = mf.module.loss_fn(loaded.module.eval()(*loaded.inputs), *loaded.inputs)
+            loss.backward()
+    return counter.get_total_flops()
+
+
+def test_a_shifted_cross_entropy_loss_traces_the_whole_backward(tmp_path):
+    path = tmp_path / "gpt2_ce.py"
+    path.write_text(GPT2_CE)
+    graph = trace(SolveConfig(path, MeshSpec.from_options("2x2"), mode="train"))
+    gm = graph.graph_module
+    # every attention backward reads a real gradient (None crashed the launcher)
+    backward = [n for n in gm.graph.nodes if "flash_attention_for_cpu_backward" in str(n.target)]
+    assert len(backward) == 2
+    assert all(isinstance(n.args[0], torch.fx.Node) for n in backward), [n.args for n in backward]
+    # the head's weight (tied to the embedding) and the last block have gradients
+    from autoshard._torch_private import describe_input, describe_outputs
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = dict(zip(describe_outputs(out), out.args[0], strict=True))
+    used = [
+        describe_input(n)[1]
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and describe_input(n)[0] == "param" and n.users
+    ]
+    assert "model.transformer.h.1.mlp.c_proj.weight" in used
+    assert [p for p in used if grads.get(p) is None] == []
+    # and the step's FLOPs are a real step's: the head's two backward matmuls included
+    assert graph.step_flops == pytest.approx(_flops_of_a_real_step(path), rel=0.02)
+
+
+def test_a_trace_that_loses_gradients_is_refused(tmp_path, monkeypatch):
+    """Planted: the decomposition that fixes it turned off. The trace is refused with a
+    one-line reason instead of planning a step without its backward."""
+    import autoshard.trace.tracer as tracer
+
+    monkeypatch.setattr(tracer, "_IMPLICIT_DECOMPOSITIONS", {})
+    path = tmp_path / "gpt2_ce.py"
+    path.write_text(GPT2_CE)
+    with pytest.raises(AutoshardError, match="lost gradients: the loss's seed gradient is never"):
+        trace(SolveConfig(path, MeshSpec.from_options("2x2"), mode="train"))
+
+
+GPT2_CE_SMALL = GPT2_CE.replace("n_embd=256", "n_embd=64").replace("4096", "256")
+
+
+@pytest.mark.slow  # starts torchrun
+def test_a_plan_with_a_cross_entropy_loss_launches_and_trains_like_one_device(tmp_path):
+    """The crash of issue 30 (every rank: 'NoneType' object has no attribute 'device'): the
+    ILP's plan of a GPT-2 trained with the shifted cross-entropy on 4 gloo ranks; loss,
+    every gradient and every parameter after AdamW equal one device's, and the collectives
+    that ran are the plan's."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, assert_checked, rank_env, torchrun
+
+    assert GPT2_CE_SMALL != GPT2_CE
+    model = tmp_path / "gpt2_ce.py"
+    model.write_text(GPT2_CE_SMALL)
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
+    solved = subprocess.run(
+        [*cmd, "--out", str(tmp_path), "-q"],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert solved.returncode == 0, solved.stderr[-3000:]
+    plan = next(p for p in solved.stdout.split() if p.endswith(".json"))
+    run = torchrun(4, plan, str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "check: collectives equal the plan's prediction ok" in run.stdout
+    assert_checked(run.stdout, 1e-6, grads=1e-6, params=1e-6)
