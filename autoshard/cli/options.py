@@ -387,11 +387,12 @@ class Progress:
             now = time.perf_counter()
             if now - self.last_line >= self.EVERY_S:
                 self.last_line = now
-                seconds = now - self.started.get("solve", now)
+                seconds = now - self.started.setdefault("solve", now)
                 self.console.print(f"{label}: {seconds:.0f} s, {text}", highlight=False)
             return
-        if "solve" in self.tasks:
-            self.bar.update(self.tasks["solve"], description=f"{label}: {text}")
+        if "solve" not in self.tasks:  # a command that reports no phases (stages)
+            self.tasks["solve"] = self.bar.add_task(label, total=None)
+        self.bar.update(self.tasks["solve"], description=f"{label}: {text}")
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         label = self.LABELS.get(phase, phase)

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from autoshard.cli.options import mesh_and_device, mesh_options, step_options
+from autoshard.cli.options import Progress, mesh_and_device, mesh_options, step_options
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import SolverOptions
 from autoshard.units import BytesType
@@ -139,15 +139,11 @@ def stages_command(
             activation_checkpointing="none",  # a stage's budget holds at its turn only
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes
-        path, _ = run_stages(
-            config,
-            pp_text,
-            microbatches,
-            budget,
-            out_dir,
-            Console(quiet=quiet),
-            Console(stderr=True, quiet=quiet),
-        )
+        log = Console(stderr=True, quiet=quiet)
+        with Progress(log):  # each stage ILP's incumbent, bound and gap as it runs
+            path, _ = run_stages(
+                config, pp_text, microbatches, budget, out_dir, Console(quiet=quiet), log
+            )
     except AutoshardError as exc:
         root = ctx.find_root()
         if root.obj and root.obj.get("debug"):
