@@ -39,18 +39,60 @@ def loss_fn(output, input_ids):
 """
 
 
+LLAMA_HF_LOSS = """
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class WithLabels(nn.Module):
+    \"\"\"HF's own loss: the model given labels=input_ids returns the shifted cross-entropy.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.lm = LlamaForCausalLM(LlamaConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=128))
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, labels=input_ids).loss
+
+
+def build_model():
+    return WithLabels()
+
+
+def example_inputs():
+    return (torch.randint(0, 4096, (4, 128)),)
+"""
+
+
 def _flops_of_a_real_step(path) -> int:
-    """FlopCounterMode's count of the model and its loss_fn, forward and backward, run
-    eagerly on fake CPU tensors (the reference autoshard did not write)."""
+    """FlopCounterMode's count of the model and its loss (the file's loss_fn, or the
+    scalar the model returns), forward and backward, run eagerly on fake CPU tensors (the
+    reference autoshard did not write)."""
     from test_cost_model import CPU_FLASH_AS_CUDA
 
     mf = load_model_file(path)
     with FakeTensorMode(allow_non_fake_inputs=True):
         loaded = instantiate(mf, device="cpu")
         with FlopCounterMode(display=False, custom_mapping=CPU_FLASH_AS_CUDA) as counter:
-            loss = mf.module.loss_fn(loaded.module.eval()(*loaded.inputs), *loaded.inputs)
+            out = loaded.module.eval()(*loaded.inputs)
+            scalar = isinstance(out, torch.Tensor) and out.dim() == 0
+            loss = out if scalar else mf.module.loss_fn(out, *loaded.inputs)
             loss.backward()
     return counter.get_total_flops()
+
+
+def test_hf_s_own_loss_in_a_wrapper_traces_the_whole_step(tmp_path):
+    """A Llama (grouped-query attention) wrapped to train on HF's own loss
+    (``labels=input_ids``): the wrapped model's KV cache is off while tracing (it failed on
+    the cache's concatenation), and the step is a real one: FLOPs as FlopCounterMode counts
+    them (the refusal of a trace that loses gradients did not fire)."""
+    path = tmp_path / "llama_hf_loss.py"
+    path.write_text(LLAMA_HF_LOSS)
+    graph = trace(SolveConfig(path, MeshSpec.from_options("2x2"), mode="train"))
+    assert graph.step_flops == pytest.approx(_flops_of_a_real_step(path), rel=0.02)
 
 
 def test_a_shifted_cross_entropy_loss_traces_the_whole_backward(tmp_path):
@@ -91,22 +133,30 @@ def test_a_trace_that_loses_gradients_is_refused(tmp_path, monkeypatch):
 
 
 GPT2_CE_SMALL = GPT2_CE.replace("n_embd=256", "n_embd=64").replace("4096", "256")
+LLAMA_HF_LOSS_SMALL = (
+    LLAMA_HF_LOSS.replace("4096", "256")
+    .replace("hidden_size=256", "hidden_size=64")
+    .replace("intermediate_size=512", "intermediate_size=128")
+)
 
 
 @pytest.mark.slow  # starts torchrun
-def test_a_plan_with_a_cross_entropy_loss_launches_and_trains_like_one_device(tmp_path):
+@pytest.mark.parametrize(
+    "text", [GPT2_CE_SMALL, LLAMA_HF_LOSS_SMALL], ids=["gpt2-loss_fn", "llama-hf-labels"]
+)
+def test_a_plan_with_a_cross_entropy_loss_launches_and_trains_like_one_device(tmp_path, text):
     """The crash of issue 30 (every rank: 'NoneType' object has no attribute 'device'): the
-    ILP's plan of a GPT-2 trained with the shifted cross-entropy on 4 gloo ranks; loss,
-    every gradient and every parameter after AdamW equal one device's, and the collectives
-    that ran are the plan's."""
+    ILP's plan of a GPT-2 trained with the shifted cross-entropy of its loss_fn, and of a
+    Llama on HF's own loss, on 4 gloo ranks; loss, every gradient and every parameter after
+    AdamW equal one device's, and the collectives that ran are the plan's."""
     import subprocess
     import sys
 
     from helpers import ROOT, assert_checked, rank_env, torchrun
 
-    assert GPT2_CE_SMALL != GPT2_CE
-    model = tmp_path / "gpt2_ce.py"
-    model.write_text(GPT2_CE_SMALL)
+    assert text not in (GPT2_CE, LLAMA_HF_LOSS)
+    model = tmp_path / "model_ce.py"
+    model.write_text(text)
     cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
     solved = subprocess.run(
         [*cmd, "--out", str(tmp_path), "-q"],

@@ -556,21 +556,24 @@ def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, 
 
 @contextlib.contextmanager
 def kv_cache_off(module: torch.nn.Module):
-    """A HuggingFace model's KV cache off (``config.use_cache``), then as it was.
+    """A HuggingFace model's KV cache off (``config.use_cache``), then as it was: the
+    module's own config and those of the modules it holds (a user's wrapper that calls an
+    HF model with ``labels=``).
 
     A step over a whole batch reads no KV cache. A model built with its default config
     (``use_cache=True``) would return a ``DynamicCache``, which ``torch.export`` cannot
     flatten, and in training trace the cache's concatenation onto an empty meta tensor:
     the cache is off while tracing, as HF's own training mode turns it off.
     """
-    config = getattr(module, "config", None)
-    cached = getattr(config, "use_cache", False) is True
-    if cached:
+    # the model itself or one it wraps (a module whose forward calls HF's with labels=)
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
+    cached = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for config in cached:
         config.use_cache = False
     try:
         yield
     finally:
-        if cached:
+        for config in cached:
             config.use_cache = True
 
 
