@@ -374,3 +374,47 @@ def test_bert_example_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [(tuple(t.shape), t.dtype) for t in lm.inputs] == [((8, 512), torch.int64)]
     assert len(lm.module.bert.encoder.layer) == 2
     assert all(p.device.type == "meta" for p in lm.module.parameters())
+
+
+HF_WITH_MASK = """
+import torch
+from transformers import {config}, {model}
+
+
+def build_model():
+    return {model}({config}({sizes}))
+
+
+def example_inputs():
+    return (torch.randint(0, 256, (4, 32)), torch.ones(4, 32, dtype=torch.long))
+"""
+
+
+def test_a_mask_bound_to_gpt2_s_cache_parameter_is_one_line(tmp_path: Path) -> None:
+    """Issue 30: GPT-2 takes its KV cache second, so (input_ids, attention_mask) bound the
+    mask to the cache and failed deep in tracing, blamed on control flow. Llama takes the
+    mask second: the same inputs are accepted and named after its parameters."""
+    gpt2 = tmp_path / "gpt2_mask.py"
+    gpt2.write_text(
+        HF_WITH_MASK.format(
+            config="GPT2Config",
+            model="GPT2LMHeadModel",
+            sizes="n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=64",
+        )
+    )
+    with pytest.raises(AutoshardError) as err:
+        instantiate(load_model_file(gpt2))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "input 2 (shape (4, 32)) binds to GPT2LMHeadModel.forward()'s parameter" in message
+    assert "which takes a KV cache, not a tensor" in message
+    llama = tmp_path / "llama_mask.py"
+    llama.write_text(
+        HF_WITH_MASK.format(
+            config="LlamaConfig",
+            model="LlamaForCausalLM",
+            sizes="hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+            "num_attention_heads=2, vocab_size=256",
+        )
+    )
+    assert instantiate(load_model_file(llama)).input_names == ("input_ids", "attention_mask")

@@ -328,8 +328,40 @@ def _input_names(
             f"only {len(inputs)} tensor(s); return one tensor per required input"
         )
     names = positional[: len(inputs)]
+    kinds = _non_tensor_parameters(module, names)
+    for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
+        if kind is not None:
+            raise AutoshardError(
+                f"{show}: {what}'s input {i + 1} (shape {tuple(inputs[i].shape)}) binds to "
+                f"{cls}.forward()'s parameter {name!r}, which takes {kind}, not a tensor: inputs "
+                "are passed positionally; return only the leading tensor inputs, or wrap the "
+                "model in a module whose forward() takes them in order (docs/model-file.md)"
+            )
     names += [f"{var}_{i}" for i in range(len(inputs) - len(names))]
     return tuple(names)
+
+
+def _non_tensor_parameters(module: torch.nn.Module, names: Sequence[str]) -> list[str | None]:
+    """Per name, what forward()'s annotation says the parameter takes when that cannot be a
+    tensor (a KV cache, a flag), else None. HF's GPT-2 takes ``past_key_values`` second:
+    ``(input_ids, attention_mask)`` bound the mask to the cache and failed deep in tracing."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return [None] * len(names)
+    out: list[str | None] = []
+    for name in names:
+        note = params[name].annotation
+        text = note if isinstance(note, str) else getattr(note, "__name__", None) or str(note)
+        if note is params[name].empty or "Tensor" in text:
+            out.append(None)
+        elif "Cache" in text:
+            out.append("a KV cache")
+        elif text in ("bool", "Optional[bool]", "typing.Optional[bool]", "bool | None"):
+            out.append("a flag")
+        else:
+            out.append(None)
+    return out
 
 
 def loaded_from_module(
