@@ -172,3 +172,128 @@ def test_a_plan_with_a_cross_entropy_loss_launches_and_trains_like_one_device(tm
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "check: collectives equal the plan's prediction ok" in run.stdout
     assert_checked(run.stdout, 1e-6, grads=1e-6, params=1e-6)
+
+
+GPT2_DICT = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd={n_embd}, n_head=4, vocab_size={vocab},
+                                      n_positions=128))
+
+
+def example_inputs():
+    # keyword inputs, HF's own loss: labels is the token ids themselves (HF shifts them)
+    ids = torch.randint(0, {vocab}, (4, {seq}))
+    return {{"input_ids": ids, "attention_mask": torch.ones(4, {seq}, dtype=torch.long),
+            "labels": ids}}
+"""
+
+
+def test_dict_inputs_bind_by_keyword_and_train_on_hf_s_loss(tmp_path):
+    """Issue 30: ``example_inputs()`` returns a dict; the inputs are named by its keys (the
+    names of the sharding map), ``labels`` given as the very tensor ``input_ids`` is made its
+    own input (the trace read one placeholder for both, the launcher made two), and the step
+    is HF's loss on them: FLOPs as FlopCounterMode counts ``model(**inputs).loss.backward()``."""
+    from test_cost_model import CPU_FLASH_AS_CUDA
+
+    path = tmp_path / "gpt2_dict.py"
+    path.write_text(GPT2_DICT.format(n_embd=256, vocab=4096, seq=128))
+    mf = load_model_file(path)
+    loaded = instantiate(mf)
+    assert loaded.input_names == ("input_ids", "attention_mask", "labels")
+    assert loaded.inputs[2] is not loaded.inputs[0]
+    graph = trace(SolveConfig(path, MeshSpec.from_options("2x2"), mode="train"))
+    inputs = [i for i in graph.nodes.values() if i.kind == "input"]
+    assert [i.fqn for i in inputs] == ["input_ids", "attention_mask", "labels"]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        raw = mf.module.example_inputs()
+        model = mf.module.build_model().eval()
+        with FlopCounterMode(display=False, custom_mapping=CPU_FLASH_AS_CUDA) as counter:
+            model(**raw).loss.backward()
+    assert graph.step_flops == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+KEYWORD_MLP = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, scale=None):
+        y = self.fc(x)
+        return y if scale is None else y * scale
+
+
+def build_model():
+    return Scaled()
+
+
+def example_inputs():
+    return {inputs}
+"""
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ('{"x": torch.randn(8, 16), "scales": torch.ones(8, 1)}', "key 'scales', which is not"),
+        ('{"x": torch.randn(8, 16), "scale": 2.0}', "\\['scale'\\] is a float, not a torch"),
+        ('{"scale": torch.ones(8, 1)}', "forward\\(\\) requires x, which"),
+    ],
+    ids=["unknown-key", "not-a-tensor", "required-missing"],
+)
+def test_a_dict_forward_cannot_take_is_one_line(tmp_path, inputs, message):
+    path = tmp_path / "scaled.py"
+    path.write_text(KEYWORD_MLP.format(inputs=inputs))
+    with pytest.raises(AutoshardError, match=message) as err:
+        instantiate(load_model_file(path))
+    assert "\n" not in str(err.value)
+
+
+def test_a_dict_in_any_order_binds_by_keyword(tmp_path):
+    """``scale`` before ``x`` in the dict: named and passed by keyword, so the traced
+    step is ``fc(x) * scale`` whatever the order."""
+    path = tmp_path / "scaled.py"
+    path.write_text(
+        KEYWORD_MLP.format(inputs='{"scale": torch.ones(8, 1), "x": torch.randn(8, 16)}')
+    )
+    loaded = instantiate(load_model_file(path), device="cpu")
+    assert loaded.input_names == ("scale", "x")
+    scale, x = loaded.inputs
+    expected = loaded.module.fc(x) * scale
+    torch.testing.assert_close(loaded.module(*loaded.inputs), expected)
+
+
+@pytest.mark.slow  # starts torchrun
+def test_dict_inputs_with_hf_s_loss_launch_like_one_device(tmp_path):
+    """The dict inputs and HF's loss through the plan's graph on 4 gloo ranks: collectives
+    as planned, loss, gradients and parameters after AdamW as one device's."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, assert_checked, rank_env, torchrun
+
+    model = tmp_path / "gpt2_dict.py"
+    model.write_text(GPT2_DICT.format(n_embd=64, vocab=256, seq=32))
+    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
+    solved = subprocess.run(
+        [*cmd, "--out", str(tmp_path), "-q"],
+        cwd=ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert solved.returncode == 0, solved.stderr[-3000:]
+    plan = next(p for p in solved.stdout.split() if p.endswith(".json"))
+    run = torchrun(4, plan, str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "check: collectives equal the plan's prediction ok" in run.stdout
+    assert_checked(run.stdout, 1e-6, grads=1e-6, params=1e-6)

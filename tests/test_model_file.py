@@ -132,8 +132,10 @@ def test_example_inputs_single_tensor(tmp_path: Path) -> None:
 
 
 def test_example_inputs_not_a_sequence(tmp_path: Path) -> None:
-    msg = load_error(write(tmp_path, GOOD.replace("(torch.randn(3, 4),)", "{'x': 1}")))
-    assert "example_inputs() returned a dict; return a non-empty tuple of tensors" in msg
+    msg = load_error(write(tmp_path, GOOD.replace("(torch.randn(3, 4),)", "{'input': 1}")))
+    assert "example_inputs()['input'] is an int, not a torch.Tensor; return only tensors" in msg
+    msg = load_error(write(tmp_path, GOOD.replace("(torch.randn(3, 4),)", "{1, 2}")))
+    assert "example_inputs() returned a set; return a non-empty tuple of tensors" in msg
 
 
 def test_example_inputs_empty(tmp_path: Path) -> None:

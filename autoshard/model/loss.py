@@ -41,10 +41,14 @@ def first_float_output(out: object) -> torch.Tensor:
 def default_loss(out: object, *inputs: torch.Tensor) -> torch.Tensor:
     """The mean of :func:`first_float_output`, in float32 when the output is narrower.
 
-    A scalar output (a HuggingFace model given labels) is its own loss. The mean gives
+    A scalar output, or the scalar ``loss`` of a HuggingFace output (the model given
+    ``labels=``, e.g. by ``example_inputs()`` returning a dict), is its own loss. The mean gives
     every output element a gradient, which is what a backward pass's cost depends on.
     """
     del inputs
+    loss = getattr(out, "loss", None) if not isinstance(out, torch.Tensor) else None
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        return loss  # a HuggingFace model given labels= computed its own loss
     t = first_float_output(out)
     if t.dim() == 0:
         return t
