@@ -149,29 +149,10 @@ def test_a_plan_with_a_cross_entropy_loss_launches_and_trains_like_one_device(tm
     ILP's plan of a GPT-2 trained with the shifted cross-entropy of its loss_fn, and of a
     Llama on HF's own loss, on 4 gloo ranks; loss, every gradient and every parameter after
     AdamW equal one device's, and the collectives that ran are the plan's."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT, assert_checked, rank_env, torchrun
-
     assert text not in (GPT2_CE, LLAMA_HF_LOSS)
     model = tmp_path / "model_ce.py"
     model.write_text(text)
-    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
-    solved = subprocess.run(
-        [*cmd, "--out", str(tmp_path), "-q"],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert solved.returncode == 0, solved.stderr[-3000:]
-    plan = next(p for p in solved.stdout.split() if p.endswith(".json"))
-    run = torchrun(4, plan, str(model), "--train", "--check")
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert "check: collectives equal the plan's prediction ok" in run.stdout
-    assert_checked(run.stdout, 1e-6, grads=1e-6, params=1e-6)
+    _solve_and_check_on_4_ranks(model, tmp_path)
 
 
 GPT2_DICT = """
@@ -275,16 +256,23 @@ def test_a_dict_in_any_order_binds_by_keyword(tmp_path):
 def test_dict_inputs_with_hf_s_loss_launch_like_one_device(tmp_path):
     """The dict inputs and HF's loss through the plan's graph on 4 gloo ranks: collectives
     as planned, loss, gradients and parameters after AdamW as one device's."""
+    model = tmp_path / "gpt2_dict.py"
+    model.write_text(GPT2_DICT.format(n_embd=64, vocab=256, seq=32))
+    _solve_and_check_on_4_ranks(model, tmp_path)
+
+
+def _solve_and_check_on_4_ranks(model, out) -> None:
+    """``autoshard solve MODEL --mesh 2x2``, then its plan on 4 gloo ranks with
+    ``--train --check``: collectives as planned; loss, every gradient and every parameter
+    after AdamW within 1e-6 of one device's."""
     import subprocess
     import sys
 
     from helpers import ROOT, assert_checked, rank_env, torchrun
 
-    model = tmp_path / "gpt2_dict.py"
-    model.write_text(GPT2_DICT.format(n_embd=64, vocab=256, seq=32))
     cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
     solved = subprocess.run(
-        [*cmd, "--out", str(tmp_path), "-q"],
+        [*cmd, "--out", str(out), "-q"],
         cwd=ROOT,
         env=rank_env(),
         capture_output=True,
