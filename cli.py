@@ -13,7 +13,7 @@ def _missing_dependency() -> str | None:
     """The first of autoshard's dependencies this interpreter cannot import, else None."""
     import importlib.util
 
-    for name in ("click", "rich", "torch", "highspy", "dill"):
+    for name in ("click", "rich", "torch", "highspy", "dill", "numpy", "scipy", "transformers"):
         if importlib.util.find_spec(name) is None:
             return name
     return None

@@ -320,10 +320,11 @@ def composite_implicit_decompositions() -> dict:
     2.13 gives these ops a Python Meta kernel (``torch._meta_registrations``), which AOT
     autograd's Python dispatcher takes for a backend kernel: it skips the op's
     decomposition and falls to autograd's not-implemented fallback, whose backward is an
-    undefined gradient. ``F.cross_entropy`` (``nll_loss``), ``var``, ``relu6``, ``selu``
-    then lose every gradient upstream of them (the loss's seed gradient had no user; a
-    GPT-2's last block and head got none). Decomposed first, AOT autograd only sees ops
-    with autograd formulas. Private: ``torch._C._dispatch_has_kernel_for_dispatch_key``.
+    undefined gradient. ``F.cross_entropy`` (``nll_loss``), ``relu6``, ``selu`` (and
+    whichever such ops the default table holds) then lose every gradient upstream of
+    them (the loss's seed gradient had no user; a GPT-2's last block and head got none).
+    Decomposed first, AOT autograd only sees ops with autograd formulas. Private:
+    ``torch._C._dispatch_has_kernel_for_dispatch_key``.
     """
     table = torch.export.default_decompositions()
     for op in list(table):

@@ -457,9 +457,10 @@ def _solve_error_lines(model: Path, tmp_path: Path) -> list[str]:
     return [line for line in out.stderr.splitlines() if not line.startswith("tracing")]
 
 
-def test_a_report_that_fails_before_writing_writes_nothing(tmp_path, monkeypatch):
-    """Issue 27: the report's facts (the block comparison, the fallbacks) are priced
-    before any file is written, so a planted failure there leaves --out empty."""
+def test_a_report_that_fails_keeps_the_plan_and_names_its_files(tmp_path, monkeypatch):
+    """Issue 27: the plan is written before the report prices anything, so a planted
+    failure in the block comparison (the README's KeyError) loses no work: both files
+    exist, load, and the failure first names them."""
     import autoshard.plan.report as report
 
     def planted(plan):
@@ -469,7 +470,9 @@ def test_a_report_that_fails_before_writing_writes_nothing(tmp_path, monkeypatch
     out = tmp_path / "out"
     result = _run("solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "4", "--out", str(out))
     assert isinstance(result.exception, KeyError)
-    assert not out.exists() or not any(out.iterdir())
+    pkl, js = out / "mlp_4.pkl", out / "mlp_4.json"
+    assert f"the plan was written before this failure: {pkl}, {js}" in result.output
+    assert load_sharding_map(js).parameters and load_solution(pkl)
 
 
 def test_a_report_that_fails_after_writing_names_the_files_it_wrote(tmp_path, monkeypatch):

@@ -329,7 +329,7 @@ class Progress:
 
     While a MIP runs (:func:`autoshard.solver.highs.listening`), its incumbent, bound and
     gap show beside the solve phase on a terminal, and as a line every
-    :attr:`EVERY_S` seconds (when they changed) elsewhere. Only what is printed depends on
+    :attr:`EVERY_S` seconds elsewhere. Only what is printed depends on
     the clock, never the plan."""
 
     EVERY_S = 5.0

@@ -112,12 +112,12 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path,
             notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)
-    # the report's facts are priced before any file is written: a failure there loses no
-    # work and leaves no half-reported plan behind
-    facts = ReportFacts.of(result.plan)  # priced once for the terminal and --json
     interrupt.check()  # a Ctrl-C some library swallowed still stops the write
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
+    # the plan is on disk before the report prices anything: a failure in the report (as
+    # block_differences' KeyError was) loses no work and says which files hold the plan
     with _naming_written(files):
+        facts = ReportFacts.of(result.plan)  # priced once for the terminal and --json
         _report(console, result, files, facts, notes, html_path, as_json, quiet)
 
 

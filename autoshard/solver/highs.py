@@ -204,7 +204,8 @@ class _Watch:
 def _run_interruptibly(h: highspy.Highs, watch: _Watch | None = None) -> None:
     """``h.run()`` in highspy's solver thread, so that Ctrl-C reaches the main thread at
     once: HiGHS is then cancelled at its next interrupt check (highspy's
-    ``HandleUserInterrupt`` callbacks) and the :class:`KeyboardInterrupt` goes on.
+    ``HandleUserInterrupt`` callbacks) and the :class:`KeyboardInterrupt` goes on, as
+    does any exception of ``watch``'s listener (HiGHS never runs on unwatched).
     ``watch``: progress passed on every 0.1 s."""
     h.HandleUserInterrupt = True
     h.startSolve()
@@ -212,7 +213,7 @@ def _run_interruptibly(h: highspy.Highs, watch: _Watch | None = None) -> None:
         while not h.wait(0.1)[0]:
             if watch is not None:
                 watch.tell()
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or a listener that failed: HiGHS stops, then it goes on
         h.cancelSolve()
         while not h.wait(0.1)[0]:
             pass

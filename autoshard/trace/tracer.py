@@ -518,12 +518,14 @@ def _export_joint(loaded: LoadedModel):
     return gm, kinds, tuple(labels), grad_of, stack.close
 
 
-_IMPLICIT_DECOMPOSITIONS = tp.composite_implicit_decompositions()
+_IMPLICIT_DECOMPOSITIONS = tp.composite_implicit_decompositions()  # once, at import
 
 
 def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, name: str) -> None:
-    """The joint graph is a whole training step: the loss's seed gradient is read, and no
-    parameter the forward reads has its gradient output traced as ``None``.
+    """The joint graph is a whole training step: the loss's seed gradient is read. A
+    parameter the forward reads may have no gradient for a faithful reason (read only
+    through ``.detach()`` or an ``argmax``), so those are named in the error, not an error
+    by themselves.
 
     Raises:
         AutoshardError: the trace lost gradients (an op whose backward torch traced as
@@ -543,7 +545,7 @@ def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, 
         for n in holders
         if kinds[n.name][0] == "param" and n.users and kinds[n.name][1] in missing
     )
-    if unread or lost:
+    if unread:  # a parameter may lose its gradient faithfully (.detach(), argmax): not alone
         what = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
         raise AutoshardError(
             f"the training graph of {name} lost gradients: "
@@ -567,13 +569,15 @@ def kv_cache_off(module: torch.nn.Module):
     """
     # the model itself or one it wraps (a module whose forward calls HF's with labels=)
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
-    cached = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
-    for config in cached:
-        config.use_cache = False
+    changed = []
     try:
+        for config in configs.values():
+            if getattr(config, "use_cache", False) is True:
+                config.use_cache = False
+                changed.append(config)
         yield
     finally:
-        for config in cached:
+        for config in changed:
             config.use_cache = True
 
 
