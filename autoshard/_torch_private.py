@@ -16,6 +16,7 @@ process (``torch.testing._internal.distributed.fake_pg``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor,
 )
 from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten
@@ -313,6 +315,7 @@ def export_joint(stack, module: torch.nn.Module, inputs: tuple) -> Any:
     return aot_export_joint_with_descriptors(stack, module, inputs)
 
 
+@functools.cache
 def composite_implicit_decompositions() -> dict:
     """``torch.export``'s default decompositions of the CompositeImplicitAutograd ops only.
 
@@ -324,7 +327,8 @@ def composite_implicit_decompositions() -> dict:
     whichever such ops the default table holds) then lose every gradient upstream of
     them (the loss's seed gradient had no user; a GPT-2's last block and head got none).
     Decomposed first, AOT autograd only sees ops with autograd formulas. Private:
-    ``torch._C._dispatch_has_kernel_for_dispatch_key``.
+    ``torch._C._dispatch_has_kernel_for_dispatch_key``. Built once, on first use; the
+    caller must not change the table it returns.
     """
     table = torch.export.default_decompositions()
     for op in list(table):
@@ -360,6 +364,14 @@ def describe_outputs(node: torch.fx.Node) -> list[str | None]:
         else:
             out.append(None)
     return out
+
+
+def is_mask_partial(p: Placement) -> bool:
+    """``p`` is DTensor's ``_MaskPartial`` (``torch.distributed.tensor.placement_types``,
+    private): the pending sum a vocabulary-sharded embedding gives, which holds the rows'
+    mask until its first reduction and releases it then, so a second reduction of the same
+    DTensor (a second consumer) raises ``AssertionError``."""
+    return isinstance(p, _MaskPartial)
 
 
 def redistribute_step(value: DTensor, placements: Sequence[Placement]) -> DTensor:

@@ -114,3 +114,43 @@ def test_models_with_default_attention_plan_without_fallback(tmp_path, text):
     result = plan_model(cfg)
     assert not any("flash" in op for op in result.sg.fallback_ops)
     assert result.plan.step_time_s > 0
+
+
+def test_grouped_query_key_value_views_keep_the_batch_shard_on_8_devices(tmp_path):
+    """Issue 28: Llama's key/value projection (B, S, 2 heads x 32) viewed as (B, S, 2, 32).
+    On 8 devices its S(2) candidate cannot be split into 2 heads, and DTensor's strict view
+    rule raised for the whole op, replicate fallback included, which gathered keys and
+    values to the whole batch on every device. Only the refused candidate is left out now:
+    no fallback, and the view keeps the batch shard. DTensor's own dispatch is the reference:
+    on the same mesh it refuses the S(2) view and runs the S(0) one."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from autoshard._torch_private import fake_mesh
+
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, LLAMA_SMALL, "m"), mesh=MeshSpec.from_options("8")
+    )
+    graph = trace(cfg)
+    sg = strategies(cfg, graph)
+    assert not sg.fallback_ops, sg.fallback_ops
+    kv_views = [
+        n
+        for n, i in graph.nodes.items()
+        if i.op_name == "aten.view.default"
+        and i.args[0] is not None
+        and tuple(i.args[0].shape) == (8, 32, 64)
+        and tuple(i.results[0].shape) == (8, 32, 2, 32)
+    ]
+    assert kv_views
+    for name in kv_views:
+        placed = {(s.inputs[0], s.outputs[0]) for s in sg.nodes[name].strategies}
+        assert ((Shard(0),), (Shard(0),)) in placed, (name, placed)
+        assert not any(i == (Shard(2),) for i, _ in placed), (name, placed)
+    with fake_mesh((8,)) as mesh:
+        local = torch.empty(8, 32, 8, device="meta")
+        refused = DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
+        with pytest.raises(RuntimeError, match="unevenly"):
+            refused.view(8, 32, 2, 32)
+        kept = DTensor.from_local(torch.empty(1, 32, 64, device="meta"), mesh, [Shard(0)])
+        assert kept.view(8, 32, 2, 32).placements == (Shard(0),)

@@ -15,6 +15,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from autoshard import _torch_private as tp
 from autoshard.launch.dtensor_rules import (
+    embedding_reduced_once,
     register_launch_rules,
     view_with_contiguous_local,
 )
@@ -191,6 +192,48 @@ def test_hf_grouped_matmul_column_and_row_parallel_equal_one_device() -> None:
         assert (gx.placements, gw.placements) == ((Shard(1),), (Shard(1),))
         torch.testing.assert_close(gx.to_local(), xr.grad[:, :3])
         torch.testing.assert_close(gw.to_local(), wr.grad[:, :3])
+
+
+EMBEDDING = torch.ops.aten.embedding.default
+
+
+def _vocab_sharded_lookup(mesh) -> tuple[DTensor, DTensor, torch.Tensor]:
+    """A 10-row table sharded by rows on 2 ranks (rank 0 holds rows 0-4) and ids from both
+    halves; the reference is rank 0's part of the lookup before the sum: its rows, zeros
+    for the other rank's (a fake process group's all-reduce leaves the local value)."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(10, 4, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[1, 7, 4], [9, 0, 5]])
+    weight = DTensor.from_local(table[:5].clone(), mesh, [Shard(0)], run_check=False)
+    rows = DTensor.from_local(ids, mesh, [Replicate()], run_check=False)
+    ref = F.embedding(ids, table) * (ids < 5).unsqueeze(-1)
+    return weight, rows, ref
+
+
+def test_a_vocab_sharded_embedding_read_twice_fails_in_dtensor_alone() -> None:
+    """The planted fault: DTensor reduces the embedding's masked pending sum in each
+    consumer, and the second finds the mask released (a decoder's residual stream)."""
+    with tp.fake_mesh((2,)) as mesh:
+        weight, rows, _ = _vocab_sharded_lookup(mesh)
+        out = EMBEDDING(weight, rows)
+        assert tp.is_mask_partial(out.placements[0])
+        out + 1.0  # noqa: B018 - the first consumer reduces it
+        with pytest.raises(AssertionError):
+            out * 2.0  # noqa: B018
+
+
+def test_a_vocab_sharded_embedding_is_reduced_once_for_every_consumer() -> None:
+    with tp.fake_mesh((2,)) as mesh:
+        weight, rows, ref = _vocab_sharded_lookup(mesh)
+        out = embedding_reduced_once(EMBEDDING)(weight, rows)
+        assert out.placements == (Replicate(),)
+        torch.testing.assert_close((out + 1.0).to_local(), ref + 1.0, rtol=0, atol=0)
+        torch.testing.assert_close((out * 2.0).to_local(), ref * 2.0, rtol=0, atol=0)
+        # any other placement, and a plain tensor, pass unchanged
+        whole = DTensor.from_local(torch.zeros(10, 4), mesh, [Replicate()], run_check=False)
+        assert embedding_reduced_once(EMBEDDING)(whole, rows).placements == (Replicate(),)
+        plain = embedding_reduced_once(EMBEDDING)(torch.zeros(10, 4), rows.to_local())
+        assert not isinstance(plain, DTensor)
 
 
 def test_launch_rules_do_not_change_what_the_planner_sees() -> None:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from autoshard._torch_private import key_sharding_cache_on, register_launch_rule
+from autoshard._torch_private import is_mask_partial, key_sharding_cache_on, register_launch_rule
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
 
 
@@ -123,6 +123,27 @@ def view_with_contiguous_local(op: Any) -> Any:
 
     def run(x: Any, *args: Any, **kwargs: Any) -> Any:
         return op(in_global_layout(x), *args, **kwargs)
+
+    return run
+
+
+def embedding_reduced_once(op: Any) -> Any:
+    """``op`` (``aten.embedding``) whose vocabulary-sharded output is reduced at once.
+
+    A vocabulary-sharded embedding gives a pending sum that holds its rows' mask until its
+    first reduction (:func:`autoshard._torch_private.is_mask_partial`). DTensor reduces it
+    in each consumer, so an embedding read twice (a decoder's residual stream: the first
+    block's norm and its residual add) failed with ``AssertionError`` in the second. Its
+    output is reduced to ``Replicate`` on those mesh dims right away (one all-reduce where
+    DTensor would run one per consumer); a plain tensor or another placement passes
+    unchanged. Differentiable (``DTensor.redistribute``)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = op(*args, **kwargs)
+        if not isinstance(out, DTensor) or not any(map(is_mask_partial, out.placements)):
+            return out
+        placements = [Replicate() if is_mask_partial(p) else p for p in out.placements]
+        return out.redistribute(out.device_mesh, placements)
 
     return run
 

@@ -72,7 +72,11 @@ from autoshard.launch.check import (
     widen_module,
     widened,
 )
-from autoshard.launch.dtensor_rules import register_launch_rules, view_with_contiguous_local
+from autoshard.launch.dtensor_rules import (
+    embedding_reduced_once,
+    register_launch_rules,
+    view_with_contiguous_local,
+)
 from autoshard.launch.graph_run import plant_gradient_fault
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import (
@@ -365,7 +369,8 @@ def _prepare_stage_graphs(module: nn.Module) -> None:
     ``aten._assert_tensor_metadata`` calls ``torch.export`` puts at each ``Tensor.to``
     (DTensor has no sharding rule for that check, and it returns nothing), and run views
     and reshapes through
-    :func:`~autoshard.launch.dtensor_rules.view_with_contiguous_local`."""
+    :func:`~autoshard.launch.dtensor_rules.view_with_contiguous_local`, embeddings through
+    :func:`~autoshard.launch.dtensor_rules.embedding_reduced_once`."""
     assert_metadata = torch.ops.aten._assert_tensor_metadata.default
     for mod in module.modules():
         graph = getattr(mod, "graph", None)
@@ -378,6 +383,8 @@ def _prepare_stage_graphs(module: nn.Module) -> None:
                 graph.erase_node(node)
             elif node.target in _VIEWS:
                 node.target = view_with_contiguous_local(node.target)
+            elif node.target is torch.ops.aten.embedding.default:
+                node.target = embedding_reduced_once(node.target)
             else:
                 continue
             changed = True

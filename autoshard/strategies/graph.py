@@ -645,16 +645,8 @@ def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] |
     if own is not None:
         found = own(node, info.args, info.results, mesh_shape)
     elif tp.has_rule(node.target):
-        try:
-            rs = tp.rule_strategies(
-                node.target,
-                _to_meta_args(tuple(node.args)),
-                _to_meta_args(dict(node.kwargs)),
-                mesh,
-                dict(enumerate(cand_lists)),
-                _out_meta(node),
-            )
-        except Exception:  # a rule that cannot handle these arguments: fall back
+        rs = _rule_strategies(node, mesh, cand_lists)
+        if rs is None:  # a rule that cannot handle these arguments: fall back
             return None
         found = [Strategy(r.outputs, r.inputs) for r in rs]
         if node.target in UNNESTED_OPS:
@@ -672,6 +664,44 @@ def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] |
         seen.add(s)
         out.append(s)
     return out or None
+
+
+def _rule_strategies(node, mesh, cand_lists) -> list | None:
+    """DTensor's strategies for ``node`` given its inputs' candidate placements, or None
+    when its rule refuses every candidate.
+
+    A rule given several candidates for its first input answers for all of them at once,
+    and raises when it refuses any one: ``aten.view``'s strict rule refuses to split a
+    dim sharded unevenly into its groups (a key/value projection ``(B, S, 2*64)`` sharded
+    ``S(2)`` 8 ways, viewed as ``(B, S, 2, 64)``), which would drop the batch-sharded
+    ``S(0)`` candidate with it and replicate the op (issue 28: every grouped-query
+    attention's key/value views fell back on meshes of 8 and more). The refused
+    candidates are then left out, one at a time, as DTensor itself refuses them when the
+    plan runs; a candidate reaches the op through a resharding the edge prices.
+    """
+
+    def rule(cands: list[list[Placements]]):
+        return tp.rule_strategies(
+            node.target,
+            _to_meta_args(tuple(node.args)),
+            _to_meta_args(dict(node.kwargs)),
+            mesh,
+            dict(enumerate(cands)),
+            _out_meta(node),
+        )
+
+    try:
+        return rule(cand_lists)
+    except Exception:  # DTensor's rules refuse by raising (RuntimeError, AssertionError)
+        if not cand_lists or len(cand_lists[0]) < 2:
+            return None
+    found = []
+    for c in cand_lists[0]:
+        try:
+            found += rule([[c], *cand_lists[1:]])
+        except Exception:  # this candidate refused, as above
+            continue
+    return found or None
 
 
 def _even(s: Strategy, info, mesh_shape) -> bool:
