@@ -125,7 +125,7 @@ def test_a_trace_that_loses_gradients_is_refused(tmp_path, monkeypatch):
     one-line reason instead of planning a step without its backward."""
     import autoshard.trace.tracer as tracer
 
-    monkeypatch.setattr(tracer, "_IMPLICIT_DECOMPOSITIONS", {})
+    monkeypatch.setattr(tracer.tp, "composite_implicit_decompositions", dict)
     path = tmp_path / "gpt2_ce.py"
     path.write_text(GPT2_CE)
     with pytest.raises(AutoshardError, match="lost gradients: the loss's seed gradient is never"):
@@ -250,6 +250,38 @@ def test_a_dict_in_any_order_binds_by_keyword(tmp_path):
     scale, x = loaded.inputs
     expected = loaded.module.fc(x) * scale
     torch.testing.assert_close(loaded.module(*loaded.inputs), expected)
+
+
+def test_a_forward_patched_onto_the_instance_is_kept_by_keyword(tmp_path):
+    """A hook that replaced the instance's ``forward`` (as accelerate's and PEFT's do) runs
+    under the keyword adapter, in the module and in a deep copy of it, bound to the copy."""
+    import copy
+
+    from autoshard.model.model_file import by_keyword
+
+    path = tmp_path / "scaled.py"
+    path.write_text(
+        KEYWORD_MLP.format(inputs='{"scale": torch.ones(8, 1), "x": torch.randn(8, 16)}')
+    )
+    loaded = instantiate(load_model_file(path), device="cpu")
+    module = loaded.module
+    original = type(module).forward
+
+    def hooked(self, x, scale):  # the class's forward, times 3
+        return original(self, x=x, scale=scale) * 3.0
+
+    import types
+
+    plain = copy.deepcopy(module)
+    module.forward = types.MethodType(hooked, module)
+    by_keyword(module, ("scale", "x"))
+    scale, x = loaded.inputs
+    torch.testing.assert_close(module(scale, x), module.fc(x) * scale * 3.0)
+    twin = copy.deepcopy(module)
+    with torch.no_grad():
+        twin.fc.weight.mul_(2.0)  # the copy's own weights, not the original's
+    torch.testing.assert_close(twin(scale, x), twin.fc(x) * scale * 3.0)
+    torch.testing.assert_close(plain(scale, x), plain.fc(x) * scale)  # no hook: the class's
 
 
 @pytest.mark.slow  # starts torchrun

@@ -91,3 +91,32 @@ def test_on_a_terminal_the_solve_phase_shows_the_incumbent_as_it_improves():
         task = progress.bar.tasks[progress.tasks["solve"]]
         assert re.search(r"incumbent -?[\d.]+ ms, bound -?[\d.]+ ms, gap", task.description)
         progress("solve", 1, 1)
+
+
+def test_an_autoshard_plan_is_the_same_whether_or_not_a_listener_is_told():
+    """Two Megatron MLP blocks on 2x2, planned by the Python API with and without a
+    listener: the listener is told (the MIP branches), and the choice, the objective and
+    every parameter's placements are the same."""
+    import torch
+    from torch import nn
+
+    from autoshard import api
+
+    def model() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(
+                *(
+                    nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+                    for _ in range(2)
+                )
+            )
+
+    x = torch.empty(64, 1024, device="meta")
+    quiet = api.solve(model(), (x,), "2x2")
+    told: list[SolverProgress] = []
+    with listening(told.append):
+        heard = api.solve(model(), (x,), "2x2")
+    assert told
+    assert heard.ilp.choice == quiet.ilp.choice
+    assert heard.ilp.objective_s == quiet.ilp.objective_s
+    assert heard.plan.parameters == quiet.plan.parameters

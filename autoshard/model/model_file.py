@@ -358,12 +358,16 @@ def _keyword_names(module: torch.nn.Module, raw: Mapping, show: str, what: str) 
 
 
 _KEYWORDS = "_autoshard_keyword_inputs"
+_INNER_FORWARD = "_autoshard_inner_forward"
 
 
 def _forward_by_keyword(self: torch.nn.Module, *tensors: torch.Tensor):
     """``forward()`` taking the inputs positionally, in the order of the model file's dict,
-    and passing them to the model's own ``forward`` by keyword."""
-    return type(self).forward(self, **dict(zip(getattr(self, _KEYWORDS), tensors, strict=True)))
+    and passing them to the model's own ``forward`` by keyword: one patched onto the
+    instance before (accelerate's or PEFT's hooks) if there was one, else its class's."""
+    inputs = dict(zip(getattr(self, _KEYWORDS), tensors, strict=True))
+    inner = self.__dict__.get(_INNER_FORWARD)
+    return inner(**inputs) if inner is not None else type(self).forward(self, **inputs)
 
 
 def by_keyword(module: torch.nn.Module, names: Sequence[str]) -> tuple[str, ...]:
@@ -371,8 +375,11 @@ def by_keyword(module: torch.nn.Module, names: Sequence[str]) -> tuple[str, ...]
     ``example_inputs()``'s dict) and pass them to its ``forward`` by keyword, so that
     tracing, the sharding map (inputs named by key) and the launcher see one positional
     step, and ``loss_fn(output, *inputs)`` gets them in the dict's order. A bound method on
-    the instance: a deep copy of the module binds to the copy. Returns ``names``."""
+    the instance: a deep copy of the module binds to the copy. A ``forward`` already set on
+    the instance is kept and called. Returns ``names``."""
     setattr(module, _KEYWORDS, tuple(names))
+    if "forward" in module.__dict__ and _INNER_FORWARD not in module.__dict__:
+        setattr(module, _INNER_FORWARD, module.__dict__["forward"])
     module.forward = types.MethodType(_forward_by_keyword, module)
     return tuple(names)
 

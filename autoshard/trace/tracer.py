@@ -485,7 +485,8 @@ def _export_joint(loaded: LoadedModel):
     try:
         with _quiet_torch(), flash_attention_traced():
             ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
-            ep = ep.run_decompositions(_IMPLICIT_DECOMPOSITIONS)  # see the function's doc
+            # the CompositeImplicitAutograd ops, decomposed (see the function's doc)
+            ep = ep.run_decompositions(dict(tp.composite_implicit_decompositions()))
             joint = tp.export_joint(stack, ep.module(), loaded.inputs)
     except Exception as exc:
         stack.close()
@@ -518,9 +519,6 @@ def _export_joint(loaded: LoadedModel):
     return gm, kinds, tuple(labels), grad_of, stack.close
 
 
-_IMPLICIT_DECOMPOSITIONS = tp.composite_implicit_decompositions()  # once, at import
-
-
 def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, name: str) -> None:
     """The joint graph is a whole training step: the loss's seed gradient is read. A
     parameter the forward reads may have no gradient for a faithful reason (read only
@@ -534,6 +532,8 @@ def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, 
     """
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     unread = [n.name for n in holders if kinds[n.name][0] == "tangent" and not n.users]
+    if not unread:  # a parameter may lose its gradient faithfully (.detach(), argmax)
+        return
     values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     missing = {
         g.removeprefix("model.")
@@ -545,15 +545,13 @@ def _check_gradients(gm: torch.fx.GraphModule, kinds: dict, out: torch.fx.Node, 
         for n in holders
         if kinds[n.name][0] == "param" and n.users and kinds[n.name][1] in missing
     )
-    if unread:  # a parameter may lose its gradient faithfully (.detach(), argmax): not alone
-        what = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
-        raise AutoshardError(
-            f"the training graph of {name} lost gradients: "
-            + ("the loss's seed gradient is never read; " if unread else "")
-            + (f"{len(lost)} parameters ({what}) get none; " if lost else "")
-            + "an op in the loss or the model has no traced backward on the meta device: "
-            "report it with the model file (docs/model-file.md, 'Tracing')"
-        )
+    what = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
+    raise AutoshardError(
+        f"the training graph of {name} lost gradients: the loss's seed gradient is never read; "
+        + (f"{len(lost)} parameters ({what}) get none; " if lost else "")
+        + "an op in the loss or the model has no traced backward on the meta device: "
+        "report it with the model file (docs/model-file.md, 'Tracing')"
+    )
 
 
 @contextlib.contextmanager
