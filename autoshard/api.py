@@ -95,6 +95,7 @@ def solve(
     memory_budget: float | None = None,
     precision: str = "model",
     time_limit: float | None = None,
+    solver: SolverOptions | None = None,
     tie: bool = True,
     loss_fn: Any = None,
     name: str | None = None,
@@ -116,7 +117,10 @@ def solve(
         device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...).
         memory_budget: bytes per device (default: the device's memory less a margin).
         precision: ``"model"``, ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``.
-        time_limit: seconds for the ILP (default :class:`SolverOptions`'s).
+        time_limit: wall-clock seconds for the ILP search (default: none; the search
+            stops at :class:`SolverOptions`'s work limit, the same plan on every run).
+        solver: the search's options (:class:`SolverOptions`: work limit, MIP gap);
+            ``time_limit``, when given, replaces its wall-clock limit.
         tie: one plan for identical middle blocks (fast); ``False`` plans each block.
         loss_fn: ``loss_fn(output, *inputs) -> scalar`` for training (default: the mean
             of the first floating output, as for a model file without one).
@@ -141,6 +145,7 @@ def solve(
         memory_budget,
         precision,
         time_limit,
+        solver,
         tie,
         loss_fn,
         name,
@@ -158,6 +163,7 @@ def _config(
     memory_budget,
     precision,
     time_limit,
+    solver,
     tie,
     loss_fn,
     name,
@@ -175,7 +181,9 @@ def _config(
     else:
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
         chip = get_device(device)
-    options = SolverOptions() if time_limit is None else SolverOptions(time_limit_s=time_limit)
+    options = solver or SolverOptions()
+    if time_limit is not None:
+        options = replace(options, time_limit_s=time_limit)
     config = SolveConfig(
         model_path=Path(f"<{loaded.name}>"),
         mesh=spec,
@@ -201,6 +209,7 @@ def compare(
     memory_budget: float | None = None,
     precision: str = "model",
     time_limit: float | None = None,
+    solver: SolverOptions | None = None,
     tie: bool = True,
     loss_fn: Any = None,
     name: str | None = None,
@@ -230,6 +239,7 @@ def compare(
         memory_budget,
         precision,
         time_limit,
+        solver,
         tie,
         loss_fn,
         name,
@@ -254,6 +264,7 @@ def stages(
     memory_budget: float | None = None,
     precision: str = "model",
     time_limit: float | None = None,
+    solver: SolverOptions | None = None,
     loss_fn: Any = None,
     name: str | None = None,
     profile: str | Path | None = None,
@@ -279,6 +290,7 @@ def stages(
         memory_budget,
         precision,
         time_limit,
+        solver,
         False,
         loss_fn,
         name,

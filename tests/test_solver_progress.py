@@ -120,3 +120,34 @@ def test_an_autoshard_plan_is_the_same_whether_or_not_a_listener_is_told():
     assert heard.ilp.choice == quiet.ilp.choice
     assert heard.ilp.objective_s == quiet.ilp.objective_s
     assert heard.plan.parameters == quiet.plan.parameters
+
+
+def test_a_work_limit_stops_the_mip_on_the_same_point_every_run():
+    """HiGHS's limit checks counted (the work limit): a stopped MIP ends on the same
+    incumbent, bound and count of nodes on every run; without a limit it is optimal, at
+    an objective no worse than the stopped one."""
+    milp = knapsack()
+    free = run(milp)
+    assert free.status == "optimal" and free.work > 40
+    limit = free.work // 4
+    first, second = run(milp, work_limit=limit), run(milp, work_limit=limit)
+    assert first.status == second.status == "work_limit"
+    assert first.model_status == f"work limit ({limit} units)"
+    assert limit <= first.work <= limit + 5  # HiGHS stops at its next check
+    assert (first.work, first.nodes, first.objective, first.bound) == (
+        second.work,
+        second.nodes,
+        second.objective,
+        second.bound,
+    )
+    np.testing.assert_array_equal(first.x, second.x)
+    assert free.objective <= first.objective  # a minimisation
+
+
+def test_an_lp_stops_at_its_iteration_limit():
+    lp = knapsack()
+    lp.integer = np.zeros(lp.num_cols, dtype=bool)
+    free = run(lp)
+    assert free.status == "optimal" and free.iterations > 2
+    stopped = run(lp, iteration_limit=1)
+    assert stopped.status == "iteration_limit"

@@ -29,7 +29,7 @@ from autoshard.cost.mesh import (
     parse_mesh_shape,
 )
 from autoshard.errors import AutoshardError
-from autoshard.solver.options import SolverOptions
+from autoshard.solver.options import WORK_LIMIT, SolverOptions
 from autoshard.units import BandwidthType, BytesType, DurationType, format_bandwidth, format_seconds
 
 if TYPE_CHECKING:
@@ -197,12 +197,20 @@ def plan_options(f):
             "replicate: every device ends with the whole output.",
         ),
         click.option(
+            "--work-limit",
+            type=click.IntRange(min=1),
+            default=WORK_LIMIT,
+            show_default=True,
+            help="Work units each MIP solve may take (HiGHS's limit checks, made at fixed "
+            "points of its search); when hit, the best plan found is written with its gap. It "
+            "counts work, not seconds: the same plan on every run, however busy the machine.",
+        ),
+        click.option(
             "--time-limit",
             type=float,
-            default=120.0,
-            show_default=True,
-            help="Seconds HiGHS may search (LP, relax-and-fix and MIP together); when hit, the "
-            "best plan found is written with its gap.",
+            default=None,
+            help="Wall-clock seconds for the whole search (default: none). When it stops the "
+            "search, the plan may differ on a busier machine; the report says so.",
         ),
         click.option(
             "--mip-gap",
@@ -309,7 +317,9 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         device=device,
         input_placement=opts["input_placement"],
         output_placement=opts["output_placement"],
-        solver=SolverOptions(time_limit_s=opts["time_limit"], mip_gap=opts["mip_gap"]),
+        solver=SolverOptions(
+            time_limit_s=opts["time_limit"], mip_gap=opts["mip_gap"], work_limit=opts["work_limit"]
+        ),
         mode=opts["mode"],
         dtype=getattr(torch, opts["dtype_name"]) if opts["dtype_name"] else None,
         precision=opts["precision"],

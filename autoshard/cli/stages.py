@@ -11,7 +11,7 @@ from rich.console import Console
 
 from autoshard.cli.options import Progress, mesh_and_device, mesh_options, step_options
 from autoshard.errors import AutoshardError
-from autoshard.solver.options import SolverOptions
+from autoshard.solver.options import WORK_LIMIT, SolverOptions
 from autoshard.units import BytesType
 
 
@@ -29,9 +29,18 @@ def stages_options(f):
     f = click.option(
         "--time-limit",
         type=float,
-        default=120.0,
+        default=None,
+        help="Wall-clock seconds HiGHS may search per stage ILP (default: none; each MIP "
+        "stops at --work-limit). When it stops a search, the plan may differ on a busier "
+        "machine.",
+    )(f)
+    f = click.option(
+        "--work-limit",
+        type=click.IntRange(min=1),
+        default=WORK_LIMIT,
         show_default=True,
-        help="Seconds HiGHS may search per stage ILP (LP, relax-and-fix and MIP together).",
+        help="Work units each MIP solve may take (HiGHS's limit checks: it counts work, not "
+        "seconds, so the same plan on every run).",
     )(f)
     f = click.option(
         "--memory-budget",
@@ -86,6 +95,7 @@ def stages_command(
     microbatches,
     memory_budget,
     time_limit,
+    work_limit,
     out_dir,
     quiet,
 ) -> None:
@@ -129,7 +139,7 @@ def stages_command(
             model_path=model_file,
             mesh=mesh,
             device=device,
-            solver=SolverOptions(time_limit_s=time_limit),
+            solver=SolverOptions(time_limit_s=time_limit, work_limit=work_limit),
             mode=mode,
             dtype=getattr(torch, dtype_name) if dtype_name else None,
             precision=precision,

@@ -567,7 +567,8 @@ def print_report(
         if status == "within_gap":
             status = "within the --mip-gap of the LP bound"
         elif status != "optimal":
-            status = f"[yellow]{status}: best plan found, not proven optimal[/yellow]"
+            why = STOPPED_BY.get(status, status)
+            status = f"[yellow]{why}: best plan found, not proven optimal[/yellow]"
         _solver_line(console, ilp, status, gap)
     secs = result.seconds
 
@@ -578,6 +579,15 @@ def print_report(
     )
     if files:
         console.print("wrote " + " and ".join(str(f) for f in files))
+
+
+STOPPED_BY = {
+    "work_limit": "stopped at --work-limit (the same plan on every run)",
+    "iteration_limit": "stopped at the LP's iteration limit (the same plan on every run)",
+    "time_limit": "stopped at --time-limit (a wall-clock limit: a busier machine may stop "
+    "on another plan)",
+}
+"""How the report names each limit a search can stop at (an ILP status)."""
 
 
 def _solver_line(console: Console, ilp, status: str, gap: str) -> None:

@@ -10,12 +10,18 @@ status in four words.
 
 HiGHS's model statuses map to :attr:`HighsRun.status`:
 
-============================================  ==============
+============================================  ===================
 ``kOptimal``                                  ``optimal``
 ``kInfeasible``                               ``infeasible``
+the work limit (see :class:`_WorkLimit`)      ``work_limit``
+``kIterationLimit`` (an LP's iterations)      ``iteration_limit``
 ``kTimeLimit``, ``kInterrupt``, other limits  ``time_limit``
 anything else (model or solve errors, ...)    ``error``
-============================================  ==============
+============================================  ===================
+
+The work and iteration limits count what HiGHS did, not seconds: with one thread and a
+fixed seed HiGHS takes the same path on every run, so a search they stop ends on the same
+plan whatever the machine's load. A wall-clock limit does not (issue 29).
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ _LIMITS = {
     "kHighsInterrupt",
     "kMemoryLimit",
 }
+_STATUS = {
+    "kOptimal": "optimal",
+    "kInfeasible": "infeasible",
+    "kIterationLimit": "iteration_limit",
+}
+
+LIMIT_STATUSES = ("work_limit", "iteration_limit", "time_limit")
+"""The statuses of a run a limit stopped (its best point, if any, is still returned)."""
 
 
 @dataclass
@@ -80,7 +94,9 @@ class HighsRun:
     docstring); ``x``: the column values of the best feasible point, or None when there is
     none; ``objective``: its objective; ``bound``: the MIP's dual bound (None for an LP);
     ``gap``: HiGHS's relative MIP gap (None when it has none); ``model_status``: HiGHS's
-    own word, for messages.
+    own word, for messages; ``nodes``: branch-and-bound nodes; ``iterations``: simplex
+    iterations (the LP's, or all of the MIP's); ``work``: a MIP's work units (see
+    :class:`_WorkLimit`).
     """
 
     status: str
@@ -89,6 +105,9 @@ class HighsRun:
     bound: float | None
     gap: float | None
     model_status: str
+    nodes: int = 0
+    iterations: int = 0
+    work: int = 0
 
 
 @contextlib.contextmanager
@@ -150,6 +169,29 @@ def listening(callback: Callable[[SolverProgress], None]) -> Iterator[None]:
         yield
     finally:
         _listener.reset(token)
+
+
+class _WorkLimit:
+    """A deterministic limit on a MIP's work: HiGHS's MIP solver checks its limits at
+    fixed points of its search (each LP solve of the root's cut rounds and heuristics,
+    each node) and calls ``cbMipInterrupt`` there; one call is one work unit. With one
+    thread and a fixed seed the calls fall on the same points on every run, so stopping
+    at the ``limit``-th stops on the same incumbent whatever the machine's load, where
+    ``time_limit`` does not. (HiGHS's ``mip_max_nodes`` is deterministic too, but most of
+    a large sharding MIP's time goes to its root node: 1 node in 145 s on GPT-2 small
+    bf16-mixed; and a MIP's callbacks do not report its simplex iterations.)"""
+
+    def __init__(self, h: highspy.Highs, limit: int | None) -> None:
+        self.limit = limit
+        self.work = 0
+        self.hit = False
+        h.cbMipInterrupt.subscribe(self._check)
+
+    def _check(self, event) -> None:  # noqa: ANN001 - highspy's callback event
+        self.work += 1
+        if self.limit is not None and self.work >= self.limit:
+            self.hit = True
+            event.interrupt()
 
 
 class _Watch:
@@ -222,17 +264,20 @@ def _run_interruptibly(h: highspy.Highs, watch: _Watch | None = None) -> None:
 
 def run(
     milp: MILP,
-    time_limit: float,
+    time_limit: float | None = None,
     mip_rel_gap: float | None = None,
     start: tuple[np.ndarray, np.ndarray] | None = None,
     objective_bound: float | None = None,
     seconds_per_unit: float | None = None,
+    work_limit: int | None = None,
+    iteration_limit: int | None = None,
 ) -> HighsRun:
-    """Solve ``milp`` with HiGHS within ``time_limit`` seconds.
+    """Solve ``milp`` with HiGHS, within the limits given.
 
     Args:
         milp: the program.
-        time_limit: wall-clock seconds (HiGHS's ``time_limit``).
+        time_limit: wall-clock seconds (HiGHS's ``time_limit``); None: none. A search it
+            stops depends on the machine's load: prefer the work limits.
         mip_rel_gap: relative gap at which the MIP stops (``mip_abs_gap`` is 0, so that
             only the relative one counts).
         start: ``(column indices, values)`` of a feasible point, possibly partial (HiGHS
@@ -242,6 +287,10 @@ def run(
             would once HiGHS has completed it).
         seconds_per_unit: seconds of the step per unit of the objective, for the progress
             a :func:`listening` block reports (None: the objective is not a time).
+        work_limit: work units of a MIP (:class:`_WorkLimit`); None: none.
+            Deterministic.
+        iteration_limit: simplex iterations of an LP (HiGHS's ``simplex_iteration_limit``;
+            HiGHS applies it to LPs, not to a MIP's node LPs); None: none. Deterministic.
 
     Returns:
         A :class:`HighsRun`; no exception for infeasibility or limits, which its
@@ -251,18 +300,22 @@ def run(
         KeyboardInterrupt: Ctrl-C, after HiGHS has stopped.
     """
     h = new_highs()
-    for name, value in (
+    options: list[tuple[str, object]] = [
         ("output_flag", False),
         ("threads", 1),  # deterministic: the same plan on every run and machine load
         ("random_seed", 0),
-        ("time_limit", float(time_limit)),
         ("mip_abs_gap", 0.0),
-    ):
-        h.setOptionValue(name, value)
+    ]
+    if time_limit is not None:
+        options.append(("time_limit", float(time_limit)))
+    if iteration_limit is not None:
+        options.append(("simplex_iteration_limit", int(iteration_limit)))
     if mip_rel_gap is not None:
-        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+        options.append(("mip_rel_gap", float(mip_rel_gap)))
     if objective_bound is not None:
-        h.setOptionValue("objective_bound", float(objective_bound))
+        options.append(("objective_bound", float(objective_bound)))
+    for name, value in options:
+        h.setOptionValue(name, value)
     lp = highspy.HighsLp()
     lp.num_col_ = milp.num_cols
     lp.num_row_ = milp.num_rows
@@ -288,20 +341,16 @@ def run(
         h.setSolution(
             len(index), np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
         )
+    work = _WorkLimit(h, work_limit) if mip else None
     callback = _listener.get()
     watch = _Watch(h, callback, seconds_per_unit, mip) if callback is not None else None
     _run_interruptibly(h, watch)
     word = h.modelStatusToString(h.getModelStatus())
     name = h.getModelStatus().name
     info = h.getInfo()
-    if name == "kOptimal":
-        status = "optimal"
-    elif name == "kInfeasible":
-        status = "infeasible"
-    elif name in _LIMITS:
-        status = "time_limit"
-    else:
-        status = "error"
+    status = _STATUS.get(name, "time_limit" if name in _LIMITS else "error")
+    if work is not None and work.hit and name in ("kInterrupt", "kHighsInterrupt"):
+        status, word = "work_limit", f"work limit ({work_limit} units)"
     feasible = info.primal_solution_status == highspy.kSolutionStatusFeasible
     x = np.array(h.getSolution().col_value) if feasible else None
     objective = float(info.objective_function_value) if feasible else None
@@ -313,4 +362,7 @@ def run(
             bound = None
         if not (0 <= gap < 1e20):
             gap = None
-    return HighsRun(status, x, objective, bound, gap, word)
+    nodes = max(int(info.mip_node_count), 0) if mip else 0
+    iterations = int(info.simplex_iteration_count)
+    units = work.work if work is not None else 0
+    return HighsRun(status, x, objective, bound, gap, word, nodes, iterations, units)

@@ -34,9 +34,10 @@ Mathematics (the method that builds each part is named in brackets):
   (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
 
 Solved by HiGHS, handed the matrices directly (:mod:`autoshard.solver.highs`:
-``mip_rel_gap``, ``time_limit``, one thread, a fixed seed). A hit time limit
-returns the incumbent with its gap; no incumbent or infeasibility raises
-:class:`~autoshard.errors.AutoshardError`.
+``mip_rel_gap``, a work limit per MIP and an iteration limit per LP, one thread, a fixed
+seed: the same plan on every run, whatever the machine's load; a wall-clock
+``time_limit`` only when asked). A hit limit returns the incumbent with its gap; no
+incumbent or infeasibility raises :class:`~autoshard.errors.AutoshardError`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from autoshard.cost.checkpointing import Columns, columns
 from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.plan.plan import local_bytes
-from autoshard.solver.highs import MILP, run
+from autoshard.solver.highs import LIMIT_STATUSES, MILP, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.units import format_bytes
@@ -555,8 +556,7 @@ def solve(
         # the search with overlap, cut off at the best start, gets what is left of the time
         # limit (capping it at twice the first search's time lost the Llama-7B shape's
         # 2x4 plan: 257 ms kept instead of 193 ms found at 50 s)
-        left = options.time_limit_s - (time.perf_counter() - t0)
-        options = replace(options, time_limit_s=max(1.0, left))
+        options = options.after(time.perf_counter() - t0)
     start = _best_start(sg, starts, memory, start_counts)
     try:
         result = _search(sg, options, memory, start)
@@ -579,7 +579,7 @@ def solve(
         bound = result.bound_s
         finite = bound is not None and math.isfinite(bound)
         gap = max(0.0, 1 - bound / start.objective_s) if finite else math.nan
-        kept = "within_gap" if gap <= options.mip_gap else "time_limit"
+        kept = "within_gap" if gap <= options.mip_gap else _stopped(result.status)
         result = replace(
             result,
             choice=start.choice,
@@ -676,7 +676,7 @@ def _search(
     """
     options = options or SolverOptions()
     t0 = time.perf_counter()
-    deadline = t0 + options.time_limit_s  # one budget for the LP, relax-and-fix and the MIP
+    deadline = options.deadline(t0)  # one budget for the LP, relax-and-fix and the MIP
     prob = build_problem(sg)
     build_s = time.perf_counter() - t0  # building the matrices, not the LP's solve
     incumbent: ILPResult | None = start
@@ -694,14 +694,22 @@ def _search(
         _start(prob, incumbent.choice, incumbent.recompute) if incumbent is not None else None
     )
     cutoff = incumbent.objective_s * SCALE * (1 + 1e-9) if incumbent is not None else None
-    found = run(milp, _left(deadline), float(options.mip_gap), start_cols, cutoff, 1 / SCALE)
+    found = run(
+        milp,
+        _left(deadline),
+        float(options.mip_gap),
+        start_cols,
+        cutoff,
+        1 / SCALE,
+        work_limit=options.work_limit,
+    )
     solve_s = time.perf_counter() - t1
     status = found.status
 
     def _finish(inc: ILPResult, mip_bound: float | None, proven: bool) -> ILPResult:
         # the incumbent (a hand-written start has no program) reports this search's size
         return replace(
-            _finish_incumbent(inc, mip_bound, proven=proven, solve_s=solve_s),
+            _finish_incumbent(inc, mip_bound, proven=proven, solve_s=solve_s, stopped=status),
             num_variables=prob.n_x + prob.n_y,
             num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
             build_seconds=build_s,
@@ -741,13 +749,10 @@ def _search(
         if incumbent is not None:  # the MIP ended optimal: nothing beats the incumbent
             proven = status == "optimal" and xv is not None
             return _finish(incumbent, bound, proven=proven)
-        raise AutoshardError(
-            f"the ILP found no plan within --time-limit {options.time_limit_s:g} s "
-            f"(status {status}); raise --time-limit"
-        )
+        raise AutoshardError(f"the ILP found no plan ({_limit_words(status, options)})")
     choice = prefer_smaller_shards(sg, choice, recompute=recompute)  # never breaks the budget
     objective = evaluate(sg, choice, recompute)
-    status_text = "optimal" if status == "optimal" else "time_limit"
+    status_text = "optimal" if status == "optimal" else _stopped(status)
     if status_text == "optimal" and gap is not None and gap > 1e-9:
         status_text = "within_gap"
     if status_text == "optimal" and gap is None:
@@ -809,13 +814,14 @@ def _found_counts(prob: _Problem, values: np.ndarray | None) -> dict[int, int] |
 
 
 def _finish_incumbent(
-    inc: ILPResult, mip_bound: float | None, proven: bool, solve_s: float
+    inc: ILPResult, mip_bound: float | None, proven: bool, solve_s: float, stopped: str
 ) -> ILPResult:
     """The relax-and-fix plan as the answer, with its gap to the best bound known.
 
     ``proven``: the MIP cut off at the plan's objective ended (infeasible: nothing better
     exists, gap 0; or optimal within its gap, whose bound then holds for the plan too).
-    Otherwise the MIP ran out of time without beating it: status ``time_limit``.
+    Otherwise a limit stopped the MIP before it beat the plan: the status is that limit
+    (``stopped``, the MIP's status, through :func:`_stopped`).
     """
     cost = inc.objective_s
     bounds = [b for b in (inc.bound_s, mip_bound) if b is not None and math.isfinite(b)]
@@ -824,17 +830,35 @@ def _finish_incumbent(
     elif bounds:
         bound = max(bounds)
     else:  # a start the search never bounded (the LP did not finish)
-        return replace(inc, status="time_limit", gap=math.nan, solve_seconds=solve_s)
+        return replace(inc, status=_stopped(stopped), gap=math.nan, solve_seconds=solve_s)
     gap = max(0.0, (cost - bound) / cost) if cost > 0 else 0.0
-    status = ("optimal" if gap <= 1e-9 else "within_gap") if proven else "time_limit"
+    status = ("optimal" if gap <= 1e-9 else "within_gap") if proven else _stopped(stopped)
     return replace(
         inc, status=status, gap=gap, bound_s=bound, solve_seconds=inc.solve_seconds + solve_s
     )
 
 
-def _left(deadline: float) -> float:
-    """Seconds left before ``deadline`` for the next solver call (at least 1)."""
-    return max(1.0, deadline - time.perf_counter())
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` for the next solver call (at least 1); None
+    without a wall-clock limit."""
+    return None if deadline is None else max(1.0, deadline - time.perf_counter())
+
+
+def _stopped(status: str) -> str:
+    """The status of a search a limit stopped: the limit HiGHS named (``work_limit``,
+    ``iteration_limit``, ``time_limit``); ``time_limit`` for any other stop."""
+    return status if status in LIMIT_STATUSES else "time_limit"
+
+
+def _limit_words(status: str, options: SolverOptions) -> str:
+    """What stopped a search, as the option a user would raise."""
+    if status == "work_limit":
+        return f"stopped at --work-limit {options.work_limit}; raise it"
+    if status == "iteration_limit":
+        return f"stopped at {options.lp_iteration_limit} simplex iterations"
+    if options.time_limit_s is not None:
+        return f"stopped at --time-limit {options.time_limit_s:g} s (status {status}); raise it"
+    return f"status {status}"
 
 
 def _lp_first(
@@ -848,7 +872,7 @@ def _lp_first(
     milp = _milp(prob, boolean=False, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    lp = run(milp, _left(deadline))
+    lp = run(milp, _left(deadline), iteration_limit=options.lp_iteration_limit)
     if lp.status != "optimal" or lp.x is None:
         return None  # infeasible or odd: the MIP path reports it properly
     values = lp.x
@@ -862,7 +886,8 @@ def _lp_first(
     if not integral:
         # relax-and-fix: keep every node the LP decided, solve the MIP on the rest
         decided = np.flatnonzero(xv > 1 - 1e-6)
-        values = _fixed_mip(prob, memory, decided, options, _left(deadline) / 2)
+        left = _left(deadline)
+        values = _fixed_mip(prob, memory, decided, options, None if left is None else left / 2)
         if values is None:
             return None
         xv = values[: prob.n_x]
@@ -893,7 +918,7 @@ def _lp_first(
 
 
 def _fixed_mip(
-    prob: _Problem, memory, decided: np.ndarray, options: SolverOptions, time_limit: float
+    prob: _Problem, memory, decided: np.ndarray, options: SolverOptions, time_limit: float | None
 ):
     """The MIP with the variables in ``decided`` fixed to 1; its columns' values, or None.
 
@@ -901,7 +926,13 @@ def _fixed_mip(
     within ``time_limit`` seconds; a plan found when the time runs out is still returned
     (its gap is measured by the caller)."""
     milp = _milp(prob, memory=memory, fixed=decided)
-    found = run(milp, time_limit, float(options.mip_gap), seconds_per_unit=1 / SCALE)
+    found = run(
+        milp,
+        time_limit,
+        float(options.mip_gap),
+        seconds_per_unit=1 / SCALE,
+        work_limit=options.work_limit,
+    )
     if found.status in ("infeasible", "error") or found.x is None:
         return None
     return found.x
@@ -926,7 +957,7 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
         col_upper=np.concatenate([base.col_upper, [np.inf]]),
         integer=np.concatenate([base.integer, [False]]),
     )
-    found = run(milp, float(options.time_limit_s))
+    found = run(milp, options.time_limit_s, work_limit=options.work_limit)
     if found.objective is None:
         raise AutoshardError(
             f"HiGHS found no plan at all when minimising memory ({found.model_status})"

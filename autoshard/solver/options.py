@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoshard.errors import AutoshardError
 
@@ -13,24 +13,67 @@ ALGOS: tuple[str, ...] = ("ilp",) + BASELINES
 """Every ``--algo``: the ILP and each baseline."""
 
 
+WORK_LIMIT = 25
+"""Default work units per MIP solve (:class:`autoshard.solver.highs._WorkLimit`: HiGHS's
+limit checks, made at fixed points of its search)."""
+
+LP_ITERATION_LIMIT = 200_000
+"""Default simplex iterations per LP relaxation (HiGHS's ``simplex_iteration_limit``)."""
+
+
 @dataclass(frozen=True)
 class SolverOptions:
-    """Options of the ILP solve, validated once.
+    """Options of the ILP search, validated once.
 
-    ``time_limit_s``: wall-clock limit for HiGHS (s), shared by the LP, relax-and-fix
-    and the full MIP. ``mip_gap``: relative
-    optimality gap accepted (0 = prove optimality; default 1%). ``lp_first``: solve
-    the LP relaxation first; when it is integral it is the optimum, and when rounding
-    it (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan
-    is returned with its gap; otherwise the MIP is solved.
+    ``work_limit``: work units each MIP solve may take (the search without overlap,
+    relax-and-fix, the full MIP, each memory round: HiGHS's limit checks, made at fixed
+    points of its search); ``lp_iteration_limit``: simplex iterations each LP relaxation
+    may take. Both count work, not seconds: a search they stop ends on the same plan
+    whatever the machine's load (issue 29). ``time_limit_s``: an optional wall-clock
+    limit (s) for the whole search, shared by its phases; a search it stops may end on
+    another plan on a busier machine, and the report says so. ``mip_gap``: relative
+    optimality gap accepted (0 = prove optimality; default 1%). ``lp_first``: solve the
+    LP relaxation first; when it is integral it is the optimum, and when rounding it
+    (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan is
+    returned with its gap; otherwise the MIP is solved.
+
+    Raises:
+        AutoshardError: a limit that is not positive, a gap outside ``[0, 1)``; the
+            message names the option as the command line spells it and as this class
+            does.
     """
 
-    time_limit_s: float = 120.0
+    time_limit_s: float | None = None
     mip_gap: float = 1e-2
     lp_first: bool = True
+    work_limit: int = WORK_LIMIT
+    lp_iteration_limit: int = LP_ITERATION_LIMIT
 
     def __post_init__(self) -> None:
-        if not self.time_limit_s > 0:
-            raise AutoshardError(f"--time-limit must be positive seconds, got {self.time_limit_s}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise AutoshardError(
+                f"--time-limit (time_limit_s) must be positive seconds, got {self.time_limit_s}"
+            )
         if not 0 <= self.mip_gap < 1:
-            raise AutoshardError(f"--mip-gap must be in [0, 1), got {self.mip_gap}")
+            raise AutoshardError(f"--mip-gap (mip_gap) must be in [0, 1), got {self.mip_gap}")
+        if not (isinstance(self.work_limit, int) and self.work_limit > 0):
+            raise AutoshardError(
+                f"--work-limit (work_limit) must be a positive whole number, got {self.work_limit}"
+            )
+        if not (isinstance(self.lp_iteration_limit, int) and self.lp_iteration_limit > 0):
+            raise AutoshardError(
+                "lp_iteration_limit must be a positive whole number, "
+                f"got {self.lp_iteration_limit}"
+            )
+
+    def deadline(self, t0: float) -> float | None:
+        """The ``time.perf_counter()`` reading at which a search started at ``t0`` must
+        stop, or None without a wall-clock limit."""
+        return None if self.time_limit_s is None else t0 + self.time_limit_s
+
+    def after(self, seconds: float) -> SolverOptions:
+        """These options for what is left once ``seconds`` of the wall-clock limit are
+        spent (at least 1 s); unchanged without one."""
+        if self.time_limit_s is None:
+            return self
+        return replace(self, time_limit_s=max(1.0, self.time_limit_s - seconds))

@@ -396,8 +396,7 @@ def solve_within_memory(
             if used < BINDING * config.budget():
                 return first
             starts = {**starts, NO_RECOMPUTE_START: first.choice}
-        left = config.solver.time_limit_s - (time.perf_counter() - t0)
-        config = replace(config, solver=replace(config.solver, time_limit_s=max(1.0, left)))
+        config = replace(config, solver=config.solver.after(time.perf_counter() - t0))
         result = _solve_rows(sg, config, starts)
         return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
     return _solve_rows(sg, config, starts)
@@ -429,12 +428,11 @@ def _solve_rows(
             return replace(result, memory_rounds=rounds, solve_seconds=spent)
         points += over
         rows = np.vstack([rows, live.rows(over)])
-        left = config.solver.time_limit_s - (time.perf_counter() - t0)
-        options = replace(config.solver, time_limit_s=max(1.0, left))
+        options = config.solver.after(time.perf_counter() - t0)
     raise AutoshardError(
         f"after {MEMORY_ROUNDS} solves the plan still overflows the memory budget of "
         f"{format_bytes(budget)} per device at {len(over)} more point(s) of the step; raise "
-        "--memory-budget or --time-limit"
+        "--memory-budget"
     )
 
 
