@@ -62,8 +62,7 @@ class SolverOptions:
             )
         if not (isinstance(self.lp_iteration_limit, int) and self.lp_iteration_limit > 0):
             raise AutoshardError(
-                "lp_iteration_limit must be a positive whole number, "
-                f"got {self.lp_iteration_limit}"
+                f"lp_iteration_limit must be a positive whole number, got {self.lp_iteration_limit}"
             )
 
     def deadline(self, t0: float) -> float | None:
