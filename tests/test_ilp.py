@@ -310,3 +310,23 @@ def test_ctrl_c_cancels_highs_at_once():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - t0 < 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"work_limit": 0}, r"--work-limit \(work_limit\) must be a positive whole number"),
+        ({"time_limit_s": 0.0}, r"--time-limit \(time_limit_s\) must be positive seconds"),
+        ({"mip_gap": 1.0}, r"--mip-gap \(mip_gap\) must be in \[0, 1\)"),
+    ],
+)
+def test_solver_options_name_the_option_as_the_cli_and_the_api_spell_it(kwargs, message):
+    with pytest.raises(AutoshardError, match=message):
+        SolverOptions(**kwargs)
+
+
+def test_without_a_time_limit_the_options_have_no_deadline():
+    assert SolverOptions().deadline(100.0) is None
+    assert SolverOptions().after(50.0) == SolverOptions()
+    assert SolverOptions(time_limit_s=30.0).deadline(100.0) == 130.0
+    assert SolverOptions(time_limit_s=30.0).after(50.0).time_limit_s == 1.0  # at least 1 s
