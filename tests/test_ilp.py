@@ -209,7 +209,7 @@ def test_a_search_that_finds_nothing_in_time_keeps_the_start(monkeypatch):
     monkeypatch.setattr(ilp, "_search", no_plan)
     result = solve(sg, SolverOptions(time_limit_s=3), starts={"ddp": choice})
     assert result.choice == choice and result.start == "ddp"
-    assert result.status == "time_limit"
+    assert result.status == "stopped"  # not proven; no limit of its own stopped it
 
 
 def test_a_start_over_the_memory_budget_is_not_used():
@@ -330,3 +330,20 @@ def test_without_a_time_limit_the_options_have_no_deadline():
     assert SolverOptions().after(50.0) == SolverOptions()
     assert SolverOptions(time_limit_s=30.0).deadline(100.0) == 130.0
     assert SolverOptions(time_limit_s=30.0).after(50.0).time_limit_s == 1.0  # at least 1 s
+
+
+def test_an_lp_relaxation_stopped_at_its_iteration_limit_keeps_the_start():
+    """The full MIP's root would solve the same LP again with nothing to cap it: the search
+    keeps its start, says which limit stopped it, and without a start says so in one line."""
+    from autoshard.solver.ilp import _best_start, _search
+
+    sg = _random_graph(5)
+    choice = next(c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c)))
+    start = _best_start(sg, {"ddp": choice}, None)
+    stopped = SolverOptions(lp_iteration_limit=1)
+    result = _search(sg, stopped, None, start)
+    assert result.status == "iteration_limit" and result.choice == choice
+    assert result.num_variables > 0
+    with pytest.raises(AutoshardError, match="stopped at 1 simplex iterations"):
+        _search(sg, stopped, None, None)
+    assert _search(sg, SolverOptions(), None, start).status in ("optimal", "within_gap")

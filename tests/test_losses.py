@@ -282,6 +282,10 @@ def test_a_forward_patched_onto_the_instance_is_kept_by_keyword(tmp_path):
         twin.fc.weight.mul_(2.0)  # the copy's own weights, not the original's
     torch.testing.assert_close(twin(scale, x), twin.fc(x) * scale * 3.0)
     torch.testing.assert_close(plain(scale, x), plain.fc(x) * scale)  # no hook: the class's
+    by_keyword(module, ("scale", "x"))  # again (a model file that caches its module)
+    torch.testing.assert_close(module(scale, x), module.fc(x) * scale * 3.0)
+    by_keyword(plain, ("scale", "x"))  # again on the adapter alone: not its own inner forward
+    torch.testing.assert_close(plain(scale, x), plain.fc(x) * scale)
 
 
 @pytest.mark.slow  # starts torchrun

@@ -378,8 +378,9 @@ def by_keyword(module: torch.nn.Module, names: Sequence[str]) -> tuple[str, ...]
     the instance: a deep copy of the module binds to the copy. A ``forward`` already set on
     the instance is kept and called. Returns ``names``."""
     setattr(module, _KEYWORDS, tuple(names))
-    if "forward" in module.__dict__ and _INNER_FORWARD not in module.__dict__:
-        setattr(module, _INNER_FORWARD, module.__dict__["forward"])
+    own = module.__dict__.get("forward")
+    if own is not None and getattr(own, "__func__", None) is not _forward_by_keyword:
+        setattr(module, _INNER_FORWARD, own)  # a hook's forward, not this adapter again
     module.forward = types.MethodType(_forward_by_keyword, module)
     return tuple(names)
 

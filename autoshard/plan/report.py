@@ -586,6 +586,7 @@ STOPPED_BY = {
     "iteration_limit": "stopped at the LP's iteration limit (the same plan on every run)",
     "time_limit": "stopped at --time-limit (a wall-clock limit: a busier machine may stop "
     "on another plan)",
+    "stopped": "stopped by HiGHS before a proof",
 }
 """How the report names each limit a search can stop at (an ILP status)."""
 

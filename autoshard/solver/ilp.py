@@ -69,7 +69,9 @@ class ILPResult:
 
     ``choice``: representative name -> chosen strategy index. ``objective_s``: the
     ILP objective (s). ``gap``: relative MIP gap of the returned plan (0 when proven
-    optimal). ``status``: ``optimal``, ``within_gap`` or ``time_limit``. ``start``: the
+    optimal). ``status``: ``optimal``, ``within_gap``, or the limit that stopped the
+    search before a proof (``work_limit``, ``iteration_limit``, ``time_limit``;
+    ``stopped`` for any other stop). ``start``: the
     name of the hand-written plan given as the search's incumbent (see :func:`solve`);
     ``choice`` is that plan itself when the search found nothing better.
     """
@@ -526,9 +528,9 @@ def solve(
     ``starts``: named feasible points of the ILP (hand-written plans: DDP, FSDP,
     Megatron, ...; a choice per representative); when some communication can hide under
     compute, the optimum of the ILP without the overlap savings joins them (solved first,
-    within the same time limit). The cheapest that fits ``memory`` is the search's
+    within the same limits). The cheapest that fits ``memory`` is the search's
     incumbent: HiGHS prunes every branch that cannot beat it, and it is the fallback.
-    Whatever the time limit, the plan returned is at or below
+    Whatever the limits, the plan returned is at or below
     every start that fits (``ILPResult.start`` names the one it started from). The start is
     HiGHS's first incumbent (``Highs.setSolution`` with its ``x``; HiGHS completes the
     continuous columns) and the fallback.
@@ -551,7 +553,7 @@ def solve(
             start_counts[NO_OVERLAP_START] = plain.recompute
         except MemoryBudgetError:
             raise
-        except AutoshardError:  # no plan in the time limit: the hand-written starts remain
+        except AutoshardError:  # no plan within the limits: the hand-written starts remain
             pass
         # the search with overlap, cut off at the best start, gets what is left of the time
         # limit (capping it at twice the first search's time lost the Llama-7B shape's
@@ -574,7 +576,7 @@ def solve(
                 build_seconds=plain.build_seconds,
             )
     if start is not None and result is not start and start.objective_s < result.objective_s:
-        # the search stopped above the start (a gap or a time limit): keep the start, with
+        # the search stopped above the start (a gap or a limit): keep the start, with
         # its gap to the search's bound
         bound = result.bound_s
         finite = bound is not None and math.isfinite(bound)
@@ -626,7 +628,7 @@ def _best_start(
                 choice=dict(choice),
                 recompute=_counts(sg, recompute),
                 objective_s=cost,
-                status="time_limit",
+                status="stopped",  # replaced by the search's own, unless it found nothing
                 gap=math.nan,
                 num_variables=0,
                 num_constraints=0,
@@ -663,16 +665,16 @@ def _search(
     within ``mip_gap`` of the LP bound. Otherwise the full MIP runs with the better of that
     plan and ``start`` as its first incumbent (it prunes every branch that cannot beat it),
     and the better of the plans is returned: a full MIP that finds nothing better
-    proves the relax-and-fix plan optimal, or runs out of time with it in hand.
+    proves the relax-and-fix plan optimal, or stops at a limit with it in hand.
 
     Args:
         sg: strategies, costs and edges.
-        options: time limit and MIP gap.
+        options: the limits and the MIP gap.
         memory: optional ``(bytes per strategy over x, budget bytes)``.
 
     Raises:
         AutoshardError: infeasible (e.g. the memory budget), or no plan found
-            within the time limit.
+            within the limits.
     """
     options = options or SolverOptions()
     t0 = time.perf_counter()
@@ -681,7 +683,23 @@ def _search(
     build_s = time.perf_counter() - t0  # building the matrices, not the LP's solve
     incumbent: ILPResult | None = start
     if options.lp_first:
-        found = _lp_first(sg, prob, options, memory, t0, deadline)
+        try:
+            found = _lp_first(sg, prob, options, memory, t0, deadline)
+        except _RelaxationStopped:
+            # the full MIP's root would solve the same LP again, with nothing to cap it
+            size = {
+                "num_variables": prob.n_x + prob.n_y,
+                "num_constraints": prob.A.shape[0]
+                + (len(_memory_matrix(memory[0])) if memory else 0),
+                "build_seconds": build_s,
+                "solve_seconds": time.perf_counter() - t0 - build_s,
+            }
+            if incumbent is None:
+                raise AutoshardError(
+                    "the ILP found no plan (its LP relaxation "
+                    f"{_limit_words('iteration_limit', options)})"
+                ) from None
+            return replace(incumbent, status="iteration_limit", gap=math.nan, **size)
         if found is not None and found.status != "incumbent":
             return found
         if found is not None and (incumbent is None or found.objective_s < incumbent.objective_s):
@@ -844,10 +862,15 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(1.0, deadline - time.perf_counter())
 
 
+class _RelaxationStopped(Exception):
+    """The LP relaxation stopped at its iteration limit (:func:`_lp_first`)."""
+
+
 def _stopped(status: str) -> str:
-    """The status of a search a limit stopped: the limit HiGHS named (``work_limit``,
-    ``iteration_limit``, ``time_limit``); ``time_limit`` for any other stop."""
-    return status if status in LIMIT_STATUSES else "time_limit"
+    """The status of a search HiGHS stopped before a proof: the limit it named
+    (``work_limit``, ``iteration_limit``, ``time_limit``), or ``stopped`` for any other
+    stop (an error with a plan in hand, an objective bound)."""
+    return status if status in LIMIT_STATUSES else "stopped"
 
 
 def _limit_words(status: str, options: SolverOptions) -> str:
@@ -868,11 +891,16 @@ def _lp_first(
 
     Returns None when the LP fails, or a result whose status is ``incumbent`` when
     relax-and-fix found a plan outside the gap (the full MIP may still beat it).
+
+    Raises:
+        _RelaxationStopped: the LP stopped at ``options.lp_iteration_limit``.
     """
     milp = _milp(prob, boolean=False, memory=memory)
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     lp = run(milp, _left(deadline), iteration_limit=options.lp_iteration_limit)
+    if lp.status == "iteration_limit":
+        raise _RelaxationStopped
     if lp.status != "optimal" or lp.x is None:
         return None  # infeasible or odd: the MIP path reports it properly
     values = lp.x
@@ -958,11 +986,13 @@ def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> floa
         integer=np.concatenate([base.integer, [False]]),
     )
     found = run(milp, options.time_limit_s, work_limit=options.work_limit)
-    if found.objective is None:
+    # a search stopped before its proof knows only that no plan goes below its bound
+    least = found.objective if found.status == "optimal" else found.bound
+    if least is None:
         raise AutoshardError(
             f"HiGHS found no plan at all when minimising memory ({found.model_status})"
         )
-    return found.objective * unit
+    return least * unit
 
 
 def _bound_and_gap(bound: float | None, gap: float | None) -> tuple[float | None, float | None]:
