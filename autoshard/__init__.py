@@ -1,7 +1,8 @@
 """autoshard: find how to shard a PyTorch model across a device mesh.
 
-The data flow (one module per arrow, see docs/architecture.md):
-``model_file`` -> ``trace`` -> ``strategies`` -> ``cost`` -> ``ilp`` -> ``export`` -> ``launch``.
+The data flow (one package per arrow, see docs/architecture.md):
+``model`` -> ``trace`` -> ``strategies`` -> ``solver`` (priced by ``cost``) -> ``plan``
+-> ``launch``.
 """
 
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ from click.testing import CliRunner
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError
 from autoshard.plan.plan import build_plan
 from autoshard.solver.baselines import (
@@ -40,7 +41,7 @@ from autoshard.solver.baselines import (
     plan_for_algo,
     run_baseline,
 )
-from autoshard.solver.ilp import evaluate, solve
+from autoshard.solver.ilp import solve
 from autoshard.solver.solve import SolveConfig, strategies, trace
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

@@ -19,10 +19,10 @@ import pytest
 import torch
 from helpers import ROOT, write_model
 
+from autoshard.cost.liveness import activation_sizes, chosen_strategies, liveness
 from autoshard.cost.memory import LiveMemory
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import MemoryBudgetError
-from autoshard.plan.plan import activation_sizes, chosen_strategies, liveness
 from autoshard.solver.solve import SolveConfig, finish_plan, plan_model, strategies, trace
 
 B, D, H = 512, 64, 1024  # the ReLU's output (512 x 1024 fp32, 2 MiB) dominates a block

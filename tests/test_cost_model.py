@@ -27,10 +27,11 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import get_device
 from autoshard.cost.mesh import MeshSpec
-from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
+from autoshard.cost.objective import evaluate
+from autoshard.cost.overlap import compute_vectors, hidden_seconds, overlappable
 from autoshard.model.model_file import instantiate, load_model_file
-from autoshard.solver.ilp import evaluate
 from autoshard.solver.solve import SolveConfig, plan_baseline, plan_model, strategies, trace
+from autoshard.strategies.hiding import GRADIENT
 
 R, P = Replicate(), Partial()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

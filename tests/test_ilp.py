@@ -6,8 +6,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError
-from autoshard.solver.ilp import brute_force, evaluate, solve
+from autoshard.solver.ilp import brute_force, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import Edge, NodeStrategies, Strategy, StrategyGraph
 from autoshard.trace.tracer import TensorInfo

@@ -26,14 +26,14 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(path: Path) -> list[tuple[str, list[str], bool]]:
+def _imports(path: Path, type_checking: bool = False) -> list[tuple[str, list[str], bool]]:
     """(module, names, at module level) of every autoshard import that runs (not under
-    ``if TYPE_CHECKING``)."""
+    ``if TYPE_CHECKING``; those too when ``type_checking``)."""
     found: list[tuple[str, list[str], bool]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
                 continue
             if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
                 if child.module.split(".")[0] == "autoshard":
@@ -111,6 +111,56 @@ def test_no_import_cycles(top_only):
     """Counting the imports inside functions too: none of them dodges a cycle."""
     cycle = _cycle(_graph(top_only))
     assert cycle is None, " -> ".join(cycle)
+
+
+def _package(module: str) -> str:
+    """``autoshard.cost.mesh`` -> ``cost``; a top-level module is a package of its own."""
+    return module.split(".")[1] if "." in module else module
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Package -> the packages it imports, every import counted: module level, inside
+    functions, and under ``if TYPE_CHECKING`` (an annotation is a dependency too)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name == "autoshard":  # the root's lazy API attribute is the package's front door
+            continue
+        deps = graph.setdefault(_package(name), set())
+        for module, _, _ in _imports(path, type_checking=True):
+            if module != "autoshard" and _package(module) != _package(name):
+                deps.add(_package(module))
+    for deps in list(graph.values()):
+        for d in deps:
+            graph.setdefault(d, set())
+    return graph
+
+
+def test_no_package_cycles():
+    """The packages are floors (docs/architecture.md): ``model`` < ``trace`` <
+    ``strategies`` < ``cost`` < ``plan`` < ``solver`` < ``pipeline`` < ``launch``; no
+    package imports one above it, not even for an annotation."""
+    cycle = _cycle(_package_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_package_graph_sees_function_level_and_annotation_imports(tmp_path):
+    """The check would catch the cycles it was written against: a function-level import
+    (``plan/report.py`` once imported ``solver.ilp`` inside a function) and a
+    ``TYPE_CHECKING`` one (``cost/overlap.py`` once imported ``strategies.graph`` so)."""
+    planted = tmp_path / "m.py"
+    planted.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from autoshard.strategies.graph import StrategyGraph\n"
+        "def f():\n"
+        "    from autoshard.solver.ilp import solve\n"
+    )
+    seen = {m for m, _, _ in _imports(planted, type_checking=True)}
+    assert {"autoshard.strategies.graph", "autoshard.solver.ilp"} <= seen
+    assert "autoshard.strategies.graph" not in {m for m, _, _ in _imports(planted)}
+    graph = _package_graph()
+    assert "strategies" in graph["cost"] and "cost" not in graph["strategies"]
+    assert "plan" in graph["solver"] and "solver" not in graph["plan"]
 
 
 def test_no_module_imports_another_modules_private_names():

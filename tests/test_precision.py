@@ -94,7 +94,7 @@ def test_dtype_and_precision_together_are_one_clear_error(tmp_path):
 def test_the_report_adds_up_to_the_ilp_objective_in_mixed_precision(tmp_path):
     """The plan's breakdown re-prices every resharding (gradients in the reduce dtype) and
     sums to what the ILP minimised."""
-    from autoshard.solver.ilp import evaluate
+    from autoshard.cost.objective import evaluate
 
     path = write_mlp(tmp_path, 64, D, H)
     cfg = SolveConfig(model_path=path, mesh=MeshSpec.from_options("2x2"), precision="bf16-mixed")

@@ -16,11 +16,11 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError
 from autoshard.plan.export import write_outputs
 from autoshard.plan.formats import load_solution
 from autoshard.plan.plan import build_plan
-from autoshard.solver.ilp import evaluate
 from autoshard.solver.preload import MAX_LISTED, choice_from_solution, plan_preloaded
 from autoshard.solver.solve import SolveConfig, plan_model, strategies, trace
 

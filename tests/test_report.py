@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.plan.plan import build_plan
 from autoshard.plan.report import block_differences
-from autoshard.solver.ilp import evaluate
 from autoshard.solver.solve import SolveConfig, plan_model
 
 GPT2 = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"

@@ -12,8 +12,8 @@ import pytest
 
 from autoshard.cost.memory import memory_rows
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.solver.baselines import START_FAMILIES, run_baseline
-from autoshard.solver.ilp import evaluate
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveConfig, plan_model
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate
 
 from autoshard.cli.stages import stages_command
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.pipeline.pricing import (
     STAGE_PLAN_FORMAT,
     layer_map,
@@ -21,7 +22,6 @@ from autoshard.pipeline.pricing import (
 )
 from autoshard.pipeline.stage_ilp import stage_graph
 from autoshard.pipeline.stages import pipeline_step_time
-from autoshard.solver.ilp import evaluate
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveConfig, plan_model, trace
 

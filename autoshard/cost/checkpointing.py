@@ -14,7 +14,7 @@ step's terms (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016
 
 A traced block standing for ``m`` identical real blocks (:func:`autoshard.trace.tracer.
 reduce_depth`) chooses how many of them, ``k`` in ``0..m``, recompute: the liveness
-(:class:`autoshard.plan.plan.Liveness`) counts its saved activations ``m`` times at every
+(:class:`autoshard.cost.liveness.Liveness`) counts its saved activations ``m`` times at every
 point where they are live. Between the block's forward and its backward, recomputing
 ``k`` blocks frees ``k`` copies; inside its own forward or backward (where one copy is
 being computed or recomputed) ``max(k - 1, 0)`` copies. A traced block standing for one
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from autoshard.plan.plan import activation_sizes, last_uses, liveness, local_bytes
+from autoshard.cost.liveness import activation_sizes, last_uses, liveness, local_bytes
 
 MODES = ("auto", "none", "full")
 """``--activation-checkpointing``: ``auto`` (the ILP decides per block), ``none`` (no

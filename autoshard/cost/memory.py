@@ -10,8 +10,8 @@ Per parameter element on one device (its local shard):
 
 Activations: which tensors are live at each point of the graph order does not depend
 on the plan, only their local sizes do, so the bytes live at one point are linear in the
-strategies (:class:`autoshard.plan.plan.Liveness`). The report's memory is the peak over
-the points (:func:`autoshard.plan.plan.peak_activation_bytes`) plus the parameters,
+strategies (:class:`autoshard.cost.liveness.Liveness`). The report's memory is the peak over
+the points (:func:`autoshard.cost.liveness.peak_activation_bytes`) plus the parameters,
 gradients and optimizer state; :class:`LiveMemory` gives the same as ILP budget rows,
 one per point, so a plan that satisfies every row fits exactly what the report shows.
 There are too many points to hand the ILP all of them: it starts from the point where
@@ -31,7 +31,7 @@ import scipy.sparse as sp
 import torch
 
 from autoshard.cost.checkpointing import columns
-from autoshard.plan.plan import chosen_strategies, liveness, local_bytes
+from autoshard.cost.liveness import chosen_strategies, liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
@@ -168,7 +168,7 @@ class LiveMemory:
 
     Row ``k`` over the ILP's ``x`` (``sg.reps`` order): the parameters, gradients and
     optimizer state of each strategy, plus the local bytes of every activation live at
-    point ``k`` (:class:`autoshard.plan.plan.Liveness`). Under a plan, the largest row
+    point ``k`` (:class:`autoshard.cost.liveness.Liveness`). Under a plan, the largest row
     equals :attr:`autoshard.plan.plan.Plan.memory_bytes` of the plan
     :func:`autoshard.solver.solve.finish_plan` builds.
     """

@@ -29,25 +29,20 @@ The objective subtracts ``sum_e z_e``. For a fixed plan the savings have a close
 ``hidden = min(A + sum_gather u_e, C_all)``, which is the optimum of that LP, so the ILP's
 objective and a plan's predicted step time agree.
 
-Shares ``f_e`` come from the graph's FLOPs (:attr:`NodeInfo.flops`, global shapes, times
-each node's multiplicity): they are constants, so the model stays linear.
+Shares ``f_e`` (:func:`autoshard.strategies.hiding.hide_share_fn`, set on each edge
+when the strategy graph is built) come from the graph's FLOPs (:attr:`NodeInfo.flops`,
+global shapes, times each node's multiplicity): they are constants, so the model stays
+linear.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autoshard.trace.tracer import TracedGraph
-
-if TYPE_CHECKING:  # annotations only: strategies imports this module to classify edges
-    from autoshard.strategies.graph import StrategyGraph
-
-GRADIENT = "gradient"
-GATHER = "gather"
+from autoshard.strategies.graph import StrategyGraph
+from autoshard.strategies.hiding import GATHER, GRADIENT
 
 
 @dataclass(frozen=True)
@@ -124,28 +119,3 @@ def hidden_seconds(sg: StrategyGraph, choice: dict[str, int]) -> Overlap:
         else:
             hidden[i] = u * (gather_hidden / gather_sum if gather_sum > 0 else 0.0)
     return Overlap(hidden)
-
-
-def hide_share_fn(graph: TracedGraph) -> Callable[[str, str, str], float]:
-    """``f_e`` of a tensor use ``(kind, producer, consumer)``: for a gradient, the share of
-    the backward FLOPs after its producer; for a gather, the share of all FLOPs before its
-    consumer; 0 otherwise (module docstring). Node FLOPs are global, times multiplicity."""
-    names = list(graph.nodes)
-    flops = np.array(
-        [i.flops * graph.mult(n) if i.kind == "op" else 0.0 for n, i in graph.nodes.items()]
-    )
-    bwd = np.array([i.backward and i.kind == "op" for i in graph.nodes.values()], dtype=bool)
-    total, total_bwd = float(flops.sum()), float(flops[bwd].sum())
-    before = np.concatenate([[0.0], np.cumsum(flops)])  # before[k]: FLOPs of nodes < k
-    bwd_flops = np.where(bwd, flops, 0.0)
-    after = np.concatenate([np.cumsum(bwd_flops[::-1])[::-1][1:], [0.0]])  # nodes > k
-    pos = {n: k for k, n in enumerate(names)}
-
-    def share(kind: str, producer: str, consumer: str) -> float:
-        if kind == GRADIENT and total_bwd > 0 and producer in pos:
-            return float(after[pos[producer]] / total_bwd)
-        if kind == GATHER and total > 0 and consumer in pos:
-            return float(before[pos[consumer]] / total)
-        return 0.0
-
-    return share

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import AutoshardError
+from autoshard.model.blocks import find_block_prefixes
 from autoshard.model.model_file import LoadedModel, ModelFile, instantiate
 
 __all__ = [
@@ -181,11 +182,10 @@ ParameterPlacer = Callable[[str, nn.Parameter], nn.Parameter]
 def init_units(module: nn.Module) -> list[str]:
     """The units :func:`init_parameters` initialises one at a time, by module prefix, in
     order: ``""`` (every parameter outside the repeated blocks: embeddings, final norm,
-    head), then each repeated block (:func:`autoshard.trace.tracer.find_block_prefixes`)
+    head), then each repeated block (:func:`autoshard.model.blocks.find_block_prefixes`)
     by index. A model without repeated blocks is one unit. Unit ``k`` is seeded with
     :func:`unit_seed` ``(seed, k)``.
     """
-    from autoshard.trace.tracer import find_block_prefixes  # the tracer imports this module
 
     blocks = find_block_prefixes(module)
     return [""] + sorted(blocks, key=blocks.__getitem__)

@@ -29,10 +29,10 @@ import numpy as np
 from torch.distributed.tensor import Partial, Replicate
 
 from autoshard.cost.collectives import comm_model
+from autoshard.cost.liveness import local_bytes
 from autoshard.cost.memory import ilp_row, memory_rows
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
-from autoshard.plan.plan import local_bytes
 from autoshard.solver.ilp import solve
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph, merge_edges, tie_layers
 

@@ -81,13 +81,13 @@ def block_differences(plan: Plan) -> list[str]:
     The blocks whose parameters are placed as most blocks are is the usual plan; for each
     other group, its first block is given the usual plan (each of its nodes the strategy
     of the same node, aligned by op, parameter name and shapes, of the nearest usual
-    block) and the step is priced again (:func:`autoshard.solver.ilp.evaluate`): the
+    block) and the step is priced again (:func:`autoshard.cost.objective.evaluate`): the
     difference is what the block's own plan saves. Nodes with no counterpart, or whose
     counterpart's strategy is not one of theirs, keep their own.
     """
     import difflib
 
-    from autoshard.solver.ilp import evaluate
+    from autoshard.cost.objective import evaluate
 
     sg, graph = plan.sg, plan.sg.graph
     plans = _block_plans(plan)

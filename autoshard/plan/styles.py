@@ -36,10 +36,10 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autoshard.errors import AutoshardError
+from autoshard.model.blocks import find_block_prefixes
 from autoshard.placements import short
 from autoshard.plan.formats import ShardingMap
 from autoshard.plan.show import natural_key
-from autoshard.trace.tracer import find_block_prefixes
 
 COLWISE, ROWWISE = "ColwiseParallel", "RowwiseParallel"
 

@@ -15,7 +15,7 @@ best plan of the family, which may trade a textbook collective for a cleverer on
 
 Either way the choice is a point of the unrestricted ILP's search space, priced by the
 same cost model, so the ILP's objective is never above a baseline's
-:func:`~autoshard.solver.ilp.evaluate` cost (the invariant ``tests/test_baselines.py`` checks).
+:func:`~autoshard.cost.objective.evaluate` cost (the invariant ``tests/test_baselines.py`` checks).
 
 Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the others):
 
@@ -87,10 +87,11 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError
 from autoshard.placements import short
 from autoshard.plan.plan import Plan, build_plan
-from autoshard.solver.ilp import ILPResult, evaluate, solve
+from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import ALGOS, BASELINES, SolverOptions
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
 from autoshard.trace.ops import (
@@ -114,7 +115,7 @@ class BaselineResult:
     """A baseline's choice and how it was found.
 
     ``choice``: representative -> strategy index of the *unrestricted* graph.
-    ``objective_s``: :func:`~autoshard.solver.ilp.evaluate` of ``choice`` (s). ``method``:
+    ``objective_s``: :func:`~autoshard.cost.objective.evaluate` of ``choice`` (s). ``method``:
     ``propagate`` or ``ilp``; ``ilp``: the restricted ILP's result when one was solved
     (its ``choice`` indexes the restricted graph). ``notes``: every
     pin that could not be applied. ``roles``: for tensor parallelism, matmul node ->
@@ -196,7 +197,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
     Representative ``rep`` keeps ``r.allowed[rep]`` (in that order); every node merged
     into it keeps its own strategy list with ``choice`` re-indexed. Forbidden edge pairs
     cost ``inf`` (the ILP gives them no variable). All other costs are ``sg``'s, so the
-    restricted ILP's objective of a choice equals :func:`~autoshard.solver.ilp.evaluate` on
+    restricted ILP's objective of a choice equals :func:`~autoshard.cost.objective.evaluate` on
     ``sg`` of the same choice mapped back with :func:`unrestrict_choice`.
     """
     keep = {rep: r.allowed.get(rep) for rep in sg.reps}
@@ -1071,7 +1072,7 @@ def baseline_choice(sg: StrategyGraph, name: str, mesh: MeshSpec) -> dict[str, i
     """A strategy index for every representative of ``sg``: the best plan of baseline ``name``.
 
     See the module docstring for each family. The result is a point of the ILP's search
-    space; price it with :func:`autoshard.solver.ilp.evaluate`, expand it with
+    space; price it with :func:`autoshard.cost.objective.evaluate`, expand it with
     :func:`autoshard.plan.plan.build_plan`.
 
     Raises:

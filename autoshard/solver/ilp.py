@@ -52,12 +52,14 @@ import numpy as np
 import scipy.sparse as sp
 
 from autoshard.cost.checkpointing import Columns, columns
-from autoshard.cost.overlap import GRADIENT, compute_vectors, hidden_seconds, overlappable
+from autoshard.cost.liveness import local_bytes
+from autoshard.cost.objective import evaluate
+from autoshard.cost.overlap import compute_vectors, overlappable
 from autoshard.errors import AutoshardError, MemoryBudgetError
-from autoshard.plan.plan import local_bytes
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
+from autoshard.strategies.hiding import GRADIENT
 from autoshard.units import format_bytes
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -1057,24 +1059,6 @@ def prefer_smaller_shards(
         # forward read a parameter again
         return dict(original)
     return choice
-
-
-def evaluate(
-    sg: StrategyGraph, choice: dict[str, int], recompute: dict[int, int] | None = None
-) -> float:
-    """The objective (s) of a given choice, as the ILP counts it: compute (with the
-    optimizer step) plus resharding, less the communication hidden under compute
-    (:func:`autoshard.cost.overlap.hidden_seconds`), plus the forward passes of the blocks
-    ``recompute`` names (layer -> how many real blocks;
-    :meth:`autoshard.cost.checkpointing.Checkpointing.seconds`)."""
-    total = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
-    for e in sg.edges:
-        total += float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
-    if sg.overlap and sg.graph is not None:
-        total -= hidden_seconds(sg, choice).total_s
-    if columns(sg) is not None:
-        total += sg.checkpointing.seconds(sg, choice, recompute)
-    return total
 
 
 def brute_force(sg: StrategyGraph, limit: int = 200_000) -> tuple[dict[str, int], float]:

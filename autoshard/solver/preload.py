@@ -24,7 +24,7 @@ Filling repeated blocks
 -----------------------
 Two blocks are *identical* when their node sequences agree in kind, op, module path
 relative to the block's prefix (``attn.c_attn``, found from the module tree by
-:func:`autoshard.trace.tracer.find_block_prefixes`) and shapes. A representative node the
+:func:`autoshard.model.blocks.find_block_prefixes`) and shapes. A representative node the
 solution lacks takes the strategy of the same node (same position) of the nearest
 identical block the solution covers, looking first at lower block indices, so a
 solution made for 2 blocks extends to 12 (blocks 2-11 copy block 1). No model-specific
@@ -50,11 +50,12 @@ import numpy as np
 from torch.distributed.tensor import Placement
 
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError
 from autoshard.placements import short
 from autoshard.plan.formats import load_solution
 from autoshard.solver.baselines import Restriction, restrict, unrestrict_choice
-from autoshard.solver.ilp import ILPResult, evaluate, solve
+from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveResult, finish_plan, peak_rss_bytes, strategies, trace
 from autoshard.strategies.graph import Strategy, StrategyGraph
@@ -74,7 +75,7 @@ class PreloadResult:
 
     Attributes:
         choice: representative node -> strategy index, complete: usable by
-            :func:`autoshard.plan.plan.build_plan` and :func:`autoshard.solver.ilp.evaluate`.
+            :func:`autoshard.plan.plan.build_plan` and :func:`autoshard.cost.objective.evaluate`.
         filled: non-free graph nodes (representatives and the nodes merged into them)
             that the solution lacks and that took their strategy from the same node of
             an identical repeated block.
@@ -796,7 +797,7 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
 
     The counterpart of :func:`autoshard.solver.solve.plan_model` without the ILP: returns
     ``(SolveResult, PreloadResult)``; the result's ``ilp`` has status ``"preloaded"``,
-    the objective of the preloaded choice (:func:`autoshard.solver.ilp.evaluate`), no
+    the objective of the preloaded choice (:func:`autoshard.cost.objective.evaluate`), no
     variables and zero solver seconds.
 
     Raises:

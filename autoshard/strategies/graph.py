@@ -44,8 +44,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch_private as tp
-from autoshard.cost.overlap import GATHER, GRADIENT, hide_share_fn
 from autoshard.strategies.experts import EXPERTS_COSTS, EXPERTS_RULES
+from autoshard.strategies.hiding import GATHER, GRADIENT, hide_share_fn
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
@@ -103,7 +103,7 @@ class Edge:
     consumer: str = ""  # the node (maybe merged) that reads it
     members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
     overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.cost.overlap)
-    hide_share: float = 0.0  # f_e of autoshard.cost.overlap, summed over merged edges
+    hide_share: float = 0.0  # f_e of autoshard.strategies.hiding, summed over merged edges
     # the real tensor reads ``cost`` counts (each member times its multiplicity), and of
     # them, per layer, the reads by one real copy of that layer's forward pass (what a
     # recomputed block reads again: autoshard.cost.checkpointing)

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoshard import _torch_private as tp
 from autoshard.errors import AutoshardError
+from autoshard.model.blocks import find_block_prefixes
 from autoshard.model.loss import loss_function
 from autoshard.model.model_file import LoadedModel
 from autoshard.trace.attention import FLASH_FORWARD, FLASH_OPS, flash_attention_traced, flash_flops
@@ -115,7 +116,7 @@ class TracedGraph:
     mode: str = "infer"
     multiplicity: dict[str, int] = field(default_factory=dict)
     depth: DepthReduction | None = None
-    # which activations are live where (autoshard.plan.plan.liveness), computed once
+    # which activations are live where (autoshard.cost.liveness.liveness), computed once
     liveness: Any = field(default=None, repr=False, compare=False)
 
     def mult(self, node: str) -> int:
@@ -263,25 +264,6 @@ def _grad_of_outputs(node: torch.fx.Node, grad_of: list[str | None] | None) -> l
         if _is_node(x):
             out.append(grad_of[i] if i < len(grad_of) else None)
     return out
-
-
-def find_block_prefixes(module: torch.nn.Module) -> dict[str, int]:
-    """Module FQN of each repeated block -> its index.
-
-    A repeated block is a child named by an integer of a container with at least
-    two integer-named children of one class (``nn.ModuleList`` / ``nn.Sequential``
-    of layers). The container with the most such children wins.
-    """
-    best: dict[str, int] = {}
-    for name, mod in module.named_modules():
-        children = list(mod.named_children())
-        numbered = [(k, c) for k, c in children if k.isdigit()]
-        if len(numbered) < 2 or len({type(c) for _, c in numbered}) != 1:
-            continue
-        if len(numbered) > len(best):
-            prefix = f"{name}." if name else ""
-            best = {f"{prefix}{k}": int(k) for k, _ in numbered}
-    return best
 
 
 def path_within_block(block_prefixes: Iterable[str]) -> Callable[[str | None], str | None]:
