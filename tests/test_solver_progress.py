@@ -151,3 +151,24 @@ def test_an_lp_stops_at_its_iteration_limit():
     assert free.status == "optimal" and free.iterations > 2
     stopped = run(lp, iteration_limit=1)
     assert stopped.status == "iteration_limit"
+
+
+def test_a_stop_that_is_no_limit_of_ours_is_stopped_not_blamed_on_a_limit(monkeypatch):
+    """HiGHS stopped by a limit autoshard never sets (here its node limit, planted through
+    the options of the Highs object it gets) says ``stopped``: a report must not tell the
+    user to raise ``--time-limit`` for it (HiGHS's kSolutionLimit was once ``time_limit``)."""
+    import autoshard.solver.highs as highs_module
+
+    made = highs_module.new_highs
+
+    def node_limited():
+        h = made()
+        h.setOptionValue("mip_max_nodes", 1)
+        return h
+
+    milp = knapsack()
+    assert run(milp).status == "optimal"  # the unplanted search ends with a proof
+    monkeypatch.setattr(highs_module, "new_highs", node_limited)
+    stopped = run(milp)
+    assert stopped.model_status == "Solution limit reached"
+    assert stopped.status == "stopped"

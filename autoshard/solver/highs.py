@@ -6,18 +6,19 @@ cvxpy's modelling layer in between (its import alone took 1.3 s of every solve o
 2-core machine, and it cannot pass a user's start). What it adds: a start (a feasible
 point, possibly partial, through ``Highs.setSolution``: HiGHS completes the continuous
 columns), a fixed seed and one thread so that a solve is the same on every run, and a
-status in four words.
+status in a few words.
 
-HiGHS's model statuses map to :attr:`HighsRun.status`:
+HiGHS's model statuses map to :attr:`HighsRun.status` (:data:`_STATUS`):
 
-============================================  ===================
-``kOptimal``                                  ``optimal``
-``kInfeasible``                               ``infeasible``
-the work limit (see :class:`_WorkLimit`)      ``work_limit``
-``kIterationLimit`` (an LP's iterations)      ``iteration_limit``
-``kTimeLimit``, ``kInterrupt``, other limits  ``time_limit``
-anything else (model or solve errors, ...)    ``error``
-============================================  ===================
+=================================================  ===================
+``kOptimal``                                       ``optimal``
+``kInfeasible``                                    ``infeasible``
+the work limit (see :class:`_WorkLimit`)           ``work_limit``
+``kIterationLimit`` (an LP's iterations)           ``iteration_limit``
+``kTimeLimit`` (``--time-limit``)                  ``time_limit``
+other stops (bounds, targets, interrupts, memory)  ``stopped``
+anything else (model or solve errors, ...)         ``error``
+=================================================  ===================
 
 The work and iteration limits count what HiGHS did, not seconds: with one thread and a
 fixed seed HiGHS takes the same path on every run, so a search they stop ends on the same
@@ -40,21 +41,22 @@ import scipy.sparse as sp
 
 __all__ = ["HighsRun", "MILP", "SolverProgress", "listening", "run"]
 
-_LIMITS = {
-    "kTimeLimit",
-    "kIterationLimit",
-    "kSolutionLimit",
-    "kObjectiveBound",
-    "kObjectiveTarget",
-    "kInterrupt",
-    "kHighsInterrupt",
-    "kMemoryLimit",
-}
 _STATUS = {
     "kOptimal": "optimal",
     "kInfeasible": "infeasible",
     "kIterationLimit": "iteration_limit",
+    "kTimeLimit": "time_limit",
+    # stops that are no limit of ours: a bound or target HiGHS met, an interruption that
+    # is not the work limit (run() tells that one apart), its memory
+    "kSolutionLimit": "stopped",
+    "kObjectiveBound": "stopped",
+    "kObjectiveTarget": "stopped",
+    "kInterrupt": "stopped",
+    "kHighsInterrupt": "stopped",
+    "kMemoryLimit": "stopped",
 }
+"""HiGHS's model status -> a run's ``status``; any other (unbounded, load errors,
+kNotset...) is ``error``."""
 
 LIMIT_STATUSES = ("work_limit", "iteration_limit", "time_limit")
 """The statuses of a run a limit stopped (its best point, if any, is still returned)."""
@@ -90,13 +92,14 @@ class MILP:
 class HighsRun:
     """What one HiGHS run found.
 
-    ``status``: ``optimal``, ``infeasible``, ``time_limit`` or ``error`` (see the module
-    docstring); ``x``: the column values of the best feasible point, or None when there is
-    none; ``objective``: its objective; ``bound``: the MIP's dual bound (None for an LP);
-    ``gap``: HiGHS's relative MIP gap (None when it has none); ``model_status``: HiGHS's
-    own word, for messages; ``nodes``: branch-and-bound nodes; ``iterations``: simplex
-    iterations (the LP's, or all of the MIP's); ``work``: a MIP's work units (see
-    :class:`_WorkLimit`).
+    ``status``: ``optimal``, ``infeasible``, one of :data:`LIMIT_STATUSES` (``work_limit``,
+    ``iteration_limit``, ``time_limit``), ``stopped`` (another stop before a proof) or
+    ``error`` (:data:`_STATUS`); ``x``: the column values of the best feasible point, or
+    None when there is none; ``objective``: its objective; ``bound``: the MIP's dual bound
+    (None for an LP); ``gap``: HiGHS's relative MIP gap (None when it has none);
+    ``model_status``: HiGHS's own word, for messages; ``nodes``: branch-and-bound nodes;
+    ``iterations``: simplex iterations (the LP's, or all of the MIP's); ``work``: a MIP's
+    work units (see :class:`_WorkLimit`).
     """
 
     status: str
@@ -262,6 +265,29 @@ def _run_interruptibly(h: highspy.Highs, watch: _Watch | None = None) -> None:
         raise
 
 
+def _highs_lp(milp: MILP) -> highspy.HighsLp:
+    """``milp`` as HiGHS's model: its columns, rows, column-wise matrix and integrality."""
+    lp = highspy.HighsLp()
+    lp.num_col_ = milp.num_cols
+    lp.num_row_ = milp.num_rows
+    lp.col_cost_ = np.asarray(milp.c, dtype=np.float64)
+    lp.col_lower_ = np.asarray(milp.col_lower, dtype=np.float64)
+    lp.col_upper_ = np.asarray(milp.col_upper, dtype=np.float64)
+    lp.row_lower_ = np.asarray(milp.row_lower, dtype=np.float64)
+    lp.row_upper_ = np.asarray(milp.row_upper, dtype=np.float64)
+    A = sp.csc_matrix(milp.A)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = A.indptr
+    lp.a_matrix_.index_ = A.indices
+    lp.a_matrix_.value_ = A.data.astype(np.float64)
+    if np.any(milp.integer):
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+            for i in milp.integer
+        ]
+    return lp
+
+
 def run(
     milp: MILP,
     time_limit: float | None = None,
@@ -316,26 +342,8 @@ def run(
         options.append(("objective_bound", float(objective_bound)))
     for name, value in options:
         h.setOptionValue(name, value)
-    lp = highspy.HighsLp()
-    lp.num_col_ = milp.num_cols
-    lp.num_row_ = milp.num_rows
-    lp.col_cost_ = np.asarray(milp.c, dtype=np.float64)
-    lp.col_lower_ = np.asarray(milp.col_lower, dtype=np.float64)
-    lp.col_upper_ = np.asarray(milp.col_upper, dtype=np.float64)
-    lp.row_lower_ = np.asarray(milp.row_lower, dtype=np.float64)
-    lp.row_upper_ = np.asarray(milp.row_upper, dtype=np.float64)
-    A = sp.csc_matrix(milp.A)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = A.indptr
-    lp.a_matrix_.index_ = A.indices
-    lp.a_matrix_.value_ = A.data.astype(np.float64)
     mip = bool(np.any(milp.integer))
-    if mip:
-        lp.integrality_ = [
-            highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-            for i in milp.integer
-        ]
-    h.passModel(lp)
+    h.passModel(_highs_lp(milp))
     if start is not None and mip:
         index, value = start
         h.setSolution(
@@ -348,7 +356,7 @@ def run(
     word = h.modelStatusToString(h.getModelStatus())
     name = h.getModelStatus().name
     info = h.getInfo()
-    status = _STATUS.get(name, "time_limit" if name in _LIMITS else "error")
+    status = _STATUS.get(name, "error")
     if work is not None and work.hit and name in ("kInterrupt", "kHighsInterrupt"):
         status, word = "work_limit", f"work limit ({work_limit} units)"
     feasible = info.primal_solution_status == highspy.kSolutionStatusFeasible

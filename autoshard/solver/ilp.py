@@ -513,6 +513,13 @@ def _start(
     return idx, np.concatenate([xv, ck[~w]])
 
 
+def _size(prob: _Problem, memory: tuple[np.ndarray, float] | None) -> dict[str, int]:
+    """The program's size as :class:`ILPResult` reports it: the decision columns (``x``
+    and edge ``y``) and the rows (the structure's and the memory budget's)."""
+    rows = prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0)
+    return {"num_variables": prob.n_x + prob.n_y, "num_constraints": rows}
+
+
 def _recompute_offset(prob: _Problem) -> int:
     """The first checkpointing column in the MILP (:func:`_milp`)."""
     ov = prob.overlap if prob.n_y else None
@@ -690,9 +697,7 @@ def _search(
         except _RelaxationStopped:
             # the full MIP's root would solve the same LP again, with nothing to cap it
             size = {
-                "num_variables": prob.n_x + prob.n_y,
-                "num_constraints": prob.A.shape[0]
-                + (len(_memory_matrix(memory[0])) if memory else 0),
+                **_size(prob, memory),
                 "build_seconds": build_s,
                 "solve_seconds": time.perf_counter() - t0 - build_s,
             }
@@ -730,8 +735,7 @@ def _search(
         # the incumbent (a hand-written start has no program) reports this search's size
         return replace(
             _finish_incumbent(inc, mip_bound, proven=proven, solve_s=solve_s, stopped=status),
-            num_variables=prob.n_x + prob.n_y,
-            num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
+            **_size(prob, memory),
             build_seconds=build_s,
         )
 
@@ -783,8 +787,7 @@ def _search(
         objective_s=objective,
         status=status_text,
         gap=float(gap) if gap is not None else math.nan,
-        num_variables=prob.n_x + prob.n_y,
-        num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
+        **_size(prob, memory),
         build_seconds=build_s,
         solve_seconds=solve_s,
         bound_s=bound,
@@ -939,8 +942,7 @@ def _lp_first(
         objective_s=cost,
         status=status,
         gap=0.0 if integral else gap,
-        num_variables=prob.n_x + prob.n_y,
-        num_constraints=prob.A.shape[0] + (len(_memory_matrix(memory[0])) if memory else 0),
+        **_size(prob, memory),
         build_seconds=build_s,
         solve_seconds=time.perf_counter() - t1,
         bound_s=bound,
