@@ -172,3 +172,25 @@ def test_a_stop_that_is_no_limit_of_ours_is_stopped_not_blamed_on_a_limit(monkey
     stopped = run(milp)
     assert stopped.model_status == "Solution limit reached"
     assert stopped.status == "stopped"
+
+
+def test_a_tally_splits_highs_runs_into_lps_and_mips_and_nests():
+    """What the bench prints as HiGHS's LP and branch-and-bound share: every run inside the
+    block, each counted once on its side, its nodes and iterations as HiGHS reported them;
+    an inner block's runs count in the outer one too, and nothing outside a block counts."""
+    from autoshard.solver.highs import tallying
+
+    milp = knapsack()
+    lp = knapsack()
+    lp.integer = np.zeros(lp.num_cols, dtype=bool)
+    run(milp)  # outside any block
+    with tallying() as outer:
+        first = run(lp)
+        with tallying() as inner:
+            second = run(milp)
+    assert (inner.lp_runs, inner.mip_runs) == (0, 1)
+    assert (inner.nodes, inner.iterations) == (second.nodes, second.iterations)
+    assert (outer.lp_runs, outer.mip_runs) == (1, 1)
+    assert outer.nodes == second.nodes > 0
+    assert outer.iterations == first.iterations + second.iterations
+    assert outer.lp_seconds > 0 and outer.mip_seconds == inner.mip_seconds > 0

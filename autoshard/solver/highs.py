@@ -32,6 +32,7 @@ import contextvars
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ import highspy
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["HighsRun", "MILP", "SolverProgress", "listening", "run"]
+__all__ = ["HighsRun", "HighsWork", "MILP", "SolverProgress", "listening", "run", "tallying"]
 
 _STATUS = {
     "kOptimal": "optimal",
@@ -172,6 +173,45 @@ def listening(callback: Callable[[SolverProgress], None]) -> Iterator[None]:
         yield
     finally:
         _listener.reset(token)
+
+
+@dataclass
+class HighsWork:
+    """What every :func:`run` inside a :func:`tallying` block did, split into LPs (the
+    relaxations) and MIPs (branch and bound, each with its own root LP).
+
+    ``lp_seconds`` and ``mip_seconds`` are wall-clock (for a benchmark's table, never for
+    a result); ``nodes`` (branch-and-bound nodes) and ``iterations`` (simplex iterations
+    of LPs and MIPs alike) count what HiGHS did, the same on every run.
+    """
+
+    lp_runs: int = 0
+    lp_seconds: float = 0.0
+    mip_runs: int = 0
+    mip_seconds: float = 0.0
+    nodes: int = 0
+    iterations: int = 0
+
+
+_tally: contextvars.ContextVar[HighsWork | None] = contextvars.ContextVar(
+    "autoshard_highs_tally", default=None
+)
+
+
+@contextlib.contextmanager
+def tallying() -> Iterator[HighsWork]:
+    """Within the block, every :func:`run` adds what it did to the :class:`HighsWork`
+    yielded (blocks nest: the outer one counts the inner one's runs too)."""
+    outer = _tally.get()
+    work = HighsWork()
+    token = _tally.set(work)
+    try:
+        yield work
+    finally:
+        _tally.reset(token)
+        if outer is not None:
+            for name, value in vars(work).items():
+                setattr(outer, name, getattr(outer, name) + value)
 
 
 class _WorkLimit:
@@ -352,7 +392,9 @@ def run(
     work = _WorkLimit(h, work_limit) if mip else None
     callback = _listener.get()
     watch = _Watch(h, callback, seconds_per_unit, mip) if callback is not None else None
+    began = time.perf_counter()
     _run_interruptibly(h, watch)
+    took = time.perf_counter() - began
     word = h.modelStatusToString(h.getModelStatus())
     name = h.getModelStatus().name
     info = h.getInfo()
@@ -373,4 +415,14 @@ def run(
     nodes = max(int(info.mip_node_count), 0) if mip else 0
     iterations = int(info.simplex_iteration_count)
     units = work.work if work is not None else 0
+    tally = _tally.get()
+    if tally is not None:
+        if mip:
+            tally.mip_runs += 1
+            tally.mip_seconds += took
+        else:
+            tally.lp_runs += 1
+            tally.lp_seconds += took
+        tally.nodes += nodes
+        tally.iterations += iterations
     return HighsRun(status, x, objective, bound, gap, word, nodes, iterations, units)

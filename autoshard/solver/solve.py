@@ -36,6 +36,7 @@ from autoshard.model.model_file import (
 from autoshard.plan.export import output_stem, write_outputs
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
+from autoshard.solver.highs import HighsWork, tallying
 from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import Placements, StrategyGraph, build_strategy_graph
@@ -205,6 +206,7 @@ class SolveResult:
     plan: Plan
     seconds: dict[str, float]
     peak_rss_bytes: int
+    highs: HighsWork | None = None  # what HiGHS did in the ILP's search (plan_model)
 
     def save(self, out_dir: str | Path = "solutions") -> tuple[Path, Path]:
         """Write the solution pickle and the sharding map into ``out_dir`` (created), named
@@ -339,14 +341,15 @@ def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveRe
     t = time.perf_counter()
     starts, _ = hand_plan_starts(sg, config.mesh)  # the ILP is never above a hand plan
     seconds["hand_plans"] = time.perf_counter() - t
-    result = solve_within_memory(sg, config, starts)
+    with tallying() as work:
+        result = solve_within_memory(sg, config, starts)
     if progress:
         progress("solve", 1, 1)
     seconds["ilp_build"] = result.build_seconds
     seconds["solve"] = result.solve_seconds
     plan = finish_plan(config, sg, result.choice, "ilp", result.recompute)
     seconds["total"] = sum(seconds.values())
-    return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes())
+    return SolveResult(config, graph, sg, result, plan, seconds, peak_rss_bytes(), work)
 
 
 BINDING = 0.98
