@@ -23,7 +23,7 @@ from autoshard.cost.liveness import (
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.strategies.graph import Strategy, StrategyGraph, bucketed_use, is_gradient_sink
-from autoshard.trace.tracer import TensorInfo
+from autoshard.trace.tracer import TensorInfo, TracedGraph
 
 Placements = tuple[Placement, ...]
 
@@ -180,23 +180,7 @@ def build_plan(
     compute -= own
     hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
 
-    parameters: dict[str, Placements] = {}
-    inputs: dict[str, Placements] = {}
-    param_bytes = 0.0
-    for n, info in graph.nodes.items():
-        if n not in node_strategy:  # a pipeline stage's graph holds part of the model
-            continue
-        if info.kind == "param":
-            ps = node_strategy[n].outputs[0]
-            names = graph.param_names.get(info.fqn)
-            if names is None:  # a tied alias whose owner was indexed under another name
-                names = next((v for v in graph.param_names.values() if info.fqn in v), [info.fqn])
-            if not any(a in parameters for a in names):
-                param_bytes += graph.mult(n) * info.results[0].nbytes / shard_factor(ps, mesh.shape)
-            for alias in names:
-                parameters[alias] = ps
-        elif info.kind == "input":
-            inputs[info.fqn] = node_strategy[n].outputs[0]
+    parameters, inputs, param_bytes = _placed_leaves(graph, node_strategy, mesh)
     return Plan(
         name=name,
         sg=sg,
@@ -217,6 +201,31 @@ def build_plan(
         own_steps=own_steps,
         **_recomputation(sg, choice, recompute),
     )
+
+
+def _placed_leaves(
+    graph: TracedGraph, node_strategy: dict[str, Strategy], mesh: MeshSpec
+) -> tuple[dict[str, Placements], dict[str, Placements], float]:
+    """Each parameter's placements under every name it has (tied aliases included), each
+    user input's, and the parameters' bytes on one device (an alias counted once)."""
+    parameters: dict[str, Placements] = {}
+    inputs: dict[str, Placements] = {}
+    param_bytes = 0.0
+    for n, info in graph.nodes.items():
+        if n not in node_strategy:  # a pipeline stage's graph holds part of the model
+            continue
+        if info.kind == "param":
+            ps = node_strategy[n].outputs[0]
+            names = graph.param_names.get(info.fqn)
+            if names is None:  # a tied alias whose owner was indexed under another name
+                names = next((v for v in graph.param_names.values() if info.fqn in v), [info.fqn])
+            if not any(a in parameters for a in names):
+                param_bytes += graph.mult(n) * info.results[0].nbytes / shard_factor(ps, mesh.shape)
+            for alias in names:
+                parameters[alias] = ps
+        elif info.kind == "input":
+            inputs[info.fqn] = node_strategy[n].outputs[0]
+    return parameters, inputs, param_bytes
 
 
 def _recomputation(sg: StrategyGraph, choice: dict[str, int], recompute) -> dict:

@@ -56,7 +56,7 @@ from autoshard.cost.liveness import local_bytes
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import compute_vectors, overlappable
 from autoshard.errors import AutoshardError, MemoryBudgetError
-from autoshard.solver.highs import LIMIT_STATUSES, MILP, run
+from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import GRADIENT
@@ -316,7 +316,6 @@ def _milp(
     """
     n_x, n_y = prob.n_x, prob.n_y
     ov = prob.overlap if prob.n_y else None
-    k = len(ov.share) if ov is not None else 0
     rc = prob.recompute
     ck0 = _recompute_offset(prob)  # the first checkpointing column
     n = ck0 + (rc.cols.n if rc is not None else 0)
@@ -347,54 +346,7 @@ def _milp(
             for bi, b in enumerate(rc.cols.ck.blocks):
                 c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
     if ov is not None:
-        z0, ca, cb = n_x + n_y, n_x + n_y + k, n_x + n_y + k + 1
-        col_lower[ca:ck0] = -np.inf  # c_all, c_bwd: free
-        if memory_objective is None:
-            c[z0:ca] = -1.0
-        grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
-
-        def row(cols: dict[int, float] | None = None, x=None, y=None) -> sp.csr_matrix:
-            dense = np.zeros(n)
-            if x is not None:
-                dense[:n_x] = x
-            if y is not None:
-                dense[n_x : n_x + n_y] = y
-            for j, v in (cols or {}).items():
-                dense[j] = v
-            return sp.csr_matrix(dense[None, :])
-
-        blocks += [row({ca: 1.0}, x=-SCALE * ov.c_all), row({cb: 1.0}, x=-SCALE * ov.c_bwd)]
-        lower += [[0.0], [0.0]]
-        upper += [[0.0], [0.0]]
-        # z_e - SCALE comm_e . y <= 0
-        eye = sp.identity(k, format="csr")
-        blocks.append(
-            sp.hstack(
-                [sp.csr_matrix((k, n_x)), -SCALE * ov.comm, eye, sp.csr_matrix((k, n - ck0 + 2))]
-            )
-        )
-        lower.append(np.full(k, -np.inf))
-        upper.append(np.zeros(k))
-        # sum z - c_all <= 0
-        blocks.append(row({**{z0 + e: 1.0 for e in range(k)}, ca: -1.0}))
-        lower.append([-np.inf])
-        upper.append([0.0])
-        for members, scalar, total in ((grad, cb, True), (gather, ca, False)):
-            if not len(members):
-                continue
-            # z_e - share_e * scalar <= 0
-            m = len(members)
-            sel = sp.csr_matrix((np.ones(m), (np.arange(m), z0 + members)), shape=(m, n))
-            share = sp.csr_matrix(
-                (-ov.share[members], (np.arange(m), np.full(m, scalar))), shape=(m, n)
-            )
-            blocks.append(sel + share)
-            lower.append(np.full(m, -np.inf))
-            upper.append(np.zeros(m))
-            if total:  # sum z_grad - c_bwd <= 0
-                blocks.append(row({**{z0 + e: 1.0 for e in members}, scalar: -1.0}))
-                lower.append([-np.inf])
-                upper.append([0.0])
+        _add_overlap(prob, ov, ck0, n, memory_objective is None, blocks, lower, upper, col_lower, c)
     return MILP(
         c=c,
         A=sp.vstack(blocks, format="csc"),
@@ -404,6 +356,71 @@ def _milp(
         col_upper=col_upper,
         integer=integer,
     )
+
+
+def _add_overlap(
+    prob: _Problem,
+    ov: _OverlapRows,
+    ck0: int,
+    n: int,
+    time_objective: bool,
+    blocks: list,
+    lower: list,
+    upper: list,
+    col_lower: np.ndarray,
+    c: np.ndarray,
+) -> None:
+    """The overlap savings' rows and columns of :func:`_milp` (its docstring gives them),
+    added in place: ``z`` (one per overlappable edge, subtracted from a time objective),
+    then ``c_all`` and ``c_bwd`` (free)."""
+    n_x, n_y = prob.n_x, prob.n_y
+    k = len(ov.share)
+    z0, ca, cb = n_x + n_y, n_x + n_y + k, n_x + n_y + k + 1
+    col_lower[ca:ck0] = -np.inf  # c_all, c_bwd: free
+    if time_objective:
+        c[z0:ca] = -1.0
+    grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
+
+    def row(cols: dict[int, float] | None = None, x=None, y=None) -> sp.csr_matrix:
+        dense = np.zeros(n)
+        if x is not None:
+            dense[:n_x] = x
+        if y is not None:
+            dense[n_x : n_x + n_y] = y
+        for j, v in (cols or {}).items():
+            dense[j] = v
+        return sp.csr_matrix(dense[None, :])
+
+    blocks += [row({ca: 1.0}, x=-SCALE * ov.c_all), row({cb: 1.0}, x=-SCALE * ov.c_bwd)]
+    lower += [[0.0], [0.0]]
+    upper += [[0.0], [0.0]]
+    # z_e - SCALE comm_e . y <= 0
+    eye = sp.identity(k, format="csr")
+    blocks.append(
+        sp.hstack([sp.csr_matrix((k, n_x)), -SCALE * ov.comm, eye, sp.csr_matrix((k, n - ck0 + 2))])
+    )
+    lower.append(np.full(k, -np.inf))
+    upper.append(np.zeros(k))
+    # sum z - c_all <= 0
+    blocks.append(row({**{z0 + e: 1.0 for e in range(k)}, ca: -1.0}))
+    lower.append([-np.inf])
+    upper.append([0.0])
+    for members, scalar, total in ((grad, cb, True), (gather, ca, False)):
+        if not len(members):
+            continue
+        # z_e - share_e * scalar <= 0
+        m = len(members)
+        sel = sp.csr_matrix((np.ones(m), (np.arange(m), z0 + members)), shape=(m, n))
+        share = sp.csr_matrix(
+            (-ov.share[members], (np.arange(m), np.full(m, scalar))), shape=(m, n)
+        )
+        blocks.append(sel + share)
+        lower.append(np.full(m, -np.inf))
+        upper.append(np.zeros(m))
+        if total:  # sum z_grad - c_bwd <= 0
+            blocks.append(row({**{z0 + e: 1.0 for e in members}, scalar: -1.0}))
+            lower.append([-np.inf])
+            upper.append([0.0])
 
 
 def _memory_block(prob: _Problem, m: np.ndarray, n: int) -> sp.csr_matrix:
@@ -729,6 +746,22 @@ def _search(
         work_limit=options.work_limit,
     )
     solve_s = time.perf_counter() - t1
+    return _mip_result(sg, prob, found, incumbent, memory, options, build_s, solve_s)
+
+
+def _mip_result(
+    sg: StrategyGraph,
+    prob: _Problem,
+    found: HighsRun,
+    incumbent: ILPResult | None,
+    memory: tuple[np.ndarray, float] | None,
+    options: SolverOptions,
+    build_s: float,
+    solve_s: float,
+) -> ILPResult:
+    """The answer of :func:`_search` from the full MIP's run ``found``: its plan when it
+    beats ``incumbent``, else the incumbent with the MIP's bound (proven when the MIP
+    ended); the errors of :func:`_search` when there is neither."""
     status = found.status
 
     def _finish(inc: ILPResult, mip_bound: float | None, proven: bool) -> ILPResult:
