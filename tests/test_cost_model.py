@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from autoshard.cost.collective_table import COLLECTIVES, FUNCTIONAL_OPS
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import get_device
 from autoshard.cost.mesh import MeshSpec
@@ -184,6 +185,34 @@ def test_partial_on_both_dims_into_a_shard_reduces_each_dim_on_the_smaller_piece
     assert sum(s.seconds for s in steps) == pytest.approx(
         0.75 * b / 450e9 + (b / 4) / 50e9, rel=1e-12
     )
+
+
+def test_the_collective_table_prices_each_kind_as_nccl_tests_formulas_by_hand():
+    """One row per collective (autoshard.cost.collectives.COLLECTIVES) is what the cost
+    model prices; each kind on 8 devices, 1 GiB, 5 us, 100 GB/s against NCCL tests'
+    PERFORMANCE.md formulas written out here: an all-gather and a reduce-scatter move
+    (n-1)/n of the tensor in n-1 steps, an all-reduce twice that, an all-to-all (n-1)/n
+    of each device's 1/n."""
+    n, alpha, bw, b = 8, 5e-6, 100e9, float(2**30)
+    cm = comm_model(MeshSpec((n,), ("d0",), (bw,), (alpha,)))
+    hand = {
+        "all_gather": 7 * alpha + 7 / 8 * b / bw,
+        "reduce_scatter": 7 * alpha + 7 / 8 * b / bw,
+        "all_reduce": 14 * alpha + 14 / 8 * b / bw,
+        "all_to_all": 7 * alpha + 7 / 64 * b / bw,
+    }
+    assert set(COLLECTIVES) == set(hand)
+    for kind, seconds in hand.items():
+        assert cm.collective(kind, b, 0) == pytest.approx(seconds, rel=1e-12), kind
+        a, beta = COLLECTIVES[kind].coefficients(n)
+        assert a * alpha + beta * b / bw == pytest.approx(seconds, rel=1e-12), kind
+
+
+def test_every_functional_op_in_the_collective_table_is_one_torch_has():
+    """The launcher counts collectives by these names (CommDebugMode and the collective
+    log): a name torch does not have would count nothing, silently."""
+    for name in FUNCTIONAL_OPS:
+        assert hasattr(torch.ops._c10d_functional, name), name
 
 
 def test_two_dim_all_gather_grows_the_tensor_on_the_fast_dim_last():

@@ -37,28 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoshard.cost.collective_table import collective
 from autoshard.cost.devices import DeviceSpec
 from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, MeshSpec
 from autoshard.errors import AutoshardError
 
 PROFILE_FORMAT = "autoshard.profile/1"
-
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def coefficients(kind: str, n: int) -> tuple[float, float]:
-    """``(a, b)`` of ``t = a alpha + b B / bw`` for collective ``kind`` on ``n`` devices.
-
-    Raises:
-        AutoshardError: an unknown kind.
-    """
-    if kind in ("all_gather", "reduce_scatter"):
-        return float(n - 1), (n - 1) / n
-    if kind == "all_reduce":
-        return 2.0 * (n - 1), 2 * (n - 1) / n
-    if kind == "all_to_all":
-        return float(n - 1), (n - 1) / (n * n)
-    raise AutoshardError(f"unknown collective {kind!r}: one of {', '.join(KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -95,7 +79,7 @@ def fit_link(samples: list[dict[str, Any]], n: int) -> LinkFit:
         t = float(s["seconds"])
         if not t > 0 or not math.isfinite(t):
             raise AutoshardError(f"a timed {s['kind']} of {s['bytes']} bytes took {t} s")
-        a, b = coefficients(s["kind"], n)
+        a, b = collective(s["kind"]).coefficients(n)
         rows.append([a / t, b * float(s["bytes"]) / t])
         times.append(t)
     x, _ = nnls(np.array(rows), np.ones(len(rows)))

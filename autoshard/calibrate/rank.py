@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoshard.calibrate import KINDS, PROFILE_FORMAT, fit_link
+from autoshard.calibrate import PROFILE_FORMAT, fit_link
 from autoshard.calibrate.options import SIZE_OPTIONS, mesh_dim_names_of, with_options
+from autoshard.cost.collective_table import COLLECTIVE_KINDS
 from autoshard.cost.mesh import parse_mesh_shape
 from autoshard.errors import AutoshardError
 from autoshard.plan.formats import atomic_write_text
@@ -101,7 +102,7 @@ def measure_links(
         entry: dict[str, Any] = {"dim": d, "name": name, "size": n, "samples": []}
         if n > 1:
             group = mesh.get_group(d)
-            for kind in KINDS:
+            for kind in COLLECTIVE_KINDS:
                 for nbytes in sizes_between(sizes[0], sizes[1], n):
                     fn = _collective(kind, nbytes, n, group, device)
                     t = _timed(fn, sync, iters, 2, lambda g=group: dist.barrier(group=g))

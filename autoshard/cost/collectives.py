@@ -63,20 +63,13 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from autoshard.cost.collective_table import COLLECTIVES, CollectiveKind, collective
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
-
-CollectiveKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
-COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
-    "all_gather",
-    "all_reduce",
-    "reduce_scatter",
-    "all_to_all",
-)
 
 # Size of the redistribute_cost cache, in entries (about 200 bytes each).
 _COST_CACHE_SIZE = 1 << 20
@@ -147,21 +140,14 @@ class CommModel:
             AutoshardError: an unknown ``kind``, a bad ``mesh_dim`` or negative ``nbytes``.
         """
         self.mesh.check_dim(mesh_dim)
-        if kind not in COLLECTIVE_KINDS:
-            raise AutoshardError(f"unknown collective {kind!r}: use one of {COLLECTIVE_KINDS}")
+        collective(kind)
         if not nbytes >= 0:
             raise AutoshardError(f"collective of {nbytes!r} bytes: the size must be >= 0")
         return self._collective(kind, nbytes, mesh_dim)
 
     def _collective(self, kind: str, nbytes: float, i: int, latency_share: float = 1.0) -> float:
-        n = self.mesh.shape[i]
-        if n == 1:
-            return 0.0
         alpha, bw = self.mesh.latency[i] * latency_share, self.mesh.bandwidth[i]
-        if kind == "all_to_all":
-            return (n - 1) * (alpha + nbytes / (n * n * bw))
-        ring = (n - 1) * (alpha + nbytes / (n * bw))
-        return 2 * ring if kind == "all_reduce" else ring
+        return COLLECTIVES[kind].seconds(self.mesh.shape[i], alpha, bw, nbytes)
 
     # ----------------------------------------------------------------------------------------
     # Resharding

@@ -18,19 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autoshard._torch_private import TorchDispatchMode
+from autoshard.cost.collective_table import FUNCTIONAL_OPS
 
-# functional collective op name -> the kind sharding maps predict with
-_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "shard_dim_alltoall": "all_to_all",
-    "broadcast": "broadcast",
-}
+# functional collective op name -> the kind sharding maps predict with: the cost model's
+# table, and DTensor's own all-to-all op
+_KINDS = {**FUNCTIONAL_OPS, "shard_dim_alltoall": "all_to_all"}
 _NAMESPACES = ("_c10d_functional", "_dtensor")
 
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_t
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 
+from autoshard.cost.collective_table import FUNCTIONAL_OPS
 from autoshard.errors import AutoshardError
 from autoshard.launch.options import RunOptions
 from autoshard.model.loss import loss_function
@@ -164,18 +165,6 @@ class StepResult:
     comm_counts: dict[str, int] | None
 
 
-_COLLECTIVE_NAMES = {
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-}
-
-
 def collective_counts(mode: CommDebugMode) -> dict[str, int]:
     """CommDebugMode's counts per collective kind: ``all_reduce``, ``all_gather``,
     ``reduce_scatter``, ``all_to_all`` (the names sharding maps predict with); other ops
@@ -183,7 +172,7 @@ def collective_counts(mode: CommDebugMode) -> dict[str, int]:
     counts: Counter[str] = Counter()
     for op, n in mode.get_comm_counts().items():
         name = str(getattr(op, "__name__", op)).split(".")[-1]  # "all_reduce"
-        counts[_COLLECTIVE_NAMES.get(name, name)] += int(n)
+        counts[FUNCTIONAL_OPS.get(name, name)] += int(n)
     return dict(sorted(counts.items()))
 
 

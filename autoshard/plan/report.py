@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autoshard.cost.collective_table import COLLECTIVES
 from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
 from autoshard.trace.tracer import path_within_block
@@ -172,10 +173,10 @@ def cost_table(plan: Plan) -> Table:
             f"recompute ({n} blocks' forward)", format_seconds(plan.recompute_s), "", "", ""
         )
     exposed = plan.exposed_s
-    for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+    for kind, c in COLLECTIVES.items():
         if kind in plan.comm_s or plan.collectives.get(kind):
             table.add_row(
-                kind.replace("_", "-"),
+                c.title,
                 format_seconds(plan.comm_s.get(kind, 0.0)),
                 format_seconds(plan.hidden_s.get(kind, 0.0)),
                 format_seconds(exposed.get(kind, 0.0)),

@@ -15,7 +15,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from autoshard.cost.collectives import COLLECTIVE_KINDS
+from autoshard.cost.collective_table import COLLECTIVE_KINDS, COLLECTIVES
 from autoshard.errors import AutoshardError
 from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import ALGOS, hand_plan_starts, plan_for_algo
@@ -130,10 +130,7 @@ def mark_best(rows: list[ComparedPlan]) -> None:
 
 
 _LABEL = {
-    "all_gather": "all-gather",
-    "all_reduce": "all-reduce",
-    "reduce_scatter": "reduce-scatter",
-    "all_to_all": "all-to-all",
+    **{kind: c.title for kind, c in COLLECTIVES.items()},
     "optimizer_state": "optimizer",
     "saved_activations": "saved activ.",
 }

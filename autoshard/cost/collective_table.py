@@ -1,0 +1,95 @@
+"""The collectives a plan prices, one row each: their ring formulas, their names in
+reports and in torch's functional collectives.
+
+Torch-free (the command line's import path reads it: ``autoshard calibrate`` fits these
+formulas); :mod:`autoshard.cost.collectives` prices reshardings with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from autoshard.errors import AutoshardError
+
+CollectiveKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective kind: everything autoshard knows of it, in one row of
+    :data:`COLLECTIVES` (the cost model, calibration, the launcher's counts and the reports
+    all read it here).
+
+    Its time on ``n`` devices of a ring, for a tensor of ``B`` bytes in full, with latency
+    ``alpha`` per step and bandwidth ``bw`` per device::
+
+        rounds * (n - 1) * (alpha + B / (n**spread * bw))
+
+    ``rounds``: passes around the ring (an all-reduce is a reduce-scatter then an
+    all-gather: 2); ``spread``: 1 when each step moves ``1/n`` of the tensor, 2 for an
+    all-to-all (each device sends each peer ``1/n`` of its ``1/n``). Source: NCCL tests,
+    PERFORMANCE.md (AllGather, ReduceScatter, AllReduce bus bandwidth). ``title``: how
+    reports name it; ``functional_ops``: the ``_c10d_functional`` ops (and their coalesced
+    forms) that run it, as DTensor issues them.
+    """
+
+    kind: CollectiveKind
+    title: str
+    rounds: int
+    spread: int
+    functional_ops: tuple[str, ...]
+
+    def coefficients(self, n: int) -> tuple[float, float]:
+        """``(a, b)`` of ``t = a alpha + b B / bw`` on ``n`` devices (the formula above)."""
+        return float(self.rounds * (n - 1)), self.rounds * (n - 1) / n**self.spread
+
+    def seconds(self, n: int, alpha: float, bandwidth: float, nbytes: float) -> float:
+        """The formula above (0 on one device)."""
+        if n == 1:
+            return 0.0
+        ring = (n - 1) * (alpha + nbytes / (n**self.spread * bandwidth))
+        return self.rounds * ring
+
+
+COLLECTIVES: dict[str, Collective] = {
+    c.kind: c
+    for c in (
+        Collective(
+            "all_gather",
+            "all-gather",
+            1,
+            1,
+            ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"),
+        ),
+        Collective("all_reduce", "all-reduce", 2, 1, ("all_reduce", "all_reduce_coalesced")),
+        Collective(
+            "reduce_scatter",
+            "reduce-scatter",
+            1,
+            1,
+            ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
+        ),
+        Collective("all_to_all", "all-to-all", 1, 2, ("all_to_all_single",)),
+    )
+}
+"""Every collective a plan prices, by kind, in the order reports list them."""
+
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = tuple(COLLECTIVES)  # type: ignore[assignment]
+
+FUNCTIONAL_OPS: dict[str, str] = {
+    **{op: c.kind for c in COLLECTIVES.values() for op in c.functional_ops},
+    "broadcast": "broadcast",  # runs (weights from rank 0), never planned
+}
+"""A ``_c10d_functional`` op's name -> the kind sharding maps count it as."""
+
+
+def collective(kind: str) -> Collective:
+    """The :data:`COLLECTIVES` row of ``kind``.
+
+    Raises:
+        AutoshardError: an unknown kind.
+    """
+    if kind not in COLLECTIVES:
+        raise AutoshardError(f"unknown collective {kind!r}: use one of {COLLECTIVE_KINDS}")
+    return COLLECTIVES[kind]
