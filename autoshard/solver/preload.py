@@ -476,15 +476,7 @@ def choice_from_solution(
         )
 
     nodes = solution["nodes"]
-    graph_blocks = {i.layer for i in graph.nodes.values() if i.layer is not None}
-    stored_blocks = {e.get("layer") for e in nodes.values() if e.get("layer") is not None}
-    if (
-        all("op" in e for e in nodes.values())
-        and graph_blocks
-        and stored_blocks
-        and all(type(b) is int and b >= 0 for b in stored_blocks)
-        and stored_blocks != graph_blocks
-    ):
+    if _other_depth(graph, nodes):
         # another depth: the first, middle and last blocks (and, in training, the glue
         # outside them) are matched by structure, not by position
         return _by_structure(sg, nodes, notes, options)
@@ -494,9 +486,50 @@ def choice_from_solution(
     matched, dropped, stored_layers = _match_nodes(graph, layout, nodes, problems)
     problems.raise_if_any(source)
 
-    members: dict[str, list[str]] = defaultdict(list)
-    for name, ns in sg.nodes.items():
-        members[ns.rep].append(name)
+    stored = _stored_strategies(sg, matched, problems)
+    problems.raise_if_any(source)
+
+    # 1. representatives the solution gives (their own entry, else their merged nodes')
+    choice = _choose_stored(sg, stored, problems)
+    problems.raise_if_any(source)
+
+    # 2. fill the rest from the same node of the nearest identical block the solution covers
+    filled_reps, sources = _fill_from_twins(sg, layout, stored_layers, choice, problems)
+    problems.raise_if_any(source)
+
+    # 3. every node the solution gives must agree with its representative's choice
+    _check_agreement(sg, stored, choice, problems)
+    problems.raise_if_any(source)
+
+    return _positional_result(sg, layout, stored, choice, filled_reps, sources, dropped, notes)
+
+
+def _other_depth(graph: TracedGraph, nodes: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether the stored nodes are a positional solution for another set of blocks.
+
+    True when every stored node has an op, both the graph and the solution have repeated
+    blocks, every stored block index is an int >= 0, and the two sets of blocks differ.
+    """
+    graph_blocks = {i.layer for i in graph.nodes.values() if i.layer is not None}
+    stored_blocks = {e.get("layer") for e in nodes.values() if e.get("layer") is not None}
+    return bool(
+        all("op" in e for e in nodes.values())
+        and graph_blocks
+        and stored_blocks
+        and all(type(b) is int and b >= 0 for b in stored_blocks)
+        and stored_blocks != graph_blocks
+    )
+
+
+def _stored_strategies(
+    sg: StrategyGraph,
+    matched: Mapping[str, tuple[str, Mapping[str, Any]]],
+    problems: _Problems,
+) -> dict[str, tuple[str, Strategy]]:
+    """Node of ``sg.nodes`` -> (stored name, Strategy) for every node the solution gives.
+
+    Entries malformed for their node are added to ``problems`` and left out.
+    """
     stored: dict[str, tuple[str, Strategy]] = {}
     for name in sg.nodes:
         got = _stored_strategy(name, sg, matched)
@@ -507,9 +540,26 @@ def choice_from_solution(
             problems.add("entries that do not fit their node", f"{sname!r} {s}")
         else:
             stored[name] = (sname, s)
-    problems.raise_if_any(source)
+    return stored
 
-    # 1. representatives the solution gives (their own entry, else their merged nodes')
+
+def _members(sg: StrategyGraph) -> dict[str, list[str]]:
+    """Representative -> the nodes of ``sg.nodes`` that follow it (itself included)."""
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, ns in sg.nodes.items():
+        members[ns.rep].append(name)
+    return members
+
+
+def _choose_stored(
+    sg: StrategyGraph, stored: Mapping[str, tuple[str, Strategy]], problems: _Problems
+) -> dict[str, int]:
+    """Representative -> strategy index, for the representatives the solution gives.
+
+    A representative's own entry decides; without one, the entries of the nodes merged
+    into it do. Placements that are no strategy of their node are added to ``problems``.
+    """
+    members = _members(sg)
     choice: dict[str, int] = {}
     for rep in sg.reps:
         ns = sg.nodes[rep]
@@ -536,10 +586,48 @@ def choice_from_solution(
                 "placements that are not a strategy of their node",
                 f"{names}: no strategy of {rep!r} (which they follow) gives these placements",
             )
-    problems.raise_if_any(source)
-    from_solution = set(choice)
+    return choice
 
-    # 2. fill the rest from the same node of the nearest identical block the solution covers
+
+def _twin(
+    sg: StrategyGraph,
+    layout: _Layout,
+    stored_layers: set[int],
+    from_solution: set[str],
+    rep: str,
+    layer: int,
+) -> tuple[int, str] | None:
+    """(block, node) of ``rep``'s nearest identical block whose node the solution gives.
+
+    Lower block indices are tried first, nearest first, then higher ones; None when no
+    identical block the solution covers gives the node at ``rep``'s position.
+    """
+    index = layout.slot[rep][1]
+    group = [g for g in layout.identical.get(layer, []) if g != layer and g in stored_layers]
+    order = sorted((g for g in group if g < layer), reverse=True) + sorted(
+        g for g in group if g > layer
+    )
+    for g in order:
+        twin = layout.at[(g, index)]
+        if twin in sg.nodes and sg.nodes[twin].rep in from_solution:
+            return g, twin
+    return None
+
+
+def _fill_from_twins(
+    sg: StrategyGraph,
+    layout: _Layout,
+    stored_layers: set[int],
+    choice: dict[str, int],
+    problems: _Problems,
+) -> tuple[set[str], dict[int, int]]:
+    """(filled representatives, filled block -> source block), adding to ``choice``.
+
+    Every representative ``choice`` lacks takes the strategy of the same node of the
+    nearest identical block (:func:`_twin`); those that cannot are added to ``problems``.
+    """
+    graph = sg.graph
+    from_solution = set(choice)
     filled_reps: set[str] = set()
     sources: dict[int, int] = {}
     for rep in sg.reps:
@@ -549,18 +637,7 @@ def choice_from_solution(
         layer = info.layer if info is not None else None
         src = None
         if layer is not None:
-            index = layout.slot[rep][1]
-            group = [
-                g for g in layout.identical.get(layer, []) if g != layer and g in stored_layers
-            ]
-            order = sorted((g for g in group if g < layer), reverse=True) + sorted(
-                g for g in group if g > layer
-            )
-            for g in order:
-                twin = layout.at[(g, index)]
-                if twin in sg.nodes and sg.nodes[twin].rep in from_solution:
-                    src = (g, twin)
-                    break
+            src = _twin(sg, layout, stored_layers, from_solution, rep, layer)
         if src is None:
             where = f"block {layer}" if layer is not None else "outside the repeated blocks"
             why = (
@@ -586,9 +663,16 @@ def choice_from_solution(
             continue
         filled_reps.add(rep)
         sources.setdefault(layer, g)
-    problems.raise_if_any(source)
+    return filled_reps, sources
 
-    # 3. every node the solution gives must agree with its representative's choice
+
+def _check_agreement(
+    sg: StrategyGraph,
+    stored: Mapping[str, tuple[str, Strategy]],
+    choice: Mapping[str, int],
+    problems: _Problems,
+) -> None:
+    """Returns nothing: adds to ``problems`` each stored node that ``choice`` contradicts."""
     for name, (sname, s) in stored.items():
         got = _node_strategy(sg, name, choice)
         if got != s:
@@ -598,8 +682,19 @@ def choice_from_solution(
                 f"{sname!r}: stored {_fmt_strategy(s)}, but the choice of {rep!r}, which it "
                 f"follows, gives {_fmt_strategy(got)}",
             )
-    problems.raise_if_any(source)
 
+
+def _positional_result(
+    sg: StrategyGraph,
+    layout: _Layout,
+    stored: Mapping[str, tuple[str, Strategy]],
+    choice: dict[str, int],
+    filled_reps: set[str],
+    sources: dict[int, int],
+    dropped: int,
+    notes: list[str],
+) -> PreloadResult:
+    """The :class:`PreloadResult` of a positional match, its counts and notes added."""
     matched_n = sum(1 for n in sg.nodes if n in stored)
     filled = sum(1 for n, ns in sg.nodes.items() if n not in stored and ns.rep in filled_reps)
     if dropped:
@@ -632,6 +727,20 @@ def _shapes_key(shapes: Mapping[str, Any]) -> tuple:
     return tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
 
 
+_GraphParts = dict[int | None, list[str]]
+_StoredParts = dict[int | None, list[tuple[str, Mapping[str, Any]]]]
+
+
+@dataclass
+class _Pairing:
+    """How the graph's parts were paired with the stored parts (see :func:`_pair_parts`)."""
+
+    matched: dict[str, tuple[str, Mapping[str, Any]]]  # graph node -> (stored name, entry)
+    sources: dict[int, int]  # graph block -> the stored block it was paired with, if another
+    aligned: set[int | None]  # graph parts aligned with a similar, not identical, stored part
+    used: set[int | None]  # stored parts some graph part was paired with
+
+
 def _by_structure(
     sg: StrategyGraph,
     nodes: Mapping[str, Mapping[str, Any]],
@@ -655,14 +764,41 @@ def _by_structure(
         AutoshardError: the restricted ILP finds no plan (a time limit with no incumbent).
     """
     graph = sg.graph
-    rel = path_within_block(graph.block_prefixes)
+    g_seq, s_seq = _parts(graph, nodes)
+    pairing = _pair_parts(graph, g_seq, s_seq)
+    stored, choice, solved = _pin_and_solve(sg, pairing.matched, options)
 
-    g_seq: dict[int | None, list[str]] = defaultdict(list)
+    dropped = sum(len(entries) for sl, entries in s_seq.items() if sl not in pairing.used)
+    _structure_notes(graph, g_seq, s_seq, pairing, solved, dropped, notes)
+    filled = sum(1 for n in stored if n in graph.nodes and graph.nodes[n].layer in pairing.sources)
+    return PreloadResult(
+        choice=choice,
+        filled=filled,
+        matched=len(stored) - filled,
+        dropped=dropped,
+        sources=dict(sorted(pairing.sources.items())),
+        notes=notes,
+        solved=solved,
+    )
+
+
+def _parts(
+    graph: TracedGraph, nodes: Mapping[str, Mapping[str, Any]]
+) -> tuple[_GraphParts, _StoredParts]:
+    """(layer -> graph node names, layer -> (stored name, entry)), each in order."""
+    g_seq: _GraphParts = defaultdict(list)
     for name, info in graph.nodes.items():
         g_seq[info.layer].append(name)
-    s_seq: dict[int | None, list[tuple[str, Mapping[str, Any]]]] = defaultdict(list)
+    s_seq: _StoredParts = defaultdict(list)
     for sname, entry in nodes.items():
         s_seq[entry.get("layer")].append((sname, entry))
+    return g_seq, s_seq
+
+
+def _pair_parts(graph: TracedGraph, g_seq: _GraphParts, s_seq: _StoredParts) -> _Pairing:
+    """The :class:`_Pairing` of every graph part with an identical or the most similar
+    stored part (blocks with blocks, the nodes outside them with those outside)."""
+    rel = path_within_block(graph.block_prefixes)
 
     def g_sig(name: str) -> tuple:
         info = graph.nodes[name]
@@ -682,10 +818,7 @@ def _by_structure(
             matchers[key] = difflib.SequenceMatcher(None, g_sigs[gl], s_sigs[sl], autojunk=False)
         return matchers[key]
 
-    matched: dict[str, tuple[str, Mapping[str, Any]]] = {}
-    sources: dict[int, int] = {}
-    aligned: set[int | None] = set()
-    used: set[int | None] = set()
+    pairing = _Pairing({}, {}, set(), set())
     for gl in sorted(g_seq, key=lambda x: -1 if x is None else x):
         cands = [sl for sl in s_seq if (sl is None) == (gl is None)]
         if not cands:
@@ -702,22 +835,32 @@ def _by_structure(
             src = min(cands, key=lambda sl: (-matcher(gl, sl).ratio(), *near(sl)))
             blocks = matcher(gl, src).get_matching_blocks()
             pairs = [(b.a + k, b.b + k) for b in blocks for k in range(b.size)]
-            aligned.add(gl)
-        used.add(src)
+            pairing.aligned.add(gl)
+        pairing.used.add(src)
         if gl is not None and src != gl:
-            sources[gl] = src
+            pairing.sources[gl] = src
         for i, j in pairs:
-            matched[g_seq[gl][i]] = s_seq[src][j]
+            pairing.matched[g_seq[gl][i]] = s_seq[src][j]
+    return pairing
 
+
+def _pin_and_solve(
+    sg: StrategyGraph,
+    matched: Mapping[str, tuple[str, Mapping[str, Any]]],
+    options: SolverOptions | None,
+) -> tuple[dict[str, Strategy], dict[str, int], int]:
+    """(node -> stored Strategy, complete choice, how many nodes the ILP chose).
+
+    Representatives are pinned where their nodes' stored strategies agree on one; the
+    rest are chosen by the ILP with the pinned ones fixed.
+    """
     # stored strategies per node; representatives pinned where their nodes agree
     stored: dict[str, Strategy] = {}
     for name in sg.nodes:
         got = _stored_strategy(name, sg, matched)
         if got is not None and not isinstance(got[1], str):
             stored[name] = got[1]
-    members: dict[str, list[str]] = defaultdict(list)
-    for name, ns in sg.nodes.items():
-        members[ns.rep].append(name)
+    members = _members(sg)
     choice: dict[str, int] = {}
     for rep in sg.reps:
         given = {m: stored[m] for m in members[rep] if m in stored}
@@ -733,13 +876,24 @@ def _by_structure(
             r.allowed[rep] = np.array([i], dtype=np.int64)
         result = solve(restrict(sg, r), options or SolverOptions())
         choice = unrestrict_choice(r, result.choice)
+    return stored, choice, solved
 
-    dropped = sum(len(entries) for sl, entries in s_seq.items() if sl not in used)
+
+def _structure_notes(
+    graph: TracedGraph,
+    g_seq: _GraphParts,
+    s_seq: _StoredParts,
+    pairing: _Pairing,
+    solved: int,
+    dropped: int,
+    notes: list[str],
+) -> None:
+    """Returns nothing: appends to ``notes`` how the parts were matched by structure."""
     layers = [gl for gl in g_seq if gl is not None]
     n_stored = len([sl for sl in s_seq if sl is not None])
     groups: dict[tuple[int, bool], list[int]] = defaultdict(list)
     for gl in layers:
-        groups[(sources.get(gl, gl), gl in aligned)].append(gl)
+        groups[(pairing.sources.get(gl, gl), gl in pairing.aligned)].append(gl)
     how = "; ".join(
         f"{_ranges(sorted(gs))} "
         + (f"aligned with stored block {sl}" if approx else f"as stored block {sl}")
@@ -750,7 +904,7 @@ def _by_structure(
         f"the solution has {n_stored} blocks and the model {graph.num_layers}{traced}: "
         f"matched by structure ({how})"
     )
-    if None in aligned:
+    if None in pairing.aligned:
         notes.append("the nodes outside the blocks differ from the solution's: aligned")
     if solved:
         notes.append(
@@ -762,16 +916,6 @@ def _by_structure(
             f"{dropped} stored nodes of blocks the model does not have were dropped (no "
             "block of the model was matched with them)"
         )
-    filled = sum(1 for n in stored if n in graph.nodes and graph.nodes[n].layer in sources)
-    return PreloadResult(
-        choice=choice,
-        filled=filled,
-        matched=len(stored) - filled,
-        dropped=dropped,
-        sources=dict(sorted(sources.items())),
-        notes=notes,
-        solved=solved,
-    )
 
 
 def _ranges(layers: list[int]) -> str:
