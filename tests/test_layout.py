@@ -242,3 +242,20 @@ def test_the_public_api_plans_a_model_as_the_command_line_does(tmp_path):
     assert result.plan.step_time_s > 0
     assert sorted(api.__all__) == sorted(set(api.__all__))
     assert all(hasattr(api, name) for name in api.__all__)
+
+
+LONG_FUNCTION_LINES = 100
+
+
+def test_no_function_over_100_lines_in_the_solver_the_launcher_or_the_plan():
+    """A function longer than a screenful mixes jobs (issue 31): in ``solver/``,
+    ``launch/`` and ``plan/`` none is over 100 lines, ``def`` to its last line."""
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)"
+        for package in ("solver", "launch", "plan")
+        for path in sorted((PACKAGE / package).glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (length := node.end_lineno - node.lineno + 1) > LONG_FUNCTION_LINES
+    ]
+    assert not long, long

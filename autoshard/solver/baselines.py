@@ -100,6 +100,7 @@ from autoshard.trace.ops import (
     WEIGHT_CHAIN_OPS,
     packet,
 )
+from autoshard.trace.tracer import TracedGraph
 
 Placements = tuple[Placement, ...]
 
@@ -494,10 +495,17 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
     Only forward matmuls get roles: in a training graph each backward matmul reads a
     weight whose placement the forward role fixed, which makes it column- or row-like.
     """
-    graph = sg.graph
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
-    tp = TensorParallel()
+    fx_nodes = {n.name: n for n in sg.graph.graph_module.graph.nodes}
+    tp = TensorParallel(weight=_param_matmuls(sg, fx_nodes))
+    _pair_rows(sg, fx_nodes, tp, _leaf_test(sg))
+    _standalone_columns(sg, fx_nodes, tp, _fx_users(sg.graph))
+    return tp
 
+
+def _leaf_test(sg: StrategyGraph) -> Callable[[torch.fx.Node], bool]:
+    """A memoized test: whether a node is a parameter, a buffer, or computed from those and
+    factory ops alone."""
+    graph = sg.graph
     purely_free: dict[str, bool] = {}
 
     def is_leaf(n: torch.fx.Node) -> bool:
@@ -514,14 +522,25 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
         purely_free[n.name] = ok
         return ok
 
-    def param_chain(n: torch.fx.Node) -> bool:
-        while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
-            if len(n.all_input_nodes) != 1:
-                return False
-            n = n.all_input_nodes[0]
-        info = graph.nodes.get(n.name)
-        return n.op == "placeholder" and info is not None and info.kind == "param"
+    return is_leaf
 
+
+def _param_chain(graph: TracedGraph, n: torch.fx.Node) -> bool:
+    """Whether ``n`` is a parameter, reached through single-input weight-chain ops only."""
+    while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
+        if len(n.all_input_nodes) != 1:
+            return False
+        n = n.all_input_nodes[0]
+    info = graph.nodes.get(n.name)
+    return n.op == "placeholder" and info is not None and info.kind == "param"
+
+
+def _param_matmuls(
+    sg: StrategyGraph, fx_nodes: dict[str, torch.fx.Node]
+) -> dict[str, tuple[int, int, bool]]:
+    """The forward parameter matmuls, in graph order: node -> :attr:`TensorParallel.weight`."""
+    graph = sg.graph
+    weight: dict[str, tuple[int, int, bool]] = {}
     for n in graph.graph_module.graph.nodes:
         if n.op != "call_function" or n.target not in _PARAM_MATMULS or n.name not in sg.nodes:
             continue
@@ -531,93 +550,128 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
         args = [fx_nodes[a] for a in graph.nodes[n.name].arg_nodes]
         if len(args) <= b_idx:
             continue
-        pa, pb = param_chain(args[a_idx]), param_chain(args[b_idx])
+        pa, pb = _param_chain(graph, args[a_idx]), _param_chain(graph, args[b_idx])
         if pa != pb:
-            tp.weight[n.name] = (a_idx, b_idx, True) if pb else (b_idx, a_idx, False)
+            weight[n.name] = (a_idx, b_idx, True) if pb else (b_idx, a_idx, False)
+    return weight
 
-    def transparent(n: torch.fx.Node) -> bool:
-        op = packet(n.target)
-        return (
-            _pointwise(n)
-            or op in LAYOUT_OPS
-            or op is operator.getitem
-            or (op in ATTENTION_REGION_OPS and n.name not in tp.weight)
-        )
 
-    def walk_back(start: torch.fx.Node) -> tuple[set[str], set[str]] | None:
-        columns: set[str] = set()
-        region: set[str] = set()
-        stack, seen = [start], set()
-        while stack:
-            n = stack.pop()
-            if n.name in seen:
-                continue
-            seen.add(n.name)
-            if is_leaf(n):
-                continue
-            if n.op != "call_function":
+def _transparent(n: torch.fx.Node, tp: TensorParallel) -> bool:
+    """Whether ``n`` may lie inside a tensor-parallel region (pointwise, layout, attention)."""
+    op = packet(n.target)
+    return (
+        _pointwise(n)
+        or op in LAYOUT_OPS
+        or op is operator.getitem
+        or (op in ATTENTION_REGION_OPS and n.name not in tp.weight)
+    )
+
+
+def _walk_back(
+    start: torch.fx.Node, tp: TensorParallel, is_leaf: Callable[[torch.fx.Node], bool]
+) -> tuple[set[str], set[str]] | None:
+    """``(columns, region)`` reached walking back from ``start``, or None if it is no row's."""
+    columns: set[str] = set()
+    region: set[str] = set()
+    stack, seen = [start], set()
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if is_leaf(n):
+            continue
+        if n.op != "call_function":
+            return None
+        if n.name in tp.weight:
+            if tp.roles.get(n.name) == "row":
                 return None
-            if n.name in tp.weight:
-                if tp.roles.get(n.name) == "row":
-                    return None
-                columns.add(n.name)
-                continue
-            if not transparent(n):
-                return None
-            region.add(n.name)
-            stack.extend(n.all_input_nodes)
-        return (columns, region) if columns else None
+            columns.add(n.name)
+            continue
+        if not _transparent(n, tp):
+            return None
+        region.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return (columns, region) if columns else None
 
+
+def _fx_users(graph: TracedGraph) -> dict[str, list[torch.fx.Node]]:
+    """Node name -> the nodes that read it, in graph order."""
     users: dict[str, list[torch.fx.Node]] = {}
     for n in graph.graph_module.graph.nodes:
         for a in n.all_input_nodes:
             users.setdefault(a.name, []).append(n)
+    return users
 
-    def walk_forward(start: torch.fx.Node) -> set[str] | None:
-        region: set[str] = set()
-        stack, seen = list(users.get(start.name, [])), set()
-        reached_output = False
-        while stack:
-            n = stack.pop()
-            if n.name in seen:
-                continue
-            seen.add(n.name)
-            if n.op == "output":
-                reached_output = True
-                continue
-            if n.op != "call_function" or n.name in tp.weight or not transparent(n):
-                if packet(n.target) is aten._assert_tensor_metadata:
-                    continue
-                return None
-            region.add(n.name)
-            stack.extend(users.get(n.name, []))
-        return region if reached_output else None
 
+def _walk_forward(
+    start: torch.fx.Node, tp: TensorParallel, users: dict[str, list[torch.fx.Node]]
+) -> set[str] | None:
+    """The region after ``start`` if its output reaches the graph's output through
+    transparent ops only, else None."""
+    region: set[str] = set()
+    stack, seen = list(users.get(start.name, [])), set()
+    reached_output = False
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op == "output":
+            reached_output = True
+            continue
+        if n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp):
+            if packet(n.target) is aten._assert_tensor_metadata:
+                continue
+            return None
+        region.add(n.name)
+        stack.extend(users.get(n.name, []))
+    return region if reached_output else None
+
+
+def _pair_rows(
+    sg: StrategyGraph,
+    fx_nodes: dict[str, torch.fx.Node],
+    tp: TensorParallel,
+    is_leaf: Callable[[torch.fx.Node], bool],
+) -> None:
+    """Give the rows and their columns their roles, in graph order; returns None (fills
+    ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
+    graph = sg.graph
     for name, (x_idx, _, _) in tp.weight.items():
         if name in tp.roles:
             continue
-        found = walk_back(fx_nodes[graph.nodes[name].arg_nodes[x_idx]])
+        found = _walk_back(fx_nodes[graph.nodes[name].arg_nodes[x_idx]], tp, is_leaf)
         if found is None:
             continue
         columns, region = found
         if any(tp.roles.get(c) == "row" for c in columns):
             continue
-        for c in columns:
+        for c in sorted(columns):  # a set: its order would vary with the hash seed
             tp.roles[c] = "column"
         tp.roles[name] = "row"
         key = (tuple(sorted(columns)), name)
         tp.pairs.append(key)
         tp.region[key] = region
+
+
+def _standalone_columns(
+    sg: StrategyGraph,
+    fx_nodes: dict[str, torch.fx.Node],
+    tp: TensorParallel,
+    users: dict[str, list[torch.fx.Node]],
+) -> None:
+    """Make each parameter matmul left without a role whose output reaches the graph's output
+    a standalone column; returns None (fills ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
     for name in tp.weight:
         if name in tp.roles:
             continue
-        region = walk_forward(fx_nodes[name])
+        region = _walk_forward(fx_nodes[name], tp, users)
         if region is not None:
             tp.roles[name] = "column"
             key = ((name,), None)
             tp.pairs.append(key)
             tp.region[key] = region
-    return tp
 
 
 def _role_ok(role: str, weight: tuple[int, int, bool], tp_dim: int) -> Callable[[Any], bool]:
@@ -651,49 +705,105 @@ def _megatron(
     tp = find_tensor_parallel(sg)
     # training graphs: the backward pass is not pinned (its matmuls follow the weights'
     # placements, its activation gradients are placed by propagation)
-    backward = {
+    backward = _backward_reps(sg)
+    param_uses = _forward_param_uses(sg, backward)
+    # 1. groups whose matmuls have the role's strategy (the shapes divide)
+    groups, undivided = _divisible_groups(sg, tp, t)
+    # 2. drop groups whose weights are also read outside every group (e.g. an LM head tied
+    # to the embedding: one placement cannot serve both), until none is left to drop
+    groups, shared_weights = _drop_shared_groups(sg, tp, groups, param_uses)
+    _note_dropped_groups(r, mesh, t, undivided, shared_weights)
+    # 3. pin the roles (on the representatives: a repeated layer follows its first)
+    roles, region_reps, head_reps = _pin_roles(r, sg, tp, groups, t)
+
+    for rep in _placeholders(sg, "input"):
+        shape = sg.graph.nodes[rep].results[0].shape
+        _pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dp), "inputs")
+
+    _pin_tp_params(r, sg, roles, dp, t, fsdp)
+    _pin_outside_ops(r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside)
+    if not roles:
+        r.notes.append(
+            "no column/row matmul pairs found: tensor parallel degenerates to "
+            "replicated compute on the TP dim"
+        )
+    return r, roles
+
+
+_Group = tuple[tuple[str, ...], str | None]
+
+
+def _backward_reps(sg: StrategyGraph) -> set[str]:
+    """The representatives of the backward pass (empty for an inference graph)."""
+    return {
         rep
         for rep in sg.reps
         if rep in sg.graph.nodes and getattr(sg.graph.nodes[rep], "backward", False)
     }
+
+
+def _forward_param_uses(sg: StrategyGraph, backward: set[str]) -> dict[str, set[str]]:
+    """Parameter -> the representatives outside ``backward`` that read it."""
     param_uses: dict[str, set[str]] = {}
     for e in sg.edges:
         if _kind(sg, e.src) == "param" and e.dst not in backward:
             param_uses.setdefault(e.src, set()).add(e.dst)
-    undivided: list[str] = []
-    shared_weights: list[str] = []
+    return param_uses
 
-    def members_of(key) -> list[str]:
-        return list(key[0]) + ([key[1]] if key[1] is not None else [])
 
-    def inside_of(key) -> set[str]:
-        """Representatives of a group's matmuls and region (repeated layers may share them)."""
-        nodes = members_of(key) + [n for n in tp.region[key] if n in sg.nodes]
-        return {sg.nodes[n].rep for n in nodes}
+def _group_members(key: _Group) -> list[str]:
+    """A group's matmuls: its columns, then its row (if any)."""
+    return list(key[0]) + ([key[1]] if key[1] is not None else [])
 
-    def role_ok(m: str) -> Callable[[int], bool]:
-        """Whether ``m`` plays its role when its representative takes strategy ``i``."""
-        ns, check = sg.nodes[m], _role_ok(tp.roles[m], tp.weight[m], t)
-        return lambda i: check(ns.strategies[ns.choice[i]])
 
-    # 1. groups whose matmuls have the role's strategy (the shapes divide)
+def _group_inside(sg: StrategyGraph, tp: TensorParallel, key: _Group) -> set[str]:
+    """Representatives of a group's matmuls and region (repeated layers may share them)."""
+    nodes = _group_members(key) + [n for n in tp.region[key] if n in sg.nodes]
+    return {sg.nodes[n].rep for n in nodes}
+
+
+def _group_role_ok(sg: StrategyGraph, tp: TensorParallel, m: str, t: int) -> Callable[[int], bool]:
+    """Whether ``m`` plays its role when its representative takes strategy ``i``."""
+    ns, check = sg.nodes[m], _role_ok(tp.roles[m], tp.weight[m], t)
+    return lambda i: check(ns.strategies[ns.choice[i]])
+
+
+def _divisible_groups(
+    sg: StrategyGraph, tp: TensorParallel, t: int
+) -> tuple[list[_Group], list[str]]:
+    """``(groups, undivided)``: the groups whose matmuls all have their role's strategy on
+    mesh dim ``t``, and a description of each other group."""
     groups = []
+    undivided: list[str] = []
     for key in tp.pairs:
-        members = members_of(key)
+        members = _group_members(key)
         if all(
-            any(role_ok(m)(i) for i in range(len(sg.nodes[sg.nodes[m].rep].strategies)))
+            any(
+                _group_role_ok(sg, tp, m, t)(i)
+                for i in range(len(sg.nodes[sg.nodes[m].rep].strategies))
+            )
             for m in members
         ):
             groups.append(key)
             continue
         undivided.append(" ".join(f"{m}{list(sg.graph.nodes[m].args[-1].shape)}" for m in members))
-    # 2. drop groups whose weights are also read outside every group (e.g. an LM head tied
-    # to the embedding: one placement cannot serve both), until none is left to drop
+    return groups, undivided
+
+
+def _drop_shared_groups(
+    sg: StrategyGraph,
+    tp: TensorParallel,
+    groups: list[_Group],
+    param_uses: dict[str, set[str]],
+) -> tuple[list[_Group], list[str]]:
+    """``(groups, shared_weights)``: the groups left once those whose weights are also read
+    outside every group are dropped (repeatedly), and the names of those weights."""
+    shared_weights: list[str] = []
     while True:
-        covered = set().union(*(inside_of(k) for k in groups))
+        covered = set().union(*(_group_inside(sg, tp, k) for k in groups))
         bad = []
         for key in groups:
-            members = {sg.nodes[m].rep for m in members_of(key)}
+            members = {sg.nodes[m].rep for m in _group_members(key)}
             shared = sorted(
                 sg.graph.nodes[p].fqn or p
                 for p, uses in param_uses.items()
@@ -705,6 +815,13 @@ def _megatron(
         if not bad:
             break
         groups = [k for k in groups if k not in bad]
+    return groups, shared_weights
+
+
+def _note_dropped_groups(
+    r: Restriction, mesh: MeshSpec, t: int, undivided: list[str], shared_weights: list[str]
+) -> None:
+    """Note in ``r`` the groups left unpinned and why; returns None."""
     if undivided:
         r.notes.append(
             f"{len(undivided)} tensor-parallel matmul groups left to propagation: the shapes "
@@ -719,24 +836,32 @@ def _megatron(
             + ", ".join(shared_weights[:3])
             + (", ..." if len(shared_weights) > 3 else "")
         )
-    # 3. pin the roles (on the representatives: a repeated layer follows its first)
+
+
+def _pin_roles(
+    r: Restriction, sg: StrategyGraph, tp: TensorParallel, groups: list[_Group], t: int
+) -> tuple[dict[str, str], set[str], set[str]]:
+    """Pin each group's matmul roles; returns ``(roles, region_reps, head_reps)``: the pinned
+    roles, the representatives inside the groups, and those of the standalone columns."""
     roles: dict[str, str] = {}
     region_reps: set[str] = set()
     head_reps: set[str] = set()  # standalone columns and the ops after them
     for key in groups:
-        for m in members_of(key):
-            if not r.allow(sg, sg.nodes[m].rep, role_ok(m), "matmuls"):
+        for m in _group_members(key):
+            if not r.allow(sg, sg.nodes[m].rep, _group_role_ok(sg, tp, m, t), "matmuls"):
                 r.notes.append(f"{m}: its role conflicts with a repeated layer's; not pinned")
                 continue
             roles[m] = tp.roles[m]
-        region_reps |= inside_of(key)
+        region_reps |= _group_inside(sg, tp, key)
         if key[1] is None:
-            head_reps |= inside_of(key)
+            head_reps |= _group_inside(sg, tp, key)
+    return roles, region_reps, head_reps
 
-    for rep in _placeholders(sg, "input"):
-        shape = sg.graph.nodes[rep].results[0].shape
-        _pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dp), "inputs")
 
+def _pin_tp_params(
+    r: Restriction, sg: StrategyGraph, roles: dict[str, str], dp: range, t: int, fsdp: bool
+) -> None:
+    """Pin the parameters' placements and uses for tensor parallelism; returns None."""
     # parameters: R on the DP dims; on the TP dim R unless they feed a tensor-parallel matmul
     role_reps = {sg.nodes[m].rep for m in roles}
     feeds_role: set[str] = {e.src for e in sg.edges if e.dst in role_reps}
@@ -758,6 +883,18 @@ def _megatron(
     else:
         _restrict_param_uses(r, sg, _used_as_stored)
 
+
+def _pin_outside_ops(
+    r: Restriction,
+    sg: StrategyGraph,
+    region_reps: set[str],
+    head_reps: set[str],
+    backward: set[str],
+    t: int,
+    sequence_parallel: bool,
+    pin_outside: bool,
+) -> None:
+    """Pin the forward ops outside the tensor-parallel regions on mesh dim ``t``; returns None."""
     # every other op: replicated on the TP dim (megatron) or sharded on it (sequence parallel)
     # Graph outputs count as outside ops (what the model returns is replicated, or sequence
     # sharded, on the TP dim) unless a tensor-parallel region feeds them: a vocab-parallel
@@ -787,12 +924,6 @@ def _megatron(
             f"{unpinned} ops outside the tensor-parallel regions have no strategy "
             "replicated on the TP dim; left to propagation"
         )
-    if not roles:
-        r.notes.append(
-            "no column/row matmul pairs found: tensor parallel degenerates to "
-            "replicated compute on the TP dim"
-        )
-    return r, roles
 
 
 # --- entry points ----------------------------------------------------------------------
