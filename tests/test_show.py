@@ -111,7 +111,7 @@ def test_show_solution(tmp_path: Path) -> None:
     ]
     assert row(out, "transformer.h.0.mlp.c_proj.weight")[1:] == ["R", "S(0)"]
     assert row(out, "input_ids")[1:] == ["S(0)", "R"]
-    assert "all_reduce x2" in out
+    assert "all-reduce x2" in out
     assert "mm_1" not in out  # nodes only with --nodes
 
 
@@ -154,6 +154,31 @@ def test_show_solution_nodes(tmp_path: Path) -> None:
     assert "data_in_1  R·S(0)" in out
 
 
+def test_show_says_the_predictions_in_words_not_python(tmp_path: Path) -> None:
+    """The plan's collectives per phase name the mesh dim each runs on (by the mesh's own
+    names), an op's own exchange is marked, recomputed blocks are ranges, MFU a share:
+    nothing of the file's dicts and lists shows through (issue 30, item 4)."""
+    smap = sharding_map()
+    smap["predicted"] |= {
+        "collective_steps": [
+            {"phase": "forward", "kind": "all_gather", "mesh_dim": 0, "count": 4},
+            {"phase": "forward", "kind": "all_to_all", "mesh_dim": 1, "count": 2, "in_op": True},
+            {"phase": "backward", "kind": "reduce_scatter", "mesh_dim": 0, "count": 4},
+        ],
+        "recomputed_blocks": [0, 1, 2, 5],
+        "mfu": 0.4123,
+    }
+    path = tmp_path / "gpt2_2x4.json"
+    save_sharding_map(path, smap)
+    out = show(str(path))
+    assert (
+        "forward: all-gather on dp x4, all-to-all on tp in op x2; backward: reduce-scatter on dp x4"
+    ) in out
+    assert "recomputed blocks       0-2, 5" in out
+    assert "MFU                     41.2%" in out
+    assert not any(c in out.split("Predicted", 1)[1] for c in "{}[]'")
+
+
 def test_show_sharding_map(tmp_path: Path) -> None:
     path = tmp_path / "gpt2_2x4.json"
     save_sharding_map(path, sharding_map())
@@ -163,7 +188,7 @@ def test_show_sharding_map(tmp_path: Path) -> None:
     assert row(out, "transformer.h.0.mlp.c_fc.weight")[1:] == ["R", "S(1)"]
     assert row(out, "input_ids")[1:] == ["S(0)", "R"]
     assert "12.3 ms" in out
-    assert "all_reduce x2" in out
+    assert "all-reduce x2" in out
 
 
 def test_show_detects_kind_by_content_not_extension(tmp_path: Path) -> None:

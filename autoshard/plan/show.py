@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from autoshard.cost.collective_table import COLLECTIVES
 from autoshard.placements import placement_to_str, short
 from autoshard.plan.formats import ShardingMap, detect_kind, load_sharding_map, load_solution
 from autoshard.plan.report import format_ranges
@@ -107,7 +108,7 @@ def _render_solution(
         console.print(_placement_table("Inputs", "input", sol["inputs"], shape, names))
     predicted = sol.get("predicted")
     if predicted:
-        console.print(_predicted_table(predicted))
+        console.print(_predicted_table(predicted, names))
     if nodes:
         console.print(_nodes_table(sol["nodes"], all_nodes))
     elif mase or not sol.get("parameters"):
@@ -209,7 +210,7 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
     if smap.inputs:
         console.print(_placement_table("Inputs", "input", smap.inputs, smap.mesh_shape, names))
     if smap.predicted:
-        console.print(_predicted_table(smap.predicted))
+        console.print(_predicted_table(smap.predicted, names))
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,11 +274,55 @@ def fold_layers(entries: Mapping[str, Sequence[Any]]) -> list[tuple[str, tuple]]
     return [(name, placements) for name, placements, _ in rows]
 
 
-def _predicted_table(predicted: Mapping[str, Any]) -> Table:
+def _predicted_table(predicted: Mapping[str, Any], dim_names: Sequence[str]) -> Table:
     table = _summary_table("Predicted")
     for key, value in predicted.items():
-        table.add_row(str(key), _text(_quantity(str(key), value)))
+        if key == "collective_steps" and isinstance(value, list):
+            text = _collective_steps_text(value, dim_names)
+        elif key == "recomputed_blocks" and isinstance(value, list):
+            text = format_ranges(int(b) for b in value) if value else "none"
+        elif key == "mfu" and _is_number(value):
+            text = f"{value:.1%}"
+        elif isinstance(value, Mapping) and key != "memory_bytes":  # by collective kind
+            titled = {
+                (COLLECTIVES[k].title if k in COLLECTIVES else k): v for k, v in value.items()
+            }
+            text = _quantity(str(key), titled)
+        else:
+            text = _quantity(str(key), value)
+        table.add_row(_PREDICTED_LABELS.get(str(key), str(key)), _text(text))
     return table
+
+
+# the sharding map's and the solution's ``predicted`` keys, as the table names them
+_PREDICTED_LABELS = {
+    "step_time_s": "step time",
+    "compute_s": "compute",
+    "optimizer_s": "optimizer step",
+    "recompute_s": "recompute",
+    "recomputed_blocks": "recomputed blocks",
+    "comm_s": "communication",
+    "hidden_s": "hidden under compute",
+    "collectives": "collectives",
+    "collective_steps": "per phase and mesh dim",
+    "memory_bytes": "memory per device",
+    "flops": "FLOPs per step",
+    "mfu": "MFU",
+}
+
+
+def _collective_steps_text(rows: Sequence[Mapping[str, Any]], dim_names: Sequence[str]) -> str:
+    """``forward: all-gather on dp x1, all-reduce on tp x1; backward: ...``: the plan's
+    collectives per phase, by kind and the mesh dim they run on (``in op`` for those an
+    op issues itself, such as the experts' token exchange)."""
+    phases: dict[str, list[str]] = {}
+    for r in rows:
+        dim = int(r.get("mesh_dim", -1))
+        where = dim_names[dim] if 0 <= dim < len(dim_names) else f"dim {dim}"
+        kind = COLLECTIVES[r["kind"]].title if r.get("kind") in COLLECTIVES else str(r.get("kind"))
+        own = " in op" if r.get("in_op") else ""
+        phases.setdefault(str(r.get("phase")), []).append(f"{kind} on {where}{own} x{r['count']}")
+    return "; ".join(f"{ph}: {', '.join(parts)}" for ph, parts in phases.items()) or "none"
 
 
 def _quantity(key: str, value: Any) -> str:
