@@ -9,7 +9,8 @@ import pytest
 from helpers import ROOT, autoshard_cli
 
 from autoshard.calibrate import PROFILE_FORMAT, fit_link, load_profile
-from autoshard.cost.collectives import collective, comm_model
+from autoshard.cost.collective_table import collective
+from autoshard.cost.collectives import comm_model
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 
@@ -39,7 +40,7 @@ def _samples(slower: dict[str, float] | None = None) -> list[dict]:
 
 def test_the_fit_recovers_the_ring_formulas_latency_and_bandwidth():
     """Times made by the ring formulas (written by hand above) give back alpha and bw, with
-    no residual; the coefficients are the cost model's (autoshard.cost.collectives)."""
+    no residual; the coefficients are the cost model's (autoshard.cost.collective_table)."""
     assert collective("all_reduce").coefficients(4) == (6.0, 1.5)
     # the fit's model is the cost model's: the same seconds for every kind and size
     cm = comm_model(MeshSpec((4,), ("d0",), (BW,), (ALPHA,)))

@@ -188,7 +188,7 @@ def test_partial_on_both_dims_into_a_shard_reduces_each_dim_on_the_smaller_piece
 
 
 def test_the_collective_table_prices_each_kind_as_nccl_tests_formulas_by_hand():
-    """One row per collective (autoshard.cost.collectives.COLLECTIVES) is what the cost
+    """One row per collective (autoshard.cost.collective_table.COLLECTIVES) is what the cost
     model prices; each kind on 8 devices, 1 GiB, 5 us, 100 GB/s against NCCL tests'
     PERFORMANCE.md formulas written out here: an all-gather and a reduce-scatter move
     (n-1)/n of the tensor in n-1 steps, an all-reduce twice that, an all-to-all (n-1)/n

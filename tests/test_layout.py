@@ -135,12 +135,42 @@ def _package_graph() -> dict[str, set[str]]:
     return graph
 
 
+FLOORS = (
+    "_torch_private",
+    "errors",
+    "interrupt",
+    "units",
+    "placements",
+    "model",
+    "trace",
+    "strategies",
+    "cost",
+    "plan",
+    "solver",
+    "pipeline",
+    "launch",
+    "calibrate",
+    "api",
+    "bench",
+    "cli",
+)
+"""The packages (and top-level modules) from the bottom floor up (docs/architecture.md)."""
+
+
 def test_no_package_cycles():
-    """The packages are floors (docs/architecture.md): ``model`` < ``trace`` <
-    ``strategies`` < ``cost`` < ``plan`` < ``solver`` < ``pipeline`` < ``launch``; no
-    package imports one above it, not even for an annotation."""
     cycle = _cycle(_package_graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_every_package_imports_only_floors_below_it():
+    """``model`` < ``trace`` < ``strategies`` < ``cost`` < ``plan`` < ``solver`` <
+    ``pipeline`` < ``launch`` ...: no package imports one above it, not even for an
+    annotation (an upward import that closes no cycle yet is one waiting to)."""
+    graph = _package_graph()
+    assert set(graph) == set(FLOORS), set(graph) ^ set(FLOORS)
+    floor = {name: k for k, name in enumerate(FLOORS)}
+    upward = [f"{a} -> {b}" for a, deps in graph.items() for b in deps if floor[b] >= floor[a]]
+    assert not upward, upward
 
 
 def test_the_package_graph_sees_function_level_and_annotation_imports(tmp_path):

@@ -194,3 +194,16 @@ def test_a_tally_splits_highs_runs_into_lps_and_mips_and_nests():
     assert outer.nodes == second.nodes > 0
     assert outer.iterations == first.iterations + second.iterations
     assert outer.lp_seconds > 0 and outer.mip_seconds == inner.mip_seconds > 0
+
+
+def test_an_error_after_a_stop_of_no_limit_of_ours_does_not_blame_the_time_limit():
+    """With --time-limit set, a search HiGHS stopped on its own (status ``stopped``) says
+    so; only a search the time limit stopped says to raise it."""
+    from autoshard.solver.ilp import _limit_words
+    from autoshard.solver.options import SolverOptions
+
+    options = SolverOptions(time_limit_s=30)
+    assert "--time-limit" not in _limit_words("stopped", options)
+    assert "none of autoshard's limits" in _limit_words("stopped", options)
+    assert _limit_words("time_limit", options) == "stopped at --time-limit 30 s; raise it"
+    assert "--work-limit 25" in _limit_words("work_limit", SolverOptions())

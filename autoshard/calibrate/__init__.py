@@ -1,13 +1,14 @@
 """Calibration: the mesh's links and the device's speed, measured instead of read off a datasheet.
 
 ``autoshard calibrate --mesh 2x4`` starts one process per device under torchrun
-(:mod:`autoshard.calibrate.rank`); they time all-gather, reduce-scatter, all-reduce and
-all-to-all on each mesh dim at several sizes, and a few matmuls and a copy on each device.
+(:mod:`autoshard.calibrate.rank`); they time all-gather, all-reduce, reduce-scatter and
+all-to-all (the collective table's order) on each mesh dim at several sizes, and a few
+matmuls and a copy on each device.
 Rank 0 fits the cost model's own formulas to the times and writes a *profile*
 (``autoshard.profile/1``, JSON, docs/formats.md) that ``solve --profile FILE`` (and
 ``compare``, ``stages``) read in place of the link options and ``--device``.
 
-The fit. :mod:`autoshard.cost.collectives` prices a collective on a mesh dim of ``n``
+The fit. :mod:`autoshard.cost.collective_table` prices a collective on a mesh dim of ``n``
 devices, for a tensor of ``B`` bytes in full, with the ring formulas of the NCCL tests'
 performance notes (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)::
 

@@ -91,5 +91,7 @@ def collective(kind: str) -> Collective:
         AutoshardError: an unknown kind.
     """
     if kind not in COLLECTIVES:
-        raise AutoshardError(f"unknown collective {kind!r}: use one of {COLLECTIVE_KINDS}")
+        raise AutoshardError(
+            f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}"
+        )
     return COLLECTIVES[kind]

@@ -917,8 +917,10 @@ def _limit_words(status: str, options: SolverOptions) -> str:
         return f"stopped at --work-limit {options.work_limit}; raise it"
     if status == "iteration_limit":
         return f"stopped at {options.lp_iteration_limit} simplex iterations"
-    if options.time_limit_s is not None:
-        return f"stopped at --time-limit {options.time_limit_s:g} s (status {status}); raise it"
+    if status == "time_limit" and options.time_limit_s is not None:
+        return f"stopped at --time-limit {options.time_limit_s:g} s; raise it"
+    if status == "stopped":
+        return "HiGHS stopped before a proof, at none of autoshard's limits (status stopped)"
     return f"status {status}"
 
 
