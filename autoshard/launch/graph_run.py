@@ -168,6 +168,26 @@ def program_from_solution(
     """
     sol_nodes: Mapping[str, Any] = solution.get("nodes") or {}
     alias = depth_names(graph, reduced) if reduced is not None else {}
+    nodes, missing, changed = _node_plans(graph, sol_nodes, alias, reduced)
+    extra = [n for n in sol_nodes if n not in graph.nodes] if reduced is None else []
+    if missing or changed or extra:
+        raise _mismatch(missing, extra, changed)
+    sinks, grad_of = _output_sinks(graph, sol_nodes, alias, reduced, nodes)
+    recompute = frozenset(
+        int(b) for b in (solution.get("predicted") or {}).get("recomputed_blocks") or ()
+    )
+    return GraphProgram(graph, nodes, sinks, grad_of, mesh, recompute=recompute)
+
+
+def _node_plans(
+    graph: TracedGraph,
+    sol_nodes: Mapping[str, Any],
+    alias: Mapping[str, str],
+    reduced: TracedGraph | None,
+) -> tuple[dict[str, NodePlan], list[str], list[str]]:
+    """Each traced node's plan from its solution entry (its stand-in's, through ``alias``,
+    on a depth-reduced solve), with the traced nodes the solution lacks and those whose
+    entry no longer fits (``name (why)``)."""
     nodes: dict[str, NodePlan] = {}
     missing: list[str] = []
     changed: list[str] = []
@@ -204,23 +224,35 @@ def program_from_solution(
         nodes[name] = NodePlan(
             inputs=ins, outputs=outs, fallback=bool(entry.get("fallback")), phase=phase
         )
-    extra = [n for n in sol_nodes if n not in graph.nodes] if reduced is None else []
-    if missing or changed or extra:
-        parts = []
-        if missing:
-            parts.append(
-                f"{len(missing)} traced node(s) the solution lacks ({', '.join(missing[:3])})"
-            )
-        if extra:
-            parts.append(f"{len(extra)} solution node(s) not traced ({', '.join(extra[:3])})")
-        if changed:
-            parts.append(f"{len(changed)} changed ({', '.join(changed[:3])})")
-        raise AutoshardError(
-            "the solution does not describe the graph traced at launch: "
-            + "; ".join(parts)
-            + ". Solve again for this model file (with --no-tie when its repeated blocks "
-            "do not all trace alike)"
-        )
+    return nodes, missing, changed
+
+
+def _mismatch(missing: list[str], extra: list[str], changed: list[str]) -> AutoshardError:
+    """The one-line error for a solution that does not describe the traced graph."""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} traced node(s) the solution lacks ({', '.join(missing[:3])})")
+    if extra:
+        parts.append(f"{len(extra)} solution node(s) not traced ({', '.join(extra[:3])})")
+    if changed:
+        parts.append(f"{len(changed)} changed ({', '.join(changed[:3])})")
+    return AutoshardError(
+        "the solution does not describe the graph traced at launch: "
+        + "; ".join(parts)
+        + ". Solve again for this model file (with --no-tie when its repeated blocks "
+        "do not all trace alike)"
+    )
+
+
+def _output_sinks(
+    graph: TracedGraph,
+    sol_nodes: Mapping[str, Any],
+    alias: Mapping[str, str],
+    reduced: TracedGraph | None,
+    nodes: Mapping[str, NodePlan],
+) -> tuple[list[Placements | None], list[str | None]]:
+    """The placements each graph output is planned to leave in (its sink) and the
+    parameter each output is the gradient of (``None`` where none)."""
     out_info = next(i for i in graph.nodes.values() if i.kind == "output")
     out_entry = (sol_nodes.get(out_info.name) or {}).get("args") or {}
     index = {k: k for k in range(len(out_info.arg_nodes))}
@@ -247,10 +279,7 @@ def program_from_solution(
         if sinks[k] is None and owner is not None:
             names = graph.param_names.get(owner, [owner])
             sinks[k] = next((param_out[a] for a in (owner, *names) if a in param_out), None)
-    recompute = frozenset(
-        int(b) for b in (solution.get("predicted") or {}).get("recomputed_blocks") or ()
-    )
-    return GraphProgram(graph, nodes, sinks, grad_of, mesh, recompute=recompute)
+    return sinks, grad_of
 
 
 @dataclass

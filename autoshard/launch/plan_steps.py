@@ -151,6 +151,89 @@ def placeholder_values(
     return values
 
 
+def _planted_fault(not_lowered: str | None) -> Fault:
+    """The fault tests plant (``AUTOSHARD_FAULT``), refused when it needs a lowered graph
+    and this launch has none (``not_lowered`` says why)."""
+    planted = Fault.from_env()  # faults planted by tests
+    if (planted.lowered_drop is not None or planted.lowered_stale) and not_lowered is not None:
+        raise AutoshardError(
+            "AUTOSHARD_FAULT=lowered-... needs a lowered graph, and this launch has none "
+            f"({not_lowered})"
+        )
+    return planted
+
+
+def _interpret(
+    program: GraphProgram,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype_map: Mapping[torch.dtype, torch.dtype],
+    log: RunLog,
+    values: list[torch.Tensor],
+    record: bool,
+) -> tuple[list[Any], LoweredStep | None]:
+    """One step of the graph on the DTensor interpreter, logging into ``log``; with
+    ``record`` (step 1 of a lowered launch) also recorded as a graph on local tensors,
+    which is returned (else ``None``)."""
+    interpreter = PlanInterpreter(program, mesh, device, dtype_map, log)
+    if record:
+        return lower(interpreter.run_values, values, mesh)
+    return interpreter.run_program(*values), None
+
+
+def _step2_error(
+    program: GraphProgram,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype_map: Mapping[torch.dtype, torch.dtype],
+    values: list[torch.Tensor],
+    outs: list[Any],
+    opts: RunOptions,
+) -> tuple[float, float]:
+    """``--check`` on step 2: the lowered graph's outputs against the DTensor
+    interpreter's on the same placeholders (:func:`_worst_error`), and the seconds the
+    comparison took (kept out of the step's time)."""
+    t_check = time.perf_counter()
+    again = PlanInterpreter(program, mesh, device, dtype_map).run_values(values)
+    error = _worst_error(outs, again, opts)
+    return error, time.perf_counter() - t_check
+
+
+def _set_gradients(
+    program: GraphProgram, params: Mapping[str, nn.Parameter], outs: list[Any]
+) -> None:
+    """The graph's gradient outputs become their parameters' ``.grad`` (in its dtype).
+
+    Raises:
+        AutoshardError: a gradient for a parameter the module lacks.
+    """
+    for k, grad in enumerate(outs):
+        owner = program.grad_of[k]
+        if owner is None or grad is None:
+            continue
+        if owner not in params:
+            raise AutoshardError(
+                f"the graph returns a gradient for {owner!r}, which the model lacks"
+            )
+        params[owner].grad = grad.to(params[owner].dtype)
+
+
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    modes: list | None,
+    log: RunLog,
+) -> None:
+    """One optimizer step (and zeroed gradients), its collectives counted into ``log`` as
+    the ``optimizer`` phase (and by ``CommDebugMode`` into ``modes`` when counting)."""
+    opt_log = CollectiveLog(mesh)
+    with counting(modes), opt_log:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for (kind, dim), n in opt_log.take().items():
+        log.collectives[("optimizer", kind, dim)] += n
+
+
 def run_plan_steps(
     program: GraphProgram,
     module: nn.Module,
@@ -179,13 +262,8 @@ def run_plan_steps(
     lowered: LoweredStep | None = None
     step2_error: float | None = None
     not_lowered = _why_not_lowered(program, opts)
-    planted = Fault.from_env()  # faults planted by tests
+    planted = _planted_fault(not_lowered)
     fault = planted.lowered_drop
-    if (fault is not None or planted.lowered_stale) and not_lowered is not None:
-        raise AutoshardError(
-            "AUTOSHARD_FAULT=lowered-... needs a lowered graph, and this launch has none "
-            f"({not_lowered})"
-        )
     first_values: list[Any] = []
     for step in range(opts.steps):
         counted = step == 0
@@ -198,13 +276,10 @@ def run_plan_steps(
             if lowered is not None:
                 outs = lowered(first_values if planted.lowered_stale else values)
             else:
-                interpreter = PlanInterpreter(program, mesh, device, dtype_map, log)
-                if step == 0 and not_lowered is None:
-                    outs, lowered = lower(interpreter.run_values, values, mesh)
-                    if planted.lowered_stale:
-                        first_values = [v.detach().clone() for v in values]
-                else:
-                    outs = interpreter.run_program(*values)
+                record = step == 0 and not_lowered is None
+                outs, lowered = _interpret(program, mesh, device, dtype_map, log, values, record)
+                if record and planted.lowered_stale:
+                    first_values = [v.detach().clone() for v in values]
         out = outs[0]
         paused = 0.0
         if step == 0 and lowered is not None and fault is not None:
@@ -215,29 +290,14 @@ def run_plan_steps(
         if step == 1 and lowered is not None and opts.check:
             # the same placeholders on DTensors: a value the recording froze at step 1
             # (a parameter, an input) or a collective it lost shows here
-            t_check = time.perf_counter()
-            again = PlanInterpreter(program, mesh, device, dtype_map).run_values(values)
-            step2_error = _worst_error(outs, again, opts)
-            paused += time.perf_counter() - t_check
+            step2_error, took = _step2_error(program, mesh, device, dtype_map, values, outs, opts)
+            paused += took
         if optimizer is not None:
-            for k, grad in enumerate(outs):
-                owner = program.grad_of[k]
-                if owner is None or grad is None:
-                    continue
-                if owner not in params:
-                    raise AutoshardError(
-                        f"the graph returns a gradient for {owner!r}, which the model lacks"
-                    )
-                params[owner].grad = grad.to(params[owner].dtype)
+            _set_gradients(program, params, outs)
             plant_gradient_fault(module)  # AUTOSHARD_FAULT, for tests (graph_run.Fault)
             if observer is not None:
                 paused += timed(device, observer.gradients, step, module)
-            opt_log = CollectiveLog(mesh)
-            with counting(modes), opt_log:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            for (kind, dim), n in opt_log.take().items():
-                log.collectives[("optimizer", kind, dim)] += n
+            _optimizer_step(optimizer, mesh, modes, log)
         sync_device(device)
         times.append(time.perf_counter() - t0 - paused)
         if counted:

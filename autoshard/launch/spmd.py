@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import (
@@ -36,6 +36,7 @@ from autoshard.launch.check import (
     widened,
 )
 from autoshard.launch.dtensor_rules import register_launch_rules
+from autoshard.launch.graph_run import GraphProgram
 from autoshard.launch.observed import (
     lowered_report,
     observed_rows,
@@ -43,8 +44,14 @@ from autoshard.launch.observed import (
     report_observed,
 )
 from autoshard.launch.options import RunOptions
-from autoshard.launch.plan_steps import run_plan_steps
-from autoshard.launch.steps import distribute_inputs, placed_parameter, run_steps
+from autoshard.launch.plan_steps import PlanStepResult, run_plan_steps
+from autoshard.launch.steps import (
+    StepObserver,
+    StepResult,
+    distribute_inputs,
+    placed_parameter,
+    run_steps,
+)
 from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
@@ -111,52 +118,16 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
         register_launch_rules()  # DTensor places the activations
     skeleton = build_skeleton(mf, opts.seed)
     check_plan(smap, skeleton, mf.path.name)
-    # the solve's --dtype is a cast of the weights; mixed precision keeps fp32 master
-    # parameters; --check computes in float64
-    cast = program.dtype if program is not None else None
-    weights = cast if cast is not None and program.reduce_dtype is None else None
+    cast, weights, held = _dtype_policy(program, opts)
     # bytes per element as the model holds them (--check runs in float64)
     itemsize_by_name = {
         n: (torch.empty((), dtype=weights) if weights is not None else p).element_size()
         for n, p in skeleton.module.named_parameters()
     }
-    held = torch.float64 if opts.check else weights
-
-    def place(fqn: str, full: nn.Parameter) -> nn.Parameter:
-        return placed_parameter(full, mesh, smap.parameters[fqn], held)
-
-    # each rank makes one unit of the model at a time and keeps its shards of it
-    fallback = init_parameters(skeleton.module, opts.seed, device, place)
-    if held is not None:
-        _cast_buffers(skeleton.module, held)
-    inputs = make_inputs(skeleton, opts.seed, device)
-    if cast is not None:
-        inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in inputs)
-    if opts.check:
-        inputs = tuple(x.to(torch.float64) if x.is_floating_point() else x for x in inputs)
-    loaded = LoadedModel(
-        skeleton.module, inputs, skeleton.input_names, skeleton.name, skeleton.loss_fn
-    )
+    fallback = _place_weights(skeleton.module, smap, mesh, opts, device, held)
+    loaded = _loaded_model(skeleton, opts, device, cast)
     if rank == 0:
-        how = "the plan's graph" if program is not None else "DTensor propagation (not the plan)"
-        say(
-            f"autoshard launch: {mf.path.name} on mesh {smap.mesh_text}"
-            f"{_dim_names(smap)}, {world} ranks, {device.type}, "
-            f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}, "
-            f"running {how}{', float64 (--check)' if opts.check else ''}"
-        )
-        if program is not None and program.recompute and opts.train:
-            blocks = sorted(program.recompute)
-            say(
-                f"activation checkpointing: {len(blocks)} block(s) drop their activations "
-                f"after the forward and run it again before their backward "
-                f"({listing([str(b) for b in blocks])})"
-            )
-        if fallback:
-            say(
-                f"note: {len(fallback)} parameter(s) have no initialiser in the model "
-                f"(fallback init used): {listing(fallback)}"
-            )
+        _announce(smap, mf, world, device, opts, program, fallback)
 
     d_inputs = distribute_inputs(loaded, mesh, smap.inputs)
     local = sum(
@@ -168,73 +139,18 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     setup_peak = peak_memory_bytes(device)  # imports, trace, weights: before any step
     recorder = Recorder(keep=rank == 0)
     observer = recorder if opts.check else None
+    step_times, last, outcome = _run_mode(program, loaded, d_inputs, mesh, opts, device, observer)
+    slowest, peaks, setup_peaks = _gather_timings(step_times, setup_peak, opts, device, world)
     agree = True
-    if program is not None:
-        dtype_map = CHECK_DTYPES if opts.check else {}
-        by_name = dict(zip(loaded.input_names, d_inputs, strict=True))
-        presult = run_plan_steps(
-            program, loaded.module, by_name, mesh, opts, device, dtype_map, observer
-        )
-        step_times, last = presult.step_times_s, presult.last_output
-    else:
-        with widened(opts.check):
-            result = run_steps(
-                loaded.module,
-                d_inputs,
-                opts,
-                device,
-                count_collectives=True,
-                observer=observer,
-                loss_fn=loaded.loss_fn,
-            )
-        step_times, last = result.step_times_s, result.output
-    times: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(times, step_times)
-    slowest = [max(t[i] for t in times) for i in range(opts.steps)]
-    both: list[tuple[int, int]] = [(0, 0)] * world
-    dist.all_gather_object(both, (peak_memory_bytes(device), setup_peak))
-    peaks, setup_peaks = [p for p, _ in both], [b for _, b in both]
     report: dict[str, Any] = {}
     if rank == 0:
-        _report_bytes(per_rank)
-        say(
-            f"peak memory per rank ({'GPU allocated' if device.type == 'cuda' else 'RSS'}): "
-            f"max {format_bytes(max(peaks))}, min {format_bytes(min(peaks))}; "
-            f"before step 1 (imports, trace, weights) max {format_bytes(max(setup_peaks))}"
-        )
-        if program is not None:
-            agree = report_observed(presult, smap, device, opts)
-            report["collectives"] = observed_rows(presult, smap, device)
-            report["deviations"] = dict(presult.deviations)
-            report["lowered"] = lowered_report(presult, smap, device)
-        else:
-            predicted = smap.predicted.get("collectives") or {}
-            _report_collectives(result.comm_counts or {}, predicted)
-            report["collectives_by_kind"] = result.comm_counts or {}
-        report_time(slowest, smap.predicted.get("step_time_s"))
-        report.update(
-            {
-                "format": "autoshard.launch_report/1",
-                "model": mf.path.name,
-                "mesh": {"shape": list(smap.mesh_shape), "dim_names": list(smap.dim_names or ())},
-                "mode": "plan" if program is not None else "propagate",
-                "train": opts.train,
-                "steps": opts.steps,
-                "seed": opts.seed,
-                "device": device.type,
-                "collectives_agree": agree,
-                "step_times_s": slowest,
-                "predicted_step_time_s": smap.predicted.get("step_time_s"),
-                "local_parameter_bytes": per_rank,
-                "peak_memory_bytes": peaks,
-                "setup_peak_memory_bytes": setup_peaks,
-            }
+        agree, report = _report_run(
+            smap, mf, opts, device, outcome, per_rank, slowest, peaks, setup_peaks
         )
     verdict = [0 if agree else 1]
     dist.broadcast_object_list(verdict, src=0)
     code = 0
     if opts.check:
-        cast = program.dtype if program is not None else None
         master = program is not None and program.reduce_dtype is not None
         code = max(
             verdict[0],
@@ -243,6 +159,188 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     if rank == 0 and opts.json_path:
         write_report(opts.json_path, report)
     return code
+
+
+def _dtype_policy(
+    program: GraphProgram | None, opts: RunOptions
+) -> tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]:
+    """The launch's dtypes: ``cast`` (the solve's ``--dtype``, for the inputs), ``weights``
+    (the dtype the model holds its weights in, ``None``: as built) and ``held`` (the
+    weights as placed: float64 under ``--check``)."""
+    # the solve's --dtype is a cast of the weights; mixed precision keeps fp32 master
+    # parameters; --check computes in float64
+    cast = program.dtype if program is not None else None
+    weights = cast if cast is not None and program.reduce_dtype is None else None
+    held = torch.float64 if opts.check else weights
+    return cast, weights, held
+
+
+def _place_weights(
+    module: nn.Module,
+    smap: ShardingMap,
+    mesh: DeviceMesh,
+    opts: RunOptions,
+    device: torch.device,
+    held: torch.dtype | None,
+) -> list[str]:
+    """``module``'s seeded weights, placed per the map (in ``held`` when set, buffers
+    too); returns the parameters the model has no initialiser for."""
+
+    def place(fqn: str, full: nn.Parameter) -> nn.Parameter:
+        return placed_parameter(full, mesh, smap.parameters[fqn], held)
+
+    # each rank makes one unit of the model at a time and keeps its shards of it
+    fallback = init_parameters(module, opts.seed, device, place)
+    if held is not None:
+        _cast_buffers(module, held)
+    return fallback
+
+
+def _loaded_model(
+    skeleton: LoadedModel, opts: RunOptions, device: torch.device, cast: torch.dtype | None
+) -> LoadedModel:
+    """The model with its seeded inputs, floating ones in ``cast`` (float64 under
+    ``--check``)."""
+    inputs = make_inputs(skeleton, opts.seed, device)
+    if cast is not None:
+        inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in inputs)
+    if opts.check:
+        inputs = tuple(x.to(torch.float64) if x.is_floating_point() else x for x in inputs)
+    return LoadedModel(
+        skeleton.module, inputs, skeleton.input_names, skeleton.name, skeleton.loss_fn
+    )
+
+
+def _announce(
+    smap: ShardingMap,
+    mf: ModelFile,
+    world: int,
+    device: torch.device,
+    opts: RunOptions,
+    program: GraphProgram | None,
+    fallback: list[str],
+) -> None:
+    """Rank 0's opening lines: what runs where, activation checkpointing, fallback init."""
+    how = "the plan's graph" if program is not None else "DTensor propagation (not the plan)"
+    say(
+        f"autoshard launch: {mf.path.name} on mesh {smap.mesh_text}"
+        f"{_dim_names(smap)}, {world} ranks, {device.type}, "
+        f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}, "
+        f"running {how}{', float64 (--check)' if opts.check else ''}"
+    )
+    if program is not None and program.recompute and opts.train:
+        blocks = sorted(program.recompute)
+        say(
+            f"activation checkpointing: {len(blocks)} block(s) drop their activations "
+            f"after the forward and run it again before their backward "
+            f"({listing([str(b) for b in blocks])})"
+        )
+    if fallback:
+        say(
+            f"note: {len(fallback)} parameter(s) have no initialiser in the model "
+            f"(fallback init used): {listing(fallback)}"
+        )
+
+
+def _run_mode(
+    program: GraphProgram | None,
+    loaded: LoadedModel,
+    d_inputs: tuple[torch.Tensor, ...],
+    mesh: DeviceMesh,
+    opts: RunOptions,
+    device: torch.device,
+    observer: StepObserver | None,
+) -> tuple[list[float], torch.Tensor, PlanStepResult | StepResult]:
+    """The steps, as the plan's graph (``program``) or by DTensor propagation; returns
+    each step's seconds, the last step's output and the run's result."""
+    if program is not None:
+        dtype_map = CHECK_DTYPES if opts.check else {}
+        by_name = dict(zip(loaded.input_names, d_inputs, strict=True))
+        presult = run_plan_steps(
+            program, loaded.module, by_name, mesh, opts, device, dtype_map, observer
+        )
+        return presult.step_times_s, presult.last_output, presult
+    with widened(opts.check):
+        result = run_steps(
+            loaded.module,
+            d_inputs,
+            opts,
+            device,
+            count_collectives=True,
+            observer=observer,
+            loss_fn=loaded.loss_fn,
+        )
+    return result.step_times_s, result.output, result
+
+
+def _gather_timings(
+    step_times: list[float],
+    setup_peak: int,
+    opts: RunOptions,
+    device: torch.device,
+    world: int,
+) -> tuple[list[float], list[int], list[int]]:
+    """Every rank's step times and peak memory, gathered on every rank: the slowest
+    rank's time per step, each rank's peak and each rank's peak before step 1."""
+    times: list[list[float]] = [[] for _ in range(world)]
+    dist.all_gather_object(times, step_times)
+    slowest = [max(t[i] for t in times) for i in range(opts.steps)]
+    both: list[tuple[int, int]] = [(0, 0)] * world
+    dist.all_gather_object(both, (peak_memory_bytes(device), setup_peak))
+    peaks, setup_peaks = [p for p, _ in both], [b for _, b in both]
+    return slowest, peaks, setup_peaks
+
+
+def _report_run(
+    smap: ShardingMap,
+    mf: ModelFile,
+    opts: RunOptions,
+    device: torch.device,
+    outcome: PlanStepResult | StepResult,
+    per_rank: list[int],
+    slowest: list[float],
+    peaks: list[int],
+    setup_peaks: list[int],
+) -> tuple[bool, dict[str, Any]]:
+    """Rank 0's report of the run (bytes, memory, collectives, step times); returns
+    whether the collectives agree with the plan, and the ``--json`` report."""
+    agree = True
+    report: dict[str, Any] = {}
+    _report_bytes(per_rank)
+    say(
+        f"peak memory per rank ({'GPU allocated' if device.type == 'cuda' else 'RSS'}): "
+        f"max {format_bytes(max(peaks))}, min {format_bytes(min(peaks))}; "
+        f"before step 1 (imports, trace, weights) max {format_bytes(max(setup_peaks))}"
+    )
+    if isinstance(outcome, PlanStepResult):
+        agree = report_observed(outcome, smap, device, opts)
+        report["collectives"] = observed_rows(outcome, smap, device)
+        report["deviations"] = dict(outcome.deviations)
+        report["lowered"] = lowered_report(outcome, smap, device)
+    else:
+        predicted = smap.predicted.get("collectives") or {}
+        _report_collectives(outcome.comm_counts or {}, predicted)
+        report["collectives_by_kind"] = outcome.comm_counts or {}
+    report_time(slowest, smap.predicted.get("step_time_s"))
+    report.update(
+        {
+            "format": "autoshard.launch_report/1",
+            "model": mf.path.name,
+            "mesh": {"shape": list(smap.mesh_shape), "dim_names": list(smap.dim_names or ())},
+            "mode": "plan" if isinstance(outcome, PlanStepResult) else "propagate",
+            "train": opts.train,
+            "steps": opts.steps,
+            "seed": opts.seed,
+            "device": device.type,
+            "collectives_agree": agree,
+            "step_times_s": slowest,
+            "predicted_step_time_s": smap.predicted.get("step_time_s"),
+            "local_parameter_bytes": per_rank,
+            "peak_memory_bytes": peaks,
+            "setup_peak_memory_bytes": setup_peaks,
+        }
+    )
+    return agree, report
 
 
 def _check(
