@@ -423,3 +423,24 @@ def test_cnn_with_batch_norm_trains_like_one_device(tmp_path: Path, mesh: str, a
     if algo == "ddp":
         rows = observed_rows(run.stdout)
         assert any(k == "all_reduce" and phase == "forward" for phase, k, *_ in rows), rows
+
+
+def test_the_step_time_line_gives_the_ratio_and_a_profile_off_by_more_than_2x_a_reason(capsys):
+    """measured / predicted beside the prediction, always; the one line of reasons only
+    when the prediction came from a profile (``calibrated``) and is off by more than 2x
+    (issue 30, item 5)."""
+    from autoshard.launch.check import report_time
+
+    ratio = report_time([0.5, 0.2, 0.2], 0.1, priced_for="h100", run_on="gloo on cpu")
+    out = capsys.readouterr().out
+    assert ratio == pytest.approx(2.0)
+    assert "predicted step time: 100 ms (the plan's device model: h100)" in out
+    assert "measured / predicted: 2x" in out and "note:" not in out  # a datasheet's plan
+    assert report_time([0.5, 0.15], 0.1, priced_for="calibrated") == pytest.approx(1.5)
+    assert "note:" not in capsys.readouterr().out  # within 0.5-2x
+    report_time([0.5, 1.65], 0.12, priced_for="calibrated", run_on="gloo on cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert "measured / predicted: 13.8x" in lines[1]
+    assert lines[2].startswith("note: the step took 13.8x what the profile predicts")
+    assert "(gloo on cpu)" in lines[2] and len(lines) == 3
+    assert report_time([0.5], {"1F1B": 0.1}) is None  # several predictions: no one ratio

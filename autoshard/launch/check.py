@@ -44,24 +44,61 @@ def say(text: str) -> None:
 
 
 def report_time(
-    times: Sequence[float], predicted: object = None, step1: str = "with warm-up and CommDebugMode"
-) -> None:
+    times: Sequence[float],
+    predicted: object = None,
+    step1: str = "with warm-up and CommDebugMode",
+    priced_for: str | None = None,
+    run_on: str | None = None,
+) -> float | None:
     """Step time (slowest rank): mean of steps 2..N, as step 1 warms up (``step1`` says
-    what else it does); beside it the plan's prediction (for the device it was solved for)."""
+    what else it does); beside it the plan's prediction (for the device it was solved for,
+    ``priced_for``) and the ratio measured / predicted. When the prediction came from an
+    ``autoshard calibrate`` profile (``priced_for`` ``calibrated``) and the ratio is
+    outside :data:`PROFILE_RATIO_BAND`, one line says what may explain it (``run_on``:
+    this run's backend and device, e.g. ``gloo on cpu``). Returns the ratio (None without
+    a single predicted number)."""
     if len(times) == 1:
+        measured = times[0]
         text = f"{format_seconds(times[0])} (1 step, {step1})"
     else:
         rest = times[1:]
+        measured = sum(rest) / len(rest)
         which = "step 2" if len(times) == 2 else f"mean of steps 2-{len(times)}"
-        text = (
-            f"{format_seconds(sum(rest) / len(rest))} ({which}; step 1: {format_seconds(times[0])})"
-        )
+        text = f"{format_seconds(measured)} ({which}; step 1: {format_seconds(times[0])})"
     say(f"step time: {text}")
-    if isinstance(predicted, (int, float)):
-        say(f"predicted step time: {format_seconds(float(predicted))} (the plan's device model)")
-    elif isinstance(predicted, Mapping) and predicted:
+    model = f"the plan's device model: {priced_for}" if priced_for else "the plan's device model"
+    if isinstance(predicted, Mapping) and predicted:
         parts = ", ".join(f"{k} {format_seconds(float(v))}" for k, v in predicted.items())
-        say(f"predicted step time: {parts} (the plan's device model)")
+        say(f"predicted step time: {parts} ({model})")
+        return None
+    if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
+        return None
+    if predicted <= 0:
+        say(f"predicted step time: {format_seconds(float(predicted))} ({model})")
+        return None
+    ratio = measured / float(predicted)
+    say(
+        f"predicted step time: {format_seconds(float(predicted))} ({model}); "
+        f"measured / predicted: {ratio:.3g}x"
+    )
+    low, high = PROFILE_RATIO_BAND
+    if priced_for == CALIBRATED and not low <= ratio <= high:
+        on = f" ({run_on})" if run_on else ""
+        say(
+            f"note: the step took {ratio:.3g}x what the profile predicts; a profile measured "
+            f"on other devices or another backend than this run's{on}, overlap the plan "
+            "counts on that the backend does not do (gloo runs each collective to its end "
+            "before the next op), or per-op overhead on small ops may explain it"
+        )
+    return ratio
+
+
+PROFILE_RATIO_BAND = (0.5, 2.0)
+"""Measured / predicted step time a calibrated plan is expected within (issue 30)."""
+
+CALIBRATED = "calibrated"
+"""The device name of a plan priced with an ``autoshard calibrate`` profile
+(:meth:`autoshard.calibrate.Profile.device_spec`)."""
 
 
 class Recorder:

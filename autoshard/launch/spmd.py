@@ -321,7 +321,14 @@ def _report_run(
         predicted = smap.predicted.get("collectives") or {}
         _report_collectives(outcome.comm_counts or {}, predicted)
         report["collectives_by_kind"] = outcome.comm_counts or {}
-    report_time(slowest, smap.predicted.get("step_time_s"))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ratio = report_time(
+        slowest,
+        smap.predicted.get("step_time_s"),
+        priced_for=smap.predicted.get("device"),
+        run_on=f"{backend} on {device.type}",
+    )
+    report["measured_over_predicted"] = ratio
     report.update(
         {
             "format": "autoshard.launch_report/1",

@@ -126,10 +126,13 @@ def collective_steps(plan: Plan) -> list[dict[str, Any]]:
     return rows
 
 
-def sharding_map_dict(plan: Plan, solution: Path | None = None) -> dict[str, Any]:
+def sharding_map_dict(
+    plan: Plan, solution: Path | None = None, device: str | None = None
+) -> dict[str, Any]:
     """The sharding map: every parameter FQN and input name -> one placement per mesh dim;
     with ``solution`` (the pickle written beside it) also its name and SHA-256, which
-    ``autoshard launch`` runs."""
+    ``autoshard launch`` runs; with ``device`` the name of the device the predictions are
+    for (``calibrated`` for a profile's), which the launcher prints beside its measure."""
     out = {
         "format": SHARDING_MAP_FORMAT,
         "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
@@ -144,6 +147,8 @@ def sharding_map_dict(plan: Plan, solution: Path | None = None) -> dict[str, Any
             "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
         },
     }
+    if device is not None:
+        out["predicted"]["device"] = device
     if solution is not None:
         digest = solution_digest(load_solution(solution))
         out["solution"] = {"file": solution.name, "plan_sha256": digest}
@@ -169,5 +174,6 @@ def write_outputs(
         raise AutoshardError(f"cannot create the output folder {out}: {exc.strerror}") from exc
     pkl, js = out / f"{stem}.pkl", out / f"{stem}.json"
     save_solution(pkl, solution_dict(plan, cost_model, solver))
-    save_sharding_map(js, sharding_map_dict(plan, pkl))
+    device = (cost_model.get("device") or {}).get("name")
+    save_sharding_map(js, sharding_map_dict(plan, pkl, device))
     return pkl, js

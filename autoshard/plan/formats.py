@@ -910,6 +910,9 @@ def _check_predicted(predicted: object, source: str) -> None:
                 f"{source}: predicted {key!r} is {value!r}; expected seconds >= 0 (a number, "
                 "or an object of numbers)"
             )
+    device = predicted.get("device")
+    if device is not None and not isinstance(device, str):
+        raise AutoshardError(f"{source}: predicted 'device' is {device!r}; expected a name")
     collectives = predicted.get("collectives", {})
     if not isinstance(collectives, Mapping) or not all(
         isinstance(k, str) and type(v) is int and v >= 0 for k, v in collectives.items()

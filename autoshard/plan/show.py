@@ -308,6 +308,7 @@ _PREDICTED_LABELS = {
     "memory_bytes": "memory per device",
     "flops": "FLOPs per step",
     "mfu": "MFU",
+    "device": "priced for",
 }
 
 
