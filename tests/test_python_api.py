@@ -141,3 +141,29 @@ def test_a_result_saves_itself_as_the_command_line_names_its_files(tmp_path):
     pkl, smap = result.save(tmp_path)
     assert (pkl.name, smap.name) == ("mlp_4.pkl", "mlp_4.json")
     assert load_sharding_map(smap).parameters == result.plan.parameters
+
+
+@pytest.mark.parametrize(
+    ("options", "flag", "field"),
+    [
+        ({"precision": "fp8"}, "--precision", "precision"),
+        ({"mode": "serve"}, "--mode", "mode"),
+        ({"memory_budget": 0}, "--memory-budget", "memory_budget"),
+        ({"bucket_bytes": -1}, "--bucket-size", "bucket_bytes"),
+        (
+            {"activation_checkpointing": "some"},
+            "--activation-checkpointing",
+            "activation_checkpointing",
+        ),
+        ({"input_placement": "shard"}, "--input-placement", "input_placement"),
+    ],
+)
+def test_a_bad_option_is_named_as_the_command_line_and_the_python_api_spell_it(
+    options, flag, field
+):
+    """SolveConfig is built by the CLI and by the Python API alike: its one-line error names
+    the option both ways (issue 31), so neither user has to translate."""
+    with pytest.raises(AutoshardError) as err:
+        SolveConfig(ROOT / "examples" / "mlp.py", MeshSpec.from_options("2"), **options)
+    assert str(err.value).startswith(f"{flag} ({field}) ")
+    assert "\n" not in str(err.value)

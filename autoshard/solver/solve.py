@@ -63,6 +63,12 @@ class SolveConfig:
     ``"replicate"`` fixes every input to ``Replicate`` on every mesh dim.
     ``output_placement``: likewise for the outputs (``"free"`` still forbids
     ``Partial``: the plan always pays to reduce outputs).
+
+    The Python API builds it too: each error names the option both ways, as the command
+    line spells it and as this field (``--memory-budget (memory_budget) ...``).
+
+    Raises:
+        AutoshardError: an option out of its range, or two that contradict each other.
     """
 
     model_path: Path
@@ -87,32 +93,39 @@ class SolveConfig:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise AutoshardError(
-                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"--precision (precision) must be one of {', '.join(PRECISIONS)}, "
+                f"got {self.precision!r}"
             )
         if self.reduce_dtype != torch.float32 and not self.mixed:
             raise AutoshardError(
-                "--reduce-dtype applies to mixed precision only: add --precision bf16-mixed"
+                "--reduce-dtype (reduce_dtype) applies to mixed precision only: add --precision "
+                "bf16-mixed (precision='bf16-mixed')"
             )
         if self.dtype is not None and self.precision != "model":
             raise AutoshardError(
-                f"--dtype casts the whole step and --precision {self.precision} sets it too: "
-                "give one of them"
+                f"--dtype (dtype) casts the whole step and --precision {self.precision} "
+                "(precision) sets it too: give one of them"
             )
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise AutoshardError(
-                "--activation-checkpointing must be one of "
+                "--activation-checkpointing (activation_checkpointing) must be one of "
                 f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}"
             )
         if self.mode not in ("train", "infer"):
-            raise AutoshardError(f"--mode must be train or infer, got {self.mode!r}")
+            raise AutoshardError(f"--mode (mode) must be train or infer, got {self.mode!r}")
         if not self.bucket_bytes >= 0:
-            raise AutoshardError(f"--bucket-size must be >= 0 bytes, got {self.bucket_bytes}")
+            raise AutoshardError(
+                f"--bucket-size (bucket_bytes) must be >= 0 bytes, got {self.bucket_bytes}"
+            )
         if self.memory_budget is not None and not self.memory_budget > 0:
-            raise AutoshardError(f"--memory-budget must be positive, got {self.memory_budget}")
+            raise AutoshardError(
+                f"--memory-budget (memory_budget) must be positive, got {self.memory_budget}"
+            )
         for what, value in (("input", self.input_placement), ("output", self.output_placement)):
             if value not in ("free", "replicate"):
                 raise AutoshardError(
-                    f"{what} placement must be 'free' or 'replicate', got {value!r}"
+                    f"--{what}-placement ({what}_placement) must be 'free' or 'replicate', "
+                    f"got {value!r}"
                 )
 
     def budget(self) -> float:
