@@ -264,13 +264,19 @@ def test_the_report_says_how_much_of_the_batch_each_device_loads(tmp_path):
     )
     plan.inputs = {"input_ids": (Replicate(), Shard(0))}
     assert inputs_line(plan, {"input_ids": (3, 128)}) == (
-        "inputs: input_ids R·S(0) (each device loads 1/4 of it; its dim 0 (3) is smaller "
-        "than the 8 devices)"
+        "inputs: input_ids (3, 128) R·S(0) (each device loads 1/4 of it, (1, 128); its dim 0 "
+        "(3) is smaller than the 8 devices)"
+    )
+    # the global batch and sequence length, and what one device holds of them
+    plan.inputs = {"input_ids": (Shard(0), Shard(1))}
+    assert inputs_line(plan, {"input_ids": (8, 1024)}) == (
+        "inputs: input_ids (8, 1024) S(0)·S(1) (each device loads 1/8 of it, (4, 256))"
     )
     args = ["solve", str(ROOT / "examples" / "mlp.py"), "--mesh", "2x2", "--inputs", "replicate"]
     out = CliRunner().invoke(main, [*args, "--out", str(tmp_path)])
     assert "compute dtype float32" in out.output
-    assert "x R·R (each device loads the whole global tensor)" in out.output
+    # examples/mlp.py: x of global shape (BATCH, D_MODEL) = (64, 1024)
+    assert "inputs: x (64, 1024) R·R (each device loads the whole global tensor)" in out.output
 
 
 def test_parameter_names_wrap_instead_of_being_cut_on_a_narrow_terminal(tmp_path):

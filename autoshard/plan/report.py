@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -13,6 +13,7 @@ from rich.table import Table
 from autoshard.cost.collective_table import COLLECTIVES
 from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
+from autoshard.strategies.strategy import local_shape
 from autoshard.trace.tracer import path_within_block
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
@@ -190,8 +191,10 @@ def cost_table(plan: Plan) -> Table:
 
 def inputs_line(plan: Plan, shapes: dict[str, tuple] | None = None) -> str:
     """Each input's placement and what it means for the data loader: how much of the
-    global batch every device loads; with ``shapes`` (global shape per input), a batch
-    smaller than the mesh is said, since it cannot be split over every device."""
+    global batch every device loads; with ``shapes`` (global shape per input: the global
+    batch and, for token ids, the sequence length) also the global and the local shape,
+    and a batch smaller than the mesh is said, since it cannot be split over every
+    device."""
     parts = []
     devices = plan.mesh.num_devices
     for name, ps in plan.inputs.items():
@@ -200,10 +203,17 @@ def inputs_line(plan: Plan, shapes: dict[str, tuple] | None = None) -> str:
             pieces *= n if p.is_shard() else 1
         share = "the whole global tensor" if pieces == 1 else f"1/{pieces} of it"
         shape = (shapes or {}).get(name)
+        if shape and pieces > 1:
+            share += f", {_shape_text(local_shape(shape, ps, plan.mesh.shape))}"
         if shape and shape[0] < devices:
             share += f"; its dim 0 ({shape[0]}) is smaller than the {devices} devices"
-        parts.append(f"{name} {short(ps)} (each device loads {share})")
+        shown = f"{name} {_shape_text(shape)}" if shape else name
+        parts.append(f"{shown} {short(ps)} (each device loads {share})")
     return "inputs: " + "; ".join(parts) if parts else "inputs: none"
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
 
 def flops_line(plan: Plan) -> str:
