@@ -119,3 +119,30 @@ def test_a_depth_reduced_model_s_last_block_planned_apart_is_reported_not_a_cras
         "block 5 planned unlike blocks 0-4: blocks 0-4' plan there would cost the same "
         "(the two are equally fast here)"
     ], lines
+
+
+def test_the_activation_table_shows_megatron_s_column_and_row_outputs(monkeypatch):
+    """The activations of one block under the Megatron plan, as Shoeybi et al. 2019 (section
+    3) define it on a 2x4 mesh (dp, tp): the column-parallel matmuls (c_attn, c_fc) give
+    outputs split on their feature dim over tp, the row-parallel ones (c_proj) partial sums
+    over tp; the residual stream enters and leaves the block whole on tp; the batch is split
+    over dp throughout. Local shapes: GPT-2's batch 8 x 1024 tokens over dp 2, features
+    2304 and 3072 over tp 4."""
+    from rich.console import Console
+
+    from autoshard.plan.report import activation_table
+    from autoshard.solver.solve import plan_baseline
+
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    cfg = SolveConfig(model_path=GPT2, mesh=MeshSpec.from_options("2x4"), mode="infer")
+    console = Console(width=200, record=True)
+    console.print(activation_table(plan_baseline(cfg, "megatron").plan))
+    rows = {}
+    for line in console.export_text().splitlines():
+        cells = [c.strip() for c in line.split("│") if c.strip()]
+        if len(cells) == 4:
+            rows.setdefault(cells[0], []).append(cells[2:])
+    assert rows["attn.c_attn"] == [["S(0)·S(1)", "(4096, 576)"]]
+    assert rows["mlp.c_fc"] == [["S(0)·S(1)", "(4096, 768)"]]
+    assert rows["attn.c_proj"] == rows["mlp.c_proj"] == [["S(0)·P(sum)", "(4096, 768)"]]
+    assert rows["block input"] == rows["block output"] == [["S(0)·R", "(4, 1024, 768)"]]

@@ -14,6 +14,7 @@ from autoshard.cost.collective_table import COLLECTIVES
 from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
 from autoshard.strategies.strategy import local_shape
+from autoshard.trace.ops import is_heavy, is_view
 from autoshard.trace.tracer import path_within_block
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
@@ -65,6 +66,70 @@ def layer_table(plan: Plan) -> Table:
     for (sub, ps), (layers, example) in rows.items():
         table.add_row(f"<block>.{sub}", format_ranges(layers), ps, str(shapes.get(example, "")))
     return table
+
+
+def activation_table(plan: Plan) -> Table | None:
+    """How one block's activations are placed (the forward pass of the first traced block):
+    the residual stream that enters it, the output of every heavy op inside it (matmuls,
+    attention: the attention and MLP interiors) and what leaves it, each with the shape one
+    device holds. None for a model without repeated blocks."""
+    graph = plan.sg.graph
+    layers = [i.layer for i in graph.nodes.values() if i.layer is not None and not i.backward]
+    if not layers:
+        return None
+    first = min(layers)
+    inside = [
+        n for n, i in graph.nodes.items() if i.layer == first and not i.backward and i.kind == "op"
+    ]
+    members = set(inside)
+    within = path_within_block(graph.block_prefixes)
+    mesh_shape = plan.mesh.shape
+    dims = " · ".join(plan.mesh.dim_names)
+    table = Table(title=f"Plan: activations of one block, forward (mesh dims {dims})")
+    table.add_column("where", overflow="fold")
+    table.add_column("op", overflow="fold")
+    table.add_column("placement", style="bold", no_wrap=True)
+    table.add_column("local shape", style="dim", overflow="fold")
+
+    def add(where: str, node: str, what: str) -> None:
+        strategy = plan.node_strategy.get(node)
+        result = graph.nodes[node].results[0] if graph.nodes[node].results else None
+        if strategy is None or result is None or strategy.outputs[0] is None:
+            return
+        ps = strategy.outputs[0]
+        table.add_row(where, what, short(ps), str(local_shape(result.shape, ps, mesh_shape)))
+
+    def op(node: str) -> str:
+        name = graph.nodes[node].op_name.removeprefix("aten.").removesuffix(".default")
+        return "attention (SDPA)" if name.startswith("_scaled_dot_product") else name
+
+    entering = []  # activations made outside the block and read inside it: the residual
+    for n in inside:
+        for a in graph.nodes[n].arg_nodes:
+            info = graph.nodes.get(a)
+            if info is not None and info.kind in ("op", "input") and a not in members:
+                if a not in entering and not is_view(info.target):
+                    entering.append(a)
+    for a in entering:
+        add("block input", a, op(a))
+    for n in inside:
+        info = graph.nodes[n]
+        if is_heavy(info.target):
+            add(within(info.module_path) or "", n, op(n))
+    leaving = [n for n in inside if any(u not in members for u in _readers(graph, n))]
+    for n in leaving:
+        if not is_view(graph.nodes[n].target):
+            add("block output", n, op(n))
+    return table
+
+
+def _readers(graph, node: str) -> list[str]:  # noqa: ANN001 - a TracedGraph
+    """The forward ops that read ``node``."""
+    return [
+        n
+        for n, i in graph.nodes.items()
+        if node in i.arg_nodes and not i.backward and i.kind == "op"
+    ]
 
 
 def _block_plans(plan: Plan) -> dict[int, tuple]:
@@ -548,6 +613,9 @@ def print_report(
     if fell is not None:
         console.print(f"[yellow]{escape(fell)}[/yellow]")
     console.print(layer_table(plan))
+    activations = activation_table(plan)
+    if activations is not None:
+        console.print(activations)
     experts = experts_line(plan)
     if experts is not None:
         console.print(experts, highlight=False)
