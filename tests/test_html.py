@@ -24,8 +24,10 @@ class _Page(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.images: dict[str, np.ndarray] = {}
-        self.cells: list[str] = []
+        self.cells: list[str] = []  # the parameter grid's placements
+        self.activations: list[str] = []  # the cells of the activation table
         self._td = False
+        self._table = None
 
     def handle_starttag(self, tag, attrs):  # noqa: ANN001
         a = dict(attrs)
@@ -34,11 +36,13 @@ class _Page(HTMLParser):
 
             data = re.fullmatch(r"data:image/png;base64,(.+)", a["src"]).group(1)
             self.images[a["id"]] = matplotlib.image.imread(io.BytesIO(base64.b64decode(data)))
+        if tag == "table":
+            self._table = a.get("id")
         self._td = tag == "td"
 
     def handle_data(self, data):  # noqa: ANN001
         if self._td:
-            self.cells.append(data)
+            (self.activations if self._table == "activations" else self.cells).append(data)
             self._td = False
 
 
@@ -129,3 +133,6 @@ def test_solve_html_writes_one_self_contained_page(tmp_path: Path):
     # and bias, and the LM head (tied to wte)
     assert len(page.cells) == 12 * 4 + 5
     assert all(re.fullmatch(r"[RSP()\d·]+|S\(\d\)·.*", c) for c in page.cells), page.cells[:5]
+    # the activations of one block: four cells a row, every matmul of the block named
+    rows = [page.activations[i : i + 4] for i in range(0, len(page.activations), 4)]
+    assert {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"} <= {r[0] for r in rows}

@@ -19,7 +19,7 @@ from typing import Any
 
 from autoshard.placements import short
 from autoshard.plan.plan import Plan
-from autoshard.plan.report import split_block
+from autoshard.plan.report import activation_rows, split_block
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 # one colour per bar of the compare chart: the best plan, the others, a plan over budget
@@ -197,5 +197,17 @@ def html_report(result: Any, rows: Sequence[Any] | None = None) -> str:
             "<h2>The plan beside hand-written ones</h2>",
             f'<img id="compare" alt="compare" src="data:image/png;base64,{compare_png(rows)}">',
         ]
-    parts += ["<h2>Parameter placements</h2>", _grid(plan), "</body></html>"]
+    parts += ["<h2>Parameter placements</h2>", _grid(plan)]
+    activations = activation_rows(plan)
+    if activations:
+        head = "".join(f"<th>{h}</th>" for h in ("where", "op", "placement", "local shape"))
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in activations
+        )
+        parts += [
+            "<h2>Activations of one block (forward)</h2>",
+            f'<table class="grid" id="activations"><tr>{head}</tr>{body}</table>',
+        ]
+    parts.append("</body></html>")
     return "\n".join(parts) + "\n"

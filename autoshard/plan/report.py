@@ -68,11 +68,12 @@ def layer_table(plan: Plan) -> Table:
     return table
 
 
-def activation_table(plan: Plan) -> Table | None:
+def activation_rows(plan: Plan) -> list[tuple[str, str, str, str]] | None:
     """How one block's activations are placed (the forward pass of the first traced block):
     the residual stream that enters it, the output of every heavy op inside it (matmuls,
-    attention: the attention and MLP interiors) and what leaves it, each with the shape one
-    device holds. None for a model without repeated blocks."""
+    attention: the attention and MLP interiors) and what leaves it. Rows ``(where, op,
+    placement, local shape)``: the shape one device holds. None for a model without
+    repeated blocks."""
     graph = plan.sg.graph
     layers = [i.layer for i in graph.nodes.values() if i.layer is not None and not i.backward]
     if not layers:
@@ -84,12 +85,7 @@ def activation_table(plan: Plan) -> Table | None:
     members = set(inside)
     within = path_within_block(graph.block_prefixes)
     mesh_shape = plan.mesh.shape
-    dims = " · ".join(plan.mesh.dim_names)
-    table = Table(title=f"Plan: activations of one block, forward (mesh dims {dims})")
-    table.add_column("where", overflow="fold")
-    table.add_column("op", overflow="fold")
-    table.add_column("placement", style="bold", no_wrap=True)
-    table.add_column("local shape", style="dim", overflow="fold")
+    rows: list[tuple[str, str, str, str]] = []
 
     def add(where: str, node: str, what: str) -> None:
         strategy = plan.node_strategy.get(node)
@@ -97,7 +93,7 @@ def activation_table(plan: Plan) -> Table | None:
         if strategy is None or result is None or strategy.outputs[0] is None:
             return
         ps = strategy.outputs[0]
-        table.add_row(where, what, short(ps), str(local_shape(result.shape, ps, mesh_shape)))
+        rows.append((where, what, short(ps), str(local_shape(result.shape, ps, mesh_shape))))
 
     def op(node: str) -> str:
         name = graph.nodes[node].op_name.removeprefix("aten.").removesuffix(".default")
@@ -120,6 +116,22 @@ def activation_table(plan: Plan) -> Table | None:
     for n in leaving:
         if not is_view(graph.nodes[n].target):
             add("block output", n, op(n))
+    return rows
+
+
+def activation_table(plan: Plan) -> Table | None:
+    """:func:`activation_rows` as a table (None without repeated blocks)."""
+    rows = activation_rows(plan)
+    if rows is None:
+        return None
+    dims = " · ".join(plan.mesh.dim_names)
+    table = Table(title=f"Plan: activations of one block, forward (mesh dims {dims})")
+    table.add_column("where", overflow="fold")
+    table.add_column("op", overflow="fold")
+    table.add_column("placement", style="bold", no_wrap=True)
+    table.add_column("local shape", style="dim", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
