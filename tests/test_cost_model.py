@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from autoshard.cost.collective_table import COLLECTIVES, FUNCTIONAL_OPS
+from autoshard.cost.collective_table import COLLECTIVES, FUNCTIONAL_OPS, LAUNCH_OPS
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import get_device
 from autoshard.cost.mesh import MeshSpec
@@ -213,6 +213,24 @@ def test_every_functional_op_in_the_collective_table_is_one_torch_has():
     log): a name torch does not have would count nothing, silently."""
     for name in FUNCTIONAL_OPS:
         assert hasattr(torch.ops._c10d_functional, name), name
+    for name in set(LAUNCH_OPS) - set(FUNCTIONAL_OPS):  # DTensor's own
+        assert hasattr(torch.ops._dtensor, name), name
+
+
+def test_commdebugmode_s_count_of_dtensor_s_all_to_all_is_an_all_to_all():
+    """CommDebugMode counts ``_dtensor.shard_dim_alltoall`` (DTensor's all-to-all between
+    two shardings of one mesh dim, on CUDA) under its own name; the collective log counts it
+    as an all-to-all. Both must say all_to_all, or a CUDA launch's two totals disagree."""
+    from types import SimpleNamespace
+
+    from autoshard.launch.collective_log import collective_kind
+    from autoshard.launch.steps import collective_counts
+
+    op = torch.ops._dtensor.shard_dim_alltoall
+    reduce = torch.ops._c10d_functional.all_reduce
+    seen = SimpleNamespace(get_comm_counts=lambda: {op: 2, reduce: 1})
+    assert collective_counts(seen) == {"all_reduce": 1, "all_to_all": 2}
+    assert collective_kind(op.default) == "all_to_all"
 
 
 def test_two_dim_all_gather_grows_the_tensor_on_the_fast_dim_last():

@@ -31,7 +31,8 @@ class Collective:
     all-to-all (each device sends each peer ``1/n`` of its ``1/n``). Source: NCCL tests,
     PERFORMANCE.md (AllGather, ReduceScatter, AllReduce bus bandwidth). ``title``: how
     reports name it; ``functional_ops``: the ``_c10d_functional`` ops (and their coalesced
-    forms) that run it, as DTensor issues them.
+    forms) that run it, as DTensor issues them; ``dtensor_ops``: DTensor's own ``_dtensor``
+    ops that run it (its all-to-all between two shardings of one mesh dim, on CUDA).
     """
 
     kind: CollectiveKind
@@ -39,6 +40,7 @@ class Collective:
     rounds: int
     spread: int
     functional_ops: tuple[str, ...]
+    dtensor_ops: tuple[str, ...] = ()
 
     def coefficients(self, n: int) -> tuple[float, float]:
         """``(a, b)`` of ``t = a alpha + b B / bw`` on ``n`` devices (the formula above)."""
@@ -70,7 +72,9 @@ COLLECTIVES: dict[str, Collective] = {
             1,
             ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
         ),
-        Collective("all_to_all", "all-to-all", 1, 2, ("all_to_all_single",)),
+        Collective(
+            "all_to_all", "all-to-all", 1, 2, ("all_to_all_single",), ("shard_dim_alltoall",)
+        ),
     )
 }
 """Every collective a plan prices, by kind, in the order reports list them."""
@@ -82,6 +86,14 @@ FUNCTIONAL_OPS: dict[str, str] = {
     "broadcast": "broadcast",  # runs (weights from rank 0), never planned
 }
 """A ``_c10d_functional`` op's name -> the kind sharding maps count it as."""
+
+LAUNCH_OPS: dict[str, str] = {
+    **FUNCTIONAL_OPS,
+    **{op: c.kind for c in COLLECTIVES.values() for op in c.dtensor_ops},
+}
+"""Every op name a launch's collective counters see (functional collectives and DTensor's
+own) -> the kind sharding maps count it as: both counters (CommDebugMode's and the
+collective log) read this one map, so their totals by kind can agree."""
 
 
 def collective(kind: str) -> Collective:

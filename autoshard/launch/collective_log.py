@@ -18,11 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autoshard._torch_private import TorchDispatchMode
-from autoshard.cost.collective_table import FUNCTIONAL_OPS
+from autoshard.cost.collective_table import LAUNCH_OPS
 
-# functional collective op name -> the kind sharding maps predict with: the cost model's
-# table, and DTensor's own all-to-all op
-_KINDS = {**FUNCTIONAL_OPS, "shard_dim_alltoall": "all_to_all"}
+# collective op name -> the kind sharding maps predict with (the collective table's)
+_KINDS = LAUNCH_OPS
 _NAMESPACES = ("_c10d_functional", "_dtensor")
 
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_t
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoshard.cost.collective_table import FUNCTIONAL_OPS
+from autoshard.cost.collective_table import LAUNCH_OPS
 from autoshard.errors import AutoshardError
 from autoshard.launch.options import RunOptions
 from autoshard.model.loss import loss_function
@@ -167,12 +167,13 @@ class StepResult:
 
 def collective_counts(mode: CommDebugMode) -> dict[str, int]:
     """CommDebugMode's counts per collective kind: ``all_reduce``, ``all_gather``,
-    ``reduce_scatter``, ``all_to_all`` (the names sharding maps predict with); other ops
-    keep their own name."""
+    ``reduce_scatter``, ``all_to_all`` (the names sharding maps predict with, as the
+    collective log counts them: :data:`autoshard.cost.collective_table.LAUNCH_OPS`,
+    DTensor's own ``shard_dim_alltoall`` included); other ops keep their own name."""
     counts: Counter[str] = Counter()
     for op, n in mode.get_comm_counts().items():
         name = str(getattr(op, "__name__", op)).split(".")[-1]  # "all_reduce"
-        counts[FUNCTIONAL_OPS.get(name, name)] += int(n)
+        counts[LAUNCH_OPS.get(name, name)] += int(n)
     return dict(sorted(counts.items()))
 
 
