@@ -20,8 +20,6 @@ from torch.distributed.tensor import DTensor
 from autoshard._torch_private import TorchDispatchMode
 from autoshard.cost.collective_table import LAUNCH_OPS
 
-# collective op name -> the kind sharding maps predict with (the collective table's)
-_KINDS = LAUNCH_OPS
 _NAMESPACES = ("_c10d_functional", "_dtensor")
 
 
@@ -30,7 +28,7 @@ def collective_kind(op: Any) -> str | None:
     functional collective op (an ``OpOverload``), else ``None``."""
     ns = getattr(op, "namespace", "")
     name = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
-    return _KINDS[name] if ns in _NAMESPACES and name in _KINDS else None
+    return LAUNCH_OPS[name] if ns in _NAMESPACES and name in LAUNCH_OPS else None
 
 
 class CollectiveLog(TorchDispatchMode):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -99,22 +99,32 @@ def activation_rows(plan: Plan) -> list[tuple[str, str, str, str]] | None:
         name = graph.nodes[node].op_name.removeprefix("aten.").removesuffix(".default")
         return "attention (SDPA)" if name.startswith("_scaled_dot_product") else name
 
-    entering = []  # activations made outside the block and read inside it: the residual
-    for n in inside:
-        for a in graph.nodes[n].arg_nodes:
-            info = graph.nodes.get(a)
-            if info is not None and info.kind in ("op", "input") and a not in members:
-                if a not in entering and not is_view(info.target):
-                    entering.append(a)
+    # activations made outside the block and read inside it (the residual stream), and
+    # those made inside and read by a forward op outside (what leaves it); views skipped
+    entering: dict[str, None] = {}
+    read_outside: set[str] = set()
+    for n, info in graph.nodes.items():
+        if info.backward or info.kind != "op":
+            continue
+        if n in members:
+            entering.update(
+                (a, None)
+                for a in info.arg_nodes
+                if a not in members
+                and graph.nodes.get(a) is not None
+                and graph.nodes[a].kind in ("op", "input")
+            )
+        else:
+            read_outside.update(a for a in info.arg_nodes if a in members)
     for a in entering:
-        add("block input", a, op(a))
+        if not is_view(graph.nodes[a].target):
+            add("block input", a, op(a))
     for n in inside:
         info = graph.nodes[n]
         if is_heavy(info.target):
             add(within(info.module_path) or "", n, op(n))
-    leaving = [n for n in inside if any(u not in members for u in _readers(graph, n))]
-    for n in leaving:
-        if not is_view(graph.nodes[n].target):
+    for n in inside:
+        if n in read_outside and not is_view(graph.nodes[n].target):
             add("block output", n, op(n))
     return rows
 
@@ -133,15 +143,6 @@ def activation_table(plan: Plan) -> Table | None:
     for row in rows:
         table.add_row(*row)
     return table
-
-
-def _readers(graph, node: str) -> list[str]:  # noqa: ANN001 - a TracedGraph
-    """The forward ops that read ``node``."""
-    return [
-        n
-        for n, i in graph.nodes.items()
-        if node in i.arg_nodes and not i.backward and i.kind == "op"
-    ]
 
 
 def _block_plans(plan: Plan) -> dict[int, tuple]:
@@ -281,16 +282,12 @@ def inputs_line(plan: Plan, shapes: dict[str, tuple] | None = None) -> str:
         share = "the whole global tensor" if pieces == 1 else f"1/{pieces} of it"
         shape = (shapes or {}).get(name)
         if shape and pieces > 1:
-            share += f", {_shape_text(local_shape(shape, ps, plan.mesh.shape))}"
+            share += f", {local_shape(shape, ps, plan.mesh.shape)}"
         if shape and shape[0] < devices:
             share += f"; its dim 0 ({shape[0]}) is smaller than the {devices} devices"
-        shown = f"{name} {_shape_text(shape)}" if shape else name
+        shown = f"{name} {tuple(shape)}" if shape else name
         parts.append(f"{shown} {short(ps)} (each device loads {share})")
     return "inputs: " + "; ".join(parts) if parts else "inputs: none"
-
-
-def _shape_text(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
 
 def flops_line(plan: Plan) -> str:
