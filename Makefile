@@ -16,6 +16,8 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist: one worker per core (2 here); WORKERS=0 runs in this process (a debugger)
+WORKERS ?= auto
 
 .PHONY: install run test test-fast bench lint
 
@@ -33,10 +35,10 @@ run: install
 	$(BIN)/autoshard solve examples/gpt2.py --mesh 2x4
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m autoshard.bench
