@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,49 @@ def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, 
         assert sp.differences == []
     code = torchtitan_code(sp, smap.mesh_shape, smap.dim_names)
     compile(code, "export", "exec")
-    assert "'model.layers.*.mlp.down_proj': RowwiseParallel()," in code
+    # torchtitan's shape: one layer_plan applied in a loop over the blocks
+    assert "        'mlp.down_proj': RowwiseParallel(),\n" in code
+    assert "for block in model.get_submodule('model.layers').children():" in code
+    assert "model.layers.0" not in code and "model.layers.1" not in code
+
+
+def _applied_placements(model: torch.nn.Module, dim_names: tuple[str, ...]) -> dict:
+    """Every parameter's placements on the plan's mesh dims, as torch left them (a dim the
+    parameter's mesh lacks is ``Replicate``; FSDP2's strided shard is its tensor dim)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        full = [Replicate()] * len(dim_names)
+        if isinstance(p, DTensor):
+            for dim, pl in zip(p.device_mesh.mesh_dim_names, p.placements, strict=True):
+                if dim in dim_names:
+                    full[dim_names.index(dim)] = Shard(pl.dim) if isinstance(pl, Shard) else pl
+        out[name] = tuple(full)
+    return out
+
+
+@pytest.mark.parametrize("algo", ["megatron", "fsdp_tp"])
+def test_the_exported_loop_places_every_parameter_as_the_styles_say(tmp_path: Path, algo):
+    """The exported ``parallelize`` (a loop over the blocks), run by torch itself on a meta
+    Llama over a fake process group of 8: ``parallelize_module`` and ``fully_shard`` leave
+    every parameter where the style plan says; for the Megatron plan (no differences) that
+    is the plan's own placement of every parameter."""
+    from autoshard._torch_private import fake_mesh
+
+    model_file = write_model(tmp_path, LLAMA, "llama")
+    smap = load_sharding_map(_map(tmp_path, model_file, algo))
+    sp = style_plan(_module(model_file), smap)
+    code = tmp_path / "parallelize.py"
+    code.write_text(torchtitan_code(sp, smap.mesh_shape, smap.dim_names))
+    model = _module(model_file)
+    with fake_mesh((8,)):
+        runpy.run_path(str(code))["parallelize"](model, device_type="cpu")
+        applied = _applied_placements(model, smap.dim_names)
+    assert applied == sp.placements
+    if algo == "megatron":
+        assert sp.differences == []
+        assert applied == {k: tuple(v) for k, v in smap.parameters.items()}
 
 
 LLAMA_GQA_TIED = LLAMA.replace(
@@ -161,12 +204,22 @@ def _train(tmp_path: Path, smap: Path, model: Path, *exported: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["megatron", "fsdp_tp"])
-def test_applied_llama_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path, algo):
-    """The styles applied to the user's own model and AdamW on 2x4: loss, every gradient
-    and every parameter after one step equal one device's (float64)."""
+@pytest.mark.parametrize(("algo", "how"), [("megatron", "apply"), ("fsdp_tp", "export")])
+def test_applied_llama_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path, algo, how):
+    """The styles applied to the user's own model (``autoshard.apply``, or the function
+    ``autoshard export`` writes: a loop over the blocks) and AdamW on 2x4: loss, every
+    gradient and every parameter after one step equal one device's (float64)."""
     model = write_model(tmp_path, LLAMA, "llama")
-    report = _train(tmp_path, _map(tmp_path, model, algo), model)
+    smap = _map(tmp_path, model, algo)
+    exported = []
+    if how == "export":
+        exported = [tmp_path / "parallelize_llama.py"]
+        out = autoshard_cli(
+            "export", str(smap), str(model), "--out", str(exported[0]), "--no-price"
+        )
+        assert out.returncode == 0, out.stderr
+        assert "for block in model.get_submodule('model.layers')" in exported[0].read_text()
+    report = _train(tmp_path, smap, model, *exported)
     assert report["loss"] < 1e-12, report
     assert report["grads"] < 1e-10, report
     assert report["params"] < 1e-10, report

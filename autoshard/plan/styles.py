@@ -72,6 +72,37 @@ class StylePlan:
     differences: list[tuple[str, str, str]] = field(default_factory=list)
     placements: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
     unrunnable: list[str] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)  # the repeated blocks' FQNs, in order
+    container: str | None = None  # the module whose children are exactly the blocks
+
+    def block_layout(self) -> BlockLayout | None:
+        """The styles as one plan per block, when every block is styled and sharded alike
+        and the blocks are all the children of one module (``model.layers``); else None."""
+        blocks = self.blocks
+        if self.container is None or len(blocks) < 2:
+            return None
+
+        def inside(names, block: str) -> dict[str, str]:
+            return {n[len(block) + 1 :]: n for n in names if n.startswith(block + ".")}
+
+        def of_block(block: str) -> tuple[dict, dict]:
+            tp = {k: self.tp[n] for k, n in inside(self.tp, block).items()}
+            dims = {k: self.shard_dims[n] for k, n in inside(self.shard_dims, block).items()}
+            return tp, {k: d for k, d in dims.items() if d}
+
+        first = of_block(blocks[0])
+        if any(of_block(b) != first for b in blocks[1:]):
+            return None
+        in_block = tuple(b + "." for b in blocks)
+        return BlockLayout(
+            container=self.container,
+            layer_plan=first[0],
+            shard_dims=first[1],
+            root_tp={n: st for n, st in self.tp.items() if not n.startswith(in_block)},
+            root_shard_dims={
+                n: d for n, d in self.shard_dims.items() if d and not n.startswith(in_block)
+            },
+        )
 
     def folded_tp(self) -> dict[str, tuple[str, dict[str, str]]]:
         """``tp`` with the repeated blocks folded: ``layers.*.mlp.up_proj`` for an entry
@@ -100,6 +131,23 @@ class StylePlan:
                 for block, (style, kw) in entries:
                     out[f"{block}.{key}"] = (style, dict(kw))
         return {**rest, **out}
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """:meth:`StylePlan.block_layout`: what torchtitan's loop over blocks applies.
+
+    ``container``: the module FQN whose children are the blocks. ``layer_plan``: block-
+    relative module name -> ``(style, kwargs)``, one dict for every block.
+    ``shard_dims``: block-relative parameter name -> the tensor dim FSDP shards, where not
+    0. ``root_tp`` and ``root_shard_dims``: the same outside the blocks, by FQN.
+    """
+
+    container: str
+    layer_plan: dict[str, tuple[str, dict[str, str]]]
+    shard_dims: dict[str, int]
+    root_tp: dict[str, tuple[str, dict[str, str]]]
+    root_shard_dims: dict[str, int]
 
 
 def _dims(smap: ShardingMap) -> tuple[int | None, int | None]:
@@ -152,12 +200,27 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
                 sp.shard_dims[name] = planned.dim if isinstance(planned, Shard) else 0
                 applied[name][dp_dim] = Shard(sp.shard_dims[name])
         sp.groups = [*sorted(find_block_prefixes(model), key=natural_key), ""]
+    sp.blocks = sorted(find_block_prefixes(model), key=natural_key)
+    sp.container = _block_container(model)
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
         if planned != got:
             sp.differences.append((name, short(planned), short(got)))
     return sp
+
+
+def _block_container(model: nn.Module) -> str | None:
+    """The FQN of the module whose children are exactly the repeated blocks, or None."""
+    blocks = set(find_block_prefixes(model))
+    if len(blocks) < 2:
+        return None
+    container = next(iter(blocks)).rpartition(".")[0]
+    children = {
+        f"{container}.{k}" if container else k
+        for k, _ in model.get_submodule(container).named_children()
+    }
+    return container if children == blocks else None
 
 
 def _tensor_parallel(
@@ -226,28 +289,81 @@ def styles_mesh(
     return tuple(shape), tuple(names)
 
 
-def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
-    """Python that applies ``sp`` as a torchtitan user writes it (``parallelize_module``,
-    then ``fully_shard`` per block and on the root)."""
-    tp_name = dim_names[sp.tp_dim] if sp.tp_dim is not None else None
-    dp_name = dim_names[sp.dp_dim] if sp.dp_dim is not None else None
-    lines = ["def parallelize(model, device_type='cuda'):"]
-    shape, names = styles_mesh(sp, mesh_shape, dim_names)
-    lines.append(
-        f"    mesh = init_device_mesh(device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})"
+def _style_lines(entries: dict[str, tuple[str, dict[str, str]]], indent: str) -> list[str]:
+    out = []
+    for fqn, (style, kw) in entries.items():
+        args = ", ".join(f"{k}={v}" for k, v in kw.items())
+        out.append(f"{indent}{fqn!r}: {style}({args}),")
+    return out
+
+
+def _dp_mesh(sp: StylePlan, dim_names: tuple[str, ...]) -> str:
+    dp_name = dim_names[sp.dp_dim]
+    return (
+        f"mesh[{dp_name!r}]"
+        if sp.dp_mode == "fsdp"
+        else f"mesh[{dp_name!r}, {dp_name + '_shard'!r}]"
     )
+
+
+def _looped_body(sp: StylePlan, layout: BlockLayout, dim_names: tuple[str, ...]) -> list[str]:
+    """torchtitan's shape: one ``layer_plan`` applied in a loop over the blocks, then the
+    root's styles; ``fully_shard`` per block in a second loop, then on the root."""
+    lines: list[str] = []
+    blocks = f"model.get_submodule({layout.container!r}).children()"
     if sp.tp:
-        lines.append(f"    parallelize_module(model, mesh[{tp_name!r}], {{")
-        for fqn, (style, kw) in sp.folded_tp().items():
-            args = ", ".join(f"{k}={v}" for k, v in kw.items())
-            lines.append(f"        {fqn!r}: {style}({args}),")
+        tp_mesh = f"mesh[{dim_names[sp.tp_dim]!r}]"
+        if layout.layer_plan:
+            lines.append("    layer_plan = {  # every block alike")
+            lines += _style_lines(layout.layer_plan, "        ")
+            lines.append("    }")
+            lines.append(f"    for block in {blocks}:")
+            lines.append(f"        parallelize_module(block, {tp_mesh}, layer_plan)")
+        if layout.root_tp:
+            lines.append(f"    parallelize_module(model, {tp_mesh}, {{")
+            lines += _style_lines(layout.root_tp, "        ")
+            lines.append("    })")
+    if sp.dp_mode is not None:
+        mesh = _dp_mesh(sp, dim_names)
+        block_kw = root_kw = ""
+        if layout.shard_dims:
+            lines.append(
+                "    shard_dims = {  # the tensor dim FSDP shards in each block, where not 0"
+            )
+            lines += [f"        {k!r}: {v}," for k, v in layout.shard_dims.items()]
+            lines.append("    }")
+            block_kw = ", shard_placement_fn=placement_fn(block, shard_dims)"
+        if layout.root_shard_dims:
+            lines.append("    root_shard_dims = {  # the same outside the blocks")
+            lines += [f"        {k!r}: {v}," for k, v in layout.root_shard_dims.items()]
+            lines.append("    }")
+            root_kw = ", shard_placement_fn=placement_fn(model, root_shard_dims)"
+        lines.append(f"    for block in {blocks}:  # one FSDP group per block")
+        lines.append(f"        fully_shard(block, mesh={mesh}{block_kw})")
+        lines.append(f"    fully_shard(model, mesh={mesh}{root_kw})")
+    lines.append("    return model")
+    if "placement_fn(" in "\n".join(lines):
+        lines += [
+            "",
+            "",
+            "def placement_fn(module, shard_dims):",
+            '    """FSDP2\'s shard_placement_fn: the tensor dim shard_dims names, else 0."""',
+            "    names = {p: n for n, p in module.named_parameters()}",
+            "    return lambda p: Shard(shard_dims.get(names[p], 0))",
+        ]
+    return lines
+
+
+def _listed_body(sp: StylePlan, dim_names: tuple[str, ...]) -> list[str]:
+    """Blocks styled unlike each other: every style by FQN (folded where alike), every
+    FSDP group by name."""
+    lines: list[str] = []
+    if sp.tp:
+        lines.append(f"    parallelize_module(model, mesh[{dim_names[sp.tp_dim]!r}], {{")
+        lines += _style_lines(sp.folded_tp(), "        ")
         lines.append("    })")
     if sp.dp_mode is not None:
-        dp_mesh = (
-            f"mesh[{dp_name!r}]"
-            if sp.dp_mode == "fsdp"
-            else (f"mesh[{dp_name!r}, {dp_name + '_shard'!r}]")
-        )
+        dp_mesh = _dp_mesh(sp, dim_names)
         kw = ""
         if sp.dp_mode == "fsdp" and any(v for v in sp.shard_dims.values()):
             lines.append("    shard_dims = {  # the tensor dim FSDP shards, where not 0")
@@ -267,6 +383,21 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
             lines.append(f"        fully_shard(model.get_submodule(name), mesh={dp_mesh}{kw})")
         lines.append(f"    fully_shard(model, mesh={dp_mesh}{kw})")
     lines.append("    return model")
+    return lines
+
+
+def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
+    """Python that applies ``sp`` as a torchtitan user writes it: ``parallelize_module``
+    with one ``layer_plan`` in a loop over the blocks (when every block is alike,
+    :meth:`StylePlan.block_layout`; else every style by FQN), then ``fully_shard`` per
+    block and on the root."""
+    lines = ["def parallelize(model, device_type='cuda'):"]
+    shape, names = styles_mesh(sp, mesh_shape, dim_names)
+    lines.append(
+        f"    mesh = init_device_mesh(device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})"
+    )
+    layout = sp.block_layout()
+    lines += _looped_body(sp, layout, dim_names) if layout else _listed_body(sp, dim_names)
     body = "\n".join(lines)
     used = [n for n in ("Replicate", "Shard") if f"{n}(" in body]
     header = [
