@@ -32,7 +32,7 @@ import torch
 from autoshard.calibrate import load_profile
 from autoshard.cost.collectives import CommModel, comm_model
 from autoshard.cost.devices import DEVICES, DeviceSpec, get_device
-from autoshard.cost.mesh import MeshSpec, parse_mesh_shape
+from autoshard.cost.mesh import MeshSpec, node_shapes, parse_mesh_shape
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.launch.apply import Applied, apply
 from autoshard.model.model_file import loaded_from_module
@@ -42,6 +42,7 @@ from autoshard.plan.formats import load_sharding_map, load_solution
 from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import TWO_D_ONLY
 from autoshard.solver.compare import ComparedPlan, compare_plans
+from autoshard.solver.meshes import MeshSearch, search_meshes
 from autoshard.solver.options import ALGOS, SolverOptions
 from autoshard.solver.preload import plan_preloaded
 from autoshard.solver.solve import (
@@ -61,6 +62,7 @@ __all__ = [
     "CommModel",
     "DeviceSpec",
     "MemoryBudgetError",
+    "MeshSearch",
     "MeshSpec",
     "Plan",
     "SolveConfig",
@@ -88,8 +90,10 @@ __all__ = [
 def solve(
     model: torch.nn.Module,
     example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
-    mesh: str | MeshSpec = "2x4",
+    mesh: str | MeshSpec | None = None,
     *,
+    gpus: int | None = None,
+    gpus_per_node: int = 8,
     mode: str = "train",
     device: str = "h100",
     memory_budget: float | None = None,
@@ -112,7 +116,13 @@ def solve(
     Args:
         model: the ``nn.Module``; its ``forward`` takes ``example_inputs`` positionally.
         example_inputs: tensors with the global batch's shapes (a single tensor is fine).
-        mesh: ``"2x4"`` (datasheet links: the last dim inside a node) or a :class:`MeshSpec`.
+        mesh: ``"2x4"`` (datasheet links: the last dim inside a node) or a :class:`MeshSpec`;
+            default ``"2x4"`` unless ``gpus`` is given.
+        gpus: in place of ``mesh``: plan every mesh shape of this many GPUs that respects
+            the node boundary (:func:`autoshard.cost.mesh.node_shapes`) and return the
+            fastest; ``result.meshes`` ranks them all (``.rows``: mesh, plan or error).
+        gpus_per_node: with ``gpus``: devices per node (a dim inside a node gets the
+            intra-node links, one across nodes the inter-node links).
         mode: ``"train"`` (one step: forward, backward, AdamW) or ``"infer"``.
         device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...).
         memory_budget: bytes per device (default: the device's memory less a margin).
@@ -134,12 +144,16 @@ def solve(
         split, ``.memory_by_kind()``, ``.mfu``), ``.ilp`` (status, gap), ``.seconds``.
 
     Raises:
-        AutoshardError: bad inputs, an untraceable model, no plan within the budget.
+        AutoshardError: bad inputs, an untraceable model, no plan within the budget, both
+            ``mesh`` and ``gpus`` (or ``gpus`` with ``profile``).
     """
+    if gpus is not None and (mesh is not None or profile is not None):
+        given = "mesh" if mesh is not None else "profile"
+        raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
     config = _config(
         model,
         example_inputs,
-        mesh,
+        str(gpus) if gpus is not None else (mesh or "2x4"),
         mode,
         device,
         memory_budget,
@@ -151,6 +165,10 @@ def solve(
         name,
         profile,
     )
+    if gpus is not None:
+        shapes = node_shapes(gpus, gpus_per_node)
+        meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
+        return search_meshes(config, meshes).best.result
     return plan_model(config)
 
 

@@ -231,7 +231,8 @@ def test_option_errors_are_one_line_like_every_other_error():
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.splitlines() == [
-        "error: Missing option '--mesh'; see `autoshard solve --help`"
+        "error: Missing option '--mesh' (or --gpus N: every mesh shape of N GPUs); "
+        "see `autoshard solve --help`"
     ], out.stderr
     cmd += ["--mesh", "2x2", "--mode", "foo"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -6,6 +6,7 @@ answers at once; :func:`config_from_options` imports them when a command runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -36,13 +37,18 @@ if TYPE_CHECKING:
     from autoshard.solver.solve import SolveConfig
 
 
-def mesh_options(f):
-    """The mesh, its links and the device (shared by solve, compare and stages)."""
+def mesh_options(f=None, *, mesh_required: bool = True):
+    """The mesh, its links and the device (shared by solve, compare and stages);
+    ``@mesh_options(mesh_required=False)`` where another option can stand for ``--mesh``
+    (solve's ``--gpus``)."""
+    if f is None:
+        return functools.partial(mesh_options, mesh_required=mesh_required)
     options = [
         click.option(
             "--mesh",
             "mesh_shape",
-            required=True,
+            required=mesh_required,
+            default=None,
             metavar="SHAPE",
             help="Devices per mesh dim, e.g. 8, 2x4, 2x2x2. Dim 0 is inter-node when there "
             "are two or more dims (MASE's convention); the rest are intra-node.",
@@ -267,6 +273,10 @@ _MESH_KEYS = (
     "intra_node_latency",
     "inter_node_latency",
 )
+
+
+MESH_LINK_KEYS = _MESH_KEYS[2:]
+"""The link options (bandwidth and latency, intra- and inter-node), by keyword name."""
 
 
 def mesh_and_device(opts: dict) -> tuple[MeshSpec, DeviceSpec]:

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from autoshard import interrupt
 from autoshard.cli.options import (
+    MESH_LINK_KEYS,
     Progress,
     check_writable,
     config_from_options,
@@ -17,11 +18,30 @@ from autoshard.cli.options import (
     plan_options,
     refuse_overwriting_preload,
 )
+from autoshard.errors import AutoshardError
 
 
 @click.command("solve")
 @click.argument("model_file", type=click.Path(path_type=Path))
-@mesh_options
+@mesh_options(mesh_required=False)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="In place of --mesh: try every mesh shape of N GPUs that respects the node boundary "
+    "(1-3 dims; a dim inside a node or across nodes, never half of each), plan each, print "
+    "them ranked and write the fastest.",
+)
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    metavar="K",
+    help="With --gpus: devices per node. Mesh dims inside a node get --intra-node-bw, "
+    "dims across nodes --inter-node-bw.",
+)
 @plan_options
 @click.option(
     "--out",
@@ -64,7 +84,9 @@ from autoshard.cli.options import (
     help="Also write the report as one self-contained HTML page: placements per block, "
     "the time split, memory against the budget, the plan beside the hand-written ones.",
 )
-def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path, **opts) -> None:
+def solve_command(
+    model_file, out_dir, algo, preload, quiet, as_json, html_path, gpus, gpus_per_node, **opts
+) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
 
     MODEL_FILE is a Python file defining build_model() and example_inputs() (global
@@ -81,17 +103,31 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path,
       autoshard solve examples/mlp.py --mesh 4 --inputs replicate
       autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
       autoshard solve examples/gpt2.py --mesh 2x4 --json > report.json
+      autoshard solve examples/mlp.py --gpus 16 --gpus-per-node 8
     """
     # heavy (torch, HiGHS): only once the command runs
-    from autoshard.plan.export import output_stem, write_outputs
-    from autoshard.plan.report import ReportFacts
+    from autoshard.plan.export import output_stem
     from autoshard.solver.solve import plan_model
 
     console = Console(stderr=as_json, quiet=quiet)
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     if html_path is not None:
         check_writable(html_path.parent)
+    meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
+    if meshes:  # named after the best mesh once it is known; checked against every one
+        for m in meshes:
+            stem = output_stem(Path(model_file).resolve().stem, m.shape, "")
+            refuse_overwriting_preload(preload, out_dir, stem)
+        with Progress(Console(stderr=True, quiet=quiet)) as progress:
+            from autoshard.solver.meshes import search_meshes  # heavy, as above
+
+            search = search_meshes(config, meshes, progress)
+        result = search.best.result
+        config = result.config
+        _print_meshes(Console(stderr=as_json, quiet=quiet), search, gpus, gpus_per_node)
+        stem = output_stem(Path(model_file).resolve().stem, config.mesh.shape, "")
+        return _write_and_report(result, out_dir, stem, [], console, html_path, as_json, quiet)
     mesh = config.mesh
     # the model is named after its file: the output names are known before any work
     # the outputs are named after the model file (its target, when a link), as the traced
@@ -112,13 +148,111 @@ def solve_command(model_file, out_dir, algo, preload, quiet, as_json, html_path,
             notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)
+    _write_and_report(result, out_dir, stem, notes, console, html_path, as_json, quiet)
+
+
+def _write_and_report(result, out_dir, stem, notes, console, html_path, as_json, quiet) -> None:  # noqa: ANN001
+    """Write the plan's two files, then print its report (a SolveResult)."""
+    from autoshard.plan.export import write_outputs
+    from autoshard.plan.report import ReportFacts
+
     interrupt.check()  # a Ctrl-C some library swallowed still stops the write
+    config = result.config
     files = write_outputs(result.plan, out_dir, stem, config.cost_model(), result.solver_stats())
     # the plan is on disk before the report prices anything: a failure in the report (as
     # block_differences' KeyError was) loses no work and says which files hold the plan
     with _naming_written(files):
         facts = ReportFacts.of(result.plan)  # priced once for the terminal and --json
         _report(console, result, files, facts, notes, html_path, as_json, quiet)
+
+
+def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: ANN001
+    """The meshes ``--gpus`` stands for (empty without it); ``opts["mesh_shape"]`` is set
+    to the 1-D mesh of ``gpus`` then, for the config's other options.
+
+    Raises:
+        click.UsageError: neither --mesh nor --gpus.
+        AutoshardError: --gpus with an option that plans one given mesh (--mesh, --algo,
+            --preload, --profile, --mesh-dim-names).
+    """
+    if gpus is None:
+        if opts["mesh_shape"] is None:
+            raise click.UsageError(
+                "Missing option '--mesh' (or --gpus N: every mesh shape of N GPUs)"
+            )
+        return []
+    given = [
+        flag
+        for flag, on in (
+            ("--mesh", opts["mesh_shape"] is not None),
+            ("--algo", algo != "ilp"),
+            ("--preload", preload is not None),
+            ("--profile", opts.get("profile_path") is not None),
+            ("--mesh-dim-names", opts.get("mesh_dim_names") is not None),
+        )
+        if on
+    ]
+    if given:
+        raise AutoshardError(
+            f"--gpus tries every mesh shape with the ILP; drop {', '.join(given)} (or give "
+            "--mesh SHAPE instead of --gpus)"
+        )
+    from autoshard.cost.mesh import MeshSpec, node_shapes
+
+    links = {k: opts[k] for k in MESH_LINK_KEYS}
+    meshes = [
+        MeshSpec.on_nodes(s, gpus_per_node, **links) for s in node_shapes(gpus, gpus_per_node)
+    ]
+    opts["mesh_shape"] = str(gpus)
+    return meshes
+
+
+def _mesh_row(row) -> dict:  # noqa: ANN001 - an autoshard.solver.meshes.MeshRow
+    """One row of ``--gpus`` in the JSON report (seconds, bytes; ``None`` without a plan)."""
+    plan = row.result.plan if row.result is not None else None
+    return {
+        "mesh": list(row.mesh.shape),
+        "bandwidth_Bps": list(row.mesh.bandwidth),
+        "step_time_s": float(plan.step_time_s) if plan else None,
+        "mfu": float(plan.mfu) if plan else None,
+        "memory_bytes": float(plan.memory_bytes) if plan else None,
+        "error": row.error,
+    }
+
+
+def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> None:  # noqa: ANN001
+    """The ranked table of ``--gpus``: one row per mesh shape tried."""
+    from rich.table import Table
+
+    from autoshard.units import format_bytes, format_seconds
+
+    table = Table(title=f"mesh shapes of {gpus} GPUs, {gpus_per_node} per node (fastest first)")
+    for col in ("mesh", "links", "step", "MFU", "memory/device", "solve"):
+        table.add_column(col, justify="left" if col in ("mesh", "links") else "right")
+    intra = max(search.best.mesh.bandwidth)
+    for row in search.rows:
+        mesh = "x".join(map(str, row.mesh.shape))
+        links = " x ".join("node" if bw >= intra else "network" for bw in row.mesh.bandwidth)
+        if row.result is None:
+            table.add_row(mesh, links, "no plan", "", "", "", style="dim")
+            continue
+        plan = row.result.plan
+        table.add_row(
+            mesh,
+            links,
+            format_seconds(plan.step_time_s),
+            f"{100 * plan.mfu:.1f}%",
+            format_bytes(plan.memory_bytes),
+            f"{row.solve_seconds:.1f} s",
+        )
+    console.print(table)
+    for row in search.rows:
+        if row.result is None:
+            console.print(f"note: {'x'.join(map(str, row.mesh.shape))} has no plan: {row.error}")
+    console.print(
+        f"best: {'x'.join(map(str, search.best.mesh.shape))} (one trace, "
+        f"{search.trace_seconds:.1f} s, for all {len(search.rows)} shapes)"
+    )
 
 
 @contextlib.contextmanager
@@ -147,6 +281,8 @@ def _report(console, result, files, facts, notes, html_path, as_json, quiet) -> 
         import json
 
         report = report_dict(result, files, notes, facts)
+        if result.meshes is not None:  # --gpus: every mesh tried, fastest first
+            report["meshes"] = [_mesh_row(row) for row in result.meshes.rows]
         click.echo(json.dumps(report, indent=2, sort_keys=True))
     elif quiet:
         click.echo("\n".join(str(f) for f in (*files, *([html_path] if html_path else []))))

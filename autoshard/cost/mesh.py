@@ -66,6 +66,52 @@ def default_dim_names(ndim: int) -> tuple[str, ...]:
     return ("dp", "tp") if ndim == 2 else tuple(f"d{i}" for i in range(ndim))
 
 
+def node_shapes(gpus: int, gpus_per_node: int, max_dims: int = 3) -> list[tuple[int, ...]]:
+    """Every mesh shape of ``gpus`` devices with 1 to ``max_dims`` dims of 2 or more
+    devices each that respects the node boundary, ranks laid out row-major over nodes of
+    ``gpus_per_node``: a dim of a multi-dim mesh lies either inside a node (its span,
+    ``prod(shape[i:])`` ranks, divides ``gpus_per_node``) or across nodes (its stride,
+    ``prod(shape[i+1:])``, is a multiple of ``gpus_per_node``), never half of each (a
+    tensor-parallel group split between NVLink and the network). A 1-D mesh is every
+    device in one group. Largest dims first for equal dim counts.
+
+    Raises:
+        AutoshardError: ``gpus`` or ``gpus_per_node`` below 1, or more than one node that
+            is not whole (``gpus`` not a multiple of ``gpus_per_node``).
+    """
+    if gpus < 1 or gpus_per_node < 1:
+        raise AutoshardError(
+            f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be at least 1"
+        )
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise AutoshardError(
+            f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node} "
+            "(--gpus-per-node): give a multiple"
+        )
+
+    def factorizations(n: int, dims: int) -> list[tuple[int, ...]]:
+        if dims == 1:
+            return [(n,)] if n >= 2 else []
+        return [
+            (d, *rest)
+            for d in range(2, n + 1)
+            if n % d == 0
+            for rest in factorizations(n // d, dims - 1)
+        ]
+
+    def respects(shape: tuple[int, ...]) -> bool:
+        if len(shape) == 1 or gpus <= gpus_per_node:
+            return True
+        for i in range(len(shape)):
+            span, stride = math.prod(shape[i:]), math.prod(shape[i + 1 :])
+            if not (gpus_per_node % span == 0 or stride % gpus_per_node == 0):
+                return False
+        return True
+
+    shapes = [s for k in range(1, max_dims + 1) for s in factorizations(gpus, k) if respects(s)]
+    return sorted(shapes, key=lambda s: (len(s), tuple(-d for d in s)))
+
+
 def _as_tuple(value: Any, what: str) -> tuple:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise AutoshardError(f"mesh {what} {value!r} is not a sequence: give one entry per dim")
@@ -187,6 +233,33 @@ class MeshSpec:
             bandwidth = (inter_node_bw,) + (intra_node_bw,) * rest
             latency = (inter_node_latency,) + (intra_node_latency,) * rest
         return cls(dims, names, bandwidth, latency)
+
+    @classmethod
+    def on_nodes(
+        cls,
+        shape: Sequence[int],
+        gpus_per_node: int,
+        intra_node_bw: float = DEFAULT_INTRA_NODE_BW,
+        inter_node_bw: float = DEFAULT_INTER_NODE_BW,
+        intra_node_latency: float = DEFAULT_INTRA_NODE_LATENCY,
+        inter_node_latency: float = DEFAULT_INTER_NODE_LATENCY,
+    ) -> MeshSpec:
+        """A mesh laid over nodes of ``gpus_per_node`` devices, ranks in row-major order (as
+        ``init_device_mesh`` lays them out): a mesh dim is intra-node when its devices
+        (``shape[i]`` of them, ``prod(shape[i+1:])`` ranks apart) all sit in one node,
+        else inter-node (its ring crosses the network, whose links bound it).
+
+        Raises:
+            AutoshardError: as :class:`MeshSpec`.
+        """
+        dims = tuple(shape)
+        intra = [math.prod(dims[i:]) <= gpus_per_node for i in range(len(dims))]
+        return cls(
+            dims,
+            default_dim_names(len(dims)),
+            tuple(intra_node_bw if x else inter_node_bw for x in intra),
+            tuple(intra_node_latency if x else inter_node_latency for x in intra),
+        )
 
     def to_dict(self) -> dict[str, list]:
         """Plain builtins for the solution file:

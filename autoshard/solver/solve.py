@@ -220,6 +220,8 @@ class SolveResult:
     seconds: dict[str, float]
     peak_rss_bytes: int
     highs: HighsWork | None = None  # what HiGHS did in the ILP's search (plan_model)
+    # every mesh tried when a GPU count chose this one (autoshard.solver.meshes.MeshSearch)
+    meshes: Any = None
 
     def save(self, out_dir: str | Path = "solutions") -> tuple[Path, Path]:
         """Write the solution pickle and the sharding map into ``out_dir`` (created), named
@@ -341,14 +343,24 @@ def _graph_and_strategies(
     return graph, sg
 
 
-def plan_model(config: SolveConfig, progress: Progress | None = None) -> SolveResult:
+def plan_model(
+    config: SolveConfig, progress: Progress | None = None, graph: TracedGraph | None = None
+) -> SolveResult:
     """Run the whole pipeline and return the optimal plan with its statistics.
+
+    ``graph``: ``config``'s model already traced (:func:`trace`; a trace does not depend
+    on the mesh), to plan it on another mesh without tracing again.
 
     Raises:
         AutoshardError: a bad model file, an untraceable model, an infeasible ILP.
     """
     seconds: dict[str, float] = {}
-    graph, sg = _graph_and_strategies(config, progress, seconds)
+    if graph is None:
+        graph, sg = _graph_and_strategies(config, progress, seconds)
+    else:
+        t = time.perf_counter()
+        sg = strategies(config, graph, progress)
+        seconds["strategies"] = time.perf_counter() - t
     if progress:
         progress("solve", 0, 1)
     t = time.perf_counter()

@@ -1,0 +1,104 @@
+"""From a GPU count to a mesh: every node-respecting mesh shape, each planned by the ILP.
+
+A user starts from "64 H100s, 8 per node", not from "8x8". :func:`search_meshes` traces
+the model once (a trace does not depend on the mesh), then for every candidate mesh
+(:func:`autoshard.cost.mesh.node_shapes`, links from :meth:`MeshSpec.on_nodes`) generates
+the strategies and solves the same ILP ``autoshard solve --mesh`` solves, and ranks the
+shapes by predicted step time. The best plan is the one ``solve --mesh <best>`` writes:
+the same function plans each shape.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.solver.solve import SolveConfig, SolveResult, plan_model, trace
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class MeshRow:
+    """One candidate mesh: its plan (``result``), or why it has none (``error``: no plan
+    fits the memory budget, the ILP found none)."""
+
+    mesh: MeshSpec
+    result: SolveResult | None = None
+    error: str | None = None
+
+    @property
+    def step_time_s(self) -> float:
+        """The plan's predicted step (s); ``inf`` without a plan."""
+        return self.result.plan.step_time_s if self.result is not None else math.inf
+
+    @property
+    def solve_seconds(self) -> float:
+        """Strategies, hand plans and the ILP for this mesh (the shared trace excluded)."""
+        if self.result is None:
+            return math.nan
+        s = self.result.seconds
+        return sum(v for k, v in s.items() if k not in ("trace", "total"))
+
+
+@dataclass
+class MeshSearch:
+    """The ranked candidates (fastest first; meshes without a plan last, in the order
+    tried) and the seconds of the one trace they share."""
+
+    rows: list[MeshRow]
+    trace_seconds: float
+
+    @property
+    def best(self) -> MeshRow:
+        """The fastest mesh (:func:`search_meshes` guarantees one has a plan)."""
+        return self.rows[0]
+
+
+def search_meshes(
+    config: SolveConfig, meshes: Sequence[MeshSpec], progress: Progress | None = None
+) -> MeshSearch:
+    """Plan ``config``'s model on each of ``meshes`` (``config.mesh`` is ignored) and rank
+    them by predicted step time.
+
+    Raises:
+        AutoshardError: no mesh is given, the model cannot be traced, or no mesh has a
+            plan (the message gives each mesh's reason).
+    """
+    if not meshes:
+        raise AutoshardError("no mesh shape to try: check --gpus and --gpus-per-node")
+    t = time.perf_counter()
+    graph = trace(config, progress)
+    trace_s = time.perf_counter() - t
+    rows: list[MeshRow] = []
+    for k, mesh in enumerate(meshes):
+        if progress:
+            progress("meshes", k, len(meshes))
+        text = "x".join(map(str, mesh.shape))
+
+        def inner(phase: str, done: int, total: int, text: str = text) -> None:
+            progress(f"{phase} on {text}", done, total)
+
+        try:
+            result = plan_model(replace(config, mesh=mesh), inner if progress else None, graph)
+        except AutoshardError as exc:  # this shape has no plan: its row says why
+            rows.append(MeshRow(mesh, error=str(exc)))
+            continue
+        rows.append(MeshRow(mesh, result))
+    if progress:
+        progress("meshes", len(meshes), len(meshes))
+    if all(r.result is None for r in rows):
+        reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: {r.error}" for r in rows)
+        raise AutoshardError(f"no mesh shape has a plan ({reasons})")
+    # ties (mirror-image shapes) go to the fewer dims, then to the order tried
+    ranked = sorted(
+        (r for r in rows if r.result is not None),
+        key=lambda r: (r.step_time_s, len(r.mesh.shape)),
+    )
+    search = MeshSearch(ranked + [r for r in rows if r.result is None], trace_s)
+    search.best.result.meshes = search
+    return search

@@ -1,0 +1,181 @@
+"""From a GPU count to a mesh (issue 32, item 1): the node-respecting shapes, their links,
+and the search that plans each and keeps the fastest.
+
+Independent references: the node of every rank worked from the row-major layout (not the
+span/stride rule the code uses), the shapes of 64 GPUs listed by hand, and each shape
+solved on its own with ``autoshard solve --mesh``'s own function.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import write_mlp
+
+import autoshard
+from autoshard.cli.main import main
+from autoshard.cost.mesh import (
+    DEFAULT_INTER_NODE_BW,
+    DEFAULT_INTRA_NODE_BW,
+    MeshSpec,
+    node_shapes,
+)
+from autoshard.errors import AutoshardError
+from autoshard.solver.meshes import search_meshes
+from autoshard.solver.solve import SolveConfig, plan_model
+
+INTRA, INTER = DEFAULT_INTRA_NODE_BW, DEFAULT_INTER_NODE_BW
+
+
+def _groups(shape: tuple[int, ...], dim: int) -> list[list[int]]:
+    """The ranks of each group along mesh dim ``dim`` (``init_device_mesh``'s layout)."""
+    ranks = torch.arange(math.prod(shape)).reshape(shape).movedim(dim, -1)
+    return ranks.reshape(-1, shape[dim]).tolist()
+
+
+def _respects_nodes(shape: tuple[int, ...], per_node: int) -> bool:
+    """Every group of every dim is inside one node or in as many nodes as it has ranks."""
+    if len(shape) == 1:
+        return True
+    for dim in range(len(shape)):
+        for group in _groups(shape, dim):
+            nodes = {r // per_node for r in group}
+            if len(nodes) not in (1, len(group)):
+                return False
+    return True
+
+
+def _all_shapes(gpus: int, max_dims: int = 3) -> list[tuple[int, ...]]:
+    sizes = [d for d in range(2, gpus + 1) if gpus % d == 0]
+    return [
+        s
+        for k in range(1, max_dims + 1)
+        for s in itertools.product(sizes, repeat=k)
+        if math.prod(s) == gpus
+    ]
+
+
+def test_64_gpus_of_8_per_node_have_the_shapes_worked_by_hand():
+    """64 GPUs, 8 per node: one group over everything, 8x8, and the 3-D meshes whose
+    inner dims fill a node; 4x16 (16 split between NVLink and the network) is not one."""
+    shapes = node_shapes(64, 8)
+    assert set(shapes) == {(64,), (8, 8), (8, 4, 2), (8, 2, 4), (4, 2, 8), (2, 4, 8)}
+    assert len(shapes) == len(set(shapes))
+    assert (4, 16) not in shapes and (16, 4) not in shapes
+
+
+@pytest.mark.parametrize(("gpus", "per_node"), [(64, 8), (16, 8), (32, 4), (8, 8), (4, 8)])
+def test_the_shapes_are_those_whose_groups_never_straddle_a_node(gpus, per_node):
+    """Against the rank layout itself: a shape is kept exactly when no group of any dim
+    holds some ranks of one node and some of another node."""
+    expected = {s for s in _all_shapes(gpus) if _respects_nodes(s, per_node)}
+    assert set(node_shapes(gpus, per_node)) == expected
+
+
+def test_a_gpu_count_that_is_not_whole_nodes_is_one_line():
+    with pytest.raises(AutoshardError, match="--gpus 12 is not a whole number of nodes of 8"):
+        node_shapes(12, 8)
+
+
+def test_each_dim_gets_the_links_its_groups_use():
+    """A dim inside a node gets NVLink, one across nodes the network (its groups' ranks
+    are one node apart or more), and one group over every node the network too."""
+    assert MeshSpec.on_nodes((4, 2, 8), 8).bandwidth == (INTER, INTER, INTRA)
+    assert MeshSpec.on_nodes((8, 4, 2), 8).bandwidth == (INTER, INTRA, INTRA)
+    assert MeshSpec.on_nodes((64,), 8).bandwidth == (INTER,)
+    assert MeshSpec.on_nodes((2, 4), 8).bandwidth == (INTRA, INTRA)  # one node
+    for shape in node_shapes(64, 8):
+        mesh = MeshSpec.on_nodes(shape, 8)
+        for dim, bw in enumerate(mesh.bandwidth):
+            one_node = all(len({r // 8 for r in g}) == 1 for g in _groups(shape, dim))
+            assert (bw == INTRA) == one_node, (shape, dim)
+
+
+def test_the_search_keeps_the_fastest_of_the_shapes_solved_one_by_one(tmp_path: Path):
+    """4 GPUs, 2 per node: the best of the search is no slower than each shape planned on
+    its own by ``plan_model`` (what ``solve --mesh`` runs), and every row's step is that
+    shape's own."""
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    assert [m.shape for m in meshes] == [(4,), (2, 2)]
+    search = search_meshes(config, meshes)
+    alone = {m.shape: plan_model(replace(config, mesh=m)).plan.step_time_s for m in meshes}
+    assert search.best.step_time_s == min(alone.values())
+    for row in search.rows:
+        assert row.step_time_s == alone[row.mesh.shape]
+    assert search.best.result.meshes is search
+    steps = [r.step_time_s for r in search.rows]
+    assert steps == sorted(steps)
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_solve_gpus_prints_the_ranked_shapes_and_writes_the_fastest(tmp_path: Path):
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    out = tmp_path / "out"
+    run = _cli("solve", str(model), "--gpus", "4", "--gpus-per-node", "2", "--out", str(out))
+    assert run.exit_code == 0, run.output
+    assert "mesh shapes of 4 GPUs, 2 per node" in run.output
+    best = run.output.split("best: ")[1].split()[0]
+    assert best in ("4", "2x2")
+    assert (out / f"mlp_{best}.json").exists() and (out / f"mlp_{best}.pkl").exists()
+    run = _cli(
+        "solve",
+        str(model),
+        "--gpus",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--json",
+        "-q",
+        "--out",
+        str(tmp_path / "out2"),
+    )
+    assert run.exit_code == 0, run.output
+    doc = json.loads(run.stdout)
+    assert [row["mesh"] for row in doc["meshes"]] in ([[4], [2, 2]], [[2, 2], [4]])
+    assert doc["meshes"][0]["step_time_s"] == pytest.approx(doc["time_s"]["step"])
+    assert doc["meshes"][1]["bandwidth_Bps"] == (
+        [INTER] if doc["meshes"][1]["mesh"] == [4] else [INTER, INTRA]
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--gpus", "4", "--mesh", "2x2"],
+            "--gpus tries every mesh shape with the ILP; drop --mesh",
+        ),
+        (["--gpus", "4", "--algo", "ddp"], "drop --algo"),
+        ([], "Missing option '--mesh' (or --gpus N: every mesh shape of N GPUs)"),
+        (["--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not a whole number of nodes"),
+    ],
+)
+def test_gpus_beside_an_option_that_plans_one_mesh_is_one_line(tmp_path: Path, extra, message):
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    run = _cli("solve", str(model), "--out", str(tmp_path / "out"), *extra)
+    assert run.exit_code != 0
+    assert message in run.output, run.output
+    assert len(run.output.strip().splitlines()) == 1, run.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_python_api_takes_a_gpu_count(tmp_path: Path):
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    result = autoshard.solve(model, torch.randn(64, 256), gpus=4, gpus_per_node=2)
+    assert {r.mesh.shape for r in result.meshes.rows} == {(4,), (2, 2)}
+    assert result.config.mesh == result.meshes.best.mesh
+    with pytest.raises(AutoshardError, match="drop mesh="):
+        autoshard.solve(model, torch.randn(64, 256), "2x2", gpus=4)
