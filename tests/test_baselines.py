@@ -42,6 +42,7 @@ from autoshard.solver.baselines import (
     run_baseline,
 )
 from autoshard.solver.ilp import solve
+from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveConfig, strategies, trace
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -146,7 +147,10 @@ def test_ilp_never_worse_than_any_baseline(model_files, model, mesh_text, mode):
     if mode == "train" and not HAS_MODES:
         pytest.skip("no training mode in this tree")
     mesh, sg = _sg(model_files, model, mesh_text, mode)
-    ilp = solve(sg)
+    # no hand plan is given as a start: the search itself must beat every one. Stopping
+    # within 2% of the LP bound still does (on GPT-2 2x2 train the default 1% ran into the
+    # work limit at 1.2% after 53 s; 2% ends in 21 s, 0.03% above that plan)
+    ilp = solve(sg, SolverOptions(mip_gap=0.02))
     ilp_cost = evaluate(sg, ilp.choice)
     assert math.isclose(ilp_cost, ilp.objective_s, rel_tol=1e-6)
     reps = set(sg.reps)
