@@ -37,13 +37,13 @@ from autoshard.solver.baselines import (
     ALGOS,
     BASELINES,
     baseline_choice,
-    find_tensor_parallel,
     plan_for_algo,
     run_baseline,
 )
 from autoshard.solver.ilp import solve
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveConfig, strategies, trace
+from autoshard.solver.tensor_parallel import find_tensor_parallel
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -54,9 +54,9 @@ from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError
 from autoshard.placements import short
 from autoshard.plan.formats import load_solution
-from autoshard.solver.baselines import Restriction, restrict, unrestrict_choice
 from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import SolverOptions
+from autoshard.solver.restriction import Restriction, restrict, unrestrict_choice
 from autoshard.solver.solve import SolveResult, finish_plan, peak_rss_bytes, strategies, trace
 from autoshard.strategies.graph import Strategy, StrategyGraph
 from autoshard.trace.tracer import NodeInfo, TracedGraph, path_within_block

@@ -1,0 +1,517 @@
+"""Tensor parallelism from the graph's structure: Megatron's column/row matmul pairs
+(:func:`find_tensor_parallel`, never from module names) and the restriction of the
+``megatron``, ``megatron_sp`` and ``fsdp_tp`` families (:func:`megatron_restriction`; the
+families are described in :mod:`autoshard.solver.baselines`)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Placement
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.solver.restriction import (
+    Restriction,
+    all_on,
+    gathered,
+    is_p,
+    is_r,
+    is_s,
+    node_kind,
+    pin_placeholder,
+    placeholders,
+    produced,
+    restrict_param_uses,
+    shard_dim0,
+    used_as_stored,
+)
+from autoshard.strategies.graph import StrategyGraph
+from autoshard.trace.ops import (
+    ATTENTION_REGION_OPS,
+    LAYOUT_OPS,
+    WEIGHT_CHAIN_OPS,
+    packet,
+)
+from autoshard.trace.tracer import TracedGraph
+
+Placements = tuple[Placement, ...]
+
+
+aten = torch.ops.aten
+
+
+# --- tensor parallelism: roles from the graph's structure ------------------------------
+
+_PARAM_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+@dataclass
+class TensorParallel:
+    """Matmul roles found from the graph.
+
+    ``roles``: matmul node -> ``"column"`` or ``"row"``. ``weight``: matmul node ->
+    ``(activation operand index, weight operand index, weight is the right operand)``,
+    indices into the node's tensor arguments. ``pairs``: ``(columns, row)`` in graph order;
+    a standalone column has row ``None``. ``region``: nodes inside the tensor-parallel
+    regions (strictly between a pair's columns and row, or after a standalone column).
+    """
+
+    roles: dict[str, str] = field(default_factory=dict)
+    weight: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    pairs: list[tuple[tuple[str, ...], str | None]] = field(default_factory=list)
+    region: dict[tuple[tuple[str, ...], str | None], set[str]] = field(default_factory=dict)
+
+
+def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
+    """Megatron's column/row pairs, from the graph's structure only.
+
+    A *parameter matmul* is an ``mm``/``addmm`` one of whose operands is a parameter
+    reached through layout ops only (``t``, ``view``, ``permute``, ...). Walking back from
+    a parameter matmul's activation operand through pointwise ops, layout ops, softmax and
+    activation-by-activation matmuls (``bmm``: attention), if every path ends at parameter
+    matmuls (the *columns*), or at parameters, buffers and nodes computed from them alone
+    (biases, masks, rotary tables), the matmul is the *row* of those columns. Any other op
+    on the way (a norm, an embedding, a reduction, a graph input) means it is not. Rows
+    are taken in graph order; a matmul already a row cannot be a column (three linears
+    in a row give one pair and one unpaired). A parameter matmul left over whose output
+    reaches the graph's output through such ops only is a standalone column (an LM head).
+    Only forward matmuls get roles: in a training graph each backward matmul reads a
+    weight whose placement the forward role fixed, which makes it column- or row-like.
+    """
+    fx_nodes = {n.name: n for n in sg.graph.graph_module.graph.nodes}
+    tp = TensorParallel(weight=_param_matmuls(sg, fx_nodes))
+    _pair_rows(sg, fx_nodes, tp, _leaf_test(sg))
+    _standalone_columns(sg, fx_nodes, tp, _fx_users(sg.graph))
+    return tp
+
+
+def _leaf_test(sg: StrategyGraph) -> Callable[[torch.fx.Node], bool]:
+    """A memoized test: whether a node is a parameter, a buffer, or computed from those and
+    factory ops alone."""
+    graph = sg.graph
+    purely_free: dict[str, bool] = {}
+
+    def is_leaf(n: torch.fx.Node) -> bool:
+        """A parameter, a buffer, or a node computed from those and factory ops alone."""
+        if n.name in purely_free:
+            return purely_free[n.name]
+        info = graph.nodes.get(n.name)
+        if n.op == "placeholder":
+            ok = info is not None and info.kind in ("param", "buffer")
+        elif n.op == "call_function":
+            ok = n.name in sg.free and all(is_leaf(a) for a in n.all_input_nodes)
+        else:
+            ok = False
+        purely_free[n.name] = ok
+        return ok
+
+    return is_leaf
+
+
+def _param_chain(graph: TracedGraph, n: torch.fx.Node) -> bool:
+    """Whether ``n`` is a parameter, reached through single-input weight-chain ops only."""
+    while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
+        if len(n.all_input_nodes) != 1:
+            return False
+        n = n.all_input_nodes[0]
+    info = graph.nodes.get(n.name)
+    return n.op == "placeholder" and info is not None and info.kind == "param"
+
+
+def _param_matmuls(
+    sg: StrategyGraph, fx_nodes: dict[str, torch.fx.Node]
+) -> dict[str, tuple[int, int, bool]]:
+    """The forward parameter matmuls, in graph order: node -> :attr:`TensorParallel.weight`."""
+    graph = sg.graph
+    weight: dict[str, tuple[int, int, bool]] = {}
+    for n in graph.graph_module.graph.nodes:
+        if n.op != "call_function" or n.target not in _PARAM_MATMULS or n.name not in sg.nodes:
+            continue
+        if getattr(graph.nodes[n.name], "backward", False):
+            continue  # backward matmuls follow from the weights' placements
+        a_idx, b_idx = _PARAM_MATMULS[n.target]
+        args = [fx_nodes[a] for a in graph.nodes[n.name].arg_nodes]
+        if len(args) <= b_idx:
+            continue
+        pa, pb = _param_chain(graph, args[a_idx]), _param_chain(graph, args[b_idx])
+        if pa != pb:
+            weight[n.name] = (a_idx, b_idx, True) if pb else (b_idx, a_idx, False)
+    return weight
+
+
+def _transparent(n: torch.fx.Node, tp: TensorParallel) -> bool:
+    """Whether ``n`` may lie inside a tensor-parallel region (pointwise, layout, attention)."""
+    op = packet(n.target)
+    return (
+        _pointwise(n)
+        or op in LAYOUT_OPS
+        or op is operator.getitem
+        or (op in ATTENTION_REGION_OPS and n.name not in tp.weight)
+    )
+
+
+def _walk_back(
+    start: torch.fx.Node, tp: TensorParallel, is_leaf: Callable[[torch.fx.Node], bool]
+) -> tuple[set[str], set[str]] | None:
+    """``(columns, region)`` reached walking back from ``start``, or None if it is no row's."""
+    columns: set[str] = set()
+    region: set[str] = set()
+    stack, seen = [start], set()
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if is_leaf(n):
+            continue
+        if n.op != "call_function":
+            return None
+        if n.name in tp.weight:
+            if tp.roles.get(n.name) == "row":
+                return None
+            columns.add(n.name)
+            continue
+        if not _transparent(n, tp):
+            return None
+        region.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return (columns, region) if columns else None
+
+
+def _fx_users(graph: TracedGraph) -> dict[str, list[torch.fx.Node]]:
+    """Node name -> the nodes that read it, in graph order."""
+    users: dict[str, list[torch.fx.Node]] = {}
+    for n in graph.graph_module.graph.nodes:
+        for a in n.all_input_nodes:
+            users.setdefault(a.name, []).append(n)
+    return users
+
+
+def _walk_forward(
+    start: torch.fx.Node, tp: TensorParallel, users: dict[str, list[torch.fx.Node]]
+) -> set[str] | None:
+    """The region after ``start`` if its output reaches the graph's output through
+    transparent ops only, else None."""
+    region: set[str] = set()
+    stack, seen = list(users.get(start.name, [])), set()
+    reached_output = False
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op == "output":
+            reached_output = True
+            continue
+        if n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp):
+            if packet(n.target) is aten._assert_tensor_metadata:
+                continue
+            return None
+        region.add(n.name)
+        stack.extend(users.get(n.name, []))
+    return region if reached_output else None
+
+
+def _pair_rows(
+    sg: StrategyGraph,
+    fx_nodes: dict[str, torch.fx.Node],
+    tp: TensorParallel,
+    is_leaf: Callable[[torch.fx.Node], bool],
+) -> None:
+    """Give the rows and their columns their roles, in graph order; returns None (fills
+    ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
+    graph = sg.graph
+    for name, (x_idx, _, _) in tp.weight.items():
+        if name in tp.roles:
+            continue
+        found = _walk_back(fx_nodes[graph.nodes[name].arg_nodes[x_idx]], tp, is_leaf)
+        if found is None:
+            continue
+        columns, region = found
+        if any(tp.roles.get(c) == "row" for c in columns):
+            continue
+        for c in sorted(columns):  # a set: its order would vary with the hash seed
+            tp.roles[c] = "column"
+        tp.roles[name] = "row"
+        key = (tuple(sorted(columns)), name)
+        tp.pairs.append(key)
+        tp.region[key] = region
+
+
+def _standalone_columns(
+    sg: StrategyGraph,
+    fx_nodes: dict[str, torch.fx.Node],
+    tp: TensorParallel,
+    users: dict[str, list[torch.fx.Node]],
+) -> None:
+    """Make each parameter matmul left without a role whose output reaches the graph's output
+    a standalone column; returns None (fills ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
+    for name in tp.weight:
+        if name in tp.roles:
+            continue
+        region = _walk_forward(fx_nodes[name], tp, users)
+        if region is not None:
+            tp.roles[name] = "column"
+            key = ((name,), None)
+            tp.pairs.append(key)
+            tp.region[key] = region
+
+
+def _role_ok(role: str, weight: tuple[int, int, bool], tp_dim: int) -> Callable[[Any], bool]:
+    """Whether a matmul strategy plays ``role`` on mesh dim ``tp_dim``."""
+    x_idx, w_idx, w_right = weight
+    # operands of mm as (left, right); the output is (rows of left, cols of right)
+    left, right = (x_idx, w_idx) if w_right else (w_idx, x_idx)
+
+    def ok(s) -> bool:
+        a, b, o = s.inputs[left][tp_dim], s.inputs[right][tp_dim], s.outputs[0][tp_dim]
+        if role == "row":
+            return is_s(a, 1) and is_s(b, 0) and is_p(o)
+        if w_right:  # column: shard W's output features (right operand's dim 1)
+            return is_r(a) and is_s(b, 1) and is_s(o, 1)
+        return is_s(a, 0) and is_r(b) and is_s(o, 0)
+
+    return ok
+
+
+def megatron_restriction(
+    sg: StrategyGraph,
+    mesh: MeshSpec,
+    sequence_parallel: bool,
+    pin_outside: bool = True,
+    fsdp: bool = False,
+) -> tuple[Restriction, dict]:
+    r = Restriction()
+    ndim = mesh.ndim
+    t = ndim - 1
+    dp = range(ndim - 1)
+    tp = find_tensor_parallel(sg)
+    # training graphs: the backward pass is not pinned (its matmuls follow the weights'
+    # placements, its activation gradients are placed by propagation)
+    backward = _backward_reps(sg)
+    param_uses = _forward_param_uses(sg, backward)
+    # 1. groups whose matmuls have the role's strategy (the shapes divide)
+    groups, undivided = _divisible_groups(sg, tp, t)
+    # 2. drop groups whose weights are also read outside every group (e.g. an LM head tied
+    # to the embedding: one placement cannot serve both), until none is left to drop
+    groups, shared_weights = _drop_shared_groups(sg, tp, groups, param_uses)
+    _note_dropped_groups(r, mesh, t, undivided, shared_weights)
+    # 3. pin the roles (on the representatives: a repeated layer follows its first)
+    roles, region_reps, head_reps = _pin_roles(r, sg, tp, groups, t)
+
+    for rep in placeholders(sg, "input"):
+        shape = sg.graph.nodes[rep].results[0].shape
+        pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dp), "inputs")
+
+    _pin_tp_params(r, sg, roles, dp, t, fsdp)
+    _pin_outside_ops(r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside)
+    if not roles:
+        r.notes.append(
+            "no column/row matmul pairs found: tensor parallel degenerates to "
+            "replicated compute on the TP dim"
+        )
+    return r, roles
+
+
+_Group = tuple[tuple[str, ...], str | None]
+
+
+def _backward_reps(sg: StrategyGraph) -> set[str]:
+    """The representatives of the backward pass (empty for an inference graph)."""
+    return {
+        rep
+        for rep in sg.reps
+        if rep in sg.graph.nodes and getattr(sg.graph.nodes[rep], "backward", False)
+    }
+
+
+def _forward_param_uses(sg: StrategyGraph, backward: set[str]) -> dict[str, set[str]]:
+    """Parameter -> the representatives outside ``backward`` that read it."""
+    param_uses: dict[str, set[str]] = {}
+    for e in sg.edges:
+        if node_kind(sg, e.src) == "param" and e.dst not in backward:
+            param_uses.setdefault(e.src, set()).add(e.dst)
+    return param_uses
+
+
+def _group_members(key: _Group) -> list[str]:
+    """A group's matmuls: its columns, then its row (if any)."""
+    return list(key[0]) + ([key[1]] if key[1] is not None else [])
+
+
+def _group_inside(sg: StrategyGraph, tp: TensorParallel, key: _Group) -> set[str]:
+    """Representatives of a group's matmuls and region (repeated layers may share them)."""
+    nodes = _group_members(key) + [n for n in tp.region[key] if n in sg.nodes]
+    return {sg.nodes[n].rep for n in nodes}
+
+
+def _group_role_ok(sg: StrategyGraph, tp: TensorParallel, m: str, t: int) -> Callable[[int], bool]:
+    """Whether ``m`` plays its role when its representative takes strategy ``i``."""
+    ns, check = sg.nodes[m], _role_ok(tp.roles[m], tp.weight[m], t)
+    return lambda i: check(ns.strategies[ns.choice[i]])
+
+
+def _divisible_groups(
+    sg: StrategyGraph, tp: TensorParallel, t: int
+) -> tuple[list[_Group], list[str]]:
+    """``(groups, undivided)``: the groups whose matmuls all have their role's strategy on
+    mesh dim ``t``, and a description of each other group."""
+    groups = []
+    undivided: list[str] = []
+    for key in tp.pairs:
+        members = _group_members(key)
+        if all(
+            any(
+                _group_role_ok(sg, tp, m, t)(i)
+                for i in range(len(sg.nodes[sg.nodes[m].rep].strategies))
+            )
+            for m in members
+        ):
+            groups.append(key)
+            continue
+        undivided.append(" ".join(f"{m}{list(sg.graph.nodes[m].args[-1].shape)}" for m in members))
+    return groups, undivided
+
+
+def _drop_shared_groups(
+    sg: StrategyGraph,
+    tp: TensorParallel,
+    groups: list[_Group],
+    param_uses: dict[str, set[str]],
+) -> tuple[list[_Group], list[str]]:
+    """``(groups, shared_weights)``: the groups left once those whose weights are also read
+    outside every group are dropped (repeatedly), and the names of those weights."""
+    shared_weights: list[str] = []
+    while True:
+        covered = set().union(*(_group_inside(sg, tp, k) for k in groups))
+        bad = []
+        for key in groups:
+            members = {sg.nodes[m].rep for m in _group_members(key)}
+            shared = sorted(
+                sg.graph.nodes[p].fqn or p
+                for p, uses in param_uses.items()
+                if uses & members and not uses <= covered
+            )
+            if shared:
+                bad.append(key)
+                shared_weights.extend(shared)
+        if not bad:
+            break
+        groups = [k for k in groups if k not in bad]
+    return groups, shared_weights
+
+
+def _note_dropped_groups(
+    r: Restriction, mesh: MeshSpec, t: int, undivided: list[str], shared_weights: list[str]
+) -> None:
+    """Note in ``r`` the groups left unpinned and why; returns None."""
+    if undivided:
+        r.notes.append(
+            f"{len(undivided)} tensor-parallel matmul groups left to propagation: the shapes "
+            f"do not divide by {mesh.shape[t]} on mesh dim {t} (e.g. "
+            + "; ".join(undivided[:2])
+            + ")"
+        )
+    if shared_weights:
+        r.notes.append(
+            f"{len(shared_weights)} weights also read outside the tensor-parallel regions "
+            f"(tied?) left replicated on mesh dim {t}: "
+            + ", ".join(shared_weights[:3])
+            + (", ..." if len(shared_weights) > 3 else "")
+        )
+
+
+def _pin_roles(
+    r: Restriction, sg: StrategyGraph, tp: TensorParallel, groups: list[_Group], t: int
+) -> tuple[dict[str, str], set[str], set[str]]:
+    """Pin each group's matmul roles; returns ``(roles, region_reps, head_reps)``: the pinned
+    roles, the representatives inside the groups, and those of the standalone columns."""
+    roles: dict[str, str] = {}
+    region_reps: set[str] = set()
+    head_reps: set[str] = set()  # standalone columns and the ops after them
+    for key in groups:
+        for m in _group_members(key):
+            if not r.allow(sg, sg.nodes[m].rep, _group_role_ok(sg, tp, m, t), "matmuls"):
+                r.notes.append(f"{m}: its role conflicts with a repeated layer's; not pinned")
+                continue
+            roles[m] = tp.roles[m]
+        region_reps |= _group_inside(sg, tp, key)
+        if key[1] is None:
+            head_reps |= _group_inside(sg, tp, key)
+    return roles, region_reps, head_reps
+
+
+def _pin_tp_params(
+    r: Restriction, sg: StrategyGraph, roles: dict[str, str], dp: range, t: int, fsdp: bool
+) -> None:
+    """Pin the parameters' placements and uses for tensor parallelism; returns None."""
+    # parameters: R on the DP dims; on the TP dim R unless they feed a tensor-parallel matmul
+    role_reps = {sg.nodes[m].rep for m in roles}
+    feeds_role: set[str] = {e.src for e in sg.edges if e.dst in role_reps}
+    for rep in placeholders(sg, "param"):
+
+        def param_ok(i: int, rep=rep) -> bool:
+            ps = produced(sg, rep, i)
+            on_dp = all((is_s(ps[d]) if fsdp else is_r(ps[d])) for d in dp)
+            return on_dp and (rep in feeds_role or is_r(ps[t]))
+
+        if not r.allow(sg, rep, param_ok, "parameters") and fsdp:
+            r.notes.append(f"parameter {sg.graph.nodes[rep].fqn}: not sharded on the DP dims")
+    if fsdp:  # gathered on the DP dims before each use, used as stored on the TP dim
+
+        def use(p: Placements, q: Placements) -> bool:
+            return gathered(p[:t], q[:t]) and used_as_stored(p[t:], q[t:])
+
+        restrict_param_uses(r, sg, use)
+    else:
+        restrict_param_uses(r, sg, used_as_stored)
+
+
+def _pin_outside_ops(
+    r: Restriction,
+    sg: StrategyGraph,
+    region_reps: set[str],
+    head_reps: set[str],
+    backward: set[str],
+    t: int,
+    sequence_parallel: bool,
+    pin_outside: bool,
+) -> None:
+    """Pin the forward ops outside the tensor-parallel regions on mesh dim ``t``; returns None."""
+    # every other op: replicated on the TP dim (megatron) or sharded on it (sequence parallel)
+    # Graph outputs count as outside ops (what the model returns is replicated, or sequence
+    # sharded, on the TP dim) unless a tensor-parallel region feeds them: a vocab-parallel
+    # LM head returns its logits sharded, as Megatron's gather_output=False.
+    region_reps.update(
+        e.dst for e in sg.edges if e.src in head_reps and node_kind(sg, e.dst) == "output"
+    )
+    outside = [
+        rep
+        for rep in sg.reps
+        if node_kind(sg, rep) in ("op", "output") and rep not in region_reps and rep not in backward
+    ]
+    if not pin_outside:
+        outside = []
+        r.notes.append(
+            "pinning the ops outside the tensor-parallel regions to the TP dim left no plan; "
+            "they were left to the ILP"
+        )
+    unpinned = 0
+    for rep in outside:
+        if sequence_parallel and r.allow(sg, rep, all_on(sg, rep, t, is_s), "sequence_parallel"):
+            continue
+        if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "replicated_on_tp"):
+            unpinned += 1
+    if unpinned:
+        r.notes.append(
+            f"{unpinned} ops outside the tensor-parallel regions have no strategy "
+            "replicated on the TP dim; left to propagation"
+        )
