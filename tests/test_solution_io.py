@@ -17,11 +17,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autoshard.errors import AutoshardError
 from autoshard.plan import formats as solution_io
+from autoshard.plan.atomic import atomic_write, atomic_write_bytes, atomic_write_text
 from autoshard.plan.formats import (
     ShardingMap,
-    atomic_write,
-    atomic_write_bytes,
-    atomic_write_text,
     detect_kind,
     load_sharding_map,
     load_solution,

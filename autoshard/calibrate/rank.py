@@ -29,7 +29,7 @@ from autoshard.calibrate.options import SIZE_OPTIONS, mesh_dim_names_of, with_op
 from autoshard.cost.collective_table import COLLECTIVE_KINDS
 from autoshard.cost.mesh import parse_mesh_shape
 from autoshard.errors import AutoshardError
-from autoshard.plan.formats import atomic_write_text
+from autoshard.plan.atomic import atomic_write_text
 
 
 def sizes_between(min_bytes: int, max_bytes: int, n: int) -> list[int]:

@@ -51,7 +51,8 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
     # heavy (torch): only once the command runs
     from autoshard.cost.mesh import default_dim_names
     from autoshard.model.model_file import instantiate, load_model_file
-    from autoshard.plan.formats import atomic_write_text, load_sharding_map, load_solution
+    from autoshard.plan.atomic import atomic_write_text
+    from autoshard.plan.formats import load_sharding_map, load_solution
     from autoshard.plan.styles import COLWISE, style_plan, torchtitan_code
     from autoshard.units import format_seconds
 

@@ -291,7 +291,7 @@ def _report(console, result, files, facts, notes, html_path, as_json, quiet) -> 
 def _write_html(path: Path, result) -> None:  # noqa: ANN001 - a SolveResult
     """The HTML report, with the hand-written plans priced on the solve's own graph."""
     # heavy (torch, matplotlib): only once the command runs
-    from autoshard.plan.formats import atomic_write_text
+    from autoshard.plan.atomic import atomic_write_text
     from autoshard.plan.html import html_report
     from autoshard.solver.baselines import TWO_D_ONLY
     from autoshard.solver.compare import ComparedPlan, compare_plans, mark_best

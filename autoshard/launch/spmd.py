@@ -55,7 +55,8 @@ from autoshard.launch.steps import (
 from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
-from autoshard.plan.formats import ShardingMap, atomic_write_text, load_sharding_map
+from autoshard.plan.atomic import atomic_write_text
+from autoshard.plan.formats import ShardingMap, load_sharding_map
 from autoshard.trace.batchnorm import train_batch_norms
 from autoshard.units import format_bytes
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.plan.formats import STAGE_PLAN_FORMAT, atomic_write_text
+from autoshard.plan.atomic import atomic_write_text
+from autoshard.plan.formats import STAGE_PLAN_FORMAT
 
 __all__ = [
     "STAGE_PLAN_FORMAT",

@@ -1,7 +1,7 @@
 """Export a plan: the solution pickle (MASE's per-node layout) and the sharding map (JSON).
 
 Both formats are described in docs/formats.md. Writes are atomic
-(:func:`autoshard.plan.formats.atomic_write`): a failed solve never overwrites a
+(:func:`autoshard.plan.atomic.atomic_write`): a failed solve never overwrites a
 good solution, and a crash mid-write leaves the old file intact.
 """
 
