@@ -23,7 +23,7 @@ not listed in ``__all__`` are internal and may change.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ __all__ = [
     "MeshSearch",
     "MeshSpec",
     "Plan",
+    "PlanOptions",
     "SolveConfig",
     "SolveResult",
     "SolverOptions",
@@ -87,6 +88,60 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """The options :func:`solve`, :func:`compare` and :func:`stages` share: each takes them
+    as keywords (``autoshard.solve(model, x, mode="infer")``) or as one value
+    (``options=PlanOptions(mode="infer")``; keywords given beside it replace its fields).
+
+    Attributes:
+        mode: ``"train"`` (one step: forward, backward, AdamW) or ``"infer"``.
+        device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...).
+        memory_budget: bytes per device (default: the device's memory less a margin).
+        precision: ``"model"``, ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``.
+        time_limit: wall-clock seconds for the ILP search (default: none; the search
+            stops at :class:`SolverOptions`'s work limit, the same plan on every run).
+        solver: the search's options (:class:`SolverOptions`: work limit, MIP gap);
+            ``time_limit``, when given, replaces its wall-clock limit.
+        tie: one plan for identical middle blocks (fast); ``False`` plans each block
+            (``stages`` always does).
+        loss_fn: ``loss_fn(output, *inputs) -> scalar`` for training (default: the mean
+            of the first floating output, as for a model file without one).
+        name: the model's name in reports and file names (default: its class name).
+        profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
+            links and device replace the datasheet's (``mesh`` must then be the shape it
+            was measured on, given as a string, and ``device`` is not read).
+    """
+
+    mode: str = "train"
+    device: str = "h100"
+    memory_budget: float | None = None
+    precision: str = "model"
+    time_limit: float | None = None
+    solver: SolverOptions | None = None
+    tie: bool = True
+    loss_fn: Any = None
+    name: str | None = None
+    profile: str | Path | None = None
+
+
+def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
+    """``options`` with ``keywords`` in place of its fields.
+
+    Raises:
+        TypeError: a keyword that is no :class:`PlanOptions` field (Python's error for an
+            unknown keyword argument), naming the ones there are.
+    """
+    names = [f.name for f in fields(PlanOptions)]
+    unknown = sorted(set(keywords) - set(names))
+    if unknown:
+        raise TypeError(
+            f"autoshard.{where}() got unknown option(s) {', '.join(unknown)}; "
+            f"the options are {', '.join(names)} (autoshard.api.PlanOptions)"
+        )
+    return replace(options or PlanOptions(), **keywords)
+
+
 def solve(
     model: torch.nn.Module,
     example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
@@ -94,16 +149,8 @@ def solve(
     *,
     gpus: int | None = None,
     gpus_per_node: int = 8,
-    mode: str = "train",
-    device: str = "h100",
-    memory_budget: float | None = None,
-    precision: str = "model",
-    time_limit: float | None = None,
-    solver: SolverOptions | None = None,
-    tie: bool = True,
-    loss_fn: Any = None,
-    name: str | None = None,
-    profile: str | Path | None = None,
+    options: PlanOptions | None = None,
+    **keywords: Any,
 ) -> SolveResult:
     """Plan ``model`` (built in Python, best on the meta device: ``with
     torch.device("meta"): model = ...``) for ``example_inputs`` (global shapes) on ``mesh``:
@@ -123,21 +170,9 @@ def solve(
             fastest; ``result.meshes`` ranks them all (``.rows``: mesh, plan or error).
         gpus_per_node: with ``gpus``: devices per node (a dim inside a node gets the
             intra-node links, one across nodes the inter-node links).
-        mode: ``"train"`` (one step: forward, backward, AdamW) or ``"infer"``.
-        device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...).
-        memory_budget: bytes per device (default: the device's memory less a margin).
-        precision: ``"model"``, ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``.
-        time_limit: wall-clock seconds for the ILP search (default: none; the search
-            stops at :class:`SolverOptions`'s work limit, the same plan on every run).
-        solver: the search's options (:class:`SolverOptions`: work limit, MIP gap);
-            ``time_limit``, when given, replaces its wall-clock limit.
-        tie: one plan for identical middle blocks (fast); ``False`` plans each block.
-        loss_fn: ``loss_fn(output, *inputs) -> scalar`` for training (default: the mean
-            of the first floating output, as for a model file without one).
-        name: the model's name in reports and file names (default: its class name).
-        profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
-            links and device replace the datasheet's (``mesh`` must then be the shape it
-            was measured on, given as a string, and ``device`` is not read).
+        options, keywords: the planning options, :class:`PlanOptions` (``mode``,
+            ``device``, ``memory_budget``, ``precision``, ``time_limit``, ``solver``,
+            ``tie``, ``loss_fn``, ``name``, ``profile``).
 
     Returns:
         A :class:`SolveResult`: ``.plan`` (placements by FQN in ``.parameters``, the time
@@ -146,25 +181,13 @@ def solve(
     Raises:
         AutoshardError: bad inputs, an untraceable model, no plan within the budget, both
             ``mesh`` and ``gpus`` (or ``gpus`` with ``profile``).
+        TypeError: an unknown keyword.
     """
-    if gpus is not None and (mesh is not None or profile is not None):
+    opts = _options("solve", options, keywords)
+    if gpus is not None and (mesh is not None or opts.profile is not None):
         given = "mesh" if mesh is not None else "profile"
         raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
-    config = _config(
-        model,
-        example_inputs,
-        str(gpus) if gpus is not None else (mesh or "2x4"),
-        mode,
-        device,
-        memory_budget,
-        precision,
-        time_limit,
-        solver,
-        tie,
-        loss_fn,
-        name,
-        profile,
-    )
+    config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
     if gpus is not None:
         shapes = node_shapes(gpus, gpus_per_node)
         meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
@@ -172,48 +195,33 @@ def solve(
     return plan_model(config)
 
 
-def _config(
-    model,
-    example_inputs,
-    mesh,
-    mode,
-    device,
-    memory_budget,
-    precision,
-    time_limit,
-    solver,
-    tie,
-    loss_fn,
-    name,
-    profile,
-) -> SolveConfig:
+def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # noqa: ANN001
     """The :class:`SolveConfig` of a module built in Python (what :func:`solve` takes)."""
-    loaded = loaded_from_module(model, example_inputs, name, loss_fn)
-    if profile is not None:
+    loaded = loaded_from_module(model, example_inputs, opts.name, opts.loss_fn)
+    if opts.profile is not None:
         if not isinstance(mesh, str):
             raise AutoshardError(
                 'with profile=, give mesh as its shape ("2x4"): the profile sets the links'
             )
-        measured = load_profile(profile)
+        measured = load_profile(opts.profile)
         spec, chip = measured.mesh(parse_mesh_shape(mesh)), measured.device_spec()
     else:
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
-        chip = get_device(device)
-    options = solver or SolverOptions()
-    if time_limit is not None:
-        options = replace(options, time_limit_s=time_limit)
-    config = SolveConfig(
+        chip = get_device(opts.device)
+    solver = opts.solver or SolverOptions()
+    if opts.time_limit is not None:
+        solver = replace(solver, time_limit_s=opts.time_limit)
+    return SolveConfig(
         model_path=Path(f"<{loaded.name}>"),
         mesh=spec,
         device=chip,
-        solver=options,
-        mode=mode,
-        memory_budget=memory_budget,
-        tie=tie,
-        precision=precision,
+        solver=solver,
+        mode=opts.mode,
+        memory_budget=opts.memory_budget,
+        tie=opts.tie,
+        precision=opts.precision,
         model=loaded,
     )
-    return config
 
 
 def compare(
@@ -222,19 +230,11 @@ def compare(
     mesh: str | MeshSpec = "2x4",
     *,
     plans: tuple[str, ...] | str | None = None,
-    mode: str = "train",
-    device: str = "h100",
-    memory_budget: float | None = None,
-    precision: str = "model",
-    time_limit: float | None = None,
-    solver: SolverOptions | None = None,
-    tie: bool = True,
-    loss_fn: Any = None,
-    name: str | None = None,
-    profile: str | Path | None = None,
+    options: PlanOptions | None = None,
+    **keywords: Any,
 ) -> list[ComparedPlan]:
     """The ILP's plan beside the hand-written ones (``autoshard compare``) for a module
-    built in Python; the keywords are :func:`solve`'s.
+    built in Python; the options are :func:`solve`'s (:class:`PlanOptions`).
 
     Args:
         plans: which, a sequence or ``"ilp,ddp"`` (default: ``ilp``, ``replicate``,
@@ -247,22 +247,9 @@ def compare(
 
     Raises:
         AutoshardError: bad inputs or an unknown plan name.
+        TypeError: an unknown keyword.
     """
-    config = _config(
-        model,
-        example_inputs,
-        mesh,
-        mode,
-        device,
-        memory_budget,
-        precision,
-        time_limit,
-        solver,
-        tie,
-        loss_fn,
-        name,
-        profile,
-    )
+    config = _config(model, example_inputs, mesh, _options("compare", options, keywords))
     if plans is None:
         plans = tuple(a for a in ALGOS if config.mesh.ndim > 1 or a not in TWO_D_ONLY)
     elif isinstance(plans, str):  # "ilp,ddp", as the command line takes it
@@ -277,19 +264,13 @@ def stages(
     *,
     pp: int = 2,
     microbatches: int = 8,
-    mode: str = "train",
-    device: str = "h100",
-    memory_budget: float | None = None,
-    precision: str = "model",
-    time_limit: float | None = None,
-    solver: SolverOptions | None = None,
-    loss_fn: Any = None,
-    name: str | None = None,
-    profile: str | Path | None = None,
+    options: PlanOptions | None = None,
+    **keywords: Any,
 ) -> StagesResult:
     """Pipeline stages (``autoshard stages --pp PP``) for a module built in Python: the
     layers split into ``pp`` stages over the leading mesh dims, each stage with its
-    intra-op plan on the submesh, for a 1F1B schedule of ``microbatches``.
+    intra-op plan on the submesh, for a 1F1B schedule of ``microbatches``; the options
+    are :func:`solve`'s (:class:`PlanOptions`; every block is planned: ``tie`` is not read).
 
     Returns:
         A :class:`StagesResult`: ``.stage_plan`` (``.stages``, ``.step_time_s``) and
@@ -298,25 +279,13 @@ def stages(
     Raises:
         AutoshardError: bad inputs, a ``pp`` that does not split the mesh or exceeds the
             layers, no split within the memory budget.
+        TypeError: an unknown keyword.
     """
-    config = _config(
-        model,
-        example_inputs,
-        mesh,
-        mode,
-        device,
-        memory_budget,
-        precision,
-        time_limit,
-        solver,
-        False,
-        loss_fn,
-        name,
-        profile,
-    )
+    opts = replace(_options("stages", options, keywords), tie=False)
+    config = _config(model, example_inputs, mesh, opts)
     config = replace(config, activation_checkpointing="none")  # as `autoshard stages`
     graph = trace(config, microbatches=microbatches)
-    return plan_pipeline(config, graph, layer_map(graph), pp, microbatches, memory_budget)
+    return plan_pipeline(config, graph, layer_map(graph), pp, microbatches, opts.memory_budget)
 
 
 def save(result: SolveResult, out_dir: str | Path = "solutions") -> tuple[Path, Path]:

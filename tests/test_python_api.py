@@ -167,3 +167,28 @@ def test_a_bad_option_is_named_as_the_command_line_and_the_python_api_spell_it(
         SolveConfig(ROOT / "examples" / "mlp.py", MeshSpec.from_options("2"), **options)
     assert str(err.value).startswith(f"{flag} ({field}) ")
     assert "\n" not in str(err.value)
+
+
+def test_the_options_are_one_value_the_three_functions_share():
+    """``PlanOptions`` is what the keywords of solve, compare and stages stand for: the
+    same plan either way, keywords beside ``options=`` replace its fields, and an unknown
+    keyword is Python's TypeError naming every option."""
+    from autoshard.api import PlanOptions
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    by_keywords = autoshard.solve(model, x, "2x2", mode="infer", device="a100")
+    infer = PlanOptions(mode="infer", device="a100")
+    by_value = autoshard.solve(model, x, "2x2", options=infer)
+    assert by_value.config.mode == "infer" and by_value.config.device.name == "a100"
+    assert by_value.plan.parameters == by_keywords.plan.parameters
+    assert by_value.plan.step_time_s == by_keywords.plan.step_time_s
+    train = autoshard.solve(model, x, "2x2", options=infer, mode="train")
+    assert train.config.mode == "train" and train.config.device.name == "a100"
+    rows = autoshard.compare(model, x, "2x2", plans="ilp", options=infer)
+    assert rows[0].plan.step_time_s == by_value.plan.step_time_s
+    with pytest.raises(TypeError, match=r"unknown option\(s\) modes; the options are mode, "):
+        autoshard.solve(model, x, "2x2", modes="infer")
+    with pytest.raises(TypeError, match="autoshard.stages"):
+        autoshard.stages(model, x, pipeline=2)
