@@ -191,7 +191,7 @@ def solve(
     if gpus is not None:
         shapes = node_shapes(gpus, gpus_per_node)
         meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
-        return search_meshes(config, meshes).best.result
+        return search_meshes(config, meshes, gpus_per_node=gpus_per_node).best.result
     return plan_model(config)
 
 

@@ -80,8 +80,11 @@ def test_the_shapes_are_those_whose_groups_never_straddle_a_node(gpus, per_node)
 
 
 def test_a_gpu_count_that_is_not_whole_nodes_is_one_line():
-    with pytest.raises(AutoshardError, match="--gpus 12 is not a whole number of nodes of 8"):
+    with pytest.raises(AutoshardError, match=r"--gpus \(gpus\) 12 is not a whole number of nodes"):
         node_shapes(12, 8)
+    with pytest.raises(AutoshardError, match=r"--gpus \(gpus\) is 0 .* must be at least 1"):
+        node_shapes(0, 8)
+    assert node_shapes(1, 8) == [(1,)]  # one GPU: the trivial mesh
 
 
 def test_each_dim_gets_the_links_its_groups_use():
@@ -145,6 +148,9 @@ def test_solve_gpus_prints_the_ranked_shapes_and_writes_the_fastest(tmp_path: Pa
     doc = json.loads(run.stdout)
     assert [row["mesh"] for row in doc["meshes"]] in ([[4], [2, 2]], [[2, 2], [4]])
     assert doc["meshes"][0]["step_time_s"] == pytest.approx(doc["time_s"]["step"])
+    inside = {tuple(r["mesh"]): r["inside_node"] for r in doc["meshes"]}
+    assert inside == {(4,): [False], (2, 2): [False, True]}
+    assert doc["seconds"]["trace"] > 0  # the one trace counts in the best mesh's seconds
     assert doc["meshes"][1]["bandwidth_Bps"] == (
         [INTER] if doc["meshes"][1]["mesh"] == [4] else [INTER, INTRA]
     )
@@ -159,7 +165,7 @@ def test_solve_gpus_prints_the_ranked_shapes_and_writes_the_fastest(tmp_path: Pa
         ),
         (["--gpus", "4", "--algo", "ddp"], "drop --algo"),
         ([], "Missing option '--mesh' (or --gpus N: every mesh shape of N GPUs)"),
-        (["--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not a whole number of nodes"),
+        (["--gpus", "12", "--gpus-per-node", "8"], "--gpus (gpus) 12 is not a whole number"),
     ],
 )
 def test_gpus_beside_an_option_that_plans_one_mesh_is_one_line(tmp_path: Path, extra, message):
@@ -179,3 +185,18 @@ def test_the_python_api_takes_a_gpu_count(tmp_path: Path):
     assert result.config.mesh == result.meshes.best.mesh
     with pytest.raises(AutoshardError, match="drop mesh="):
         autoshard.solve(model, torch.randn(64, 256), "2x2", gpus=4)
+
+
+def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_path: Path):
+    """With the network given more bandwidth than NVLink, dim 0 of 2x2 still crosses the
+    two nodes of 2: the table says where a dim lies, not which link is faster."""
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    args = ["--gpus", "4", "--gpus-per-node", "2", "--inter-node-bw", "900GB/s"]
+    run = _cli("solve", str(model), *args, "--out", str(tmp_path / "out"))
+    assert run.exit_code == 0, run.output
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in run.output.splitlines()
+        if line.count("│") >= 3
+    }
+    assert rows["2x2"] == "network x node" and rows["4"] == "network", rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import click
@@ -115,14 +116,11 @@ def solve_command(
         check_writable(html_path.parent)
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
-    if meshes:  # named after the best mesh once it is known; checked against every one
-        for m in meshes:
-            stem = output_stem(Path(model_file).resolve().stem, m.shape, "")
-            refuse_overwriting_preload(preload, out_dir, stem)
+    if meshes:  # the files are named after the best mesh once it is known
         with Progress(Console(stderr=True, quiet=quiet)) as progress:
             from autoshard.solver.meshes import search_meshes  # heavy, as above
 
-            search = search_meshes(config, meshes, progress)
+            search = search_meshes(config, meshes, progress, gpus_per_node)
         result = search.best.result
         config = result.config
         _print_meshes(Console(stderr=as_json, quiet=quiet), search, gpus, gpus_per_node)
@@ -207,11 +205,17 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
     return meshes
 
 
-def _mesh_row(row) -> dict:  # noqa: ANN001 - an autoshard.solver.meshes.MeshRow
+def _inside_node(shape: tuple[int, ...], gpus_per_node: int) -> list[bool]:
+    """Per mesh dim: whether its groups lie inside one node (MeshSpec.on_nodes's rule)."""
+    return [math.prod(shape[i:]) <= gpus_per_node for i in range(len(shape))]
+
+
+def _mesh_row(row, gpus_per_node: int) -> dict:  # noqa: ANN001 - a solver.meshes.MeshRow
     """One row of ``--gpus`` in the JSON report (seconds, bytes; ``None`` without a plan)."""
     plan = row.result.plan if row.result is not None else None
     return {
         "mesh": list(row.mesh.shape),
+        "inside_node": _inside_node(row.mesh.shape, gpus_per_node),
         "bandwidth_Bps": list(row.mesh.bandwidth),
         "step_time_s": float(plan.step_time_s) if plan else None,
         "mfu": float(plan.mfu) if plan else None,
@@ -229,10 +233,10 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
     table = Table(title=f"mesh shapes of {gpus} GPUs, {gpus_per_node} per node (fastest first)")
     for col in ("mesh", "links", "step", "MFU", "memory/device", "solve"):
         table.add_column(col, justify="left" if col in ("mesh", "links") else "right")
-    intra = max(search.best.mesh.bandwidth)
     for row in search.rows:
         mesh = "x".join(map(str, row.mesh.shape))
-        links = " x ".join("node" if bw >= intra else "network" for bw in row.mesh.bandwidth)
+        inside = _inside_node(row.mesh.shape, gpus_per_node)
+        links = " x ".join("node" if x else "network" for x in inside)
         if row.result is None:
             table.add_row(mesh, links, "no plan", "", "", "", style="dim")
             continue
@@ -282,7 +286,8 @@ def _report(console, result, files, facts, notes, html_path, as_json, quiet) -> 
 
         report = report_dict(result, files, notes, facts)
         if result.meshes is not None:  # --gpus: every mesh tried, fastest first
-            report["meshes"] = [_mesh_row(row) for row in result.meshes.rows]
+            per_node = result.meshes.gpus_per_node
+            report["meshes"] = [_mesh_row(row, per_node) for row in result.meshes.rows]
         click.echo(json.dumps(report, indent=2, sort_keys=True))
     elif quiet:
         click.echo("\n".join(str(f) for f in (*files, *([html_path] if html_path else []))))

@@ -73,7 +73,8 @@ def node_shapes(gpus: int, gpus_per_node: int, max_dims: int = 3) -> list[tuple[
     ``prod(shape[i:])`` ranks, divides ``gpus_per_node``) or across nodes (its stride,
     ``prod(shape[i+1:])``, is a multiple of ``gpus_per_node``), never half of each (a
     tensor-parallel group split between NVLink and the network). A 1-D mesh is every
-    device in one group. Largest dims first for equal dim counts.
+    device in one group (one GPU: the mesh ``(1,)``). Largest dims first for equal dim
+    counts.
 
     Raises:
         AutoshardError: ``gpus`` or ``gpus_per_node`` below 1, or more than one node that
@@ -81,13 +82,16 @@ def node_shapes(gpus: int, gpus_per_node: int, max_dims: int = 3) -> list[tuple[
     """
     if gpus < 1 or gpus_per_node < 1:
         raise AutoshardError(
-            f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be at least 1"
+            f"--gpus (gpus) is {gpus} and --gpus-per-node (gpus_per_node) {gpus_per_node}: "
+            "both must be at least 1"
         )
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise AutoshardError(
-            f"--gpus {gpus} is not a whole number of nodes of {gpus_per_node} "
-            "(--gpus-per-node): give a multiple"
+            f"--gpus (gpus) {gpus} is not a whole number of nodes of {gpus_per_node} "
+            "(--gpus-per-node, gpus_per_node): give a multiple"
         )
+    if gpus == 1:
+        return [(1,)]
 
     def factorizations(n: int, dims: int) -> list[tuple[int, ...]]:
         if dims == 1:

@@ -4,8 +4,10 @@ A user starts from "64 H100s, 8 per node", not from "8x8". :func:`search_meshes`
 the model once (a trace does not depend on the mesh), then for every candidate mesh
 (:func:`autoshard.cost.mesh.node_shapes`, links from :meth:`MeshSpec.on_nodes`) generates
 the strategies and solves the same ILP ``autoshard solve --mesh`` solves, and ranks the
-shapes by predicted step time. The best plan is the one ``solve --mesh <best>`` writes:
-the same function plans each shape.
+shapes by predicted step time. Each shape is planned by :func:`plan_model`, the function
+``solve --mesh`` runs, with the links of its place in the cluster (which can differ from
+``--mesh``'s convention, dim 0 across nodes and the rest inside one: the written files
+record the links each dim was priced with).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class MeshSearch:
 
     rows: list[MeshRow]
     trace_seconds: float
+    gpus_per_node: int | None = None  # the node size the meshes were laid over, if given
 
     @property
     def best(self) -> MeshRow:
@@ -60,10 +63,14 @@ class MeshSearch:
 
 
 def search_meshes(
-    config: SolveConfig, meshes: Sequence[MeshSpec], progress: Progress | None = None
+    config: SolveConfig,
+    meshes: Sequence[MeshSpec],
+    progress: Progress | None = None,
+    gpus_per_node: int | None = None,
 ) -> MeshSearch:
     """Plan ``config``'s model on each of ``meshes`` (``config.mesh`` is ignored) and rank
-    them by predicted step time.
+    them by predicted step time (``gpus_per_node``: the node size the meshes were laid
+    over, kept in the result for its readers).
 
     Raises:
         AutoshardError: no mesh is given, the model cannot be traced, or no mesh has a
@@ -88,6 +95,9 @@ def search_meshes(
         except AutoshardError as exc:  # this shape has no plan: its row says why
             rows.append(MeshRow(mesh, error=str(exc)))
             continue
+        # the shared trace counts in every shape's seconds, as in a solve of that shape
+        result.seconds = {"trace": trace_s, **result.seconds}
+        result.seconds["total"] = sum(v for k, v in result.seconds.items() if k != "total")
         rows.append(MeshRow(mesh, result))
     if progress:
         progress("meshes", len(meshes), len(meshes))
@@ -99,6 +109,6 @@ def search_meshes(
         (r for r in rows if r.result is not None),
         key=lambda r: (r.step_time_s, len(r.mesh.shape)),
     )
-    search = MeshSearch(ranked + [r for r in rows if r.result is None], trace_s)
+    search = MeshSearch(ranked + [r for r in rows if r.result is None], trace_s, gpus_per_node)
     search.best.result.meshes = search
     return search
