@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 import click
@@ -205,17 +204,14 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
     return meshes
 
 
-def _inside_node(shape: tuple[int, ...], gpus_per_node: int) -> list[bool]:
-    """Per mesh dim: whether its groups lie inside one node (MeshSpec.on_nodes's rule)."""
-    return [math.prod(shape[i:]) <= gpus_per_node for i in range(len(shape))]
-
-
 def _mesh_row(row, gpus_per_node: int) -> dict:  # noqa: ANN001 - a solver.meshes.MeshRow
     """One row of ``--gpus`` in the JSON report (seconds, bytes; ``None`` without a plan)."""
+    from autoshard.cost.mesh import inside_node
+
     plan = row.result.plan if row.result is not None else None
     return {
         "mesh": list(row.mesh.shape),
-        "inside_node": _inside_node(row.mesh.shape, gpus_per_node),
+        "inside_node": inside_node(row.mesh.shape, gpus_per_node),
         "bandwidth_Bps": list(row.mesh.bandwidth),
         "step_time_s": float(plan.step_time_s) if plan else None,
         "mfu": float(plan.mfu) if plan else None,
@@ -228,6 +224,7 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
     """The ranked table of ``--gpus``: one row per mesh shape tried."""
     from rich.table import Table
 
+    from autoshard.cost.mesh import inside_node
     from autoshard.units import format_bytes, format_seconds
 
     table = Table(title=f"mesh shapes of {gpus} GPUs, {gpus_per_node} per node (fastest first)")
@@ -235,7 +232,7 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
         table.add_column(col, justify="left" if col in ("mesh", "links") else "right")
     for row in search.rows:
         mesh = "x".join(map(str, row.mesh.shape))
-        inside = _inside_node(row.mesh.shape, gpus_per_node)
+        inside = inside_node(row.mesh.shape, gpus_per_node)
         links = " x ".join("node" if x else "network" for x in inside)
         if row.result is None:
             table.add_row(mesh, links, "no plan", "", "", "", style="dim")

@@ -66,6 +66,12 @@ def default_dim_names(ndim: int) -> tuple[str, ...]:
     return ("dp", "tp") if ndim == 2 else tuple(f"d{i}" for i in range(ndim))
 
 
+def inside_node(shape: Sequence[int], gpus_per_node: int) -> list[bool]:
+    """Per mesh dim of ``shape`` (ranks row-major over nodes of ``gpus_per_node``): whether
+    its groups lie inside one node, i.e. its span ``prod(shape[i:])`` fits in a node."""
+    return [math.prod(shape[i:]) <= gpus_per_node for i in range(len(shape))]
+
+
 def node_shapes(gpus: int, gpus_per_node: int, max_dims: int = 3) -> list[tuple[int, ...]]:
     """Every mesh shape of ``gpus`` devices with 1 to ``max_dims`` dims of 2 or more
     devices each that respects the node boundary, ranks laid out row-major over nodes of
@@ -257,7 +263,7 @@ class MeshSpec:
             AutoshardError: as :class:`MeshSpec`.
         """
         dims = tuple(shape)
-        intra = [math.prod(dims[i:]) <= gpus_per_node for i in range(len(dims))]
+        intra = inside_node(dims, gpus_per_node)
         return cls(
             dims,
             default_dim_names(len(dims)),
