@@ -368,6 +368,40 @@ def test_an_ignored_sigint_stays_ignored():
         signal.signal(signal.SIGINT, before)
 
 
+def test_a_ctrl_c_that_a_finaliser_swallowed_is_silent_and_stops_the_next_step(capsys):
+    """The one CI failure of 933a794: SIGINT landed in a finaliser (regex's ``__del__``
+    during tracing), Python printed "Exception ignored ... KeyboardInterrupt" and the solve
+    ran on for 304 s. Planted here: the interruption is recorded, nothing is printed, and the
+    next progress step raises it again."""
+    import gc
+    import signal
+    import sys
+
+    from rich.console import Console
+
+    from autoshard import interrupt
+    from autoshard.cli.options import Progress
+
+    class Finaliser:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler runs inside this finaliser
+
+    handler, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.install()
+        Finaliser()
+        gc.collect()
+        assert interrupt.requested()  # the program ran on past the swallowed exception ...
+        assert "KeyboardInterrupt" not in capsys.readouterr().err  # ... and said nothing
+        with pytest.raises(KeyboardInterrupt):
+            Progress(Console(stderr=True))("strategies", 0, 10)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        sys.unraisablehook = hook
+        interrupt._requested = False
+
+
 def test_the_users_line_is_found_under_a_folder_named_autoshard(tmp_path):
     """A clone at ~/autoshard/ holds the user's files too: only autoshard's own package,
     Python and installed packages are left out of the error's location."""

@@ -29,6 +29,7 @@ from autoshard.cost.mesh import (
     MeshSpec,
     parse_mesh_shape,
 )
+from autoshard import interrupt
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import WORK_LIMIT, SolverOptions
 from autoshard.units import BandwidthType, BytesType, DurationType, format_bandwidth, format_seconds
@@ -415,6 +416,7 @@ class Progress:
         self.bar.update(self.tasks["solve"], description=f"{label}: {text}")
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        interrupt.check()  # a Ctrl-C that landed in a finaliser and was swallowed stops here
         label = self.LABELS.get(phase, phase)
         if self.lines:
             if phase not in self.started:

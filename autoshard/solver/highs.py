@@ -40,6 +40,8 @@ import highspy
 import numpy as np
 import scipy.sparse as sp
 
+from autoshard import interrupt
+
 __all__ = ["HighsRun", "HighsWork", "MILP", "SolverProgress", "listening", "run", "tallying"]
 
 _STATUS = {
@@ -296,6 +298,7 @@ def _run_interruptibly(h: highspy.Highs, watch: _Watch | None = None) -> None:
     h.startSolve()
     try:
         while not h.wait(0.1)[0]:
+            interrupt.check()  # a Ctrl-C that landed in a finaliser and was swallowed
             if watch is not None:
                 watch.tell()
     except BaseException:  # Ctrl-C, or a listener that failed: HiGHS stops, then it goes on
