@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
+from autoshard import interrupt
 from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
 from autoshard.cost.mesh import (
     DDP_BUCKET_BYTES,
@@ -29,7 +30,6 @@ from autoshard.cost.mesh import (
     MeshSpec,
     parse_mesh_shape,
 )
-from autoshard import interrupt
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import WORK_LIMIT, SolverOptions
 from autoshard.units import BandwidthType, BytesType, DurationType, format_bandwidth, format_seconds
