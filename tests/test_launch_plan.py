@@ -10,6 +10,7 @@ placement).
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -70,26 +71,28 @@ def assert_runs_the_plan(out: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name, text",
+    "name, text, mesh",
     [
-        ("gpt2_default", GPT2_DEFAULT),
-        ("llama_small", LLAMA_SMALL),
-        ("bert_small", BERT_SMALL),
-        ("mixtral_small", MIXTRAL_SMALL),
+        ("gpt2_default", GPT2_DEFAULT, "2x4"),
+        ("llama_small", LLAMA_SMALL, "2x2"),
+        ("bert_small", BERT_SMALL, "2x2"),
+        ("mixtral_small", MIXTRAL_SMALL, "2x2"),
     ],
 )
 def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
-    tmp_path: Path, name: str, text: str
+    tmp_path: Path, name: str, text: str, mesh: str
 ) -> None:
     """HuggingFace models from default-style configs (KV cache on, default attention; a
-    Mixtral-style mixture of experts), 2 layers, solved on 2x4 and trained one step on 8
-    gloo ranks:
-    the collectives CommDebugMode and the per-mesh-dim log saw equal the plan's, per
+    Mixtral-style mixture of experts), 2 layers, solved and trained two steps: GPT-2 on 2x4
+    (8 gloo ranks), the others on 2x2 (4 ranks: a 2-D mesh shows the same, at half the
+    processes on this 2-core machine).
+    The collectives CommDebugMode and the per-mesh-dim log saw equal the plan's, per
     phase, kind and mesh dim; loss, gradients and parameters match one device."""
     model = write_model(tmp_path, text, name)
-    plan = solve(model, tmp_path)
+    plan = solve(model, tmp_path, mesh)
     assert json.loads(plan.read_text())["format"] == "autoshard.sharding_map/2"
-    run = torchrun(8, str(plan), str(model), "--train", "--check", "--steps", "2")
+    ranks = math.prod(int(d) for d in mesh.split("x"))
+    run = torchrun(ranks, str(plan), str(model), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "running the plan's graph" in run.stdout
     assert_runs_the_plan(run.stdout)
