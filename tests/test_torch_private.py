@@ -67,3 +67,48 @@ def test_view_follows_its_input_candidates():
 def test_single_dim_detection():
     assert tp.is_single_dim(aten.mm.default)
     assert not tp.is_single_dim(aten.view.default)
+
+
+def test_rules_run_unpriced_enumerate_what_the_priced_rules_do(tmp_path, monkeypatch):
+    """DTensor's rules run with torch's own pricing skipped (``_unpriced``): a 2-layer
+    Llama's training graph on 2x2 gets the same strategies, costs and edges as with the
+    rules run as torch runs them, pricing every input (counted here: it ran)."""
+    import contextlib
+
+    import numpy as np
+    from helpers import LLAMA_SMALL, write_model
+
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.solver.solve import SolveConfig, strategies, trace
+
+    cfg = SolveConfig(
+        model_path=write_model(tmp_path, LLAMA_SMALL, "llama"), mesh=MeshSpec.from_options("2x2")
+    )
+    graph = trace(cfg)
+    priced_calls = []
+    torch_cost = tp._ops_utils.redistribute_cost
+
+    def counted(src, dst):
+        priced_calls.append(1)
+        return torch_cost(src, dst)
+
+    monkeypatch.setattr(tp._ops_utils, "redistribute_cost", counted)
+    fast = strategies(cfg, graph)
+    assert not priced_calls
+    monkeypatch.setattr(tp, "_unpriced", contextlib.nullcontext)
+    priced = strategies(cfg, graph)
+    assert len(priced_calls) > 1000  # torch priced every input of every strategy
+    assert list(fast.nodes) == list(priced.nodes)
+    for name, a in fast.nodes.items():
+        b = priced.nodes[name]
+        assert a.strategies == b.strategies, name
+        assert np.array_equal(a.compute_s, b.compute_s) and a.rep == b.rep, name
+    assert len(fast.edges) == len(priced.edges)
+    for a, b in zip(fast.edges, priced.edges, strict=True):
+        assert (a.src, a.dst, a.src_placements, a.dst_placements) == (
+            b.src,
+            b.dst,
+            b.src_placements,
+            b.dst_placements,
+        )
+        assert np.array_equal(a.cost, b.cost)
