@@ -38,3 +38,18 @@ def _torchrun_only_in_slow_tests(request, monkeypatch):
         return real(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest first: the documented commands (the README's alone take 10-20 minutes), then
+    the other ``slow`` tests, then the rest, each group in file order. pytest-xdist's
+    worksteal hands each worker a contiguous share and lets an idle one take from the end
+    of another's: the long tests start at once, the many short ones fill in around them,
+    and a run never ends with one worker finishing a long test alone."""
+
+    def rank(item) -> int:
+        if item.get_closest_marker("slow") is None:
+            return 2
+        return 0 if item.nodeid.startswith("tests/test_docs_commands.py") else 1
+
+    items.sort(key=rank)
