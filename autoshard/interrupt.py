@@ -2,20 +2,23 @@
 
 Python raises :class:`KeyboardInterrupt` wherever the main thread happens to be; when that is
 a finaliser or a weakref callback (torch has both), the exception is printed as "ignored"
-and the program runs on. :func:`install` makes SIGINT also record itself (and keeps such a
-swallowed interruption off the screen: it is not an error), and :func:`check` raises again
-where it matters: at every progress step and HiGHS poll, so the work stops within seconds,
-and before any file is written, so an interrupted solve never writes a solution
-(``autoshard`` exits 130).
+and the program runs on. Inside :func:`installed`, SIGINT also records itself (and such a
+swallowed interruption is kept off the screen: it is not an error), and :func:`check`
+raises again where it matters: at every progress step and HiGHS poll, so the work stops
+within seconds, and before any file is written, so an interrupted solve never writes a
+solution (``autoshard`` exits 130).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 
-__all__ = ["check", "install", "requested"]
+__all__ = ["check", "installed", "requested"]
 
 _requested = False
 
@@ -26,34 +29,47 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def install() -> None:
-    """Route SIGINT through :func:`requested`'s record (main thread only; elsewhere a no-op,
-    since Python lets only the main thread set signal handlers)."""
-    global _requested
-    _requested = False
-    main = threading.current_thread() is threading.main_thread()
-    # an ignored SIGINT (a background job of a non-interactive shell) stays ignored
-    if main and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_sigint):
-        signal.signal(signal.SIGINT, _on_sigint)
-        if sys.unraisablehook is not _quiet_unraisable:
-            global _unraisable
-            _unraisable = sys.unraisablehook
-            sys.unraisablehook = _quiet_unraisable
-
-
-_unraisable = sys.unraisablehook
-
-
-def _quiet_unraisable(unraisable) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
-    """Python's report of an exception it could not raise (in a finaliser), except our own
-    Ctrl-C: that one is recorded, and :func:`check` raises it again at the next step."""
+def _quiet_unraisable(hook: Callable, unraisable) -> None:  # noqa: ANN001 - UnraisableHookArgs
+    """``hook``, Python's report of an exception it could not raise (in a finaliser),
+    except a recorded Ctrl-C: :func:`check` raises that one again at the next step."""
     if _requested and unraisable.exc_type is KeyboardInterrupt:
         return
-    _unraisable(unraisable)
+    hook(unraisable)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Within the block, SIGINT is recorded for :func:`requested` and :func:`check` and a
+    Ctrl-C swallowed by a finaliser is not printed; after it, SIGINT's handler and
+    ``sys.unraisablehook`` are what they were and nothing stays recorded (a caller that goes
+    on, as a test's ``CliRunner`` does, is never stopped by a Ctrl-C already handled).
+
+    Main thread only (elsewhere the block runs as it is: Python lets only the main thread
+    set signal handlers); an ignored SIGINT (a background job of a non-interactive shell)
+    stays ignored.
+    """
+    global _requested
+    _requested = False
+    previous = signal.getsignal(signal.SIGINT)
+    main = threading.current_thread() is threading.main_thread()
+    routed = main and previous in (signal.default_int_handler, _on_sigint)
+    hook = sys.unraisablehook
+    quiet = functools.partial(_quiet_unraisable, hook)  # wraps the hook of this moment
+    if routed:
+        signal.signal(signal.SIGINT, _on_sigint)
+        sys.unraisablehook = quiet
+    try:
+        yield
+    finally:
+        _requested = False
+        if routed:
+            signal.signal(signal.SIGINT, previous)
+            if sys.unraisablehook is quiet:  # another library's own hook since then stays
+                sys.unraisablehook = hook
 
 
 def requested() -> bool:
-    """Whether Ctrl-C was pressed since :func:`install`."""
+    """Whether Ctrl-C was pressed inside the current :func:`installed` block."""
     return _requested
 
 

@@ -211,14 +211,16 @@ def test_no_plan_fits_even_recomputing_so_the_error_names_the_least_memory(tmp_p
 
 @pytest.mark.slow
 def test_a_llama_no_budget_fits_gets_the_least_memory_not_a_solver_error(monkeypatch):
-    """The 7B Llama shape cut to 2 layers on a mesh of 4 under 1 GiB per device: whatever it
+    """The 7B Llama shape cut to 2 layers on 2x4 under 1 GiB per device: whatever it
     recomputes, no plan fits. The error is the budget's, with the least memory of any plan
     (recomputation included: no more than without it), not "HiGHS found no plan at all",
-    which the least-memory program's bytes (1e9, of both signs) once made HiGHS say."""
+    which the least-memory program's bytes (1e9, of both signs) once made HiGHS say. The
+    2x4 mesh is what shows it: with the bytes unscaled (planted in ``ilp._least_memory``)
+    this test fails, and on a 1-D mesh of 4 it does not."""
     monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
     cfg = SolveConfig(
         model_path=ROOT / "examples" / "llama.py",
-        mesh=MeshSpec.from_options("4"),
+        mesh=MeshSpec.from_options("2x4"),
         memory_budget=2.0**30,
     )
     with pytest.raises(MemoryBudgetError) as none:

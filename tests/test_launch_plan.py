@@ -74,7 +74,7 @@ def assert_runs_the_plan(out: str) -> None:
     "name, text, mesh",
     [
         ("gpt2_default", GPT2_DEFAULT, "2x4"),
-        ("llama_small", LLAMA_SMALL, "2x2"),
+        ("llama_small", LLAMA_SMALL, "2x4"),
         ("bert_small", BERT_SMALL, "2x2"),
         ("mixtral_small", MIXTRAL_SMALL, "2x2"),
     ],
@@ -83,9 +83,10 @@ def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
     tmp_path: Path, name: str, text: str, mesh: str
 ) -> None:
     """HuggingFace models from default-style configs (KV cache on, default attention; a
-    Mixtral-style mixture of experts), 2 layers, solved and trained two steps: GPT-2 on 2x4
-    (8 gloo ranks), the others on 2x2 (4 ranks: a 2-D mesh shows the same, at half the
-    processes on this 2-core machine).
+    Mixtral-style mixture of experts), 2 layers, solved and trained two steps: GPT-2 and
+    the Llama on 2x4 (8 gloo ranks: dims of two sizes, the Llama's 2 key/value heads on a
+    tp of 4), BERT and Mixtral on 2x2 (4 ranks; Mixtral's 4 experts over 4 devices are
+    test_experts.py's launch).
     The collectives CommDebugMode and the per-mesh-dim log saw equal the plan's, per
     phase, kind and mesh dim; loss, gradients and parameters match one device."""
     model = write_model(tmp_path, text, name)

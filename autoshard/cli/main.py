@@ -55,17 +55,17 @@ class _Group(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context):
-        interrupt.install()
-        try:
-            return super().invoke(ctx)
-        except AutoshardError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                traceback.print_exc()
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted (Ctrl-C): nothing was written", err=True)
-            sys.exit(130)
+        with interrupt.installed():
+            try:
+                return super().invoke(ctx)
+            except AutoshardError as exc:
+                if ctx.obj and ctx.obj.get("debug"):
+                    traceback.print_exc()
+                click.echo(f"error: {exc}", err=True)
+                sys.exit(2)
+            except KeyboardInterrupt:
+                click.echo("interrupted (Ctrl-C): nothing was written", err=True)
+                sys.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

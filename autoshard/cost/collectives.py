@@ -74,10 +74,11 @@ from autoshard.errors import AutoshardError
 # Size of the redistribute_cost cache, in entries (about 200 bytes each).
 _COST_CACHE_SIZE = 1 << 20
 
-# Size of the step-sequence cache, in entries (placement codes in and out: about 400 bytes
-# each). The Llama-70B shape on 8x4x2 asks for 100,749 distinct sequences; 4,096 entries
-# recomputed 275,279 of them (61 s of its 128 s of strategy generation under cProfile).
-_SEQUENCE_CACHE_SIZE = 1 << 18
+# Size of the step-sequence cache, in entries (placement codes in and out: about 520 bytes
+# each, so at most 68 MB per mesh). The Llama-70B shape on 8x4x2 asks for 100,749
+# distinct sequences; 4,096 entries recomputed 275,279 of them (61 s of its 128 s of
+# strategy generation under cProfile). A 2-D mesh needs a few thousand.
+_SEQUENCE_CACHE_SIZE = 1 << 17
 
 # Placement codes used inside the cost model: Replicate -> -1, Shard(d) -> d (>= 0),
 # Partial(op) -> the reduce op's name (a str).
