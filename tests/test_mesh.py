@@ -326,3 +326,23 @@ def test_every_priced_resharding_is_what_dtensor_runs(mesh_shape, bandwidth) -> 
                 assert ran == priced, (src, dst)
                 checked += 1
     assert checked > 100
+
+
+def test_the_step_memo_renames_tensor_dims_without_changing_a_step() -> None:
+    """``CommModel._sequence`` memoises the step search up to a renaming of tensor dims;
+    for 4,000 pairs of placement codes of a 4-D tensor on a 3-D mesh of three link speeds
+    (seeded), the steps equal the search run on the codes as they are."""
+    import random
+
+    model = comm_model(MeshSpec((8, 4, 2), ("a", "b", "c"), (25e9, 100e9, 400e9), (1e-5,) * 3))
+    codes = [-1, "sum", 0, 1, 2, 3]
+    rng = random.Random(0)
+    renamed = 0
+    for _ in range(4000):
+        s = tuple(rng.choice(codes) for _ in range(3))
+        d = tuple(rng.choice(codes) for _ in range(3))
+        used = max((c for c in s + d if isinstance(c, int)), default=-1)
+        ndim = rng.randint(max(used + 1, 1), 4)  # a tensor with every dim the codes name
+        assert model._sequence(s, d, ndim) == model._sequence_uncached(s, d, ndim), (s, d, ndim)
+        renamed += any(isinstance(c, int) and c >= 0 for c in s + d)
+    assert renamed > 3000

@@ -114,7 +114,9 @@ class CommModel:
         self._memo_by_value = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(
             self._redistribute_cost_uncached
         )
-        self._sequence = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(self._sequence_uncached)
+        self._canonical_sequence = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(
+            self._sequence_uncached
+        )
 
     # ----------------------------------------------------------------------------------------
     # Collectives (alpha-beta ring model, see the module docstring)
@@ -374,6 +376,28 @@ class CommModel:
             elif kind == "reduce_scatter":
                 local /= n
         return plan
+
+    def _sequence(self, s: tuple, d: tuple, ndim: int) -> tuple[tuple[str, int, _Code], ...]:
+        """:meth:`_sequence_uncached`, memoised up to a renaming of the tensor dims: the
+        steps depend on which codes are equal, never on the dims' numbers, except that a
+        split all-reduce shards the first free dim. So the dims ``s`` and ``d`` shard are
+        renamed 0, 1, ... in order of appearance, the first free dim (if any) gets the next
+        number, and the steps found for those codes are renamed back (the Llama-70B shape
+        on 8x4x2 asks for 100,749 distinct ``(s, d, ndim)``)."""
+        names: dict[int, int] = {}
+        for c in (*s, *d):
+            if type(c) is int and c >= 0 and c not in names:
+                names[c] = len(names)
+        free = next((t for t in range(ndim) if t not in names), None)
+        back = {v: k for k, v in names.items()}
+        if free is not None:
+            back[len(names)] = free
+
+        def rename(codes: tuple) -> tuple:
+            return tuple(names[c] if type(c) is int and c >= 0 else c for c in codes)
+
+        steps = self._canonical_sequence(rename(s), rename(d), len(names) + (free is not None))
+        return tuple((kind, i, back[c] if type(c) is int and c >= 0 else c) for kind, i, c in steps)
 
     def _sequence_uncached(
         self, s: tuple, d: tuple, ndim: int = 1
