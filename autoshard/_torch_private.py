@@ -181,6 +181,28 @@ def _reduction_to_avg(outputs, inputs) -> bool:
     )
 
 
+def _unpriced_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
+    return 0.0
+
+
+@contextlib.contextmanager
+def _unpriced() -> Iterator[None]:
+    """DTensor's rules price every input of every strategy they enumerate with torch's
+    own cost model (``generate_redistribute_costs`` into ``OpSpec.redistribute_cost``,
+    which only the runtime propagator reads to pick one). :func:`rule_strategies` keeps the
+    placements alone, and autoshard prices them with its own model
+    (:mod:`autoshard.cost.collectives`): torch's pricing is skipped while a rule runs
+    (measured: 2.7 s of the 6.0 s of strategy generation of a 2-layer Llama on 2x4).
+    ``tests/test_torch_private.py`` holds the strategies equal to the priced rules'."""
+    priced = _ops_utils.redistribute_cost
+    try:
+        _ops_utils.redistribute_cost = _unpriced_cost
+        yield
+    finally:
+        _ops_utils.redistribute_cost = priced
+
+
+@_unpriced()  # torch's pricing off while the rule runs (a fresh swap per call)
 def rule_strategies(
     op: Any,
     args: tuple,
@@ -211,40 +233,6 @@ def rule_strategies(
         KeyError: when PyTorch has no rule for ``op`` (check :func:`has_rule`).
         Exception: whatever the rule raises for arguments it cannot handle.
     """
-    with _unpriced():
-        return _rule_strategies(op, args, kwargs, mesh, candidates, out_meta)
-
-
-def _unpriced_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
-    return 0.0
-
-
-@contextlib.contextmanager
-def _unpriced() -> Iterator[None]:
-    """DTensor's rules price every input of every strategy they enumerate with torch's
-    own cost model (``generate_redistribute_costs`` into ``OpSpec.redistribute_cost``,
-    which only the runtime propagator reads to pick one). :func:`rule_strategies` keeps the
-    placements alone, and autoshard prices them with its own model
-    (:mod:`autoshard.cost.collectives`): torch's pricing is skipped while a rule runs
-    (measured: 2.7 s of the 6.0 s of strategy generation of a 2-layer Llama on 2x4).
-    ``tests/test_torch_private.py`` holds the strategies equal to the priced rules'."""
-    priced = _ops_utils.redistribute_cost
-    try:
-        _ops_utils.redistribute_cost = _unpriced_cost
-        yield
-    finally:
-        _ops_utils.redistribute_cost = priced
-
-
-def _rule_strategies(
-    op: Any,
-    args: tuple,
-    kwargs: dict,
-    mesh: DeviceMesh,
-    candidates: dict[int, Sequence[Placements]],
-    out_meta: Any,
-) -> list[RuleStrategy]:
-    """[``rule_strategies``], with torch's pricing off."""
     sp = _propagator()
     counter = iter(range(1 << 30))
 

@@ -73,8 +73,6 @@ def test_rules_run_unpriced_enumerate_what_the_priced_rules_do(tmp_path, monkeyp
     """DTensor's rules run with torch's own pricing skipped (``_unpriced``): a 2-layer
     Llama's training graph on 2x2 gets the same strategies, costs and edges as with the
     rules run as torch runs them, pricing every input (counted here: it ran)."""
-    import contextlib
-
     import numpy as np
     from helpers import LLAMA_SMALL, write_model
 
@@ -95,7 +93,7 @@ def test_rules_run_unpriced_enumerate_what_the_priced_rules_do(tmp_path, monkeyp
     monkeypatch.setattr(tp._ops_utils, "redistribute_cost", counted)
     fast = strategies(cfg, graph)
     assert not priced_calls
-    monkeypatch.setattr(tp, "_unpriced", contextlib.nullcontext)
+    monkeypatch.setattr(tp, "_unpriced_cost", counted)  # the swap puts torch's pricing back
     priced = strategies(cfg, graph)
     assert len(priced_calls) > 1000  # torch priced every input of every strategy
     assert list(fast.nodes) == list(priced.nodes)
