@@ -10,7 +10,6 @@ placement).
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from helpers import (
     write_model,
 )
 
+from autoshard.cost.mesh import MeshSpec
 from autoshard.plan.formats import load_solution, save_solution, solution_digest
 
 pytestmark = pytest.mark.slow
@@ -84,15 +84,15 @@ def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
 ) -> None:
     """HuggingFace models from default-style configs (KV cache on, default attention; a
     Mixtral-style mixture of experts), 2 layers, solved and trained two steps: GPT-2 and
-    the Llama on 2x4 (8 gloo ranks: dims of two sizes, the Llama's 2 key/value heads on a
-    tp of 4), BERT and Mixtral on 2x2 (4 ranks; Mixtral's 4 experts over 4 devices are
-    test_experts.py's launch).
+    the Llama on 2x4 (8 gloo ranks: dims of two sizes, and a tp dim of 4 beside the
+    Llama's 2 key/value heads), BERT and Mixtral on 2x2 (4 ranks; Mixtral's 4 experts
+    over 4 devices are test_experts.py's launch).
     The collectives CommDebugMode and the per-mesh-dim log saw equal the plan's, per
     phase, kind and mesh dim; loss, gradients and parameters match one device."""
     model = write_model(tmp_path, text, name)
     plan = solve(model, tmp_path, mesh)
     assert json.loads(plan.read_text())["format"] == "autoshard.sharding_map/2"
-    ranks = math.prod(int(d) for d in mesh.split("x"))
+    ranks = MeshSpec.from_options(mesh).num_devices
     run = torchrun(ranks, str(plan), str(model), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "running the plan's graph" in run.stdout
