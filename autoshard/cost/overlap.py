@@ -1,48 +1,47 @@
 """Communication hidden under compute: gradient reductions and parameter prefetch.
 
 Two kinds of collectives run on their own stream beside the compute, as in PyTorch DDP
-(gradient buckets reduced while the backward pass goes on) and FSDP (parameter
-all-gathers prefetched under the compute before them):
+(gradient buckets reduced while the backward pass goes on) and FSDP (the next block's
+parameters gathered while the current block computes):
 
-* a **gradient reduction** (the edge into a gradient output) can hide under the backward
-  compute still to run after its gradient is produced;
+* a **gradient reduction** (the edge into a gradient output) can hide under the compute
+  of the segment after the one that produces the gradient;
 * a **parameter gather** (an edge whose source variable is a parameter: the parameter
   resharded for an op that wants it in another placement, forward or backward) can hide
-  under the compute that runs before its consumer.
+  under the compute of the segment before the one that reads it.
 
-Every other resharding sits on the critical path (an activation is needed at once).
+Segments are a step's blocks, forward and backward, and the parts outside them
+(:mod:`autoshard.strategies.hiding`, which gives the schedule and its sources). Every
+other resharding sits on the critical path (an activation is needed at once), and so
+does a gather for the first segment and a reduction of a gradient of the last.
 
-Model, after meta-pytorch/autoparallel's open PR #353 (continuous savings variables): for
-each overlappable edge ``e`` a saving ``0 <= z_e``, with
+Model (continuous savings variables after meta-pytorch/autoparallel's open PR #353,
+with windows as real schedules have them instead of one pool for the whole step): for
+each overlappable edge ``e`` and segment ``w`` whose compute can hide some of it, a
+saving ``0 <= z_ew``, with
 
-* ``z_e <= c_e``: no more than the edge's own communication (``c_e = r_e . y_e``);
-* ``z_e <= f_e * C``: no more than the compute that can hide it, ``f_e`` the share of
-  that compute available (for a gradient, the share of backward FLOPs after its
-  producer; for a gather, the share of all FLOPs before its consumer; summed over the
-  tensors of a merged edge), ``C`` the backward compute ``C_bwd`` (gradients) or all
-  compute ``C_all`` (gathers), both linear in the chosen strategies;
-* ``sum_{gradients} z_e <= C_bwd`` and ``sum_e z_e <= C_all``: one communication stream,
-  so a second of compute hides at most a second of communication.
+* ``z_ew <= c_ew``: no more than the edge's communication hidden there (``c_ew`` the
+  part of ``c_e = r_e . y_e`` its members owned by that window make);
+* ``sum_e a_ew z_ew <= C_w``: one communication stream per window, so a second of the
+  window's compute ``C_w`` (linear in the chosen strategies) hides at most a second of
+  communication per real copy (``a_ew`` is :meth:`~autoshard.strategies.hiding.Schedule.weight`:
+  a middle block traced once for ``L - 3`` real ones hides ``L - 3`` copies of its
+  neighbour's communication under ``L - 3`` copies of its compute).
 
-The objective subtracts ``sum_e z_e``. For a fixed plan the savings have a closed form
-(:func:`hidden_seconds`): ``u_e = min(c_e, f_e C)``, ``A = min(sum_grad u_e, C_bwd)``,
-``hidden = min(A + sum_gather u_e, C_all)``, which is the optimum of that LP, so the ILP's
-objective and a plan's predicted step time agree.
-
-Shares ``f_e`` (:func:`autoshard.strategies.hiding.hide_share_fn`, set on each edge
-when the strategy graph is built) come from the graph's FLOPs (:attr:`NodeInfo.flops`,
-global shapes, times each node's multiplicity): they are constants, so the model stays
-linear.
+The objective subtracts ``sum z``. For a fixed plan each window is a fractional
+knapsack, whose optimum the greedy fill gives (:func:`hidden_seconds`: lightest weight
+first), so the ILP's objective and a plan's predicted step time are one price.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoshard.strategies.graph import StrategyGraph
-from autoshard.strategies.hiding import GATHER, GRADIENT
+from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 
 
 @dataclass(frozen=True)
@@ -56,30 +55,26 @@ class Overlap:
         return float(sum(self.hidden_s.values()))
 
 
-def compute_vectors(sg: StrategyGraph) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per representative: (all compute, backward compute) seconds per strategy.
-
-    The compute of every node merged into the representative (no optimizer step, no
-    resharding): ``C_all`` and ``C_bwd`` of the module docstring, as vectors.
-    """
-    cache = sg.__dict__.get("_compute_vectors")
+def window_vectors(sg: StrategyGraph) -> list[dict[str, np.ndarray]]:
+    """Per segment of the step (:func:`~autoshard.strategies.hiding.schedule`): for each
+    representative with nodes there, the seconds of their compute per strategy (times
+    each node's multiplicity; no optimizer step, no resharding): ``C_w`` of the module
+    docstring, as vectors."""
+    cache = sg.__dict__.get("_window_vectors")
     if cache is not None:
         return cache
-    out = {
-        r: (np.zeros(len(sg.nodes[r].strategies)), np.zeros(len(sg.nodes[r].strategies)))
-        for r in sg.reps
-    }
+    sched = schedule(sg.graph)
+    out: list[dict[str, np.ndarray]] = [{} for _ in sched.mult]
     nodes = sg.graph.nodes
     for name, ns in sg.nodes.items():
         info = nodes.get(name)
-        if info is None or info.kind != "op":  # a parameter's cost is its optimizer step
+        w = sched.segment.get(name)
+        if info is None or info.kind != "op" or w is None:
             continue
         per = ns.compute_s[ns.choice]
-        total, backward = out[ns.rep]
-        total += per
-        if info.backward:
-            backward += per
-    sg.__dict__["_compute_vectors"] = out
+        held = out[w].get(ns.rep)
+        out[w][ns.rep] = per.copy() if held is None else held + per
+    sg.__dict__["_window_vectors"] = out
     return out
 
 
@@ -87,35 +82,27 @@ def overlappable(sg: StrategyGraph) -> list[int]:
     """Indices of the edges of ``sg`` that can hide (see the module docstring)."""
     if not sg.overlap:
         return []
-    return [
-        i for i, e in enumerate(sg.edges) if e.overlap in (GRADIENT, GATHER) and e.hide_share > 0
-    ]
+    return [i for i, e in enumerate(sg.edges) if e.overlap in (GRADIENT, GATHER) and e.hide]
 
 
 def hidden_seconds(sg: StrategyGraph, choice: dict[str, int]) -> Overlap:
-    """Seconds of communication a plan hides under compute (the closed form of the
-    module docstring; 0 when ``sg.overlap`` is off)."""
-    vectors = compute_vectors(sg)
-    c_all = sum(float(vectors[r][0][choice[r]]) for r in sg.reps)
-    c_bwd = sum(float(vectors[r][1][choice[r]]) for r in sg.reps)
-    bounds: dict[int, float] = {}
-    grad_sum = gather_sum = 0.0
+    """Seconds of communication a plan hides under compute: per window, the greedy fill
+    of the module docstring (the optimum of its LP); 0 when ``sg.overlap`` is off."""
+    sched = schedule(sg.graph)
+    vectors = window_vectors(sg)
+    items: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
     for i in overlappable(sg):
         e = sg.edges[i]
-        c = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
-        pool = c_bwd if e.overlap == GRADIENT else c_all
-        u = min(c, e.hide_share * pool)
-        bounds[i] = u
-        if e.overlap == GRADIENT:
-            grad_sum += u
-        else:
-            gather_sum += u
-    grad_hidden = min(grad_sum, c_bwd)
-    gather_hidden = min(gather_sum, c_all - grad_hidden)
-    hidden = {}
-    for i, u in bounds.items():
-        if sg.edges[i].overlap == GRADIENT:
-            hidden[i] = u * (grad_hidden / grad_sum if grad_sum > 0 else 0.0)
-        else:
-            hidden[i] = u * (gather_hidden / gather_sum if gather_sum > 0 else 0.0)
+        a, b = e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]
+        for w, cost in e.hide.items():
+            u = float(cost[a, b])
+            if u > 0:
+                items[w].append((sched.weight(w, e.overlap), i, u))
+    hidden: dict[int, float] = {}
+    for w in sorted(items):
+        left = sum(float(v[choice[r]]) for r, v in vectors[w].items())
+        for weight, i, u in sorted(items[w]):
+            z = min(u, left / weight) if left > 0 else 0.0
+            hidden[i] = hidden.get(i, 0.0) + z
+            left -= weight * z
     return Overlap(hidden)

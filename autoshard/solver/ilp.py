@@ -29,9 +29,9 @@ Mathematics (the method that builds each part is named in brackets):
   a parameter's shard), ``r`` the resharding seconds of each (produced, wanted) pair
   (alpha-beta ring model in sequence, gradients bucketed, :mod:`autoshard.cost.mesh`).
 * Overlap [``_overlap_rows``]: ``z >= 0`` the seconds of gradient reductions and
-  parameter gathers hidden under compute, bounded by each edge's communication, by its
-  share of the compute that can hide it, and by that compute in total
-  (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
+  parameter gathers hidden under compute, bounded by each edge's communication and, per
+  window (the neighbouring block's forward or backward), by that window's compute: one
+  stream (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
 
 Solved by HiGHS, handed the matrices directly (:mod:`autoshard.solver.highs`:
 ``mip_rel_gap``, a work limit per MIP and an iteration limit per LP, one thread, a fixed
@@ -54,12 +54,12 @@ import scipy.sparse as sp
 from autoshard.cost.checkpointing import Columns, columns
 from autoshard.cost.liveness import local_bytes
 from autoshard.cost.objective import evaluate
-from autoshard.cost.overlap import compute_vectors, overlappable
+from autoshard.cost.overlap import overlappable, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
-from autoshard.strategies.hiding import GRADIENT
+from autoshard.strategies.hiding import schedule
 from autoshard.units import format_bytes
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -164,13 +164,13 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps):
 
 @dataclass(frozen=True)
 class _OverlapRows:
-    """The savings part of the ILP (:mod:`autoshard.cost.overlap`): ``K`` overlappable edges."""
+    """The savings part of the ILP (:mod:`autoshard.cost.overlap`): ``K`` savings, one per
+    (overlappable edge, window) pair, and the windows' compute."""
 
-    comm: sp.csr_matrix  # (K, n_y): row e holds edge e's resharding seconds over its y block
-    share: np.ndarray  # (K,) f_e
-    gradient: np.ndarray  # (K,) bool: a gradient reduction (else a parameter gather)
-    c_all: np.ndarray  # (n_x,) compute seconds per strategy
-    c_bwd: np.ndarray  # (n_x,) backward compute seconds per strategy
+    comm: sp.csr_matrix  # (K, n_y): saving k's hideable seconds over its edge's y block
+    weight: np.ndarray  # (K,) a_ew: window compute seconds per second hidden
+    window: np.ndarray  # (K,) int: index into ``compute``'s rows
+    compute: sp.csr_matrix  # (W, n_x): each window's compute seconds per strategy
 
 
 def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps):
@@ -178,28 +178,36 @@ def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps)
     idx = overlappable(sg)
     if not idx:
         return None
-    rows, cols, data = [], [], []
-    for k, i in enumerate(idx):
-        start, n = edge_offsets[i], len(keeps[i])
-        rows.append(np.full(n, k))
-        cols.append(np.arange(start, start + n))
-        data.append(r[start : start + n])
+    sched = schedule(sg.graph)
+    rows, cols, data, weight, used = [], [], [], [], []
+    for i in idx:
+        e = sg.edges[i]
+        start, keep = edge_offsets[i], keeps[i]
+        for w in sorted(e.hide):
+            rows.append(np.full(len(keep), len(weight)))
+            cols.append(np.arange(start, start + len(keep)))
+            data.append(e.hide[w].ravel()[keep])
+            weight.append(sched.weight(w, e.overlap))
+            used.append(w)
     comm = sp.csr_matrix(
         (np.concatenate(data), (np.concatenate(rows), np.concatenate(cols))),
-        shape=(len(idx), len(r)),
+        shape=(len(weight), len(r)),
     )
-    vectors = compute_vectors(sg)
-    c_all, c_bwd = np.zeros(n_x), np.zeros(n_x)
-    for rep in reps:
-        a, b = vectors[rep]
-        c_all[offsets[rep] : offsets[rep] + len(a)] = a
-        c_bwd[offsets[rep] : offsets[rep] + len(b)] = b
+    windows = sorted(set(used))
+    vectors = window_vectors(sg)
+    crow, ccol, cval = [], [], []
+    for k, w in enumerate(windows):
+        for rep, v in vectors[w].items():
+            crow.append(np.full(len(v), k))
+            ccol.append(offsets[rep] + np.arange(len(v)))
+            cval.append(v)
+    compute = sp.csr_matrix(
+        (np.concatenate(cval), (np.concatenate(crow), np.concatenate(ccol))),
+        shape=(len(windows), n_x),
+    )
+    position = {w: k for k, w in enumerate(windows)}
     return _OverlapRows(
-        comm,
-        np.array([sg.edges[i].hide_share for i in idx]),
-        np.array([sg.edges[i].overlap == GRADIENT for i in idx]),
-        c_all,
-        c_bwd,
+        comm, np.array(weight), np.array([position[w] for w in used], dtype=np.int64), compute
     )
 
 
@@ -299,20 +307,18 @@ def _milp(
     fixed: np.ndarray | None = None,
     memory_objective: np.ndarray | None = None,
 ) -> MILP:
-    """The program over columns ``[x; y; z; c_all; c_bwd]`` [``_node_blocks``,
-    ``_edge_rows``, ``_overlap_rows``]; ``x`` is the first ``prob.n_x`` columns.
+    """The program over columns ``[x; y; z]`` [``_node_blocks``, ``_edge_rows``,
+    ``_overlap_rows``], then the checkpointing decision's; ``x`` is the first ``prob.n_x``.
 
     ``boolean=False`` is the LP relaxation (``0 <= x <= 1``); ``memory`` adds the budget
     row; ``fixed`` pins those entries of ``x`` to 1; ``memory_objective`` minimises bytes
     instead of time. The time objective is in microseconds: HiGHS's absolute tolerances
     (1e-6) would otherwise stop it a whole objective away from the optimum.
 
-    Rows: ``A [x; y] = b``; ``m . x <= budget``; with overlap, ``c_all = SCALE c_all . x``,
-    ``c_bwd = SCALE c_bwd . x`` (the compute that can hide communication, as two scalars:
-    one dense row each instead of one per edge), ``z_e <= SCALE comm_e . y`` (each edge
-    hides at most its communication), ``sum z <= c_all``, and per gradient reduction
-    ``z_e <= share_e c_bwd`` with ``sum z_grad <= c_bwd``, per parameter gather
-    ``z_e <= share_e c_all``. The objective subtracts ``sum z``.
+    Rows: ``A [x; y] = b``; ``m . x <= budget``; with overlap, per saving ``k`` (an
+    overlappable edge's part hidden in one window) ``z_k <= SCALE comm_k . y``, and per
+    window ``w`` one stream: ``sum_{k in w} a_k z_k <= SCALE C_w . x``
+    (:mod:`autoshard.cost.overlap`). The objective subtracts ``sum z``.
     """
     n_x, n_y = prob.n_x, prob.n_y
     ov = prob.overlap if prob.n_y else None
@@ -346,7 +352,7 @@ def _milp(
             for bi, b in enumerate(rc.cols.ck.blocks):
                 c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
     if ov is not None:
-        _add_overlap(prob, ov, ck0, n, memory_objective is None, blocks, lower, upper, col_lower, c)
+        _add_overlap(prob, ov, ck0, n, memory_objective is None, blocks, lower, upper, c)
     return MILP(
         c=c,
         A=sp.vstack(blocks, format="csc"),
@@ -367,60 +373,40 @@ def _add_overlap(
     blocks: list,
     lower: list,
     upper: list,
-    col_lower: np.ndarray,
     c: np.ndarray,
 ) -> None:
     """The overlap savings' rows and columns of :func:`_milp` (its docstring gives them),
-    added in place: ``z`` (one per overlappable edge, subtracted from a time objective),
-    then ``c_all`` and ``c_bwd`` (free)."""
+    added in place: ``z`` (one per saving, subtracted from a time objective)."""
     n_x, n_y = prob.n_x, prob.n_y
-    k = len(ov.share)
-    z0, ca, cb = n_x + n_y, n_x + n_y + k, n_x + n_y + k + 1
-    col_lower[ca:ck0] = -np.inf  # c_all, c_bwd: free
+    k = len(ov.weight)
+    z0 = n_x + n_y
     if time_objective:
-        c[z0:ca] = -1.0
-    grad, gather = np.flatnonzero(ov.gradient), np.flatnonzero(~ov.gradient)
-
-    def row(cols: dict[int, float] | None = None, x=None, y=None) -> sp.csr_matrix:
-        dense = np.zeros(n)
-        if x is not None:
-            dense[:n_x] = x
-        if y is not None:
-            dense[n_x : n_x + n_y] = y
-        for j, v in (cols or {}).items():
-            dense[j] = v
-        return sp.csr_matrix(dense[None, :])
-
-    blocks += [row({ca: 1.0}, x=-SCALE * ov.c_all), row({cb: 1.0}, x=-SCALE * ov.c_bwd)]
-    lower += [[0.0], [0.0]]
-    upper += [[0.0], [0.0]]
-    # z_e - SCALE comm_e . y <= 0
-    eye = sp.identity(k, format="csr")
+        c[z0 : z0 + k] = -1.0
+    # z_k - SCALE comm_k . y <= 0
     blocks.append(
-        sp.hstack([sp.csr_matrix((k, n_x)), -SCALE * ov.comm, eye, sp.csr_matrix((k, n - ck0 + 2))])
+        sp.hstack(
+            [
+                sp.csr_matrix((k, n_x)),
+                -SCALE * ov.comm,
+                sp.identity(k, format="csr"),
+                sp.csr_matrix((k, n - ck0)),
+            ],
+            format="csr",
+        )
     )
     lower.append(np.full(k, -np.inf))
     upper.append(np.zeros(k))
-    # sum z - c_all <= 0
-    blocks.append(row({**{z0 + e: 1.0 for e in range(k)}, ca: -1.0}))
-    lower.append([-np.inf])
-    upper.append([0.0])
-    for members, scalar, total in ((grad, cb, True), (gather, ca, False)):
-        if not len(members):
-            continue
-        # z_e - share_e * scalar <= 0
-        m = len(members)
-        sel = sp.csr_matrix((np.ones(m), (np.arange(m), z0 + members)), shape=(m, n))
-        share = sp.csr_matrix(
-            (-ov.share[members], (np.arange(m), np.full(m, scalar))), shape=(m, n)
+    # per window: sum_k a_k z_k - SCALE compute_w . x <= 0
+    n_w = ov.compute.shape[0]
+    saved = sp.csr_matrix((ov.weight, (ov.window, np.arange(k))), shape=(n_w, k))
+    blocks.append(
+        sp.hstack(
+            [-SCALE * ov.compute, sp.csr_matrix((n_w, n_y)), saved, sp.csr_matrix((n_w, n - ck0))],
+            format="csr",
         )
-        blocks.append(sel + share)
-        lower.append(np.full(m, -np.inf))
-        upper.append(np.zeros(m))
-        if total:  # sum z_grad - c_bwd <= 0
-            blocks.append(row({**{z0 + e: 1.0 for e in members}, scalar: -1.0}))
-            lower.append([-np.inf])
-            upper.append([0.0])
+    )
+    lower.append(np.full(n_w, -np.inf))
+    upper.append(np.zeros(n_w))
 
 
 def _memory_block(prob: _Problem, m: np.ndarray, n: int) -> sp.csr_matrix:
@@ -540,7 +526,7 @@ def _size(prob: _Problem, memory: tuple[np.ndarray, float] | None) -> dict[str, 
 def _recompute_offset(prob: _Problem) -> int:
     """The first checkpointing column in the MILP (:func:`_milp`)."""
     ov = prob.overlap if prob.n_y else None
-    return prob.n_x + prob.n_y + (len(ov.share) + 2 if ov is not None else 0)
+    return prob.n_x + prob.n_y + (len(ov.weight) if ov is not None else 0)
 
 
 def solve(

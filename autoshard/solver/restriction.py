@@ -104,7 +104,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
                 consumer=e.consumer,
                 members=e.members,
                 overlap=e.overlap,
-                hide_share=e.hide_share,
+                hide=e.hide,
             )
         )
 

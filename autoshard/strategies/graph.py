@@ -45,7 +45,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch_private as tp
 from autoshard.strategies.experts import EXPERTS_COSTS, EXPERTS_RULES
-from autoshard.strategies.hiding import GATHER, GRADIENT, hide_share_fn
+from autoshard.strategies.hiding import GATHER, GRADIENT, window_fn
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
@@ -103,7 +103,10 @@ class Edge:
     consumer: str = ""  # the node (maybe merged) that reads it
     members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
     overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.cost.overlap)
-    hide_share: float = 0.0  # f_e of autoshard.strategies.hiding, summed over merged edges
+    # the part of ``cost`` that can hide, by the segment whose compute hides it
+    # (autoshard.strategies.hiding.Schedule.window): the cost matrices of the merged
+    # edges' members hidden there (a member with no window stays out)
+    hide: dict[int, np.ndarray] = field(default_factory=dict)
     # the real tensor reads ``cost`` counts (each member times its multiplicity), and of
     # them, per layer, the reads by one real copy of that layer's forward pass (what a
     # recomputed block reads again: autoshard.cost.checkpointing)
@@ -877,7 +880,7 @@ def _build_edges(
                 if f"{name}.{k}" in nodes:
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
-    share = hide_share_fn(graph)
+    window = window_fn(graph)
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
@@ -897,6 +900,8 @@ def _build_edges(
             cost = np.array([[price(p, q, t.shape, item) for q in q_list] for p in p_list])
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
+        cost_m = cost * m if m != 1 else cost
+        h = window(kind, src_name, dst_name) if kind else None
         reader = graph.nodes.get(dst_name)
         forward_layer = (
             reader.layer
@@ -913,12 +918,12 @@ def _build_edges(
             dst_placements=q_list,
             src_groups=np.array([p_index[p] for p in produced], dtype=np.int64),
             dst_groups=np.array([q_index[q] for q in wanted], dtype=np.int64),
-            cost=cost * m if m != 1 else cost,
+            cost=cost_m,
             producer=src_name,
             consumer=dst_name,
             members=[t],
             overlap=kind,
-            hide_share=m * share(kind, src_name, dst_name) if kind else 0.0,
+            hide={} if h is None else {h: cost_m},
             uses=float(m),
             forward_uses={} if forward_layer is None else {forward_layer: 1},
         )
@@ -954,11 +959,14 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
         )
         kept = merged.get(key)
         if kept is None:
-            merged[key] = replace(e, members=list(e.members), forward_uses=dict(e.forward_uses))
+            merged[key] = replace(
+                e, members=list(e.members), forward_uses=dict(e.forward_uses), hide=dict(e.hide)
+            )
         else:
             kept.cost = kept.cost + e.cost
             kept.members.extend(e.members)
-            kept.hide_share += e.hide_share
+            for h, m in e.hide.items():
+                kept.hide[h] = kept.hide[h] + m if h in kept.hide else m
             kept.uses += e.uses
             for layer, n in e.forward_uses.items():
                 kept.forward_uses[layer] = kept.forward_uses.get(layer, 0) + n
