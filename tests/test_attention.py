@@ -154,3 +154,85 @@ def test_grouped_query_key_value_views_keep_the_batch_shard_on_8_devices(tmp_pat
             refused.view(8, 32, 2, 32)
         kept = DTensor.from_local(torch.empty(1, 32, 64, device="meta"), mesh, [Shard(0)])
         assert kept.view(8, 32, 2, 32).placements == (Shard(0),)
+
+
+LLAMA_WITH_POSITIONS = (
+    LLAMA_SMALL.replace(
+        "def build_model():\n    return LlamaForCausalLM(",
+        "class WithPositions(torch.nn.Module):\n"
+        "    def __init__(self, inner):\n"
+        "        super().__init__()\n"
+        "        self.inner = inner\n\n"
+        "    def forward(self, input_ids, position_ids):\n"
+        "        return self.inner(input_ids=input_ids, position_ids=position_ids).logits\n\n\n"
+        "def build_model():\n    return WithPositions(LlamaForCausalLM(",
+    )
+    .replace("        )\n    )\n", "        )\n    ))\n")
+    .replace(
+        "    return (torch.randint(0, 512, (8, 32)),)",
+        "    return (torch.randint(0, 512, (8, 32)), torch.arange(32).repeat(8, 1))",
+    )
+)
+
+
+def _eager_sdpa_calls(text: str, tmp_path) -> list[tuple[bool, bool]]:
+    """What HuggingFace hands ``F.scaled_dot_product_attention`` when the model runs
+    eagerly (meta tensors): per call, (is_causal, a mask was given)."""
+    from autoshard.model.model_file import load_model_file
+
+    path = write_model(tmp_path, text, "eager_ref")
+    mod = load_model_file(path).module
+    with torch.device("meta"):
+        model = mod.build_model()
+    inputs = [t.to("meta") for t in mod.example_inputs()]
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((bool(is_causal), attn_mask is not None))
+        return original(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw
+        )
+
+    torch.nn.functional.scaled_dot_product_attention = record
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    return calls
+
+
+@pytest.mark.parametrize("text", [GPT2_DEFAULT, LLAMA_SMALL], ids=["gpt2", "llama"])
+def test_the_causal_mask_is_traced_as_eager_runs_it(tmp_path, text):
+    """Run eagerly, HuggingFace builds no mask for a batch without padding: SDPA gets
+    ``is_causal=True``. Under torch.export it would build the (B, 1, S, S) mask whole on
+    every device; the traced step must hold what eager runs (the reference: HF's own calls,
+    recorded)."""
+    assert set(_eager_sdpa_calls(text, tmp_path)) == {(True, False)}
+    graph = trace(_config(tmp_path, text, "2"))
+    forwards = _flash_nodes(graph, FLASH_FORWARD)
+    assert forwards
+    fx = {n.name: n for n in graph.graph_module.graph.nodes}
+    for node in (fx[n] for n, i in graph.nodes.items() if i in forwards):
+        assert node.args[4:5] == (True,) and "attn_mask" not in node.kwargs, node.kwargs
+    square = [
+        n
+        for n, i in graph.nodes.items()
+        if i.kind == "op"
+        and i.results
+        and i.results[0] is not None
+        and i.results[0].shape == (8, 1, 32, 32)  # HF's (B, 1, S, S) mask
+    ]
+    assert square == []
+
+
+def test_given_position_ids_the_packed_sequence_check_is_traced_not_assumed(tmp_path):
+    """Position ids the model is given may pack several sequences in a row: masking_utils
+    cannot read them while tracing, so the mask it builds stays in the graph."""
+    graph = trace(_config(tmp_path, LLAMA_WITH_POSITIONS, "2"))
+    fx = {n.name: n for n in graph.graph_module.graph.nodes}
+    forwards = [
+        fx[n] for n, i in graph.nodes.items() if i.kind == "op" and i.target is FLASH_FORWARD
+    ]
+    assert forwards and all("attn_mask" in n.kwargs for n in forwards)

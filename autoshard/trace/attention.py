@@ -16,6 +16,16 @@ for the CUDA flash kernel, :func:`flash_flops`) and for the strategies and the l
 (:data:`autoshard.strategies.graph.OWN_RULES`: batch- or head-sharded, computed shard by
 shard with no communication).
 
+The causal mask as eager runs it: HuggingFace builds no mask when there is no padding mask
+(``transformers.masking_utils._ignore_causal_mask_sdpa``: SDPA's ``is_causal=True``
+instead, and likewise no mask for bidirectional attention), except under ``torch.export``,
+where it builds the ``[B, 1, S, S]`` mask in full, since an exported program could be run at
+other lengths (its comment cites pytorch#108108). autoshard traces one step at the given
+shapes, so while tracing, masking_utils is told it is not exporting: the graph holds
+``is_causal=True`` as the user's run does, not a mask computed whole on every device
+(512 MiB of booleans and 2 GiB of its additive form per device at 8 x 8192). A padding
+mask the model is given is still traced, never read (masking_utils checks ``is_tracing``).
+
 Attention with dropout (``dropout_p > 0``, a model traced in training mode with attention
 dropout) keeps the math path. Grouped-query attention (``enable_gqa``) repeats the key and
 value heads first, as the math path does; the fused GPU kernels read them without the copy,
@@ -25,6 +35,7 @@ so its memory is overstated by the repeated keys and values.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,14 +92,41 @@ def _flash(
     return out
 
 
+def _not_exporting() -> bool:
+    return False
+
+
+def _one_sequence_per_row(position_ids: torch.Tensor) -> None:
+    return None
+
+
 @contextlib.contextmanager
-def flash_attention_traced() -> Iterator[None]:
-    """While tracing: ``F.scaled_dot_product_attention`` is one fused op (module docstring)."""
+def flash_attention_traced(input_names: tuple[str, ...] = ()) -> Iterator[None]:
+    """While tracing: ``F.scaled_dot_product_attention`` is one fused op, and HuggingFace
+    skips the causal mask where eager skips it (module docstring).
+
+    ``input_names``: the forward's parameters the model is given. Without
+    ``position_ids`` among them, the model makes its own (``0 .. S-1`` on every row), in
+    which masking_utils' packed-sequence check (``find_packed_sequence_indices``) finds one
+    sequence per row in eager; traced, it could not read them and would build the mask, so
+    it is told so. Given ``position_ids`` (packed sequences), the check is traced as is.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    patches = {}
+    if masking is not None:
+        patches["is_torchdynamo_exporting"] = _not_exporting
+        if "position_ids" not in input_names:
+            patches["find_packed_sequence_indices"] = _one_sequence_per_row
+    saved = {k: getattr(masking, k) for k in patches if hasattr(masking, k)}
     F.scaled_dot_product_attention = _flash
+    for k in saved:
+        setattr(masking, k, patches[k])
     try:
         yield
     finally:
         F.scaled_dot_product_attention = _original
+        for k, v in saved.items():
+            setattr(masking, k, v)
 
 
 def flash_flops(target: Any, shapes: list[tuple[int, ...]]) -> float:

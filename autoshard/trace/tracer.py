@@ -434,7 +434,7 @@ _DECOMPOSITIONS.pop(FLASH_FORWARD, None)
 def _export_inference(loaded: LoadedModel):
     """Forward graph: ``torch.export`` + core-ATen decompositions."""
     try:
-        with _quiet_torch(), flash_attention_traced():
+        with _quiet_torch(), flash_attention_traced(loaded.input_names):
             ep = torch.export.export(loaded.module, loaded.inputs)
             ep = ep.run_decompositions(_DECOMPOSITIONS)
     except Exception as exc:  # torch raises many types here
@@ -465,7 +465,7 @@ def _export_joint(loaded: LoadedModel):
     """
     stack = contextlib.ExitStack()
     try:
-        with _quiet_torch(), flash_attention_traced():
+        with _quiet_torch(), flash_attention_traced(loaded.input_names):
             ep = torch.export.export(_LossWrapper(loaded.module, loaded.loss_fn), loaded.inputs)
             # the CompositeImplicitAutograd ops, decomposed (see the function's doc)
             ep = ep.run_decompositions(dict(tp.composite_implicit_decompositions()))
