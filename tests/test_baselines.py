@@ -386,3 +386,31 @@ def test_compare_table_and_budget(model_files):
     if HAS_MODES:
         assert by["ilp"]["error"] and "memory budget" in by["ilp"]["error"]
     assert not any(p["fits"] for p in by.values())
+
+
+@pytest.mark.parametrize("algo", ["ddp", "fsdp"])
+def test_data_parallel_activations_follow_the_batch_shard(model_files, algo):
+    """DDP and FSDP run every activation on a device's own shard of the batch, the loss's
+    gradient too (each rank differentiates its own loss): no op of the training step is
+    computed on the whole batch on every device. The tiny Llama's (8, 32, 256) logits
+    and their gradient included; before, a chain of free views kept the gradient whole and
+    the division before it ran on all 8 rows on each of the 4 devices. Exempt: a broadcast
+    of the 0-d seed (``expand``, which allocates nothing)."""
+    from autoshard.cost.liveness import local_bytes
+
+    mesh, sg = _sg(model_files, "llama_tiny", "4", "train")
+    choice = baseline_choice(sg, algo, mesh)
+    whole = []
+    for name, ns in sg.nodes.items():
+        info = sg.graph.nodes.get(name)
+        if info is None or info.kind != "op" or not info.results or info.results[0] is None:
+            continue
+        t = info.results[0]
+        if tuple(t.shape[:2]) != (8, 32):  # (batch, sequence, ...) activations
+            continue
+        if all(not sg.graph.nodes[a].results[0].shape for a in info.arg_nodes):
+            continue  # the seed's broadcast
+        s = ns.strategies[ns.choice[choice[ns.rep]]]
+        if local_bytes(t, s.outputs[0], sg.mesh_shape) > t.nbytes / 4:
+            whole.append((name, str(info.target), t.shape, s.outputs[0]))
+    assert whole == []

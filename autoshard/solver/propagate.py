@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autoshard.cost.liveness import local_bytes
 from autoshard.errors import AutoshardError
 from autoshard.strategies.graph import Edge, StrategyGraph
 
@@ -19,8 +20,11 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
     strategies by the pins is decided by its first consumer: the pair of their strategies
     with the least resharding. What is computed from the loss's tangent alone (the mean's
     gradient, as large as the output) is decided last, in reverse order: each node the
-    strategy of least compute plus resharding to and from the nodes already decided, as
-    each rank of a data-parallel run makes the gradient of its own shard of the output.
+    strategy of least compute plus resharding to and from the nodes already decided, and
+    among equals the one that holds the least of its output on a device, as each rank of a
+    data-parallel run makes the gradient of its own shard of the output (a view is free
+    either way: without this, a chain of views kept the gradient whole and the division
+    before it ran on the whole ``(B, S, V)`` tensor on every device).
 
     Raises:
         AutoshardError: some node has no strategy its inputs can be resharded into
@@ -78,7 +82,17 @@ def propagate(sg: StrategyGraph) -> dict[str, int]:
         for e in into.get(rep, []):
             if e.src in choice and e.src != rep:
                 cost = cost + e.cost[e.src_groups[choice[e.src]], e.dst_groups]
-        choice[rep] = int(np.argmin(cost))
+        near = np.isclose(cost, cost.min(), rtol=1e-9, atol=1e-15)
+        choice[rep] = int(np.argmin(np.where(near, _output_bytes(sg, rep), np.inf)))
     for rep in lazy:
         choice.setdefault(rep, 0)
     return choice
+
+
+def _output_bytes(sg: StrategyGraph, rep: str) -> np.ndarray:
+    """Bytes of ``rep``'s first output one device holds, per strategy (0 without one)."""
+    ns, info = sg.nodes[rep], sg.graph.nodes.get(rep)
+    t = info.results[0] if info is not None and info.results else None
+    if t is None:
+        return np.zeros(len(ns.strategies))
+    return np.array([local_bytes(t, s.outputs[0], sg.mesh_shape) for s in ns.strategies])
