@@ -250,9 +250,9 @@ def plan_options(f):
         click.option(
             "--no-overlap",
             is_flag=True,
-            help="Price every collective on the critical path; by default gradient reductions "
-            "hide under the backward compute still to run and parameter all-gathers under the "
-            "compute before their use (training).",
+            help="Price every collective on the critical path; by default a gradient reduction "
+            "hides under the next block's backward and a parameter all-gather under the block "
+            "before its use, as DDP and FSDP schedule them (training).",
         ),
         click.option(
             "--no-tie",
