@@ -6,7 +6,8 @@
 - Collectives: NCCL's ring formulas worked by hand, including the hierarchical all-reduce
   of a data-parallel gradient on 2x4 (reduce-scatter inside the node, all-reduce across on
   a quarter of the bytes, all-gather inside).
-- Overlap: the closed form of the hidden seconds against scipy's LP solver on the same LP.
+- Overlap: the greedy fill of each window against scipy's LP solver on the same LP, and
+  the GPT-2 DDP schedule's hidden seconds worked by hand per block.
 - AdamW: 28 bytes per fp32 element of each parameter shard over the memory bandwidth.
 """
 
@@ -32,7 +33,7 @@ from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import hidden_seconds, overlappable
 from autoshard.model.model_file import instantiate, load_model_file
 from autoshard.solver.solve import SolveConfig, plan_baseline, plan_model, strategies, trace
-from autoshard.strategies.hiding import GRADIENT, schedule
+from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 
 R, P = Replicate(), Partial()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -274,15 +275,14 @@ def test_adamw_step_is_28_bytes_per_fp32_parameter_element(mlp_ddp):
     assert mlp_ddp.plan.optimizer_s == pytest.approx(28 * numel / H100.memory_bandwidth, rel=1e-12)
 
 
-def test_hidden_seconds_are_the_optimum_of_the_overlap_lp(mlp_ddp):
+def _assert_greedy_is_the_lp_optimum(sg, choice) -> float:
     """The greedy fill of :func:`hidden_seconds` against scipy's HiGHS on the LP it solves,
     built here from the segments' compute worked out node by node: max sum z over (edge,
     window) savings, 0 <= z <= the edge's hideable cost there, per window
-    sum a z <= the window's compute."""
-    sg, choice = mlp_ddp.sg, mlp_ddp.plan.choice
+    sum a z <= the window's compute. Returns the LP's optimum."""
     sched = schedule(sg.graph)
     idx = overlappable(sg)
-    assert idx, "the DDP plan's gradient all-reduces can hide"
+    assert idx
     window_compute = np.zeros(len(sched.mult))
     for name, ns in sg.nodes.items():
         info = sg.graph.nodes.get(name)
@@ -309,7 +309,31 @@ def test_hidden_seconds_are_the_optimum_of_the_overlap_lp(mlp_ddp):
     assert lp.status == 0
     assert -lp.fun > 0
     assert hidden_seconds(sg, choice).total_s == pytest.approx(-lp.fun, rel=1e-9, abs=1e-15)
-    assert mlp_ddp.plan.hidden_total_s == pytest.approx(-lp.fun, rel=1e-9, abs=1e-15)
+    return -lp.fun
+
+
+def test_hidden_seconds_are_the_optimum_of_the_overlap_lp(mlp_ddp):
+    hidden = _assert_greedy_is_the_lp_optimum(mlp_ddp.sg, mlp_ddp.plan.choice)
+    assert mlp_ddp.plan.hidden_total_s == pytest.approx(hidden, rel=1e-9, abs=1e-15)
+
+
+def test_windows_of_a_reduced_depth_weigh_the_copies_they_stand_for(gpt2_baselines):
+    """GPT-2's 12 blocks traced as 0, 1, 2 (for 2-10) and 11: each real copy hides under
+    one real copy of its neighbour, so block 1's backward (one copy) hides the nine middle
+    blocks' reductions at 1/9 of a second of compute each, and the middle block's backward
+    (nine copies) hides block 11's at 9. FSDP's gathers and reduce-scatters share those
+    windows; the greedy fill is still the LP's optimum."""
+    sg = gpt2_baselines["sg"]
+    sched = schedule(sg.graph)
+    at = {lab: w for w, lab in enumerate(sched.labels)}
+    assert sched.mult[at["backward block 2"]] == 9 and sched.mult[at["forward block 2"]] == 9
+    assert sched.weight(at["backward block 1"], GRADIENT) == pytest.approx(1 / 9)
+    assert sched.weight(at["backward block 2"], GRADIENT) == pytest.approx(9)
+    assert sched.weight(at["forward block 1"], GATHER) == pytest.approx(1 / 9)
+    assert sched.weight(at["forward block 2"], GATHER) == pytest.approx(9)
+    plan = gpt2_baselines["fsdp"]
+    hidden = _assert_greedy_is_the_lp_optimum(sg, plan.choice)
+    assert plan.hidden_total_s == pytest.approx(hidden, rel=1e-9)
 
 
 def test_the_mlp_backward_hides_fc2s_gradient_under_fc1s_and_leaves_fc1s_exposed(mlp_ddp):

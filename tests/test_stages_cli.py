@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from torch.distributed.tensor import Replicate
@@ -306,3 +307,24 @@ def test_stage_memory_budget_shards_the_stage(blocks_file, tmp_path):
     assert result.exit_code == 2
     (line,) = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
     assert "fits the memory budget of 1.00 MiB" in line and "fullest stage" in line
+
+
+def test_a_stage_hides_no_more_of_a_scaled_gradient_than_it_costs(blocks_file):
+    """A stage's gradient reductions are priced at ``sync_scale`` of a step (one micro-batch
+    of several); what may hide of each must be scaled alike, or the stage's ILP would be
+    paid for communicating (hiding more than the edge costs)."""
+    config = SolveConfig(blocks_file, MeshSpec.from_options("2x2"), mode="train", tie=False)
+    whole = plan_model(config)
+    sinks = [n for n in whole.sg.nodes if n.startswith("output")]
+    stage = stage_graph(
+        whole.sg, set(whole.sg.nodes), config.mesh, sync_scale=0.25, sync_sinks=sinks
+    )
+    scaled = 0
+    for e in stage.sg.edges:
+        if not e.hide:
+            continue
+        hideable = sum(e.hide.values())
+        finite = np.isfinite(e.cost)
+        assert np.all(hideable[finite] <= e.cost[finite] * (1 + 1e-12) + 1e-18)
+        scaled += e.consumer in sinks and np.any(e.cost[finite] > 0)
+    assert scaled

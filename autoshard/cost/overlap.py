@@ -69,7 +69,7 @@ def window_vectors(sg: StrategyGraph) -> list[dict[str, np.ndarray]]:
     for name, ns in sg.nodes.items():
         info = nodes.get(name)
         w = sched.segment.get(name)
-        if info is None or info.kind != "op" or w is None:
+        if info is None or info.kind != "op" or w is None or name in sg.not_compute:
             continue
         per = ns.compute_s[ns.choice]
         held = out[w].get(ns.rep)

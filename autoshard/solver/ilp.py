@@ -201,9 +201,13 @@ def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps)
             crow.append(np.full(len(v), k))
             ccol.append(offsets[rep] + np.arange(len(v)))
             cval.append(v)
-    compute = sp.csr_matrix(
-        (np.concatenate(cval), (np.concatenate(crow), np.concatenate(ccol))),
-        shape=(len(windows), n_x),
+    compute = (
+        sp.csr_matrix(
+            (np.concatenate(cval), (np.concatenate(crow), np.concatenate(ccol))),
+            shape=(len(windows), n_x),
+        )
+        if cval
+        else sp.csr_matrix((len(windows), n_x))  # no window's compute is in this graph
     )
     position = {w: k for k, w in enumerate(windows)}
     return _OverlapRows(

@@ -138,6 +138,9 @@ class StrategyGraph:
     reduce_itemsize: int | None = None
     # which repeated blocks may recompute (autoshard.cost.checkpointing.Checkpointing)
     checkpointing: Any = None
+    # nodes whose cost is not compute, so no communication hides under it (a pipeline
+    # stage's sources: their cost is the receive of what another stage made)
+    not_compute: frozenset[str] = frozenset()
 
     @property
     def reps(self) -> list[str]:

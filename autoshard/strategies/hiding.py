@@ -20,7 +20,9 @@ step, as real schedules run them:
 Segments (:func:`schedule`), in execution order: for a model with repeated blocks, each
 block's forward and each block's backward is one segment, the ops of a phase before its
 first block and after its last block one segment each (embedding; final norm, head and
-loss), and an op outside the blocks between two of them joins the block before it. For a
+loss), and an op outside the blocks between two of them joins the block before it (in the
+backward the tracer already gives most such ops the block whose tensors they combine, so
+the embedding's backward is part of block 0's). For a
 model without blocks, each module that holds parameters starts a segment (``fc1``,
 ``fc2``), and the ops after it join it. :mod:`autoshard.cost.overlap` prices the hiding.
 """
@@ -115,17 +117,23 @@ def _block_keys(ops: list) -> list[tuple]:
 
 
 def _module_keys(graph: TracedGraph, ops: list) -> list[tuple]:
-    """Segment keys of a model without repeated blocks: (phase, module) for an op of a
-    module that holds parameters; any other op joins the segment before it in its phase."""
+    """Segment keys of a model without repeated blocks: a run of ops of one module that
+    holds parameters starts a segment (a module called twice, apart, gets two); any other
+    op joins the segment before it in its phase."""
     owners = {fqn.rpartition(".")[0] for names in graph.param_names.values() for fqn in names}
     owners |= {fqn.rpartition(".")[0] for fqn in graph.param_names}
+    owners.discard("")  # a parameter of the root module: no module of its own to segment by
     keys: list[tuple] = []
     current: tuple | None = None
+    runs = 0
     for _, i in ops:
         if i.module_path is not None and i.module_path in owners:
-            current = (i.backward, "module", i.module_path)
+            if current is None or current[:3] != (i.backward, "module", i.module_path):
+                runs += 1
+                current = (i.backward, "module", i.module_path, runs)
         elif current is None or current[0] != i.backward:
-            current = (i.backward, "head")
+            runs += 1
+            current = (i.backward, "head", runs)
         keys.append(current)
     return keys
 
