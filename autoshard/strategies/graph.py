@@ -246,14 +246,47 @@ def _attention_rule(node, args, results, mesh_shape) -> list[Strategy]:
     return out
 
 
+def _new_zeros_rule(node, args, results, mesh_shape) -> list[Strategy]:
+    """``new_zeros(input, size)``: zeros whatever the input holds, so the input is read
+    in whatever placement it has, with no communication. On each mesh dim the output is
+    whole, or sharded on a tensor dim where the input is sharded on the same dim of the
+    same size (each rank makes the zeros of its own rows, as the launcher does for
+    ``ZEROS_OPS``). DTensor's own rule replicates the output whenever its size differs
+    from the input's (Mixtral's router backward: ``new_zeros(tokens, experts)`` from
+    ``(tokens, top_k)``), which computed a batch-sized tensor whole on every device.
+    """
+    t_in, t_out = args[0], results[0]
+    aligned = [
+        d for d in range(min(len(t_in.shape), len(t_out.shape))) if t_in.shape[d] == t_out.shape[d]
+    ]
+    rep = Replicate()
+    choices = [(rep, rep)] + [(Shard(d), Shard(d)) for d in aligned]
+    choices += [(Shard(d), rep) for d in range(len(t_in.shape)) if d not in aligned]
+    out = []
+    for combo in itertools.product(choices, repeat=len(mesh_shape)):
+        ways_in: dict[int, int] = {}
+        for (p, _), n in zip(combo, mesh_shape, strict=True):
+            if isinstance(p, Shard):
+                ways_in[p.dim] = ways_in.get(p.dim, 1) * n
+        if any(t_in.shape[d] % k for d, k in ways_in.items()):
+            continue  # the output's shards are the input's, so they divide too
+        ins = tuple(p for p, _ in combo)
+        outs = tuple(q for _, q in combo)
+        out.append(Strategy((outs,), (ins,) + ((rep,) * len(mesh_shape),) * (len(args) - 1)))
+    return out
+
+
 OWN_RULES: dict[Any, OwnRule] = {
     aten.nll_loss_forward.default: _nll_loss_forward_rule,
+    aten.new_zeros.default: _new_zeros_rule,
     **{op: _attention_rule for op in FLASH_OPS},
     **EXPERTS_RULES,
 }
 """autoshard's rules, by op. The fused attention ops have no DTensor rule; the launcher
 runs them shard by shard (:data:`SHARD_LOCAL_OPS`). The fused experts ops: expert
-parallelism (:mod:`autoshard.strategies.experts`), run by the launcher's own kernel."""
+parallelism (:mod:`autoshard.strategies.experts`), run by the launcher's own kernel.
+``new_zeros``: zeros sharded as the input is where the sizes agree (the launcher makes
+them as planned: ``autoshard.launch.graph_run.ZEROS_OPS``)."""
 
 SHARD_LOCAL_OPS = FLASH_OPS
 """Ops whose every strategy needs no communication: the launcher runs them on each rank's
