@@ -291,8 +291,9 @@ def _assert_greedy_is_the_lp_optimum(sg, choice) -> float:
     upper, weights, windows = [], [], []
     for i in idx:
         e = sg.edges[i]
-        for w, cost in e.hide.items():
-            upper.append(cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
+        for w in e.hide:
+            c = e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]]
+            upper.append(c * e.hide_share(w))
             weights.append(sched.weight(w, e.overlap))
             windows.append(w)
     used = sorted(set(windows))
@@ -505,8 +506,9 @@ def _hideable(sg, choice) -> dict[int, float]:
     out: dict[int, float] = {}
     for i in overlappable(sg):
         e = sg.edges[i]
-        for w, cost in e.hide.items():
-            c = float(cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
+        for w in e.hide:
+            c = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
+            c *= e.hide_share(w)
             out[w] = out.get(w, 0.0) + c
     return {w: c for w, c in out.items() if c > 0}
 

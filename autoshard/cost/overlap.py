@@ -94,8 +94,8 @@ def hidden_seconds(sg: StrategyGraph, choice: dict[str, int]) -> Overlap:
     for i in overlappable(sg):
         e = sg.edges[i]
         a, b = e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]
-        for w, cost in e.hide.items():
-            u = float(cost[a, b])
+        for w in e.hide:
+            u = float(e.cost[a, b]) * e.hide_share(w)
             if u > 0:
                 items[w].append((sched.weight(w, e.overlap), i, u))
     hidden: dict[int, float] = {}

@@ -207,17 +207,8 @@ def stage_graph(
             src, groups_ = p, source_groups[k]
         else:
             continue
-        scale = sync_scale if c in sinks else 1.0
-        edges.append(
-            replace(
-                e,
-                src=src,
-                dst=new_rep[e.dst],
-                src_groups=groups_,
-                cost=e.cost * scale if scale != 1.0 else e.cost,
-                hide={w: h * scale for w, h in e.hide.items()} if scale != 1.0 else e.hide,
-            )
-        )
+        cost = e.cost * sync_scale if c in sinks and sync_scale != 1.0 else e.cost
+        edges.append(replace(e, src=src, dst=new_rep[e.dst], src_groups=groups_, cost=cost))
 
     send_s: dict[str, np.ndarray] = {}
     for p, ks in outgoing.items():

@@ -186,7 +186,7 @@ def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps)
         for w in sorted(e.hide):
             rows.append(np.full(len(keep), len(weight)))
             cols.append(np.arange(start, start + len(keep)))
-            data.append(e.hide[w].ravel()[keep])
+            data.append(r[start : start + len(keep)] * e.hide_share(w))
             weight.append(sched.weight(w, e.overlap))
             used.append(w)
     comm = sp.csr_matrix(

@@ -105,6 +105,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
                 members=e.members,
                 overlap=e.overlap,
                 hide=e.hide,
+                uses=e.uses,
             )
         )
 

@@ -45,7 +45,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard import _torch_private as tp
 from autoshard.strategies.experts import EXPERTS_COSTS, EXPERTS_RULES
-from autoshard.strategies.hiding import GATHER, GRADIENT, window_fn
+from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
@@ -103,15 +103,19 @@ class Edge:
     consumer: str = ""  # the node (maybe merged) that reads it
     members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
     overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.cost.overlap)
-    # the part of ``cost`` that can hide, by the segment whose compute hides it
-    # (autoshard.strategies.hiding.Schedule.window): the cost matrices of the merged
-    # edges' members hidden there (a member with no window stays out)
-    hide: dict[int, np.ndarray] = field(default_factory=dict)
+    # the real tensor reads of ``uses`` that can hide, by the segment whose compute hides
+    # them (autoshard.strategies.hiding.Schedule.window); a read with no window stays out
+    hide: dict[int, float] = field(default_factory=dict)
     # the real tensor reads ``cost`` counts (each member times its multiplicity), and of
     # them, per layer, the reads by one real copy of that layer's forward pass (what a
     # recomputed block reads again: autoshard.cost.checkpointing)
     uses: float = 1.0
     forward_uses: dict[int, int] = field(default_factory=dict)
+
+    def hide_share(self, window: int) -> float:
+        """The share of ``cost`` that may hide under ``window``: its reads there over all
+        its reads (merged members share one cost matrix, each times its multiplicity)."""
+        return self.hide[window] / self.uses
 
 
 @dataclass
@@ -916,7 +920,7 @@ def _build_edges(
                 if f"{name}.{k}" in nodes:
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
-    window = window_fn(graph)
+    window = schedule(graph).window
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
@@ -959,7 +963,7 @@ def _build_edges(
             consumer=dst_name,
             members=[t],
             overlap=kind,
-            hide={} if h is None else {h: cost_m},
+            hide={} if h is None else {h: float(m)},
             uses=float(m),
             forward_uses={} if forward_layer is None else {forward_layer: 1},
         )
@@ -1002,7 +1006,7 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
             kept.cost = kept.cost + e.cost
             kept.members.extend(e.members)
             for h, m in e.hide.items():
-                kept.hide[h] = kept.hide[h] + m if h in kept.hide else m
+                kept.hide[h] = kept.hide.get(h, 0.0) + m
             kept.uses += e.uses
             for layer, n in e.forward_uses.items():
                 kept.forward_uses[layer] = kept.forward_uses.get(layer, 0) + n

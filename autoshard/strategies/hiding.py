@@ -29,7 +29,6 @@ model without blocks, each module that holds parameters starts a segment (``fc1`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoshard.trace.tracer import TracedGraph
@@ -145,8 +144,3 @@ def _label(key: tuple) -> str:
     if key[1] == "module":
         return f"{phase} {key[2]}"
     return f"{phase} ({'start' if key[1] == 'head' else 'end'})"
-
-
-def window_fn(graph: TracedGraph) -> Callable[[str, str, str], int | None]:
-    """``(kind, producer, consumer) -> window`` of :meth:`Schedule.window` for ``graph``."""
-    return schedule(graph).window

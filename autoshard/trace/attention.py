@@ -23,7 +23,7 @@ where it builds the ``[B, 1, S, S]`` mask in full, since an exported program cou
 other lengths (its comment cites pytorch#108108). autoshard traces one step at the given
 shapes, so while tracing, masking_utils is told it is not exporting: the graph holds
 ``is_causal=True`` as the user's run does, not a mask computed whole on every device
-(512 MiB of booleans and 2 GiB of its additive form per device at 8 x 8192). A padding
+(at 8 x 8192: 512 MiB of booleans, and its additive form, 2 bytes an element in bf16). A padding
 mask the model is given is still traced, never read (masking_utils checks ``is_tracing``).
 
 Attention with dropout (``dropout_p > 0``, a model traced in training mode with attention
