@@ -43,6 +43,7 @@ from autoshard.model.model_file import LoadedModel
 from autoshard.trace.attention import FLASH_FORWARD, FLASH_OPS, flash_attention_traced, flash_flops
 from autoshard.trace.batchnorm import batch_norm_traced
 from autoshard.trace.experts import experts_traced
+from autoshard.trace.ops import is_view
 
 
 @dataclass(frozen=True)
@@ -587,6 +588,7 @@ def trace_model(
         experts_traced(loaded.module),
     ):
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
+    merge_duplicate_views(gm)
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
     finally:
@@ -594,6 +596,41 @@ def trace_model(
     if depth is not None:
         _expand_depth(graph, depth)
     return graph
+
+
+def merge_duplicate_views(gm: torch.fx.GraphModule) -> int:
+    """Keep one of several identical views of one tensor (same op, same arguments):
+    each ``nn.Linear`` flattens its input itself, so the query, key and value projections
+    of one norm's output read three ``view`` nodes of it, which would each pay its own
+    resharding (a sequence-parallel all-gather) where one tensor moved once serves all
+    three (:mod:`autoshard.strategies.sharing`), as a compiled graph's common
+    subexpression elimination makes it. A view allocates and computes nothing, so the
+    step is the same. Returns how many nodes were merged."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not is_view(node.target):
+            continue
+        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            merged += 1
+    if merged:
+        gm.recompile()
+    return merged
+
+
+def _hashable(x: Any) -> Any:
+    """``x`` (node arguments) as a hashable key: nodes by identity."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *map(_hashable, x))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
+    if isinstance(x, torch.fx.Node):
+        return ("node", id(x))
+    return (type(x).__name__, repr(x))
 
 
 def _expand_depth(graph: TracedGraph, depth: DepthReduction) -> None:
