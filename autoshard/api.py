@@ -108,6 +108,8 @@ class PlanOptions:
         loss_fn: ``loss_fn(output, *inputs) -> scalar`` for training (default: the mean
             of the first floating output, as for a model file without one).
         name: the model's name in reports and file names (default: its class name).
+        share_reshardings: reads of one tensor in one phase and block that want the same
+            placement pay one resharding (``--share-reshardings``; docs/cost-model.md).
         profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
             links and device replace the datasheet's (``mesh`` must then be the shape it
             was measured on, given as a string, and ``device`` is not read).
@@ -123,6 +125,7 @@ class PlanOptions:
     loss_fn: Any = None
     name: str | None = None
     profile: str | Path | None = None
+    share_reshardings: bool = False
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
@@ -220,6 +223,7 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
         memory_budget=opts.memory_budget,
         tie=opts.tie,
         precision=opts.precision,
+        share_reshardings=opts.share_reshardings,
         model=loaded,
     )
 

@@ -255,6 +255,14 @@ def plan_options(f):
             "before its use, as DDP and FSDP schedule them (training).",
         ),
         click.option(
+            "--share-reshardings",
+            is_flag=True,
+            help="Reads of one tensor in one phase and block that want the same placement pay "
+            "one resharding, as Megatron-LM's sequence parallelism gathers a norm's output once "
+            "for q, k and v, and the launch moves it once; by default each read pays its own "
+            "(the search is 2-5x slower with it: docs/cost-model.md).",
+        ),
+        click.option(
             "--no-tie",
             is_flag=True,
             help="Trace every repeated layer and give each its own variables (slower); by default "
@@ -339,6 +347,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         tie=not opts["no_tie"],
         bucket_bytes=opts["bucket_bytes"],
         overlap=not opts["no_overlap"],
+        share_reshardings=opts["share_reshardings"],
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
     )
 

@@ -44,6 +44,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from autoshard.cost.liveness import activation_sizes, last_uses, liveness, local_bytes
+from autoshard.strategies.sharing import shared_seconds
 
 MODES = ("auto", "none", "full")
 """``--activation-checkpointing``: ``auto`` (the ILP decides per block), ``none`` (no
@@ -188,7 +189,7 @@ class Checkpointing:
             if uses:
                 cost = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
                 total += cost * uses / e.uses
-        return total
+        return total + shared_seconds(sg, choice, block.layer)
 
     def seconds(self, sg, choice: dict[str, int], recompute: dict[int, int] | None) -> float:  # noqa: ANN001
         """Seconds the recomputation adds to the step: ``sum_k k * forward_seconds``."""

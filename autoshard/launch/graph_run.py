@@ -82,6 +82,9 @@ class NodePlan:
     free: bool = False
     fallback: bool = False
     phase: str = "forward"
+    # the inputs (indices into ``inputs``) that share their resharding with the other
+    # reads of the same tensor, phase and block (autoshard.strategies.sharing)
+    shared: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -222,7 +225,11 @@ def _node_plans(
             changed.append(f"{name} (inputs without placements)")
             continue
         nodes[name] = NodePlan(
-            inputs=ins, outputs=outs, fallback=bool(entry.get("fallback")), phase=phase
+            inputs=ins,
+            outputs=outs,
+            fallback=bool(entry.get("fallback")),
+            phase=phase,
+            shared=frozenset(int(k) for k in entry.get("shared") or ()),
         )
     return nodes, missing, changed
 
@@ -438,6 +445,10 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.comm = comm_model(program.mesh)
         self._collectives = CollectiveLog(mesh)
         self.fault = Fault.from_env()
+        # reads that share a resharding: (producer, phase, layer) -> target -> (the
+        # value moved, its moved copy), dropped after the group's last reader
+        self._moved: dict[tuple, dict[tuple, tuple[Any, DTensor]]] = {}
+        self._last_reader = _last_shared_readers(program)
         self._phase_override: str | None = None
         self._drop_at, self._rerun_at, self._needed, reread = _recomputation(
             self.module.graph, program
@@ -477,6 +488,17 @@ class PlanInterpreter(torch.fx.Interpreter):
                     continue
                 value = tp.redistribute_step(value, step)
         return value
+
+    def _place_shared(self, value: Any, target: Placements, key: tuple) -> Any:
+        """:meth:`place` for a read that shares its resharding: the copy an earlier reader
+        of the same tensor, phase and block moved to ``target`` (one collective for all)."""
+        moved = self._moved.setdefault(key, {})
+        hit = moved.get(tuple(target))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        placed = self.place(value, target, key[1])
+        moved[tuple(target)] = (value, placed)
+        return placed
 
     @contextlib.contextmanager
     def _phase(self, phase: str) -> Iterator[None]:
@@ -541,10 +563,19 @@ class PlanInterpreter(torch.fx.Interpreter):
         leaves, spec = tree_flatten((list(args), dict(kwargs)))
         tensor_nodes = {id(x) for x in tensor_arg_nodes(n)}
         k = 0
+        phase = self._phase_of(plan)
+        layer = (
+            self.program.graph.nodes[n.name].layer if n.name in self.program.graph.nodes else None
+        )
         for i, x in enumerate(node_leaves):
             if isinstance(x, torch.fx.Node) and id(x) in tensor_nodes:
-                leaves[i] = self.place(leaves[i], plan.inputs[k], self._phase_of(plan))
+                if k in plan.shared:
+                    leaves[i] = self._place_shared(leaves[i], plan.inputs[k], (x, phase, layer))
+                else:
+                    leaves[i] = self.place(leaves[i], plan.inputs[k], phase)
                 k += 1
+        for x in self._last_reader.get(n, ()):
+            self._moved.pop((x, phase, layer), None)
         args_list, kwargs = tree_unflatten(leaves, spec)
         back = self._substitute(n, args_list)
         if plan.fallback:
@@ -691,6 +722,25 @@ class PlanInterpreter(torch.fx.Interpreter):
             with torch.no_grad():
                 placed.append(self.place(value, want, phase))
         return placed
+
+
+def _last_shared_readers(program: GraphProgram) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Per node, the producers whose shared reads (:attr:`NodePlan.shared`) in its phase
+    and block it is the last to make: after it, their moved copies are dropped."""
+    last: dict[tuple, torch.fx.Node] = {}
+    for n in program.graph.graph_module.graph.nodes:
+        plan = program.nodes.get(n.name)
+        if n.op != "call_function" or plan is None or not plan.shared:
+            continue
+        info = program.graph.nodes.get(n.name)
+        layer = info.layer if info is not None else None
+        for k, x in enumerate(tensor_arg_nodes(n)):
+            if k in plan.shared:
+                last[(x, plan.phase, layer)] = n
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for (x, _, _), n in last.items():
+        out.setdefault(n, []).append(x)
+    return out
 
 
 def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, dict, set, dict]:

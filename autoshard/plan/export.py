@@ -21,7 +21,7 @@ from autoshard.plan.formats import (
     save_solution,
     solution_digest,
 )
-from autoshard.plan.plan import Plan
+from autoshard.plan.plan import Plan, shared_read
 
 
 def output_stem(model_name: str, mesh_shape: tuple[int, ...], suffix: str = "") -> str:
@@ -40,9 +40,12 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
     ``nodes`` maps every graph node to ``{"op", "args": {"data_in_<k>": placements},
     "results": {"data_out_<k>": placements}, "shapes": {...}}``; nodes that any device
     computes for itself (masks, position ids, factory ops) are marked ``"free": True``
-    and carry no placements. ``solver`` keeps what the search found, not how long it
-    took (:data:`WALL_CLOCK_KEYS` are left out): the same input writes the same bytes,
-    however busy the machine (issue 29); the report prints the seconds.
+    and carry no placements; ``"shared": [k, ...]`` lists the inputs whose resharding is
+    shared with the other reads of the same tensor, phase and block
+    (:mod:`autoshard.strategies.sharing`; the launcher moves it once). ``solver`` keeps
+    what the search found, not how long it took (:data:`WALL_CLOCK_KEYS` are left out):
+    the same input writes the same bytes, however busy the machine (issue 29); the report
+    prints the seconds.
     """
     graph = plan.sg.graph
     nodes: dict[str, Any] = {}
@@ -66,6 +69,15 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
             for k, ps in enumerate(s.outputs):
                 if ps is not None:
                     entry["results"][f"data_out_{k}"] = tuple(ps)
+            shared = [
+                k
+                for k, a in enumerate(info.arg_nodes)
+                if a in plan.sg.nodes
+                and a not in plan.sg.free
+                and shared_read(plan.sg, a, name) is not None
+            ]
+            if shared:  # reads that share one resharding (autoshard.strategies.sharing)
+                entry["shared"] = shared
         else:
             entry["free"] = True
         ns = plan.sg.nodes.get(name)

@@ -23,6 +23,7 @@ from autoshard.cost.liveness import (
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.strategies.graph import Strategy, StrategyGraph, bucketed_use, is_gradient_sink
+from autoshard.strategies.sharing import share_key
 from autoshard.trace.tracer import TensorInfo, TracedGraph
 
 Placements = tuple[Placement, ...]
@@ -142,11 +143,17 @@ def build_plan(
     # the reshardings a recomputed block's forward reads run again before its backward
     ck = sg.checkpointing
     reruns = ck.counts(recompute) if ck is not None and ck.blocks else {}
+    moved: set[tuple] = set()  # (share key, placement): reads that share one resharding
     for producer, consumer, k, t in tensor_uses(sg):
         p = node_strategy[producer].outputs[0]
         q = node_strategy[consumer].inputs[k]
         if p == q:
             continue
+        key = shared_read(sg, producer, consumer)
+        if key is not None:
+            if (key, q) in moved:
+                continue
+            moved.add((key, q))
         m = graph.mult(consumer)
         item = moved_itemsize(sg, consumer, t)
         for step in comm_model(mesh).redistribute_steps(
@@ -238,6 +245,18 @@ def _recomputation(sg: StrategyGraph, choice: dict[str, int], recompute) -> dict
         "recomputed_blocks": ck.recomputed_blocks(recompute),
         "recompute_s": ck.seconds(sg, choice, recompute),
     }
+
+
+def shared_read(sg: StrategyGraph, producer: str, consumer: str) -> tuple | None:
+    """The key under which ``consumer``'s read of ``producer`` shares its resharding with
+    the other reads of that key wanting the same placement
+    (:func:`autoshard.strategies.sharing.share_key`), or ``None`` (it pays its own, or
+    ``sg`` prices every read)."""
+    if not sg.share_reads:
+        return None
+    return share_key(
+        sg.graph, consumer, producer, bucketed_use(sg.graph, sg.nodes, producer, consumer)
+    )
 
 
 def phase_of(sg: StrategyGraph, consumer: str) -> str:

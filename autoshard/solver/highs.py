@@ -370,7 +370,7 @@ def run(
     """
     h = new_highs()
     options: list[tuple[str, object]] = [
-        ("output_flag", False),
+        ("output_flag", bool(os.environ.get("AUTOSHARD_HIGHS_LOG"))),
         ("threads", 1),  # deterministic: the same plan on every run and machine load
         ("random_seed", 0),
         ("mip_abs_gap", 0.0),

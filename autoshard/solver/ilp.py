@@ -116,6 +116,55 @@ class _Problem:
     keep: list[np.ndarray]
     overlap: _OverlapRows | None = None
     recompute: _RecomputeRows | None = None
+    shares: _ShareColumns | None = None
+
+
+@dataclass(frozen=True)
+class _ShareColumns:
+    """The shared reshardings' part of the ILP (:mod:`autoshard.strategies.sharing`): one
+    column ``m_j`` per shared resharding, the last ``len(shares)`` columns of ``y`` (its
+    cost in ``r``), what the edges' reads give back (``refund`` over ``[x; y]``,
+    subtracted from the objective) and the rows ``m_j - indicator >= 0``."""
+
+    first: int  # the first share column, an index into [x; y]
+    refund: np.ndarray  # (n_x + n_y,)
+    rows: sp.csr_matrix  # (R, n_x + n_y)
+    indicators: list[list[np.ndarray]]  # per share, per indicator: its columns in [x; y]
+
+
+def _share_columns(sg: StrategyGraph, offsets, n_x, n_edges_y, edge_offsets, keeps):
+    """[``_share_columns``] the columns, refunds and rows of ``sg.shares``, and their
+    costs (to append to ``r``); ``(None, [])`` without shares."""
+    if not sg.shares:
+        return None, []
+    first = n_x + n_edges_y
+    width = first + len(sg.shares)
+    refund = np.zeros(width)
+    rows, cols, vals, per_share = [], [], [], []
+    for j, share in enumerate(sg.shares):
+        found = []
+        for i, ind in enumerate(share.indicators):
+            if ind[0] == "y":
+                keep = keeps[ind[1]]
+                pos = int(np.searchsorted(keep, ind[2]))
+                if pos >= len(keep) or keep[pos] != ind[2]:
+                    found.append(np.zeros(0, dtype=np.int64))
+                    continue  # an impossible pair (a restricted graph's): no column
+                idx = np.array([n_x + edge_offsets[ind[1]] + pos])
+            else:
+                idx = offsets[ind[1]] + np.asarray(ind[2], dtype=np.int64)
+            found.append(idx)
+            refund[idx] += share.refund(i)
+            rows.append(np.full(len(idx) + 1, len(rows)))
+            cols.append(np.concatenate([[first + j], idx]))
+            vals.append(np.concatenate([[1.0], -np.ones(len(idx))]))
+        per_share.append(found)
+    A = sp.csr_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(len(rows), width),
+    )
+    costs = [share.seconds for share in sg.shares]
+    return _ShareColumns(first, refund, A, per_share), costs
 
 
 @dataclass(frozen=True)
@@ -130,7 +179,7 @@ class _RecomputeRows:
     r_max: list[float]
 
 
-def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps):
+def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, shares=None):
     """[``_recompute_rows``] the checkpointing decision's data, or None without one."""
     cols = columns(sg)
     if cols is None:
@@ -149,6 +198,17 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps):
             if uses:
                 start = edge_offsets[i]
                 y[start : start + len(keeps[i])] += r[start : start + len(keeps[i])] * uses / e.uses
+        if shares is not None:  # a rerun's reads share their reshardings as the forward's
+            xy = np.zeros(n_x + len(r))
+            for j, share in enumerate(sg.shares):
+                for p in share.parts:
+                    if p.layer != b.layer or not p.forward:
+                        continue
+                    xy[shares.first + j] += p.seconds / p.mult
+                    for idx, back in zip(shares.indicators[j], p.refunds, strict=True):
+                        xy[idx] -= back / p.mult
+            x += xy[:n_x]
+            y += xy[n_x:]
         most = sum(
             float(x[offsets[q] : offsets[q] + len(sg.nodes[q].strategies)].max()) for q in sg.reps
         )
@@ -294,14 +354,20 @@ def build_problem(sg: StrategyGraph) -> _Problem:
     reps, offsets, c = _node_blocks(sg)
     n_x = len(c)
     A_edges, r, edge_offsets, keeps = _edge_rows(sg, offsets, n_x)
+    shares, share_costs = _share_columns(sg, offsets, n_x, len(r), edge_offsets, keeps)
+    if share_costs:
+        r = np.concatenate([r, share_costs])
+        A_edges = sp.hstack([A_edges, sp.csr_matrix((A_edges.shape[0], len(share_costs)))])
     n_y = len(r)
     A_one = _one_strategy_rows(reps, offsets, sg, n_x)
     A_one = sp.hstack([A_one, sp.csr_matrix((A_one.shape[0], n_y))], format="csr")
     A = sp.vstack([A_one, A_edges], format="csr")
     b = np.concatenate([np.ones(A_one.shape[0]), np.zeros(A_edges.shape[0])])
     overlap = _overlap_rows(sg, reps, offsets, n_x, r, edge_offsets, keeps)
-    recompute = _recompute_rows(sg, offsets, n_x, r, edge_offsets, keeps)
-    return _Problem(reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap, recompute)
+    recompute = _recompute_rows(sg, offsets, n_x, r, edge_offsets, keeps, shares)
+    return _Problem(
+        reps, offsets, n_x, n_y, c, r, A, b, edge_offsets, keeps, overlap, recompute, shares
+    )
 
 
 def _milp(
@@ -357,6 +423,14 @@ def _milp(
                 c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
     if ov is not None:
         _add_overlap(prob, ov, ck0, n, memory_objective is None, blocks, lower, upper, c)
+    sh = prob.shares
+    if sh is not None:  # m_j - indicator >= 0; the reads' refund off a time objective
+        col_upper[sh.first : n_x + n_y] = 1.0
+        blocks.append(sp.hstack([sh.rows, sp.csr_matrix((sh.rows.shape[0], n - n_x - n_y))]))
+        lower.append(np.zeros(sh.rows.shape[0]))
+        upper.append(np.full(sh.rows.shape[0], np.inf))
+        if memory_objective is None:
+            c[: n_x + n_y] -= SCALE * sh.refund
     return MILP(
         c=c,
         A=sp.vstack(blocks, format="csc"),
@@ -1079,11 +1153,11 @@ def prefer_smaller_shards(
                 best = i
                 break
         choice[name] = best
-    if (sg.overlap or recompute) and evaluate(sg, choice, recompute) > evaluate(
+    if (sg.overlap or recompute or sg.shares) and evaluate(sg, choice, recompute) > evaluate(
         sg, original, recompute
     ) + tol:
-        # the local check sees neither hidden communication move nor a recomputed
-        # forward read a parameter again
+        # the local check sees neither hidden communication move, nor a recomputed
+        # forward read a parameter again, nor reads share a resharding
         return dict(original)
     return choice
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard.placements import short
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
+from autoshard.strategies.sharing import SharedResharding
 
 Placements = tuple[Placement, ...]
 
@@ -129,7 +130,22 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         overlap=sg.overlap,
         seeded=sg.seeded,
         reduce_itemsize=sg.reduce_itemsize,
+        shares=[_restrict_share(s, keep) for s in sg.shares],
+        share_reads=sg.share_reads,
     )
+
+
+def _restrict_share(share: SharedResharding, keep: dict) -> SharedResharding:
+    """``share`` over the kept strategies: an indicator on one variable's strategies names
+    their new indices (the edges keep their placement lists, so their pairs stay)."""
+    indicators = []
+    for ind in share.indicators:
+        k = keep[ind[1]] if ind[0] == "x" else None
+        if k is not None:
+            old = set(ind[2])
+            ind = ("x", ind[1], tuple(i for i, j in enumerate(k) if j in old))
+        indicators.append(ind)
+    return SharedResharding(tuple(indicators), share.parts)
 
 
 def unrestrict_choice(r: Restriction, choice: dict[str, int]) -> dict[str, int]:

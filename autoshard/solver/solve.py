@@ -83,6 +83,9 @@ class SolveConfig:
     tie: bool = True
     bucket_bytes: float = DDP_BUCKET_BYTES
     overlap: bool = True
+    # reads of one tensor in one phase and block that want one placement pay one
+    # resharding (autoshard.strategies.sharing); off: each read pays its own
+    share_reshardings: bool = False
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpointing: str = "auto"
@@ -187,6 +190,7 @@ class SolveConfig:
             memory_budget=cost.get("memory_budget_bytes"),
             bucket_bytes=cost.get("bucket_bytes", DDP_BUCKET_BYTES),
             overlap=cost.get("overlap", True),
+            share_reshardings=cost.get("share_reshardings", False),
             activation_checkpointing=cost.get("activation_checkpointing", "auto"),
         )
 
@@ -203,6 +207,7 @@ class SolveConfig:
             "output_placement": self.output_placement,
             "bucket_bytes": self.bucket_bytes,
             "overlap": self.overlap,
+            "share_reshardings": self.share_reshardings,
             "activation_checkpointing": self.activation_checkpointing,
             "mesh": self.mesh.to_dict(),
         }
@@ -303,6 +308,7 @@ def strategies(
         bucketed_cost=functools.partial(comm_model(config.mesh).bucketed_cost, bucket_bytes=bucket),
         reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
         collective_cost=comm_model(config.mesh).collective,
+        share_reads=config.share_reshardings,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

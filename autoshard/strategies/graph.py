@@ -46,6 +46,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autoshard import _torch_private as tp
 from autoshard.strategies.experts import EXPERTS_COSTS, EXPERTS_RULES
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
+from autoshard.strategies.sharing import build_shares, share_key
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
@@ -145,6 +146,10 @@ class StrategyGraph:
     # nodes whose cost is not compute, so no communication hides under it (a pipeline
     # stage's sources: their cost is the receive of what another stage made)
     not_compute: frozenset[str] = frozenset()
+    # reads of one tensor that want one placement pay one resharding
+    # (autoshard.strategies.sharing); False for graphs that price every read (a stage's)
+    shares: list = field(default_factory=list)
+    share_reads: bool = False
 
     @property
     def reps(self) -> list[str]:
@@ -357,6 +362,7 @@ def build_strategy_graph(
     bucketed_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
     reduce_itemsize: int | None = None,
     collective_cost: Callable[[str, float, int], float] | None = None,
+    share_reads: bool = False,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -382,6 +388,9 @@ def build_strategy_graph(
             (:meth:`~autoshard.cost.collectives.CommModel.collective`) for what an op
             communicates itself (:attr:`Strategy.collectives`), added to its strategy's
             cost; required when the graph has such an op (the fused experts).
+        share_reads: reads of one tensor in one phase and block that want one placement
+            pay one resharding (:mod:`autoshard.strategies.sharing`); ``False``: each
+            read pays its own.
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -404,7 +413,7 @@ def build_strategy_graph(
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
-    edges, extra = _build_edges(
+    edges, extra, shares = _build_edges(
         graph, nodes, free, redistribute_cost, bucketed_cost, reduce_itemsize
     )
     sg = StrategyGraph(
@@ -421,6 +430,8 @@ def build_strategy_graph(
         tied_layers=tied,
         seeded=b.seeded,
         reduce_itemsize=reduce_itemsize,
+        shares=shares if share_reads else [],
+        share_reads=share_reads,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
@@ -903,10 +914,12 @@ def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
 
 def _build_edges(
     graph, nodes, free, redistribute_cost, bucketed_cost=None, reduce_itemsize=None
-) -> tuple[list[Edge], dict]:
-    """Edges between representatives, and linear costs of edges inside one
-    (:func:`merge_edges`): one edge per tensor read, its cost matrix over the distinct
-    produced and wanted placements (cached by placements, shape and dtype). Edges into a
+) -> tuple[list[Edge], dict, list]:
+    """Edges between representatives, linear costs of edges inside one
+    (:func:`merge_edges`), and the reshardings reads share
+    (:func:`autoshard.strategies.sharing.build_shares`): one edge per tensor read, its
+    cost matrix over the distinct produced and wanted placements (cached by placements,
+    shape and dtype). Edges into a
     gradient output or out of a parameter are priced by ``bucketed_cost`` when given;
     edges into a gradient output move ``reduce_itemsize`` bytes per element when given
     (mixed precision reduces gradients in fp32)."""
@@ -968,10 +981,21 @@ def _build_edges(
             forward_uses={} if forward_layer is None else {forward_layer: 1},
         )
 
-    return merge_edges(edge(*c) for c in consumers if c[2] not in free)
+    raw = [edge(*c) for c in consumers if c[2] not in free]
+    merged, extra, where = merge_edges_indexed(raw)
+    keys = [share_key(graph, e.consumer, e.producer, e.overlap) for e in raw]
+    return merged, extra, build_shares(raw, where, keys, graph)
 
 
 def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray]]:
+    """:func:`merge_edges_indexed` without the index of each given edge."""
+    merged, extra, _ = merge_edges_indexed(edges)
+    return merged, extra
+
+
+def merge_edges_indexed(
+    edges: Iterable[Edge],
+) -> tuple[list[Edge], dict[str, np.ndarray], list[int | None]]:
     """Edges between representatives, and the linear costs of edges inside one.
 
     An edge whose two ends follow one variable (a follow node, or tied layers) costs a
@@ -983,11 +1007,14 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
     """
     merged: dict[tuple, Edge] = {}
     extra: dict[str, np.ndarray] = {}
+    where: list[int | None] = []
+    position: dict[tuple, int] = {}
     for e in edges:
         if e.src == e.dst:
             per = e.cost[e.src_groups, e.dst_groups]
             if np.any(per):
                 extra[e.src] = extra.get(e.src, 0) + per
+            where.append(None)
             continue
         key = (
             e.src,
@@ -998,6 +1025,7 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
             e.dst_groups.tobytes(),
         )
         kept = merged.get(key)
+        where.append(position.setdefault(key, len(position)))
         if kept is None:
             merged[key] = replace(
                 e, members=list(e.members), forward_uses=dict(e.forward_uses), hide=dict(e.hide)
@@ -1010,4 +1038,4 @@ def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray
             kept.uses += e.uses
             for layer, n in e.forward_uses.items():
                 kept.forward_uses[layer] = kept.forward_uses.get(layer, 0) + n
-    return list(merged.values()), extra
+    return list(merged.values()), extra, where

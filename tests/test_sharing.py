@@ -1,0 +1,158 @@
+"""One redistribution per tensor and target (issue 28 item 3).
+
+Independent references: brute force over every plan of small graphs (the ILP's extra
+columns against the plain definition "paid once if any reader reads it"), and the count
+of sequence-parallel collectives per transformer layer worked by hand from Korthikanti et
+al., "Reducing Activation Recomputation in Large Transformer Models" (2022), section
+4.2.2 and figure 5: in the forward pass, one all-gather before the attention (``g``) and
+one before the MLP, one reduce-scatter after each (``g-bar``).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import numpy as np
+import pytest
+from test_ilp import _random_graph
+
+from autoshard.cost.collectives import comm_model
+from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
+from autoshard.plan.plan import build_plan
+from autoshard.solver.baselines import plan_for_algo
+from autoshard.solver.ilp import brute_force, solve
+from autoshard.solver.options import SolverOptions
+from autoshard.solver.solve import SolveConfig, strategies, trace
+from autoshard.strategies.sharing import SharedResharding, SharePart, shared_seconds
+
+LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def build_model():
+    config = LlamaConfig(hidden_size=256, num_hidden_layers={layers}, num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=512, vocab_size=512,
+                         max_position_embeddings=256, use_cache=False)
+    return LlamaForCausalLM(config)
+
+def example_inputs():
+    return (torch.randint(0, 512, (8, 128), dtype=torch.int64),)
+"""
+
+
+def _with_shares(seed: int):
+    """A random graph (test_ilp) with shared reshardings over pairs of its edges out of
+    one node, and one over a node's own strategies (a read inside one variable)."""
+    sg = _random_graph(seed)
+    rng = np.random.default_rng(100 + seed)
+    by_src: dict[str, list[int]] = {}
+    for i, e in enumerate(sg.edges):
+        by_src.setdefault(e.src, []).append(i)
+    for src, idx in by_src.items():
+        if len(idx) < 2:
+            continue
+        i, j = idx[:2]
+        for _ in range(2):
+            inds = []
+            for k in (i, j):
+                e = sg.edges[k]
+                finite = np.flatnonzero(np.isfinite(e.cost).ravel())
+                inds.append(("y", k, int(rng.choice(finite))))
+            k_own = len(sg.nodes[src].strategies)
+            own = ("x", src, tuple(int(s) for s in rng.choice(k_own, 1)))
+            inds.append(own)
+            seconds = float(rng.uniform(1, 4))
+            sg.shares.append(
+                SharedResharding(
+                    tuple(inds),
+                    [SharePart(seconds, (seconds,) * len(inds), None, True, 1)],
+                )
+            )
+    assert sg.shares, "no node of this graph has two edges out"
+    return sg
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 5, 6, 8, 12])
+def test_ilp_with_shared_reshardings_equals_brute_force(seed):
+    sg = _with_shares(seed)
+    best_choice, best = brute_force(sg)
+    result = solve(sg, SolverOptions(time_limit_s=60, mip_gap=0.0))
+    assert result.status == "optimal"
+    assert result.objective_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert evaluate(sg, result.choice) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_a_shared_resharding_is_paid_once_by_any_number_of_readers():
+    """``seconds`` once when one, two or three readers read it, nothing when none."""
+    sg = _with_shares(0)
+    share = sg.shares[0]
+    sg.shares[:] = [share]
+    (part,) = share.parts
+    best_choice, _ = brute_force(sg)
+    on = sum(
+        1
+        for ind in share.indicators
+        if (ind[0] == "x" and best_choice[ind[1]] in ind[2])
+        or (
+            ind[0] == "y"
+            and sg.edges[ind[1]].src_groups[best_choice[sg.edges[ind[1]].src]]
+            * sg.edges[ind[1]].cost.shape[1]
+            + sg.edges[ind[1]].dst_groups[best_choice[sg.edges[ind[1]].dst]]
+            == ind[2]
+        )
+    )
+    expect = part.seconds - on * part.seconds if on else 0.0
+    assert shared_seconds(sg, best_choice) == pytest.approx(expect)
+
+
+@pytest.fixture(scope="module")
+def llama_tp(tmp_path_factory):
+    """A 2-layer Llama traced for inference and its strategies on a tp mesh of 4."""
+    path = tmp_path_factory.mktemp("sharing") / "llama.py"
+    path.write_text(textwrap.dedent(LLAMA.format(layers=2)))
+    mesh = MeshSpec.from_options("4", None)
+    config = SolveConfig(model_path=path, mesh=mesh, mode="infer", share_reshardings=True)
+    return mesh, strategies(config, trace(config))
+
+
+def test_sequence_parallel_gathers_once_before_the_attention_and_once_before_the_mlp(llama_tp):
+    """Megatron-LM's sequence parallelism, forward pass (Korthikanti et al. 2022, figure
+    5): per layer two all-gathers (the attention's input, read by the query, key and value
+    projections; the MLP's, read by the gate and up projections) and two reduce-scatters,
+    plus one all-gather of the final norm's output for the column-parallel head. Each
+    all-gather moves one ``(batch, sequence, hidden)`` activation: its seconds are a ring
+    all-gather of those bytes on the tp dim."""
+    mesh, sg = llama_tp
+    plan, _ = plan_for_algo(sg, "megatron_sp", mesh)
+    layers = 2
+    assert plan.collectives["all_gather"] == 2 * layers + 1
+    assert plan.collectives["reduce_scatter"] == 2 * layers
+    one = comm_model(mesh).collective("all_gather", 8 * 128 * 256 * 4, 0)
+    # a ring all-gather of B bytes over n devices: (n-1) steps of B/n (NCCL's algbw)
+    n, bw, alpha = 4, mesh.bandwidth[0], mesh.latency[0]
+    by_hand = (n - 1) * (alpha + 8 * 128 * 256 * 4 / n / bw)
+    assert one == pytest.approx(by_hand, rel=1e-6)
+    assert plan.comm_s["all_gather"] == pytest.approx((2 * layers + 1) * one, rel=1e-6)
+
+
+def test_the_plan_s_price_counts_a_shared_resharding_once(llama_tp):
+    """The same plan priced without sharing pays the three extra gathers per attention and
+    the extra one per MLP: the difference is exactly ``3 * layers`` all-gathers."""
+    mesh, sg = llama_tp
+    plan, _ = plan_for_algo(sg, "megatron_sp", mesh)
+    shared = evaluate(sg, plan.choice)
+    kept = sg.shares
+    sg.shares, sg.share_reads = [], False
+    try:
+        per_read = evaluate(sg, plan.choice)
+        apart = build_plan(sg, plan.choice, mesh)
+    finally:
+        sg.shares, sg.share_reads = kept, True
+    one = comm_model(mesh).collective("all_gather", 8 * 128 * 256 * 4, 0)
+    # what the default (no --share-reshardings) counts: one per projection
+    assert apart.collectives["all_gather"] == 5 * 2 + 1
+    assert per_read - shared == pytest.approx(3 * 2 * one, rel=1e-6)
+    assert plan.step_time_s == pytest.approx(shared, rel=1e-9)
+    assert math.isfinite(shared)
