@@ -81,13 +81,14 @@ def prepare_program(
         program.reduce_dtype = reduce
         return program
 
-    graph = trace_for_launch(mf, solved, cost.get("dtype"))
+    merge = bool(cost.get("share_reshardings"))
+    graph = trace_for_launch(mf, solved, cost.get("dtype"), merge_views=merge)
     sol_nodes = solution.get("nodes") or {}
     if all(n in sol_nodes for n in graph.nodes):
         return with_cast(program_from_solution(graph, solution, mesh))
     # solved on a depth-reduced trace (layer tying, more than 4 blocks): run the whole
     # model, each block with the plan of the traced block that stands for it
-    reduced = trace_for_launch(mf, solved, cost.get("dtype"), reduce=True)
+    reduced = trace_for_launch(mf, solved, cost.get("dtype"), reduce=True, merge_views=merge)
     if reduced.depth is None or not all(n in sol_nodes for n in reduced.nodes):
         return program_from_solution(graph, solution, mesh)  # raises, naming the nodes
     return with_cast(program_from_solution(graph, solution, mesh, reduced=reduced))
@@ -102,9 +103,12 @@ def _cast_of(dtype: object) -> torch.dtype | None:
     return None
 
 
-def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None, reduce: bool = False):
+def trace_for_launch(
+    mf: ModelFile, mode: str, dtype: object = None, reduce: bool = False, merge_views: bool = False
+):
     """The model traced on meta as ``autoshard solve`` traces it (same node names); with
-    ``reduce``, depth-reduced as a solve with layer tying does (:func:`reduce_depth`).
+    ``reduce``, depth-reduced as a solve with layer tying does (:func:`reduce_depth`); with
+    ``merge_views``, identical views merged as a solve with ``--share-reshardings`` does.
 
     Raises:
         AutoshardError: as :func:`autoshard.trace.tracer.trace_model`.
@@ -115,7 +119,7 @@ def trace_for_launch(mf: ModelFile, mode: str, dtype: object = None, reduce: boo
     if cast is not None:
         loaded.module.to(cast)
         loaded.inputs = tuple(x.to(cast) if x.is_floating_point() else x for x in loaded.inputs)
-    return trace_model(loaded, mode, depth)
+    return trace_model(loaded, mode, depth, merge_views=merge_views)
 
 
 def check_map_matches_solution(smap: ShardingMap, solution: Mapping[str, Any], name: str) -> None:

@@ -60,6 +60,7 @@ from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import schedule
+from autoshard.strategies.sharing import rerun_refunded
 from autoshard.units import format_bytes
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -159,6 +160,10 @@ def _share_columns(sg: StrategyGraph, offsets, n_x, n_edges_y, edge_offsets, kee
             cols.append(np.concatenate([[first + j], idx]))
             vals.append(np.concatenate([[1.0], -np.ones(len(idx))]))
         per_share.append(found)
+    if not rows:  # every read's pair is impossible (a restricted graph's)
+        return _ShareColumns(first, refund, sp.csr_matrix((0, width)), per_share), [
+            share.seconds for share in sg.shares
+        ]
     A = sp.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
         shape=(len(rows), width),
@@ -205,8 +210,11 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
                     if p.layer != b.layer or not p.forward:
                         continue
                     xy[shares.first + j] += p.seconds / p.mult
-                    for idx, back in zip(shares.indicators[j], p.refunds, strict=True):
-                        xy[idx] -= back / p.mult
+                    for idx, back, ind in zip(
+                        shares.indicators[j], p.refunds, share.indicators, strict=True
+                    ):
+                        if rerun_refunded(ind):
+                            xy[idx] -= back / p.mult
             x += xy[:n_x]
             y += xy[n_x:]
         most = sum(
@@ -216,6 +224,8 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
             float(y[edge_offsets[i] : edge_offsets[i] + len(keeps[i])].max(initial=0.0))
             for i in range(len(sg.edges))
         )
+        if shares is not None:  # each shared resharding paid once at most
+            most += float(np.clip(y[shares.first - n_x :], 0.0, None).sum())
         rx.append(x)
         ry.append(y)
         r_max.append(most)

@@ -284,7 +284,7 @@ def trace(
         loaded.inputs = tuple(
             x.to(config.cast) if x.is_floating_point() else x for x in loaded.inputs
         )
-    graph = trace_model(loaded, config.mode, depth)
+    graph = trace_model(loaded, config.mode, depth, merge_views=config.share_reshardings)
     if progress:
         progress("trace", 1, 1)
     return graph

@@ -414,7 +414,7 @@ def build_strategy_graph(
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
     edges, extra, shares = _build_edges(
-        graph, nodes, free, redistribute_cost, bucketed_cost, reduce_itemsize
+        graph, nodes, free, redistribute_cost, bucketed_cost, reduce_itemsize, share_reads
     )
     sg = StrategyGraph(
         graph=graph,
@@ -430,7 +430,7 @@ def build_strategy_graph(
         tied_layers=tied,
         seeded=b.seeded,
         reduce_itemsize=reduce_itemsize,
-        shares=shares if share_reads else [],
+        shares=shares,
         share_reads=share_reads,
     )
     sg.stats = {
@@ -913,7 +913,13 @@ def is_gradient_sink(graph: TracedGraph, name: str) -> bool:
 
 
 def _build_edges(
-    graph, nodes, free, redistribute_cost, bucketed_cost=None, reduce_itemsize=None
+    graph,
+    nodes,
+    free,
+    redistribute_cost,
+    bucketed_cost=None,
+    reduce_itemsize=None,
+    share_reads=False,
 ) -> tuple[list[Edge], dict, list]:
     """Edges between representatives, linear costs of edges inside one
     (:func:`merge_edges`), and the reshardings reads share
@@ -983,6 +989,8 @@ def _build_edges(
 
     raw = [edge(*c) for c in consumers if c[2] not in free]
     merged, extra, where = merge_edges_indexed(raw)
+    if not share_reads:
+        return merged, extra, []
     keys = [share_key(graph, e.consumer, e.producer, e.overlap) for e in raw]
     return merged, extra, build_shares(raw, where, keys, graph)
 

@@ -106,7 +106,9 @@ def active(sg, share: SharedResharding, choice: Mapping[str, int]) -> list[bool]
 def shared_seconds(sg, choice: Mapping[str, int], layer: int | None = None) -> float:  # noqa: ANN001
     """What sharing takes off the edges' price under ``choice`` (s, <= 0): each shared
     resharding some reader reads is paid once. With ``layer``, one real copy of that
-    block's forward reads only (a recomputed block)."""
+    block's forward reads only (a recomputed block's rerun, whose price counts the reads
+    of its edges, not those folded into a variable's own cost: only the edges' reads are
+    given back there, :func:`rerun_refunded`)."""
     total = 0.0
     for share in sg.shares:
         on = active(sg, share, choice)
@@ -116,9 +118,19 @@ def shared_seconds(sg, choice: Mapping[str, int], layer: int | None = None) -> f
             if layer is not None and (p.layer != layer or not p.forward):
                 continue
             div = p.mult if layer is not None else 1
-            taken = sum(r for r, o in zip(p.refunds, on, strict=True) if o)
+            taken = sum(
+                r
+                for r, o, ind in zip(p.refunds, on, share.indicators, strict=True)
+                if o and (layer is None or rerun_refunded(ind))
+            )
             total += (p.seconds - taken) / div
     return total
+
+
+def rerun_refunded(ind: Indicator) -> bool:
+    """Whether a recomputed block's rerun gives back the refund of ``ind``: only an edge's
+    read (a read folded into its variable's own cost has no rerun price to give back)."""
+    return ind[0] == "y"
 
 
 def build_shares(raw: list, where: list[int | None], keys: list[tuple | None], graph) -> list:  # noqa: ANN001

@@ -563,7 +563,10 @@ def kv_cache_off(module: torch.nn.Module):
 
 
 def trace_model(
-    loaded: LoadedModel, mode: str = "infer", depth: DepthReduction | None = None
+    loaded: LoadedModel,
+    mode: str = "infer",
+    depth: DepthReduction | None = None,
+    merge_views: bool = False,
 ) -> TracedGraph:
     """Trace ``loaded.module`` on its inputs (meta device) and annotate the graph.
 
@@ -572,7 +575,9 @@ def trace_model(
     output node's ``grad_of`` names the parameter each gradient output belongs to.
     Dropout is off in both; batch norm normalises with the batch's statistics in
     training and the running ones in inference, in plain ops
-    (:mod:`autoshard.trace.batchnorm`).
+    (:mod:`autoshard.trace.batchnorm`). ``merge_views``: identical views of one tensor in
+    one block and phase become one node (:func:`merge_duplicate_views`; a plan that
+    shares reshardings, ``--share-reshardings``, is traced so at solve and at launch).
 
     Raises:
         AutoshardError: when the model cannot be traced (torch's first line and what
@@ -588,7 +593,8 @@ def trace_model(
         experts_traced(loaded.module),
     ):
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
-    merge_duplicate_views(gm)
+    if merge_views:
+        merge_duplicate_views(gm, _layer_function(loaded, mode))
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
     finally:
@@ -598,8 +604,11 @@ def trace_model(
     return graph
 
 
-def merge_duplicate_views(gm: torch.fx.GraphModule) -> int:
-    """Keep one of several identical views of one tensor (same op, same arguments):
+def merge_duplicate_views(
+    gm: torch.fx.GraphModule, layer_of: Callable[[torch.fx.Node], Any] = lambda _n: None
+) -> int:
+    """Keep one of several identical views of one tensor (same op, same arguments, same
+    block by ``layer_of``, same phase):
     each ``nn.Linear`` flattens its input itself, so the query, key and value projections
     of one norm's output read three ``view`` nodes of it, which would each pay its own
     resharding (a sequence-parallel all-gather) where one tensor moved once serves all
@@ -611,7 +620,13 @@ def merge_duplicate_views(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not is_view(node.target):
             continue
-        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        key = (
+            node.target,
+            _hashable(node.args),
+            _hashable(node.kwargs),
+            layer_of(node),
+            node.meta.get("partitioner_tag"),
+        )
         first = seen.setdefault(key, node)
         if first is not node:
             node.replace_all_uses_with(first)
@@ -673,6 +688,22 @@ def _attribute_backward_glue(gm: torch.fx.GraphModule, nodes: dict[str, NodeInfo
             # every sum below it; with the earlier one each of the L - 1 boundaries counts
             # once, in the block where the pipeline stage holding it runs it
             info.layer = min(layers)
+
+
+def _layer_function(loaded: LoadedModel, mode: str) -> Callable[[torch.fx.Node], int | None]:
+    """An op node's block index as :func:`_annotate` finds it (``None`` outside blocks)."""
+    blocks = find_block_prefixes(loaded.module)
+    pattern = (
+        re.compile(
+            "^("
+            + "|".join(re.escape(p) for p in sorted(blocks, key=len, reverse=True))
+            + r")(\.|$)"
+        )
+        if blocks
+        else None
+    )
+    strip = "model" if mode == "train" else ""
+    return lambda node: _layer_of(_module_path(node, strip=strip), blocks, pattern)
 
 
 def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> TracedGraph:
