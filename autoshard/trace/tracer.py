@@ -690,8 +690,9 @@ def _attribute_backward_glue(gm: torch.fx.GraphModule, nodes: dict[str, NodeInfo
             info.layer = min(layers)
 
 
-def _layer_function(loaded: LoadedModel, mode: str) -> Callable[[torch.fx.Node], int | None]:
-    """An op node's block index as :func:`_annotate` finds it (``None`` outside blocks)."""
+def _blocks(loaded: LoadedModel) -> tuple[dict[str, int], re.Pattern | None]:
+    """The model's repeated blocks (prefix -> index) and a pattern matching a path inside
+    one of them (the longest prefix first)."""
     blocks = find_block_prefixes(loaded.module)
     pattern = (
         re.compile(
@@ -702,21 +703,18 @@ def _layer_function(loaded: LoadedModel, mode: str) -> Callable[[torch.fx.Node],
         if blocks
         else None
     )
+    return blocks, pattern
+
+
+def _layer_function(loaded: LoadedModel, mode: str) -> Callable[[torch.fx.Node], int | None]:
+    """An op node's block index as :func:`_annotate` finds it (``None`` outside blocks)."""
+    blocks, pattern = _blocks(loaded)
     strip = "model" if mode == "train" else ""
     return lambda node: _layer_of(_module_path(node, strip=strip), blocks, pattern)
 
 
 def _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0) -> TracedGraph:
-    blocks = find_block_prefixes(loaded.module)
-    pattern = (
-        re.compile(
-            "^("
-            + "|".join(re.escape(p) for p in sorted(blocks, key=len, reverse=True))
-            + r")(\.|$)"
-        )
-        if blocks
-        else None
-    )
+    blocks, pattern = _blocks(loaded)
 
     nodes: dict[str, NodeInfo] = {}
     for node in gm.graph.nodes:
