@@ -10,7 +10,6 @@ one before the MLP, one reduce-scatter after each (``g-bar``).
 
 from __future__ import annotations
 
-import math
 import textwrap
 from collections import Counter
 
@@ -198,7 +197,6 @@ def test_the_plan_s_price_counts_a_shared_resharding_once(llama_tp):
     assert apart.collectives["all_gather"] == 5 * 2 + 1
     assert per_read - shared == pytest.approx(3 * 2 * one, rel=1e-6)
     assert plan.step_time_s == pytest.approx(shared, rel=1e-9)
-    assert math.isfinite(shared)
 
 
 def test_a_recomputed_block_gathers_its_inputs_once_again(tmp_path):

@@ -160,16 +160,15 @@ def _share_columns(sg: StrategyGraph, offsets, n_x, n_edges_y, edge_offsets, kee
             cols.append(np.concatenate([[first + j], idx]))
             vals.append(np.concatenate([[1.0], -np.ones(len(idx))]))
         per_share.append(found)
-    if not rows:  # every read's pair is impossible (a restricted graph's)
-        return _ShareColumns(first, refund, sp.csr_matrix((0, width)), per_share), [
-            share.seconds for share in sg.shares
-        ]
-    A = sp.csr_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-        shape=(len(rows), width),
+    A = (
+        sp.csr_matrix(
+            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+            shape=(len(rows), width),
+        )
+        if rows
+        else sp.csr_matrix((0, width))  # every read's pair is impossible (a restriction's)
     )
-    costs = [share.seconds for share in sg.shares]
-    return _ShareColumns(first, refund, A, per_share), costs
+    return _ShareColumns(first, refund, A, per_share), [s.seconds for s in sg.shares]
 
 
 @dataclass(frozen=True)

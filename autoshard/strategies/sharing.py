@@ -104,11 +104,11 @@ def active(sg, share: SharedResharding, choice: Mapping[str, int]) -> list[bool]
 
 
 def shared_seconds(sg, choice: Mapping[str, int], layer: int | None = None) -> float:  # noqa: ANN001
-    """What sharing takes off the edges' price under ``choice`` (s, <= 0): each shared
-    resharding some reader reads is paid once. With ``layer``, one real copy of that
-    block's forward reads only (a recomputed block's rerun, whose price counts the reads
-    of its edges, not those folded into a variable's own cost: only the edges' reads are
-    given back there, :func:`rerun_refunded`)."""
+    """What sharing changes in the edges' price under ``choice`` (s): each shared
+    resharding some reader reads is paid once (<= 0 over the step). With ``layer``, one
+    real copy of that block's forward reads only (a recomputed block's rerun, whose price
+    counts the reads of its edges, not those folded into a variable's own cost: only the
+    edges' reads are given back there, :func:`rerun_refunded`)."""
     total = 0.0
     for share in sg.shares:
         on = active(sg, share, choice)
