@@ -43,13 +43,14 @@ from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import TWO_D_ONLY
 from autoshard.solver.compare import ComparedPlan, compare_plans
 from autoshard.solver.meshes import MeshSearch, search_meshes
-from autoshard.solver.options import ALGOS, SolverOptions
+from autoshard.solver.options import COMPARED, SolverOptions
 from autoshard.solver.preload import plan_preloaded
 from autoshard.solver.solve import (
     SolveConfig,
     SolveResult,
     plan_baseline,
     plan_model,
+    plan_space,
     strategies,
     trace,
 )
@@ -152,6 +153,7 @@ def solve(
     *,
     gpus: int | None = None,
     gpus_per_node: int = 8,
+    space: str = "free",
     options: PlanOptions | None = None,
     **keywords: Any,
 ) -> SolveResult:
@@ -173,6 +175,10 @@ def solve(
             fastest; ``result.meshes`` ranks them all (``.rows``: mesh, plan or error).
         gpus_per_node: with ``gpus``: devices per node (a dim inside a node gets the
             intra-node links, one across nodes the inter-node links).
+        space: ``"free"`` (the ILP over every DTensor strategy) or ``"torchtitan"`` (the
+            fastest plan FSDP2 and ``parallelize_module`` express, which
+            :func:`autoshard.apply` and ``autoshard export`` run as planned;
+            :mod:`autoshard.solver.space`).
         options, keywords: the planning options, :class:`PlanOptions` (``mode``,
             ``device``, ``memory_budget``, ``precision``, ``time_limit``, ``solver``,
             ``tie``, ``loss_fn``, ``name``, ``profile``).
@@ -183,14 +189,21 @@ def solve(
 
     Raises:
         AutoshardError: bad inputs, an untraceable model, no plan within the budget, both
-            ``mesh`` and ``gpus`` (or ``gpus`` with ``profile``).
+            ``mesh`` and ``gpus`` (or ``gpus`` with ``profile`` or a space other than
+            ``"free"``), an unknown space.
         TypeError: an unknown keyword.
     """
     opts = _options("solve", options, keywords)
     if gpus is not None and (mesh is not None or opts.profile is not None):
         given = "mesh" if mesh is not None else "profile"
         raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
+    if gpus is not None and space != "free":
+        raise AutoshardError(
+            f"gpus= plans the free space on every mesh shape; drop space={space!r}"
+        )
     config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
+    if space != "free":
+        return plan_space(config, space)
     if gpus is not None:
         shapes = node_shapes(gpus, gpus_per_node)
         meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
@@ -242,8 +255,8 @@ def compare(
 
     Args:
         plans: which, a sequence or ``"ilp,ddp"`` (default: ``ilp``, ``replicate``,
-            ``ddp``, ``fsdp``, ``megatron``, ``megatron_sp`` and, on a mesh of 2+ dims,
-            ``fsdp_tp``).
+            ``ddp``, ``fsdp``, ``megatron``, ``megatron_sp``, on a mesh of 2+ dims
+            ``fsdp_tp``, and ``torchtitan``: the fastest plan of that space).
 
     Returns:
         One :class:`ComparedPlan` per plan, in that order: ``.plan`` (or ``.error``),
@@ -255,7 +268,7 @@ def compare(
     """
     config = _config(model, example_inputs, mesh, _options("compare", options, keywords))
     if plans is None:
-        plans = tuple(a for a in ALGOS if config.mesh.ndim > 1 or a not in TWO_D_ONLY)
+        plans = tuple(a for a in COMPARED if config.mesh.ndim > 1 or a not in TWO_D_ONLY)
     elif isinstance(plans, str):  # "ilp,ddp", as the command line takes it
         plans = tuple(a.strip() for a in plans.split(",") if a.strip())
     return compare_plans(config, strategies(config, trace(config)), tuple(plans))

@@ -1,15 +1,17 @@
 """One rank of ``tests/test_apply.py``: a user's own training step on ``autoshard.apply``.
 
 ``torchrun --nproc-per-node 8 tests/apply_rank.py MAP MODEL OUT [EXPORTED]``: every rank
-builds the model with one seed (float64), keeps a single-device copy as the reference,
-applies the plan (with ``EXPORTED``: calls the ``parallelize(model, device_type)`` that
-``autoshard export`` wrote instead), trains one AdamW step on its part of the batch, and
-compares the loss, every gradient and every parameter after the step with the
-reference's. Rank 0 writes OUT (JSON).
+builds the model with one seed (float64, or ``APPLY_RANK_DTYPE``; in eval mode: no
+dropout), keeps a single-device copy as the reference, applies the plan (with
+``EXPORTED``: calls the ``parallelize(model, device_type)`` that ``autoshard export``
+wrote instead), trains one AdamW step on its part of the batch, and compares the loss,
+every gradient and every parameter after the step with the reference's. Rank 0 writes
+OUT (JSON).
 """
 
 import copy
 import json
+import os
 import runpy
 import sys
 
@@ -27,22 +29,39 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def batch_shard(smap, inputs: tuple) -> tuple:
+    """This rank's part of each input: the batch split over the mesh dims the map shards
+    it on (``S(0)``), nested outer dim first as DTensor splits it; ranks laid out as
+    ``torch.arange(world).reshape(mesh_shape)`` (``init_device_mesh``)."""
+    shape = smap.mesh_shape
+    coordinate = [int(c) for c in torch.unravel_index(torch.tensor(dist.get_rank()), shape)]
+    out = []
+    for x, ps in zip(inputs, smap.inputs.values(), strict=False):
+        n, r = 1, 0
+        for d, p in enumerate(ps):
+            if str(p) == "S(0)":
+                n, r = n * shape[d], r * shape[d] + coordinate[d]
+        out.append(x[r * len(x) // n : (r + 1) * len(x) // n])
+    return tuple(out) + tuple(inputs[len(out) :])
+
+
 def main(plan: str, model_file: str, out: str, exported: str | None = None) -> None:
     dist.init_process_group("gloo")
     mf = load_model_file(model_file)
     torch.manual_seed(0)
-    model = mf.module.build_model().double()
-    inputs = tuple(x.double() if x.is_floating_point() else x for x in mf.module.example_inputs())
+    # float64 unless the model's kernels refuse it (HF's grouped_mm experts take float32)
+    dtype = getattr(torch, os.environ.get("APPLY_RANK_DTYPE", "float64"))
+    # eval(): dropout draws other numbers on each rank (GPT-2's default config has it)
+    model = mf.module.build_model().to(dtype).eval()
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in mf.module.example_inputs())
     ref = copy.deepcopy(model)
     if exported is None:
         applied = autoshard.apply(model, plan)
         local = applied.local_inputs(*inputs)
         differences = applied.styles.differences
-    else:  # the user's copy of the exported function; batch split over mesh dim 0
+    else:  # the user's copy of the exported function; the batch split as the map says
         runpy.run_path(exported)["parallelize"](model, device_type="cpu")
-        shape = load_sharding_map(plan).mesh_shape
-        dp_rank, n = dist.get_rank() // (dist.get_world_size() // shape[0]), shape[0]
-        local = tuple(x[dp_rank * len(x) // n : (dp_rank + 1) * len(x) // n] for x in inputs)
+        local = batch_shard(load_sharding_map(plan), inputs)
         differences = []
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

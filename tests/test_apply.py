@@ -55,7 +55,7 @@ def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, 
     model = write_model(tmp_path, LLAMA, "llama")
     smap = load_sharding_map(_map(tmp_path, model, algo))
     sp = style_plan(_module(model), smap)
-    assert (sp.tp_dim, sp.dp_dim, sp.dp_mode) == (1, 0, dp_mode)
+    assert (sp.tp_dim, sp.dp_dims, sp.dp_mode) == (1, (0,), dp_mode)
     assert sp.folded_tp() == LLAMA_TP
     assert sp.groups == ["model.layers.0", "model.layers.1", ""]
     if algo == "megatron":

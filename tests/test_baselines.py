@@ -356,7 +356,7 @@ def test_compare_json(model_files):
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     names = [p["name"] for p in out["plans"]]
-    assert names == list(ALGOS)
+    assert names == [*ALGOS, "torchtitan"]
     by = {p["name"]: p for p in out["plans"]}
     assert by["ilp"]["best"] and "ilp" in out["best"]
     for p in out["plans"]:
@@ -373,11 +373,16 @@ def test_compare_table_and_budget(model_files):
     result = CliRunner().invoke(compare_command, args + mode + ["--memory-budget", "48MiB"])
     assert result.exit_code == 0, result.output
     text = result.stdout
-    for name in ("ilp", "replicate", "ddp", "fsdp", "megatron"):
-        assert name in text
+    # one row per plan, whole names, each table within 80 columns (CliRunner's width)
+    rows: dict[str, list[str]] = {}  # the first table's row of each plan: the step
+    for line in text.splitlines():
+        if line.strip():
+            rows.setdefault(line.split()[0], line.split())
+    for name in ("ilp", "replicate", "ddp", "fsdp", "megatron", "megatron_sp", "torchtitan"):
+        assert name in rows, text
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
     # replicated weights (32 MiB, plus gradients and optimizer state in training) do not fit
-    (fits,) = [line for line in text.splitlines() if line.strip().startswith("fits")]
-    assert "no" in fits.split(), fits
+    assert rows["replicate"][-1] == "no", rows["replicate"]
 
     # a budget no plan meets: the ILP's row says so, the baselines are still compared
     result = CliRunner().invoke(compare_command, args + ["--memory-budget", "1KiB", "--json"])

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autoshard.cli.options import Progress, config_from_options, mesh_options, plan_options
-from autoshard.solver.options import ALGOS
+from autoshard.solver.options import COMPARED
 
 
 @click.command("compare")
@@ -20,7 +20,7 @@ from autoshard.solver.options import ALGOS
 @click.option(
     "--plans",
     "plans",
-    default=",".join(ALGOS),
+    default=",".join(COMPARED),
     show_default=True,
     help="Comma-separated plans to compare.",
 )
@@ -32,7 +32,8 @@ from autoshard.solver.options import ALGOS
     "instead of the table.",
 )
 def compare_command(model_file, plans, as_json, **opts) -> None:
-    """Compare the ILP's plan with replicate, DDP, FSDP and Megatron(-SP) on MODEL_FILE.
+    """Compare the ILP's plan with replicate, DDP, FSDP, Megatron(-SP) and the fastest plan
+    torchtitan's styles express (solve --space torchtitan) on MODEL_FILE.
 
     Traces the model once, generates its strategies once, then solves the ILP and builds
     each baseline on the same graph and cost model: the placements that style of
@@ -47,13 +48,13 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
     """
     # heavy (torch, HiGHS): only once the command runs
     from autoshard.solver.baselines import TWO_D_ONLY
-    from autoshard.solver.compare import compare_plans, comparison_table
+    from autoshard.solver.compare import compare_plans, comparison_tables
     from autoshard.solver.solve import strategies, trace
 
     config = config_from_options(model_file, opts)
     mesh, device = config.mesh, config.device
     algos = tuple(a.strip() for a in plans.split(",") if a.strip())
-    if plans == ",".join(ALGOS) and mesh.ndim < 2:  # the default: no duplicate column
+    if plans == ",".join(COMPARED) and mesh.ndim < 2:  # the default: no duplicate column
         algos = tuple(a for a in algos if a not in TWO_D_ONLY)
     budget = config.budget()
     err = Console(stderr=True)
@@ -82,7 +83,8 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
         f"{graph.model_name} on mesh {mesh.shape_str} ({', '.join(mesh.dim_names)}), "
         f"device {device.name}: predicted time and memory per device"
     )
-    console.print(comparison_table(rows, title, budget))
+    for table in comparison_tables(rows, title, budget):
+        console.print(table)
     for r in rows:
         if r.error:
             console.print(f"[red]{r.name}[/red]: {escape(r.error)}")

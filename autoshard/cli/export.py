@@ -80,7 +80,7 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
         return
     from autoshard.solver.solve import SolveConfig, plan_pinned
 
-    gathered = frozenset({sp.dp_dim}) if sp.dp_mode == "fsdp" else frozenset()
+    gathered = frozenset(sp.dp_shard)  # FSDP gathers each parameter before its use
     try:
         config = SolveConfig.from_solution(mf.path, load_solution(solution))
         styled = plan_pinned(

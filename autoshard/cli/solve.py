@@ -60,6 +60,17 @@ from autoshard.errors import AutoshardError
     "ZeRO-3, Megatron tensor parallel on the last mesh dim) priced by the same cost model.",
 )
 @click.option(
+    "--space",
+    type=click.Choice(["free", "torchtitan"]),
+    default="free",
+    show_default=True,
+    help="free: every DTensor strategy of every op (the ILP). torchtitan: only plans FSDP2 "
+    "and parallelize_module express (each mesh dim DDP, FSDP or Megatron tensor parallel "
+    "on the last one; every block checkpointed or none), each priced as DTensor runs it; "
+    "the fastest that fits is written, and `autoshard export` turns it into torchtitan "
+    "code with no difference from the plan.",
+)
+@click.option(
     "--preload",
     type=click.Path(path_type=Path),
     default=None,
@@ -85,7 +96,17 @@ from autoshard.errors import AutoshardError
     "the time split, memory against the budget, the plan beside the hand-written ones.",
 )
 def solve_command(
-    model_file, out_dir, algo, preload, quiet, as_json, html_path, gpus, gpus_per_node, **opts
+    model_file,
+    out_dir,
+    algo,
+    space,
+    preload,
+    quiet,
+    as_json,
+    html_path,
+    gpus,
+    gpus_per_node,
+    **opts,
 ) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
 
@@ -104,6 +125,7 @@ def solve_command(
       autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
       autoshard solve examples/gpt2.py --mesh 2x4 --json > report.json
       autoshard solve examples/mlp.py --gpus 16 --gpus-per-node 8
+      autoshard solve examples/llama.py --mesh 2x4 --space torchtitan
     """
     # heavy (torch, HiGHS): only once the command runs
     from autoshard.plan.export import output_stem
@@ -113,6 +135,11 @@ def solve_command(
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     if html_path is not None:
         check_writable(html_path.parent)
+    if space != "free" and (algo != "ilp" or preload is not None or gpus is not None):
+        given = "--algo" if algo != "ilp" else "--preload" if preload is not None else "--gpus"
+        raise AutoshardError(
+            f"--space {space} searches its own plans; drop {given} (or --space {space})"
+        )
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
     if meshes:  # the files are named after the best mesh once it is known
@@ -129,7 +156,8 @@ def solve_command(
     # the model is named after its file: the output names are known before any work
     # the outputs are named after the model file (its target, when a link), as the traced
     # graph is (model_file.load_model_file): known before any work
-    stem = output_stem(Path(model_file).resolve().stem, mesh.shape, "" if algo == "ilp" else algo)
+    suffix = algo if algo != "ilp" else space if space != "free" else ""
+    stem = output_stem(Path(model_file).resolve().stem, mesh.shape, suffix)
     refuse_overwriting_preload(preload, out_dir, stem)
     notes: list[str] = []
     with Progress(Console(stderr=True, quiet=quiet)) as progress:
@@ -142,6 +170,11 @@ def solve_command(
             from autoshard.solver.solve import plan_baseline  # heavy, as above
 
             result = plan_baseline(config, algo, progress)
+            notes = list(result.plan.extra.get("notes", []))
+        elif space != "free":
+            from autoshard.solver.solve import plan_space  # heavy, as above
+
+            result = plan_space(config, space, progress)
             notes = list(result.plan.extra.get("notes", []))
         else:
             result = plan_model(config, progress)

@@ -24,7 +24,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from autoshard.cost.mesh import default_dim_names
 from autoshard.errors import AutoshardError
 from autoshard.plan.formats import ShardingMap, load_sharding_map
-from autoshard.plan.styles import COLWISE, StylePlan, style_plan, styles_mesh
+from autoshard.plan.styles import (
+    COLWISE,
+    StylePlan,
+    dp_mesh_names,
+    style_plan,
+    styles_mesh,
+    styles_mesh_groups,
+)
 
 _LAYOUTS = {"Replicate()": Replicate()}
 
@@ -35,8 +42,9 @@ class Applied:
 
     Attributes:
         model: the model, parallelized in place (the same object that was passed).
-        mesh: the device mesh the styles use (with a ``<dp>_shard`` dim of one device
-            when the data-parallel dim replicates parameters).
+        mesh: the device mesh the styles use (:func:`~autoshard.plan.styles.styles_mesh`:
+            adjacent data-parallel dims flattened, a ``<dp>_shard`` dim of one device when
+            the data-parallel dims only replicate parameters).
         styles: the tensor-parallel styles and FSDP groups (:class:`StylePlan`), with
             ``differences`` from the plan.
         smap: the sharding map applied.
@@ -49,23 +57,30 @@ class Applied:
 
     def local_inputs(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's part of each global input: its batch shard on the data-parallel
-        dim (the map's ``S(0)``), the whole tensor on the tensor-parallel dim.
+        dims (the map's ``S(0)``, split over those dims in mesh order as DTensor nests
+        them), the whole tensor on the tensor-parallel dim.
 
         Raises:
-            AutoshardError: a batch the data-parallel dim does not divide.
+            AutoshardError: a batch the data-parallel dims do not divide.
         """
-        d = self.styles.dp_dim
-        if d is None:
+        if not self.styles.dp_dims:
             return tuple(inputs)
-        name = self._names()[d]
-        n, r = self.mesh[name].size(), self.mesh[name].get_local_rank()
+        coordinate = self._plan_coordinate()
         placed = list(self.smap.inputs.values())
         out = []
         for i, x in enumerate(inputs):
             ps = placed[i] if i < len(placed) else None
-            if ps is None or not (isinstance(ps[d], Shard) and ps[d].dim == 0):
-                out.append(x)  # the plan keeps it whole on the data-parallel dim
+            dims = [
+                d
+                for d in self.styles.dp_dims
+                if ps is not None and isinstance(ps[d], Shard) and ps[d].dim == 0
+            ]
+            if not dims:
+                out.append(x)  # the plan keeps it whole on the data-parallel dims
                 continue
+            n, r = 1, 0
+            for d in dims:  # the rank's index in the nested split, outer dim first
+                n, r = n * self.smap.mesh_shape[d], r * self.smap.mesh_shape[d] + coordinate[d]
             if x.shape[0] % n:
                 raise AutoshardError(
                     f"a batch of {x.shape[0]} does not split over {n} data-parallel ranks"
@@ -73,6 +88,17 @@ class Applied:
             step = x.shape[0] // n
             out.append(x[r * step : (r + 1) * step])
         return tuple(out)
+
+    def _plan_coordinate(self) -> list[int]:
+        """This rank's coordinate on the plan's mesh (one index per plan mesh dim), from its
+        coordinate on the styles' mesh, whose dims flatten adjacent plan dims."""
+        groups = styles_mesh_groups(self.styles, self.smap.mesh_shape, self._names())
+        coordinate = [0] * len(self.smap.mesh_shape)
+        for group in groups:
+            r = self.mesh[group.name].get_local_rank()
+            for d in reversed(group.dims):  # unflatten, inner dim first
+                r, coordinate[d] = divmod(r, self.smap.mesh_shape[d])
+        return coordinate
 
     def _names(self) -> tuple[str, ...]:
         return self.smap.dim_names or default_dim_names(len(self.smap.mesh_shape))
@@ -98,7 +124,8 @@ def apply(
 
     Raises:
         AutoshardError: the map does not fit the model or the mesh, its mesh has more than
-            one data-parallel or tensor-parallel dim, or a column-parallel projection would
+            one tensor-parallel dim or data-parallel dims FSDP2 cannot group (not adjacent,
+            or sharding outside replicating), or a column-parallel projection would
             split an attention head (run such plans with ``autoshard launch``).
     """
     smap = plan if isinstance(plan, ShardingMap) else load_sharding_map(Path(plan))
@@ -123,8 +150,8 @@ def apply(
             styles[fqn] = ColwiseParallel(**kw) if style == COLWISE else RowwiseParallel(**kw)
         parallelize_module(model, mesh[names[sp.tp_dim]], styles)
     if sp.dp_mode is not None:
-        dp = names[sp.dp_dim]
-        dp_mesh = mesh[dp] if sp.dp_mode == "fsdp" else mesh[dp, f"{dp}_shard"]
+        dp_names = dp_mesh_names(sp, smap.mesh_shape, names)
+        dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
         by_param = {id(p): n for n, p in model.named_parameters()}
 
         def placement(p: nn.Parameter) -> Shard:
@@ -134,7 +161,7 @@ def apply(
             fully_shard(
                 model.get_submodule(g) if g else model,
                 mesh=dp_mesh,
-                shard_placement_fn=placement if sp.dp_mode == "fsdp" else None,
+                shard_placement_fn=placement if sp.dp_shard else None,
             )
     return Applied(model, mesh, sp, smap)
 

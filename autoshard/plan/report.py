@@ -571,6 +571,7 @@ def report_dict(
                 for op, (n, secs) in facts.fallbacks.items()
             },
             "experts": experts_summary(plan),
+            "space": plan.extra.get("space"),
             "notes": [*facts.differences, *notes],
         }
     )
@@ -651,6 +652,9 @@ def print_report(
         )
     elif status == "preloaded":
         console.print(f"solver: none, plan preloaded; objective {format_seconds(ilp.objective_s)}")
+    elif "space" in plan.extra:
+        for line in space_lines(plan.extra["space"], plan.extra.get("budget")):
+            console.print(line, highlight=False)
     else:
         if status == "within_gap":
             status = "within the --mip-gap of the LP bound"
@@ -667,6 +671,27 @@ def print_report(
     )
     if files:
         console.print("wrote " + " and ".join(str(f) for f in files))
+
+
+def space_lines(space: dict, budget: float | None) -> list[str]:
+    """A search space's points (``plan.extra["space"]``, from ``solve --space``): each
+    one's step time, memory and whether it fits, or why it has no plan; the chosen one
+    marked ``*``."""
+    lines = [
+        f"solver: none, the {space['name']} space's {len(space['points'])} points each priced "
+        "by DTensor's propagation from their styles (* the fastest that fits):"
+    ]
+    for p in space["points"]:
+        mark = "*" if p["name"] == space["chosen"] else " "
+        if p["step_time_s"] is None:
+            lines.append(f"  {mark} {p['name']:<11} -  {p['error']}")
+            continue
+        fits = "fits" if p["fits"] else f"over {format_bytes(budget or 0.0)}"
+        lines.append(
+            f"  {mark} {p['name']:<11} {format_seconds(p['step_time_s']):>9}  "
+            f"{format_bytes(p['memory_bytes']):>10}  {fits}"
+        )
+    return lines
 
 
 STOPPED_BY = {

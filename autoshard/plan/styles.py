@@ -6,9 +6,13 @@ one mesh dim, and FSDP2 ``fully_shard`` (or replication, DDP-style) over the dat
 dim, one group per transformer block and one for the root. :func:`style_plan` reads that
 out of a sharding map's parameter placements:
 
-- A mesh dim on which the inputs are batch-sharded is the *data-parallel dim*: FSDP if the
+- A mesh dim on which the inputs are batch-sharded is a *data-parallel dim*: FSDP if the
   plan shards parameters there (``shard_placement_fn`` keeps the plan's tensor dim), DDP if
   it keeps them replicated (HSDP with a shard group of one: every gradient all-reduced).
+  Several data-parallel dims run as torchtitan's ``dp_replicate`` x ``dp_shard`` mesh:
+  the replicating dims (outer) form one group, the sharding dims (inner) another, each
+  group's adjacent mesh dims flattened into one (HSDP: FSDP2's 2-D mesh; FSDP or DDP over
+  the whole group when one of them is empty).
 - Another mesh dim is the *tensor-parallel dim*. There a ``nn.Linear`` whose weight
   (``out x in``) is ``S(0)`` is ``ColwiseParallel`` (bias ``S(0)``), ``S(1)``
   ``RowwiseParallel`` (bias ``R``); an ``nn.Embedding`` ``S(0)`` is ``RowwiseParallel``
@@ -30,6 +34,7 @@ the plan's own graph).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -49,8 +54,10 @@ class StylePlan:
     """What :func:`style_plan` found.
 
     Attributes:
-        tp_dim, dp_dim: the mesh dims (indices) of tensor and data parallelism, or None.
-        dp_mode: ``"fsdp"`` or ``"ddp"`` on ``dp_dim`` (None without one).
+        tp_dim: the mesh dim (index) of tensor parallelism, or None.
+        dp_replicate: the data-parallel mesh dims that replicate parameters (DDP, or
+            HSDP's replica groups), in mesh order.
+        dp_shard: the data-parallel mesh dims FSDP shards parameters over, in mesh order.
         tp: module FQN -> ``(style, kwargs)``, kwargs as text (``input_layouts=Replicate()``).
         shard_dims: parameter FQN -> the tensor dim FSDP shards (``fsdp`` only).
         groups: module FQNs given their own FSDP group (the repeated blocks), root last
@@ -64,8 +71,8 @@ class StylePlan:
     """
 
     tp_dim: int | None
-    dp_dim: int | None
-    dp_mode: str | None
+    dp_replicate: tuple[int, ...] = ()
+    dp_shard: tuple[int, ...] = ()
     tp: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
     shard_dims: dict[str, int] = field(default_factory=dict)
     groups: list[str] = field(default_factory=list)
@@ -74,6 +81,19 @@ class StylePlan:
     unrunnable: list[str] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # the repeated blocks' FQNs, in order
     container: str | None = None  # the module whose children are exactly the blocks
+
+    @property
+    def dp_dims(self) -> tuple[int, ...]:
+        """Every data-parallel mesh dim (the inputs' batch is split over them), in order."""
+        return tuple(sorted(self.dp_replicate + self.dp_shard))
+
+    @property
+    def dp_mode(self) -> str | None:
+        """``"fsdp"`` (parameters sharded on every data-parallel dim), ``"ddp"``
+        (replicated on every one), ``"hsdp"`` (both), or None (no data parallelism)."""
+        if self.dp_shard:
+            return "hsdp" if self.dp_replicate else "fsdp"
+        return "ddp" if self.dp_replicate else None
 
     def block_layout(self) -> BlockLayout | None:
         """The styles as one plan per block, when every block is styled and sharded alike
@@ -150,8 +170,9 @@ class BlockLayout:
     root_shard_dims: dict[str, int]
 
 
-def _dims(smap: ShardingMap) -> tuple[int | None, int | None]:
-    """(tp_dim, dp_dim): the mesh dim the inputs are batch-sharded on is data parallel."""
+def _roles(smap: ShardingMap) -> tuple[int | None, list[int]]:
+    """(tp_dim, data-parallel dims): a mesh dim the inputs are batch-sharded on is data
+    parallel; at most one other dim of 2+ devices, the tensor-parallel one."""
     n = len(smap.mesh_shape)
     sized = [d for d in range(n) if smap.mesh_shape[d] > 1]
     batch = [
@@ -160,22 +181,29 @@ def _dims(smap: ShardingMap) -> tuple[int | None, int | None]:
         if any(isinstance(ps[d], Shard) and ps[d].dim == 0 for ps in smap.inputs.values())
     ]
     others = [d for d in sized if d not in batch]
-    if len(batch) > 1 or len(others) > 1:
+    if len(others) > 1:
         raise AutoshardError(
-            f"{smap.source}: torchtitan styles take one data-parallel and one tensor-parallel "
-            f"mesh dim; this plan's mesh {'x'.join(map(str, smap.mesh_shape))} has "
-            f"{len(batch)} batch-sharded and {len(others)} other dims of 2+ devices; run it "
-            "with `autoshard launch`"
+            f"{smap.source}: torchtitan styles take one tensor-parallel mesh dim; this plan's "
+            f"mesh {'x'.join(map(str, smap.mesh_shape))} has {len(others)} dims of 2+ devices "
+            "the inputs are not batch-sharded on; run it with `autoshard launch`"
         )
-    return (others[0] if others else None), (batch[0] if batch else None)
+    return (others[0] if others else None), batch
+
+
+def _fsdp_dim(placements: list[Placement]) -> int:
+    """The tensor dim FSDP shards a parameter planned as ``placements`` on the sharding
+    dims: the plan's own when every such dim shards that one tensor dim, else 0."""
+    dims = {p.dim if isinstance(p, Shard) else None for p in placements}
+    return dims.pop() if len(dims) == 1 and None not in dims else 0
 
 
 def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
     """The torchtitan styles of ``smap`` for ``model`` (its parameters' FQNs as the map's).
 
     Raises:
-        AutoshardError: the map names a parameter the model lacks (or the reverse), or has
-            more than one data-parallel or tensor-parallel mesh dim.
+        AutoshardError: the map names a parameter the model lacks (or the reverse), has
+            more than one tensor-parallel mesh dim, or data-parallel dims FSDP2 cannot group
+            (:func:`_check_groups`).
     """
     params = dict(model.named_parameters(remove_duplicate=False))  # tied aliases too
     missing = sorted(set(smap.parameters) ^ set(params))
@@ -184,21 +212,28 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
             f"{smap.source} and the model differ in parameters ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): solve again for this model"
         )
-    tp_dim, dp_dim = _dims(smap)
+    tp_dim, dp_dims = _roles(smap)
     applied: dict[str, list[Placement]] = {
         name: [Replicate()] * len(smap.mesh_shape) for name in params
     }
-    sp = StylePlan(tp_dim, dp_dim, None)
+    sp = StylePlan(tp_dim)
     if tp_dim is not None:
         _tensor_parallel(model, smap, tp_dim, sp, applied)
-    if dp_dim is not None:
-        sharded = [n for n in params if isinstance(smap.parameters[n][dp_dim], Shard)]
-        sp.dp_mode = "fsdp" if len(sharded) * 2 > len(params) else "ddp"
-        if sp.dp_mode == "fsdp":
+    if dp_dims:
+        # per dim: FSDP where the plan shards most parameters, DDP where it replicates them
+        def shards(d: int) -> bool:
+            sharded = [n for n in params if isinstance(smap.parameters[n][d], Shard)]
+            return len(sharded) * 2 > len(params)
+
+        sp.dp_shard = tuple(d for d in dp_dims if shards(d))
+        sp.dp_replicate = tuple(d for d in dp_dims if not shards(d))
+        _check_groups(smap, sp)
+        if sp.dp_shard:
             for name in params:
-                planned = smap.parameters[name][dp_dim]
-                sp.shard_dims[name] = planned.dim if isinstance(planned, Shard) else 0
-                applied[name][dp_dim] = Shard(sp.shard_dims[name])
+                k = _fsdp_dim([smap.parameters[name][d] for d in sp.dp_shard])
+                sp.shard_dims[name] = k
+                for d in sp.dp_shard:
+                    applied[name][d] = Shard(k)
         sp.groups = [*sorted(find_block_prefixes(model), key=natural_key), ""]
     sp.blocks = sorted(find_block_prefixes(model), key=natural_key)
     sp.container = _block_container(model)
@@ -208,6 +243,30 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
         if planned != got:
             sp.differences.append((name, short(planned), short(got)))
     return sp
+
+
+def _check_groups(smap: ShardingMap, sp: StylePlan) -> None:
+    """FSDP2 takes a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP): each group
+    of data-parallel dims must be adjacent mesh dims, the replicating ones first.
+
+    Raises:
+        AutoshardError: a group split by another mesh dim, or sharding dims outside the
+            replicating ones (the message names the dims).
+    """
+    sized = [d for d in range(len(smap.mesh_shape)) if smap.mesh_shape[d] > 1]
+    for kind, dims in (("replicating", sp.dp_replicate), ("sharding", sp.dp_shard)):
+        if dims and sized.index(dims[-1]) - sized.index(dims[0]) != len(dims) - 1:
+            raise AutoshardError(
+                f"{smap.source}: the data-parallel dims {kind} parameters ({list(dims)}) are "
+                "not adjacent mesh dims, which FSDP2 cannot group; run it with `autoshard "
+                "launch`"
+            )
+    if sp.dp_replicate and sp.dp_shard and sp.dp_shard[0] < sp.dp_replicate[-1]:
+        raise AutoshardError(
+            f"{smap.source}: parameters are sharded on mesh dim {sp.dp_shard[0]} and "
+            f"replicated on the inner dim {sp.dp_replicate[-1]}; FSDP2's HSDP replicates on "
+            "the outer dims; run it with `autoshard launch`"
+        )
 
 
 def _block_container(model: nn.Module) -> str | None:
@@ -276,17 +335,61 @@ def _tensor_parallel(
             applied[f"{fqn}.bias"][d] = Shard(0)
 
 
+@dataclass(frozen=True)
+class MeshGroup:
+    """One dim of the mesh the styles run on: adjacent plan mesh dims flattened.
+
+    ``name``: its mesh dim name; ``size``: its devices; ``dims``: the plan's mesh dims it
+    stands for, outer first (empty for the shard group of one device that DDP runs as).
+    """
+
+    name: str
+    size: int
+    dims: tuple[int, ...]
+
+
+def styles_mesh_groups(
+    sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
+) -> list[MeshGroup]:
+    """The mesh the styles run on, one :class:`MeshGroup` per dim: the plan's mesh dims in
+    order, the replicating data-parallel dims flattened into one dim and the sharding ones
+    into another (a group of one plan dim keeps its name; several are named by joining
+    theirs with ``_``); after a replicating group with no sharding one, a ``<name>_shard``
+    dim of one device (FSDP2's HSDP with a shard group of one: every gradient all-reduced,
+    as DDP does). A flattened group holds the same devices in the same order as its plan
+    dims (``torch.arange(n).reshape(mesh_shape)``)."""
+    groups: list[MeshGroup] = []
+    for d in range(len(mesh_shape)):
+        group = sp.dp_replicate if d in sp.dp_replicate else sp.dp_shard
+        if d in group and d != group[0]:
+            continue  # flattened into its group's first dim
+        dims = group if d in group else (d,)
+        name = "_".join(dim_names[g] for g in dims)
+        groups.append(MeshGroup(name, math.prod(mesh_shape[g] for g in dims), tuple(dims)))
+        if dims == sp.dp_replicate and not sp.dp_shard:
+            groups.append(MeshGroup(f"{name}_shard", 1, ()))
+    return groups
+
+
 def styles_mesh(
     sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The mesh the styles run on: the plan's, in its order, with a ``<dp>_shard`` dim of
-    one device after the data-parallel dim when it replicates parameters (FSDP2's HSDP
-    with a shard group of one: every gradient all-reduced, as DDP does)."""
-    shape, names = list(mesh_shape), list(dim_names)
-    if sp.dp_mode == "ddp":
-        shape.insert(sp.dp_dim + 1, 1)
-        names.insert(sp.dp_dim + 1, f"{dim_names[sp.dp_dim]}_shard")
-    return tuple(shape), tuple(names)
+    """The shape and dim names of :func:`styles_mesh_groups`."""
+    groups = styles_mesh_groups(sp, mesh_shape, dim_names)
+    return tuple(g.size for g in groups), tuple(g.name for g in groups)
+
+
+def dp_mesh_names(
+    sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The styles mesh dims FSDP2's ``fully_shard`` takes: the sharding group (FSDP), or
+    the replicating and the sharding group (HSDP, DDP as HSDP with a shard of one)."""
+    groups = styles_mesh_groups(sp, mesh_shape, dim_names)
+    rep = [g.name for g in groups if g.dims and g.dims == sp.dp_replicate]
+    shard = [g.name for g in groups if g.dims and g.dims == sp.dp_shard]
+    if not sp.dp_shard:
+        shard = [f"{rep[0]}_shard"]
+    return (*rep, *shard)
 
 
 def _style_lines(entries: dict[str, tuple[str, dict[str, str]]], indent: str) -> list[str]:
@@ -297,16 +400,14 @@ def _style_lines(entries: dict[str, tuple[str, dict[str, str]]], indent: str) ->
     return out
 
 
-def _dp_mesh(sp: StylePlan, dim_names: tuple[str, ...]) -> str:
-    dp_name = dim_names[sp.dp_dim]
-    return (
-        f"mesh[{dp_name!r}]"
-        if sp.dp_mode == "fsdp"
-        else f"mesh[{dp_name!r}, {dp_name + '_shard'!r}]"
-    )
+def _dp_mesh(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
+    names = dp_mesh_names(sp, mesh_shape, dim_names)
+    return f"mesh[{names[0]!r}]" if len(names) == 1 else f"mesh[{names[0]!r}, {names[1]!r}]"
 
 
-def _looped_body(sp: StylePlan, layout: BlockLayout, dim_names: tuple[str, ...]) -> list[str]:
+def _looped_body(
+    sp: StylePlan, layout: BlockLayout, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
+) -> list[str]:
     """torchtitan's shape: one ``layer_plan`` applied in a loop over the blocks, then the
     root's styles; ``fully_shard`` per block in a second loop, then on the root."""
     lines: list[str] = []
@@ -324,7 +425,7 @@ def _looped_body(sp: StylePlan, layout: BlockLayout, dim_names: tuple[str, ...])
             lines += _style_lines(layout.root_tp, "        ")
             lines.append("    })")
     if sp.dp_mode is not None:
-        mesh = _dp_mesh(sp, dim_names)
+        mesh = _dp_mesh(sp, mesh_shape, dim_names)
         block_kw = root_kw = ""
         if layout.shard_dims:
             lines.append(
@@ -354,7 +455,9 @@ def _looped_body(sp: StylePlan, layout: BlockLayout, dim_names: tuple[str, ...])
     return lines
 
 
-def _listed_body(sp: StylePlan, dim_names: tuple[str, ...]) -> list[str]:
+def _listed_body(
+    sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
+) -> list[str]:
     """Blocks styled unlike each other: every style by FQN (folded where alike), every
     FSDP group by name."""
     lines: list[str] = []
@@ -363,9 +466,9 @@ def _listed_body(sp: StylePlan, dim_names: tuple[str, ...]) -> list[str]:
         lines += _style_lines(sp.folded_tp(), "        ")
         lines.append("    })")
     if sp.dp_mode is not None:
-        dp_mesh = _dp_mesh(sp, dim_names)
+        dp_mesh = _dp_mesh(sp, mesh_shape, dim_names)
         kw = ""
-        if sp.dp_mode == "fsdp" and any(v for v in sp.shard_dims.values()):
+        if sp.dp_shard and any(v for v in sp.shard_dims.values()):
             lines.append("    shard_dims = {  # the tensor dim FSDP shards, where not 0")
             lines += [f"        {k!r}: {v}," for k, v in sp.shard_dims.items() if v]
             lines.append("    }")
@@ -397,7 +500,10 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
         f"    mesh = init_device_mesh(device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})"
     )
     layout = sp.block_layout()
-    lines += _looped_body(sp, layout, dim_names) if layout else _listed_body(sp, dim_names)
+    if layout:
+        lines += _looped_body(sp, layout, mesh_shape, dim_names)
+    else:
+        lines += _listed_body(sp, mesh_shape, dim_names)
     body = "\n".join(lines)
     used = [n for n in ("Replicate", "Shard") if f"{n}(" in body]
     header = [

@@ -340,11 +340,11 @@ def pinned(
     styles hand plain local tensors between their modules, so every forward op outside a
     column/row pair of styled modules (:func:`find_tensor_parallel`'s regions, matched by
     the ops' module paths) and outside every styled module computes replicated on
-    ``tp_dim``, as in ``megatron``.
+    ``tp_dim``, as in ``megatron`` (every forward op, when no module is styled).
     """
     r = Restriction()
-    if tp_styles and tp_dim is not None:
-        _replicated_outside_styles(r, sg, tp_styles, tp_dim)
+    if tp_dim is not None:  # no styles at all: every forward op replicated there
+        _replicated_outside_styles(r, sg, tp_styles or {}, tp_dim)
     for rep in placeholders(sg, "input"):
         want = inputs.get(sg.graph.nodes[rep].fqn or "")
         if want is not None:

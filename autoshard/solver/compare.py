@@ -18,8 +18,10 @@ from rich.table import Table
 from autoshard.cost.collective_table import COLLECTIVE_KINDS, COLLECTIVES
 from autoshard.errors import AutoshardError
 from autoshard.plan.plan import Plan
-from autoshard.solver.baselines import ALGOS, hand_plan_starts, plan_for_algo
+from autoshard.solver.baselines import hand_plan_starts, plan_for_algo
+from autoshard.solver.options import COMPARED
 from autoshard.solver.solve import finish_plan, solve_within_memory
+from autoshard.solver.space import search_space
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.units import format_bytes, format_seconds
 
@@ -73,7 +75,7 @@ class ComparedPlan:
 def compare_plans(
     config,
     sg,
-    algos: tuple[str, ...] = ALGOS,
+    algos: tuple[str, ...] = COMPARED,
     progress=None,
 ) -> list[ComparedPlan]:
     """Solve each of ``algos`` on the strategy graph ``sg``; mark which fit and which are best.
@@ -89,8 +91,8 @@ def compare_plans(
         AutoshardError: an unknown algo.
     """
     for a in algos:
-        if a not in ALGOS:
-            raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(ALGOS)}")
+        if a not in COMPARED:
+            raise AutoshardError(f"unknown plan {a!r}; choose from {', '.join(COMPARED)}")
     budget = config.budget()
 
     def finish(sg: StrategyGraph, choice: dict[str, int], name: str, recompute=None) -> Plan:  # noqa: ANN001
@@ -106,6 +108,10 @@ def compare_plans(
                 result = solve_within_memory(sg, config, starts)
                 plan = finish(sg, result.choice, "ilp", result.recompute)
                 stats = result.stats()
+            elif algo == "torchtitan":  # the fastest plan FSDP2 + parallelize_module express
+                best, points = search_space(config, sg, finish)
+                plan = best.plan
+                stats = {"chosen": best.name, "points": [p.to_dict() for p in points]}
             else:
                 plan, stats = plan_for_algo(sg, algo, config.mesh, config.solver, None, finish)
         except AutoshardError as exc:  # e.g. no plan fits the budget: say so in its row
@@ -136,12 +142,11 @@ _LABEL = {
 }
 
 
-def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None) -> Table:
-    """One column per plan; rows: step time, ratio to the best, compute, each collective's
-    time, memory per device by kind and in total, and whether it fits ``budget``.
-
-    Plans are columns so that the table stays readable in 80 columns.
-    """
+def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None) -> list[Table]:
+    """Three tables with one row per plan, each within 80 columns with whole plan names:
+    the step (time, compute, optimizer step, exposed collectives, MFU, memory, whether it
+    fits ``budget``), the collectives (each kind's time and what hides), the memory per
+    device by kind."""
     done = [r for r in rows if r.plan is not None]
     kinds = [k for k in COLLECTIVE_KINDS if any(r.plan.comm_s.get(k) for r in done)]
     mem_kinds: list[str] = []
@@ -149,49 +154,73 @@ def comparison_table(rows: list[ComparedPlan], title: str, budget: float | None)
         for k in r.plan.memory_by_kind():
             if k not in mem_kinds:
                 mem_kinds.append(k)
-    best = min((r.plan.step_time_s for r in done if r.best), default=None)
-    table = Table(
-        title=title,
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-        caption="* fastest plan that fits"
+
+    def table(caption: str | None, headers: list[str], table_title: str | None = None) -> Table:
+        t = Table(
+            title=table_title,
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            collapse_padding=True,
+            caption=caption,
+        )
+        t.add_column("plan", no_wrap=True)
+        for h in headers:
+            t.add_column(h, justify="right", no_wrap=True)
+        return t
+
+    def add(t: Table, cells) -> None:  # noqa: ANN001 - (plan, row) -> list[str]
+        for r in rows:
+            name = f"{r.name} *" if r.best else r.name
+            if r.plan is None:
+                t.add_row(f"[red]{name}[/red]", "[red]no plan[/red]", *[""] * (len(t.columns) - 2))
+                continue
+            values = cells(r.plan, r)
+            if r.best:
+                name, values = (
+                    f"[bold green]{name}[/bold green]",
+                    [f"[bold]{v}[/bold]" for v in values],
+                )
+            t.add_row(name, *values)
+
+    step = table(
+        "* fastest that fits"
         + (f" in {format_bytes(budget)}" if budget is not None else "")
-        + "; step = compute + optimizer + communication - hidden",
+        + "; step = compute + optim. + exposed",
+        ["step", "compute", "optim.", "exposed", "MFU", "memory", "fits"],
+        title,
     )
-    table.add_column("", no_wrap=True)
-    for r in rows:
-        header = r.name.replace("_", "\n_") + ("\n*" if r.best else "")
-        table.add_column(
-            f"[bold green]{header}[/bold green]" if r.best else header,
-            justify="right",
-            width=max(9, *(len(x) for x in header.split("\n"))),
+    add(
+        step,
+        lambda p, r: [
+            format_seconds(p.step_time_s),
+            format_seconds(p.compute_s),
+            format_seconds(p.optimizer_s) if p.optimizer_s else "-",
+            format_seconds(sum(p.comm_s.values()) - p.hidden_total_s) if p.comm_s else "-",
+            f"{p.mfu:.1%}",
+            format_bytes(p.memory_bytes),
+            "yes" if r.fits else "[red]no[/red]",
+        ],
+    )
+    tables = [step]
+    if kinds:
+        comm = table(None, [*(_LABEL[k] for k in kinds), "hidden"], "collectives per step")
+        add(
+            comm,
+            lambda p, r: [
+                *(format_seconds(p.comm_s[k]) if p.comm_s.get(k) else "-" for k in kinds),
+                f"-{format_seconds(p.hidden_total_s)}" if p.hidden_s else "-",
+            ],
         )
-
-    def row(label: str, cell, style: str = "") -> None:
-        cells = [cell(r.plan, r) if r.plan is not None else "" for r in rows]
-        if style:
-            label, cells = f"[{style}]{label}[/{style}]", [f"[{style}]{c}[/{style}]" for c in cells]
-        table.add_row(label, *cells)
-
-    row("step time", lambda p, r: format_seconds(p.step_time_s), "bold")
-    row("vs best", lambda p, r: f"{p.step_time_s / best:.2f}x" if best else "")
-    row("compute", lambda p, r: format_seconds(p.compute_s))
-    row("optimizer step", lambda p, r: format_seconds(p.optimizer_s) if p.optimizer_s else "-")
-    for k in kinds:
-        row(_LABEL[k], lambda p, r, k=k: format_seconds(p.comm_s[k]) if p.comm_s.get(k) else "-")
-    row("hidden", lambda p, r: f"-{format_seconds(p.hidden_total_s)}" if p.hidden_s else "-")
-    row("MFU", lambda p, r: f"{p.mfu:.1%}")
-    table.add_section()
-    for k in mem_kinds:
-        row(
-            _LABEL.get(k, k.replace("_", " ")),
-            lambda p, r, k=k: (
-                format_bytes(p.memory_by_kind()[k]) if k in p.memory_by_kind() else "-"
-            ),
-        )
-    row("memory", lambda p, r: format_bytes(p.memory_bytes), "bold")
-    row("fits", lambda p, r: "yes" if r.fits else "[red]no[/red]")
-    if any(r.plan is None for r in rows):
-        table.add_row("error", *["" if r.plan is not None else "[red]no plan[/red]" for r in rows])
-    return table
+        tables.append(comm)
+    memory = table(
+        None, [_LABEL.get(k, k.replace("_", " ")) for k in mem_kinds], "memory per device"
+    )
+    add(
+        memory,
+        lambda p, r: [
+            format_bytes(p.memory_by_kind()[k]) if k in p.memory_by_kind() else "-"
+            for k in mem_kinds
+        ],
+    )
+    tables.append(memory)
+    return tables

@@ -12,6 +12,10 @@ BASELINES: tuple[str, ...] = ("replicate", "ddp", "fsdp", "megatron", "megatron_
 ALGOS: tuple[str, ...] = ("ilp",) + BASELINES
 """Every ``--algo``: the ILP and each baseline."""
 
+COMPARED: tuple[str, ...] = ALGOS + ("torchtitan",)
+"""What ``compare`` prints by default: every ``--algo`` and the fastest plan of the
+torchtitan space (``solve --space torchtitan``)."""
+
 
 WORK_LIMIT = 25
 """Default work units per MIP solve (:class:`autoshard.solver.highs._WorkLimit`: HiGHS's

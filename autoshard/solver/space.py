@@ -1,0 +1,279 @@
+"""torchtitan's search space (``autoshard solve --space torchtitan``): the plans that FSDP2
+and ``parallelize_module`` express, each priced as it runs, the fastest that fits.
+
+A torchtitan user does not choose a placement per op. They choose, per mesh dim, what it
+does, and the styles fix the parameters; DTensor's propagation places every activation
+(torchtitan's ``parallelize_llama``: ``dp_replicate`` x ``dp_shard`` x ``tp``, FSDP2 per
+block, Megatron's ``ColwiseParallel``/``RowwiseParallel`` pairs on the tensor-parallel dim).
+The space here is what those choices make on the plan's mesh (:func:`layouts`):
+
+- **tensor parallelism** on the last mesh dim of 2+ devices (inside a node, as torchtitan
+  puts it), or none. Its styles are Megatron's pairs as the ``megatron`` hand plan finds
+  them (:func:`autoshard.solver.tensor_parallel.find_tensor_parallel`), read back as
+  ``parallelize_module`` styles (:func:`autoshard.plan.styles.style_plan`): only modules the
+  built-in styles shard (``nn.Linear``, ``nn.Embedding``), only whole attention heads;
+- **data parallelism** on every other dim of 2+ devices: the first ``k`` replicate
+  parameters (DDP, HSDP's replica groups) and the rest shard them (FSDP2 over one flattened
+  group), ``k`` from none to all; each parameter sharded on its first tensor dim that the
+  group divides (``shard_placement_fn``), the inputs split on the batch;
+- **activation checkpointing** of every block (torchtitan's ``full``) under
+  ``--activation-checkpointing full``; under ``auto``, only for a layout that does not fit
+  without it.
+
+Each point is priced by DTensor's propagation from its pinned parameters and inputs
+(:func:`autoshard.solver.baselines.pinned`, what ``autoshard export`` prices), not by the
+restricted ILP: the ILP would place activations as DTensor never does, and its price
+would not be what the exported styles run. The point's plan is read back as styles and
+must give every parameter the same placement (:func:`_styles_of_plan`), so every plan
+this space returns exports with no difference from the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.plan.formats import ShardingMap
+from autoshard.plan.plan import Plan
+from autoshard.plan.styles import COLWISE, StylePlan, style_plan
+from autoshard.solver.baselines import pinned, run_baseline
+from autoshard.solver.restriction import placeholders, shard_dim0
+from autoshard.strategies.graph import StrategyGraph
+from autoshard.units import format_bytes
+
+SPACES: tuple[str, ...] = ("free", "torchtitan")
+"""``--space``: ``free`` (every DTensor strategy of every op, the ILP's) or ``torchtitan``."""
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the space before checkpointing: what each mesh dim does.
+
+    ``dp_replicate`` / ``dp_shard``: the data-parallel mesh dims that replicate / shard
+    parameters; ``tp_dim``: the tensor-parallel mesh dim, or None.
+    """
+
+    dp_replicate: tuple[int, ...]
+    dp_shard: tuple[int, ...]
+    tp_dim: int | None
+
+    @property
+    def name(self) -> str:
+        """``fsdp``, ``ddp``, ``hsdp``, each ``+tp``; ``tp`` alone; ``single`` (no dims)."""
+        if self.dp_shard:
+            dp = "hsdp" if self.dp_replicate else "fsdp"
+        else:
+            dp = "ddp" if self.dp_replicate else ""
+        tp = "tp" if self.tp_dim is not None else ""
+        return "+".join(x for x in (dp, tp) if x) or "single"
+
+
+def layouts(mesh_shape: tuple[int, ...]) -> list[Layout]:
+    """Every :class:`Layout` of the mesh: tensor parallelism on the last dim of 2+ devices
+    or none; the other such dims data parallel, the first ``k`` replicating (``k`` from 0).
+
+    On ``2x4``: ``fsdp``, ``hsdp``, ``ddp`` (over both dims), ``fsdp+tp``, ``ddp+tp``.
+    """
+    sized = [d for d, n in enumerate(mesh_shape) if n > 1]
+    out: list[Layout] = []
+    for tp in [None, *sized[-1:]]:
+        dp = [d for d in sized if d != tp]
+        for k in range(len(dp) + 1):
+            out.append(Layout(tuple(dp[:k]), tuple(dp[k:]), tp))
+    return out
+
+
+@dataclass
+class SpacePoint:
+    """One priced point: ``name`` (the layout's, ``+ac`` when every block recomputes), its
+    ``plan`` (or the ``error`` that kept it from being made), whether it ``fits`` the
+    budget, and its ``styles`` (what ``autoshard export`` writes for it)."""
+
+    name: str
+    layout: Layout
+    checkpointing: bool = False
+    plan: Plan | None = None
+    styles: StylePlan | None = None
+    fits: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain builtins for the solution's solver statistics and ``--json``."""
+        p = self.plan
+        return {
+            "name": self.name,
+            "step_time_s": None if p is None else float(p.step_time_s),
+            "memory_bytes": None if p is None else float(p.memory_bytes),
+            "fits": self.fits,
+            "error": self.error,
+        }
+
+
+def _fsdp_dim(shape: tuple[int, ...], group: int, tp: Placement | None, tp_size: int) -> int:
+    """The tensor dim FSDP shards a parameter of ``shape`` on over ``group`` devices: its
+    first dim that ``group`` (times the tensor-parallel size, where that dim is also split
+    there) divides, else 0 (FSDP2 pads an uneven shard)."""
+    for k, n in enumerate(shape):
+        tp_split = tp_size if isinstance(tp, Shard) and tp.dim == k else 1
+        if n % (group * tp_split) == 0:
+            return k
+    return 0
+
+
+def _point_map(
+    sg: StrategyGraph,
+    params: dict[str, torch.Size],
+    layout: Layout,
+    tp_placements: dict[str, Placements] | None,
+    dim_names: tuple[str, ...] | None,
+) -> ShardingMap:
+    """The parameter and input placements ``layout`` gives (before the styles read them)."""
+    mesh = tuple(sg.mesh_shape)
+    group = math.prod(mesh[d] for d in layout.dp_shard)
+    t = layout.tp_dim
+    parameters: dict[str, Placements] = {}
+    for name, shape in params.items():
+        ps: list[Placement] = [Replicate()] * len(mesh)
+        if t is not None and tp_placements is not None:
+            ps[t] = tp_placements[name][t]
+        if layout.dp_shard and len(shape):
+            k = _fsdp_dim(tuple(shape), group, ps[t] if t is not None else None, mesh[t or 0])
+            for d in layout.dp_shard:
+                ps[d] = Shard(k)
+        parameters[name] = tuple(ps)
+    dp = sorted(layout.dp_replicate + layout.dp_shard)
+    inputs = {
+        sg.graph.nodes[rep].fqn or rep: shard_dim0(
+            tuple(sg.graph.nodes[rep].results[0].shape), mesh, dp
+        )
+        for rep in placeholders(sg, "input")
+    }
+    return ShardingMap(mesh, dim_names, parameters, inputs, source=f"layout {layout.name}")
+
+
+def _styles_of_plan(model: nn.Module, plan: Plan, dim_names: tuple[str, ...] | None) -> StylePlan:
+    """The styles ``autoshard export`` reads from ``plan`` (its sharding map)."""
+    smap = ShardingMap(
+        tuple(plan.mesh.shape),
+        dim_names,
+        {k: tuple(v) for k, v in plan.parameters.items()},
+        {k: tuple(v) for k, v in plan.inputs.items()},
+        source="the plan",
+    )
+    return style_plan(model, smap)
+
+
+def _model(config) -> nn.Module:  # noqa: ANN001 - a SolveConfig
+    """The model on the meta device, every block (the styles name every parameter)."""
+    if config.model is not None:
+        return config.model.module
+    return instantiate(load_model_file(config.model_path), device="meta").module
+
+
+def search_space(config, sg: StrategyGraph, finish) -> tuple[SpacePoint, list[SpacePoint]]:  # noqa: ANN001
+    """The fastest point of torchtitan's space on ``sg`` that fits ``config``'s budget, and
+    every point priced (in :func:`layouts` order, each with and without checkpointing as
+    the option allows).
+
+    ``finish``: ``(sg, choice, name, recompute) -> Plan`` (the solve's
+    :func:`~autoshard.solver.solve.finish_plan` for ``config``).
+
+    Raises:
+        MemoryBudgetError: no point fits (the message names the one needing least memory).
+        AutoshardError: no point could be made at all (each point's reason).
+    """
+    model = _model(config)
+    params = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    names = tuple(config.mesh.dim_names) if config.mesh.dim_names else None
+    tp_placements, tp_error = None, None
+    if any(lay.tp_dim is not None for lay in layouts(tuple(sg.mesh_shape))):
+        try:
+            megatron = run_baseline(sg, "megatron", config.mesh)
+            tp_placements = finish(sg, megatron.choice, "megatron", None).parameters
+        except AutoshardError as exc:
+            tp_error = f"no Megatron pairs to style: {exc}"
+    ck = sg.checkpointing
+    modes = [False] if ck is None or not ck.blocks else [True] if ck.fixed else [False, True]
+    budget = config.budget()
+    points: list[SpacePoint] = []
+    for layout in layouts(tuple(sg.mesh_shape)):
+        for recompute in modes:
+            if recompute and len(modes) == 2 and (points[-1].fits or points[-1].plan is None):
+                continue  # auto: recompute only a layout whose plan does not fit without
+            point = SpacePoint(layout.name + ("+ac" if recompute else ""), layout, recompute)
+            points.append(point)
+            if layout.tp_dim is not None and tp_placements is None:
+                point.error = tp_error
+                continue
+            _price(point, config, sg, model, params, tp_placements, names, finish)
+            point.fits = point.plan is not None and point.plan.memory_bytes <= budget * (1 + 1e-9)
+    made = [p for p in points if p.plan is not None]
+    if not made:
+        raise AutoshardError(
+            "no plan of the torchtitan space could be made: "
+            + "; ".join(f"{p.name}: {p.error}" for p in points)
+        )
+    fitting = [p for p in made if p.fits]
+    if not fitting:
+        least = min(made, key=lambda p: p.plan.memory_bytes)
+        raise MemoryBudgetError(
+            f"no plan of the torchtitan space fits {format_bytes(budget)} per device; the "
+            f"least memory is {least.name}'s {format_bytes(least.plan.memory_bytes)}: raise "
+            "--memory-budget, use more devices, or search the free space (--space free)",
+            least.plan.memory_bytes,
+        )
+    best = min(fitting, key=lambda p: p.plan.step_time_s)  # the first of equals: simplest
+    return best, points
+
+
+def _price(point: SpacePoint, config, sg, model, params, tp_placements, names, finish) -> None:  # noqa: ANN001, PLR0913
+    """Make ``point``'s plan (DTensor's propagation from its styles' pins) into
+    ``point.plan`` and ``point.styles``, or say in ``point.error`` why it cannot be."""
+    layout = point.layout
+    try:
+        styles = style_plan(model, _point_map(sg, params, layout, tp_placements, names))
+    except AutoshardError as exc:
+        point.error = str(exc)
+        return
+    if styles.unrunnable:
+        point.error = f"the styles would split attention heads ({styles.unrunnable[0]})"
+        return
+    if layout.tp_dim is not None and not styles.tp:
+        point.error = (
+            "no module has a built-in tensor-parallel style (nn.Linear / nn.Embedding in "
+            "Megatron's pairs; HF's Conv1D has none)"
+        )
+        return
+    inputs = _point_map(sg, {}, layout, None, names).inputs
+    tp_styles = {m: "column" if s == COLWISE else "row" for m, (s, _) in styles.tp.items()}
+    pins = pinned(
+        sg, styles.placements, inputs, frozenset(layout.dp_shard), tp_styles, layout.tp_dim
+    )
+    try:
+        found = run_baseline(sg, point.name, config.mesh, config.solver, pins=pins)
+    except AutoshardError as exc:
+        point.error = str(exc)
+        return
+    recompute = sg.checkpointing.full() if point.checkpointing else None
+    plan = finish(sg, found.choice, f"torchtitan {point.name}", recompute)
+    back = _styles_of_plan(model, plan, names)
+    moved = [k for k, v in inputs.items() if tuple(plan.inputs.get(k, v)) != tuple(v)]
+    if back.differences or moved:
+        what = (
+            f"parameter {back.differences[0][0]} placed {back.differences[0][1]}"
+            if back.differences
+            else f"input {moved[0]} placed {''.join(map(str, plan.inputs[moved[0]]))}"
+        )
+        point.error = f"DTensor's propagation departs from the styles ({what})"
+        return
+    point.plan, point.styles = plan, back
+    plan.extra.setdefault("notes", []).extend(found.notes)
