@@ -30,7 +30,7 @@ from helpers import (
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import load_model_file
-from autoshard.plan.formats import ShardingMap, load_sharding_map
+from autoshard.plan.formats import ShardingMap
 from autoshard.plan.styles import style_plan, styles_mesh_groups, torchtitan_code
 from autoshard.solver.solve import SolveConfig, finish_plan, plan_space, strategies, trace
 from autoshard.solver.space import layouts, search_space
@@ -60,13 +60,26 @@ def test_the_layouts_of_a_mesh_are_torchtitans_mesh_roles():
     assert len(layouts((2, 2, 2))) == 4 + 3
 
 
+_TRACED: dict[str, object] = {}  # model name -> its traced graph (tests share a trace)
+
+
 def _config(tmp_path: Path, name: str, mesh: str = "2x4", **kw) -> SolveConfig:
     model = write_model(tmp_path, MODELS[name], name)
     return SolveConfig(model_path=model, mesh=MeshSpec.from_options(mesh), mode="train", **kw)
 
 
+def _graph(config: SolveConfig):
+    """``config``'s model traced, once per test process (a trace depends on neither the
+    mesh nor the budget)."""
+    name = config.model_path.stem
+    if name not in _TRACED:
+        _TRACED[name] = trace(config)
+    return _TRACED[name]
+
+
 def _search(config: SolveConfig):
-    sg = strategies(config, trace(config))
+    """The space on ``config``'s strategies."""
+    sg = strategies(config, _graph(config))
     return search_space(config, sg, lambda g, c, n, r: finish_plan(config, g, c, n, r))
 
 
@@ -140,7 +153,8 @@ def test_the_free_ilp_is_never_slower_than_the_space(tmp_path: Path):
     from autoshard.solver.compare import compare_plans
 
     config = _config(tmp_path, "llama")
-    rows = {r.name: r for r in compare_plans(config, strategies(config, trace(config)))}
+    sg = strategies(config, _graph(config))
+    rows = {r.name: r for r in compare_plans(config, sg, ("ilp", "torchtitan"))}
     space = rows["torchtitan"]
     assert space.plan is not None and space.stats["chosen"] in space.plan.name
     gap = rows["ilp"].stats["gap"] or 0.0
@@ -175,21 +189,23 @@ def test_solve_and_export_on_the_cli(tmp_path: Path):
     """`solve --space torchtitan` writes `<model>_2x4_torchtitan.*`, prints every point, and
     `export` of it prints no note and prices the styles at the plan's own step; `--space`
     refuses `--algo`."""
-    model = write_model(tmp_path, LLAMA_SMALL, "llama")
-    out = autoshard_cli(
-        "solve", str(model), "--mesh", "2x4", "--space", "torchtitan", "--out", str(tmp_path)
-    )
-    assert out.returncode == 0, out.stderr
-    assert "torchtitan space's" in out.stdout and "* " in out.stdout
+    from click.testing import CliRunner
+
+    from autoshard.cli.main import main
+
+    model = write_model(tmp_path, MODELS["llama"], "llama")
+    args = ["solve", str(model), "--mesh", "2x4", "--space", "torchtitan", "--out", str(tmp_path)]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "torchtitan space's 5 points" in out.stdout and "  * " in out.stdout, out.stdout
     smap = tmp_path / "llama_2x4_torchtitan.json"
-    exported = autoshard_cli("export", str(smap), str(model), "--out", str(tmp_path / "p.py"))
-    assert exported.returncode == 0, exported.stderr
+    code = str(tmp_path / "p.py")
+    exported = CliRunner().invoke(main, ["export", str(smap), str(model), "--out", code])
+    assert exported.exit_code == 0, exported.output
     assert "note:" not in exported.stderr
     assert "(+0.0%:" in exported.stderr
-    bad = autoshard_cli(
-        "solve", str(model), "--mesh", "2x4", "--space", "torchtitan", "--algo", "ddp"
-    )
-    assert bad.returncode != 0 and "drop --algo" in bad.stderr
+    bad = CliRunner().invoke(main, [*args, "--algo", "ddp"])
+    assert bad.exit_code != 0 and "drop --algo" in bad.output
 
 
 def test_an_unknown_space_is_refused(tmp_path: Path):
@@ -197,18 +213,9 @@ def test_an_unknown_space_is_refused(tmp_path: Path):
         plan_space(_config(tmp_path, "llama"), "megatron")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_the_exported_optimum_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path, name):
-    """The space's plan on 2x4, exported and run by the user's own loop on 8 gloo ranks
-    (float64, one AdamW step, eval mode: no dropout): loss, every gradient and every
-    parameter equal one device's."""
-    model = write_model(tmp_path, MODELS[name], name)
-    out = autoshard_cli(
-        "solve", str(model), "--mesh", "2x4", "--space", "torchtitan", "--out", str(tmp_path)
-    )
-    assert out.returncode == 0, out.stderr
-    smap = tmp_path / f"{name}_2x4_torchtitan.json"
+def _run_on_8_ranks(tmp_path: Path, name: str, model: Path, smap: Path) -> dict:
+    """``autoshard export`` of ``smap``, then the exported function in the user's own
+    training step on 8 gloo ranks (``tests/apply_rank.py``); its report."""
     exported = tmp_path / f"parallelize_{name}.py"
     cli = autoshard_cli("export", str(smap), str(model), "--out", str(exported), "--no-price")
     assert cli.returncode == 0, cli.stderr
@@ -229,4 +236,36 @@ def test_the_exported_optimum_trains_like_one_device_on_8_gloo_ranks(tmp_path: P
         built = load_model_file(model).module.build_model()
     assert report["dtensors"] == len(list(built.parameters()))
     assert report["differences"] == []
-    assert load_sharding_map(smap).extra["solution"]  # the map names its solution
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_exported_optimum_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path, name):
+    """The space's plan on 2x4 (written by `solve --space torchtitan`), exported and run by
+    the user's own loop on 8 gloo ranks (float64, one AdamW step, eval mode: no dropout):
+    loss, every gradient and every parameter equal one device's."""
+    model = write_model(tmp_path, MODELS[name], name)
+    out = autoshard_cli(
+        "solve", str(model), "--mesh", "2x4", "--space", "torchtitan", "--out", str(tmp_path)
+    )
+    assert out.returncode == 0, out.stderr
+    _run_on_8_ranks(tmp_path, name, model, tmp_path / f"{name}_2x4_torchtitan.json")
+
+
+@pytest.mark.slow
+def test_the_tensor_parallel_point_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path):
+    """The small Llama's ``fsdp+tp`` point (not its optimum: every optimum above is data
+    parallel): FSDP2 on dp sharding column weights on their input dim (tensor parallelism
+    splits the output dim), Megatron's pairs on tp; exported, it trains like one device."""
+    from autoshard.plan.export import write_outputs
+
+    config = _config(tmp_path, "llama")
+    _, points = _search(config)
+    (point,) = [p for p in points if p.name == "fsdp+tp"]
+    q = point.plan.parameters["model.layers.0.self_attn.q_proj.weight"]
+    assert [str(x) for x in q] == ["S(1)", "S(0)"]  # FSDP on dim 1, tp on dim 0
+    _, smap = write_outputs(point.plan, tmp_path, "llama_fsdp_tp", config.cost_model(), {})
+    report = _run_on_8_ranks(tmp_path, "llama", config.model_path, smap)
+    q_placed = report["placements"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q_placed == ["S(1)", "S(0)"], q_placed

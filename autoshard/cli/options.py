@@ -368,6 +368,7 @@ class Progress:
         "trace": "tracing (torch.export, meta device)",
         "strategies": "generating strategies",
         "solve": "solving the ILP (HiGHS)",
+        "space": "pricing the space's plans (DTensor's propagation)",
     }
 
     def __init__(self, console: Console) -> None:

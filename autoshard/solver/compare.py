@@ -69,6 +69,7 @@ class ComparedPlan:
             "best": self.best,
             "solver_status": self.stats.get("status"),
             "notes": list(self.stats.get("notes", [])),
+            **({"space": self.stats["points"]} if "points" in self.stats else {}),
         }
 
 
@@ -111,7 +112,11 @@ def compare_plans(
             elif algo == "torchtitan":  # the fastest plan FSDP2 + parallelize_module express
                 best, points = search_space(config, sg, finish)
                 plan = best.plan
-                stats = {"chosen": best.name, "points": [p.to_dict() for p in points]}
+                stats = {
+                    "status": f"space torchtitan ({best.name})",
+                    "chosen": best.name,
+                    "points": [p.to_dict() for p in points],
+                }
             else:
                 plan, stats = plan_for_algo(sg, algo, config.mesh, config.solver, None, finish)
         except AutoshardError as exc:  # e.g. no plan fits the budget: say so in its row

@@ -559,13 +559,11 @@ def plan_space(config: SolveConfig, space: str, progress: Progress | None = None
         return plan_model(config, progress)
     seconds: dict[str, float] = {}
     graph, sg = _graph_and_strategies(config, progress, seconds)
-    if progress:
-        progress("solve", 0, 1)
     t = time.perf_counter()
-    best, points = search_space(config, sg, lambda g, c, n, r: finish_plan(config, g, c, n, r))
+    best, points = search_space(
+        config, sg, lambda g, c, n, r: finish_plan(config, g, c, n, r), progress
+    )
     seconds["space"] = time.perf_counter() - t
-    if progress:
-        progress("solve", 1, 1)
     plan = best.plan
     plan.extra["space"] = {
         "name": space,

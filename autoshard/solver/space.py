@@ -118,15 +118,15 @@ class SpacePoint:
         }
 
 
-def _fsdp_dim(shape: tuple[int, ...], group: int, tp: Placement | None, tp_size: int) -> int:
+def _fsdp_dim(shape: tuple[int, ...], group: int, tp: Placement | None) -> int:
     """The tensor dim FSDP shards a parameter of ``shape`` on over ``group`` devices: its
-    first dim that ``group`` (times the tensor-parallel size, where that dim is also split
-    there) divides, else 0 (FSDP2 pads an uneven shard)."""
-    for k, n in enumerate(shape):
-        tp_split = tp_size if isinstance(tp, Shard) and tp.dim == k else 1
-        if n % (group * tp_split) == 0:
-            return k
-    return 0
+    first dim that ``group`` divides and tensor parallelism does not split (so that the
+    gather is over the data-parallel dims alone, as FSDP2's strided shard of a
+    tensor-parallel parameter is), else its first dim ``group`` divides, else 0 (FSDP2
+    pads an uneven shard)."""
+    split = tp.dim if isinstance(tp, Shard) else None
+    fits = [k for k, n in enumerate(shape) if n % group == 0]
+    return next((k for k in fits if k != split), fits[0] if fits else 0)
 
 
 def _point_map(
@@ -146,7 +146,7 @@ def _point_map(
         if t is not None and tp_placements is not None:
             ps[t] = tp_placements[name][t]
         if layout.dp_shard and len(shape):
-            k = _fsdp_dim(tuple(shape), group, ps[t] if t is not None else None, mesh[t or 0])
+            k = _fsdp_dim(tuple(shape), group, ps[t] if t is not None else None)
             for d in layout.dp_shard:
                 ps[d] = Shard(k)
         parameters[name] = tuple(ps)
@@ -179,13 +179,19 @@ def _model(config) -> nn.Module:  # noqa: ANN001 - a SolveConfig
     return instantiate(load_model_file(config.model_path), device="meta").module
 
 
-def search_space(config, sg: StrategyGraph, finish) -> tuple[SpacePoint, list[SpacePoint]]:  # noqa: ANN001
+def search_space(
+    config,  # noqa: ANN001 - a SolveConfig
+    sg: StrategyGraph,
+    finish,  # noqa: ANN001
+    progress=None,  # noqa: ANN001
+) -> tuple[SpacePoint, list[SpacePoint]]:
     """The fastest point of torchtitan's space on ``sg`` that fits ``config``'s budget, and
     every point priced (in :func:`layouts` order, each with and without checkpointing as
     the option allows).
 
     ``finish``: ``(sg, choice, name, recompute) -> Plan`` (the solve's
-    :func:`~autoshard.solver.solve.finish_plan` for ``config``).
+    :func:`~autoshard.solver.solve.finish_plan` for ``config``); ``progress``:
+    ``(phase, done, total)``, called with ``"space"`` once per layout.
 
     Raises:
         MemoryBudgetError: no point fits (the message names the one needing least memory).
@@ -205,7 +211,10 @@ def search_space(config, sg: StrategyGraph, finish) -> tuple[SpacePoint, list[Sp
     modes = [False] if ck is None or not ck.blocks else [True] if ck.fixed else [False, True]
     budget = config.budget()
     points: list[SpacePoint] = []
-    for layout in layouts(tuple(sg.mesh_shape)):
+    todo = layouts(tuple(sg.mesh_shape))
+    for i, layout in enumerate(todo):
+        if progress:
+            progress("space", i, len(todo))
         for recompute in modes:
             if recompute and len(modes) == 2 and (points[-1].fits or points[-1].plan is None):
                 continue  # auto: recompute only a layout whose plan does not fit without
@@ -216,6 +225,8 @@ def search_space(config, sg: StrategyGraph, finish) -> tuple[SpacePoint, list[Sp
                 continue
             _price(point, config, sg, model, params, tp_placements, names, finish)
             point.fits = point.plan is not None and point.plan.memory_bytes <= budget * (1 + 1e-9)
+    if progress:
+        progress("space", len(todo), len(todo))
     made = [p for p in points if p.plan is not None]
     if not made:
         raise AutoshardError(
