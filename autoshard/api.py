@@ -50,10 +50,10 @@ from autoshard.solver.solve import (
     SolveResult,
     plan_baseline,
     plan_model,
-    plan_space,
     strategies,
     trace,
 )
+from autoshard.solver.space import plan_space
 
 __all__ = [
     "DEVICES",
@@ -189,26 +189,20 @@ def solve(
 
     Raises:
         AutoshardError: bad inputs, an untraceable model, no plan within the budget, both
-            ``mesh`` and ``gpus`` (or ``gpus`` with ``profile`` or a space other than
-            ``"free"``), an unknown space.
+            ``mesh`` and ``gpus`` (or ``gpus`` with ``profile``), an unknown space.
         TypeError: an unknown keyword.
     """
     opts = _options("solve", options, keywords)
     if gpus is not None and (mesh is not None or opts.profile is not None):
         given = "mesh" if mesh is not None else "profile"
         raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
-    if gpus is not None and space != "free":
-        raise AutoshardError(
-            f"gpus= plans the free space on every mesh shape; drop space={space!r}"
-        )
     config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
-    if space != "free":
-        return plan_space(config, space)
     if gpus is not None:
         shapes = node_shapes(gpus, gpus_per_node)
         meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
-        return search_meshes(config, meshes, gpus_per_node=gpus_per_node).best.result
-    return plan_model(config)
+        search = search_meshes(config, meshes, gpus_per_node=gpus_per_node, space=space)
+        return search.best.result
+    return plan_space(config, space)
 
 
 def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # noqa: ANN001

@@ -32,8 +32,8 @@ from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import load_model_file
 from autoshard.plan.formats import ShardingMap
 from autoshard.plan.styles import style_plan, styles_mesh_groups, torchtitan_code
-from autoshard.solver.solve import SolveConfig, finish_plan, plan_space, strategies, trace
-from autoshard.solver.space import layouts, search_space
+from autoshard.solver.solve import SolveConfig, strategies, trace
+from autoshard.solver.space import layouts, plan_space, search_space
 
 MODELS = {
     "gpt2": GPT2_DEFAULT,
@@ -55,8 +55,8 @@ def test_the_layouts_of_a_mesh_are_torchtitans_mesh_roles():
         ("ddp+tp", (0,), (), 1),
     ]
     assert [lay.name for lay in layouts((8,))] == ["fsdp", "ddp", "tp"]
-    # a dim of one device does nothing; tp stays on the last dim of 2+ devices
-    assert [(lay.name, lay.tp_dim) for lay in layouts((4, 2, 1))][-1] == ("ddp+tp", 1)
+    # a dim of one device does nothing; tp only on the last dim (the megatron plan's)
+    assert [lay.name for lay in layouts((4, 2, 1))] == ["fsdp", "hsdp", "ddp"]
     assert len(layouts((2, 2, 2))) == 4 + 3
 
 
@@ -80,7 +80,7 @@ def _graph(config: SolveConfig):
 def _search(config: SolveConfig):
     """The space on ``config``'s strategies."""
     sg = strategies(config, _graph(config))
-    return search_space(config, sg, lambda g, c, n, r: finish_plan(config, g, c, n, r))
+    return search_space(config, sg)
 
 
 def _meta_model(config: SolveConfig) -> torch.nn.Module:
@@ -143,7 +143,7 @@ def test_every_point_exports_as_planned_and_torch_places_it_so(tmp_path: Path, n
         with fake_mesh((8,)):
             runpy.run_path(str(code))["parallelize"](model, device_type="cpu")
             groups = styles_mesh_groups(sp, smap.mesh_shape, smap.dim_names)
-            got = _torch_placements(model, groups, 2)
+            got = _torch_placements(model, groups, len(smap.mesh_shape))
         assert got == {k: tuple(v) for k, v in plan.parameters.items()}, point.name
 
 
@@ -208,21 +208,38 @@ def test_solve_and_export_on_the_cli(tmp_path: Path):
     assert bad.exit_code != 0 and "drop --algo" in bad.output
 
 
+def test_a_data_parallel_dim_the_batch_does_not_split_over_has_no_point(tmp_path: Path):
+    """A batch of 8 on a 4x4 mesh: data parallelism over both dims would split it 16 ways,
+    so those layouts have no plan and say why (the styles would read the unsplit dim as
+    tensor parallel, which the layout is not); FSDP on dim 0 with tp on dim 1 is made."""
+    best, points = _search(_config(tmp_path, "llama", mesh="4x4"))
+    by = {p.name: p for p in points}
+    for name in ("fsdp", "hsdp", "ddp"):
+        assert by[name].plan is None and "do not split their batch" in by[name].error
+    assert best.name in ("fsdp+tp", "ddp+tp")
+
+
 def test_an_unknown_space_is_refused(tmp_path: Path):
     with pytest.raises(AutoshardError, match="unknown space 'megatron'"):
         plan_space(_config(tmp_path, "llama"), "megatron")
 
 
-def _run_on_8_ranks(tmp_path: Path, name: str, model: Path, smap: Path) -> dict:
-    """``autoshard export`` of ``smap``, then the exported function in the user's own
-    training step on 8 gloo ranks (``tests/apply_rank.py``); its report."""
-    exported = tmp_path / f"parallelize_{name}.py"
-    cli = autoshard_cli("export", str(smap), str(model), "--out", str(exported), "--no-price")
-    assert cli.returncode == 0, cli.stderr
+def _run_on_8_ranks(
+    tmp_path: Path, name: str, model: Path, smap: Path, how: str = "export"
+) -> dict:
+    """``smap`` in the user's own training step on 8 gloo ranks (``tests/apply_rank.py``):
+    through the function ``autoshard export`` writes, or ``autoshard.apply`` (``how``); its
+    report."""
+    exported = []
+    if how == "export":
+        exported = [tmp_path / f"parallelize_{name}.py"]
+        args = ["export", str(smap), str(model), "--out", str(exported[0]), "--no-price"]
+        cli = autoshard_cli(*args)
+        assert cli.returncode == 0, cli.stderr
     report_file = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8"]
     cmd += [str(ROOT / "tests" / "apply_rank.py"), str(smap), str(model), str(report_file)]
-    cmd += [str(exported)]
+    cmd += [str(p) for p in exported]
     # HF's grouped_mm experts take no float64: Mixtral runs in float32, to float32's error
     dtype = "float32" if name == "mixtral" else "float64"
     env = {**rank_env(), "APPLY_RANK_DTYPE": dtype}
@@ -244,13 +261,17 @@ def _run_on_8_ranks(tmp_path: Path, name: str, model: Path, smap: Path) -> dict:
 def test_the_exported_optimum_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path, name):
     """The space's plan on 2x4 (written by `solve --space torchtitan`), exported and run by
     the user's own loop on 8 gloo ranks (float64, one AdamW step, eval mode: no dropout):
-    loss, every gradient and every parameter equal one device's."""
+    loss, every gradient and every parameter equal one device's. The GQA Llama's goes
+    through ``autoshard.apply`` instead (its ``local_inputs`` splits the batch over both
+    data-parallel dims of HSDP)."""
     model = write_model(tmp_path, MODELS[name], name)
     out = autoshard_cli(
         "solve", str(model), "--mesh", "2x4", "--space", "torchtitan", "--out", str(tmp_path)
     )
     assert out.returncode == 0, out.stderr
-    _run_on_8_ranks(tmp_path, name, model, tmp_path / f"{name}_2x4_torchtitan.json")
+    smap = tmp_path / f"{name}_2x4_torchtitan.json"
+    how = "apply" if name == "llama_gqa" else "export"
+    _run_on_8_ranks(tmp_path, name, model, smap, how)
 
 
 @pytest.mark.slow

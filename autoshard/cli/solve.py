@@ -135,8 +135,8 @@ def solve_command(
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     if html_path is not None:
         check_writable(html_path.parent)
-    if space != "free" and (algo != "ilp" or preload is not None or gpus is not None):
-        given = "--algo" if algo != "ilp" else "--preload" if preload is not None else "--gpus"
+    if space != "free" and (algo != "ilp" or preload is not None):
+        given = "--algo" if algo != "ilp" else "--preload"
         raise AutoshardError(
             f"--space {space} searches its own plans; drop {given} (or --space {space})"
         )
@@ -146,11 +146,12 @@ def solve_command(
         with Progress(Console(stderr=True, quiet=quiet)) as progress:
             from autoshard.solver.meshes import search_meshes  # heavy, as above
 
-            search = search_meshes(config, meshes, progress, gpus_per_node)
+            search = search_meshes(config, meshes, progress, gpus_per_node, space)
         result = search.best.result
         config = result.config
         _print_meshes(Console(stderr=as_json, quiet=quiet), search, gpus, gpus_per_node)
-        stem = output_stem(Path(model_file).resolve().stem, config.mesh.shape, "")
+        suffix = "" if space == "free" else space
+        stem = output_stem(Path(model_file).resolve().stem, config.mesh.shape, suffix)
         return _write_and_report(result, out_dir, stem, [], console, html_path, as_json, quiet)
     mesh = config.mesh
     # the model is named after its file: the output names are known before any work
@@ -172,7 +173,7 @@ def solve_command(
             result = plan_baseline(config, algo, progress)
             notes = list(result.plan.extra.get("notes", []))
         elif space != "free":
-            from autoshard.solver.solve import plan_space  # heavy, as above
+            from autoshard.solver.space import plan_space  # heavy, as above
 
             result = plan_space(config, space, progress)
             notes = list(result.plan.extra.get("notes", []))

@@ -88,6 +88,11 @@ class StylePlan:
         return tuple(sorted(self.dp_replicate + self.dp_shard))
 
     @property
+    def dp_dim(self) -> int | None:
+        """The one data-parallel mesh dim, or None (none, or several: :attr:`dp_dims`)."""
+        return self.dp_dims[0] if len(self.dp_dims) == 1 else None
+
+    @property
     def dp_mode(self) -> str | None:
         """``"fsdp"`` (parameters sharded on every data-parallel dim), ``"ddp"``
         (replicated on every one), ``"hsdp"`` (both), or None (no data parallelism)."""

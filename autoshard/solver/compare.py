@@ -110,7 +110,7 @@ def compare_plans(
                 plan = finish(sg, result.choice, "ilp", result.recompute)
                 stats = result.stats()
             elif algo == "torchtitan":  # the fastest plan FSDP2 + parallelize_module express
-                best, points = search_space(config, sg, finish)
+                best, points = search_space(config, sg)
                 plan = best.plan
                 stats = {
                     "status": f"space torchtitan ({best.name})",

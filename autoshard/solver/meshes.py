@@ -1,4 +1,5 @@
-"""From a GPU count to a mesh: every node-respecting mesh shape, each planned by the ILP.
+"""From a GPU count to a mesh: every node-respecting mesh shape, each planned by the ILP
+(or searched in torchtitan's space, ``--space torchtitan``).
 
 A user starts from "64 H100s, 8 per node", not from "8x8". :func:`search_meshes` traces
 the model once (a trace does not depend on the mesh), then for every candidate mesh
@@ -19,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
-from autoshard.solver.solve import SolveConfig, SolveResult, plan_model, trace
+from autoshard.solver.solve import SolveConfig, SolveResult, trace
+from autoshard.solver.space import plan_space
 
 Progress = Callable[[str, int, int], None]
 
@@ -67,10 +69,12 @@ def search_meshes(
     meshes: Sequence[MeshSpec],
     progress: Progress | None = None,
     gpus_per_node: int | None = None,
+    space: str = "free",
 ) -> MeshSearch:
     """Plan ``config``'s model on each of ``meshes`` (``config.mesh`` is ignored) and rank
     them by predicted step time (``gpus_per_node``: the node size the meshes were laid
-    over, kept in the result for its readers).
+    over, kept in the result for its readers; ``space``: the search each mesh gets,
+    :func:`~autoshard.solver.space.plan_space`).
 
     Raises:
         AutoshardError: no mesh is given, the model cannot be traced, or no mesh has a
@@ -91,7 +95,9 @@ def search_meshes(
             progress(f"{phase} on {text}", done, total)
 
         try:
-            result = plan_model(replace(config, mesh=mesh), inner if progress else None, graph)
+            result = plan_space(
+                replace(config, mesh=mesh), space, inner if progress else None, graph
+            )
         except AutoshardError as exc:  # this shape has no plan: its row says why
             rows.append(MeshRow(mesh, error=str(exc)))
             continue

@@ -495,10 +495,10 @@ def plan_pinned(
     plan = finish_plan(config, sg, found.choice, name)
     plan.extra.setdefault("notes", []).extend(found.notes)
     seconds["baseline"] = time.perf_counter() - t
-    return _unsolved(config, graph, sg, plan, seconds, f"pinned {name}")
+    return unsolved_result(config, graph, sg, plan, seconds, f"pinned {name}")
 
 
-def _unsolved(
+def unsolved_result(
     config: SolveConfig,
     graph: TracedGraph,
     sg: StrategyGraph,
@@ -539,35 +539,4 @@ def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = No
         finish=lambda g, c, n: finish_plan(config, g, c, n),
     )
     seconds["baseline"] = time.perf_counter() - t
-    return _unsolved(config, graph, sg, plan, seconds, f"baseline {algo}")
-
-
-def plan_space(config: SolveConfig, space: str, progress: Progress | None = None) -> SolveResult:
-    """``solve --space torchtitan``: the fastest plan FSDP2 and ``parallelize_module``
-    express that fits (:func:`autoshard.solver.space.search_space`), on the same graph and
-    cost model; every point it priced is in ``plan.extra["space"]``. ``space="free"`` is
-    :func:`plan_model`.
-
-    Raises:
-        AutoshardError: an unknown space, or as :func:`~autoshard.solver.space.search_space`.
-    """
-    from autoshard.solver.space import SPACES, search_space
-
-    if space not in SPACES:
-        raise AutoshardError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
-    if space == "free":
-        return plan_model(config, progress)
-    seconds: dict[str, float] = {}
-    graph, sg = _graph_and_strategies(config, progress, seconds)
-    t = time.perf_counter()
-    best, points = search_space(
-        config, sg, lambda g, c, n, r: finish_plan(config, g, c, n, r), progress
-    )
-    seconds["space"] = time.perf_counter() - t
-    plan = best.plan
-    plan.extra["space"] = {
-        "name": space,
-        "chosen": best.name,
-        "points": [p.to_dict() for p in points],
-    }
-    return _unsolved(config, graph, sg, plan, seconds, f"space {space} ({best.name})")
+    return unsolved_result(config, graph, sg, plan, seconds, f"baseline {algo}")

@@ -31,6 +31,8 @@ this space returns exports with no difference from the plan.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +47,24 @@ from autoshard.plan.plan import Plan
 from autoshard.plan.styles import COLWISE, StylePlan, style_plan
 from autoshard.solver.baselines import pinned, run_baseline
 from autoshard.solver.restriction import placeholders, shard_dim0
+from autoshard.solver.solve import (
+    SolveConfig,
+    SolveResult,
+    finish_plan,
+    plan_model,
+    strategies,
+    trace,
+    unsolved_result,
+)
 from autoshard.strategies.graph import StrategyGraph
+from autoshard.trace.tracer import TracedGraph
 from autoshard.units import format_bytes
 
 SPACES: tuple[str, ...] = ("free", "torchtitan")
 """``--space``: ``free`` (every DTensor strategy of every op, the ILP's) or ``torchtitan``."""
 
 Placements = tuple[Placement, ...]
+Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -78,14 +91,16 @@ class Layout:
 
 
 def layouts(mesh_shape: tuple[int, ...]) -> list[Layout]:
-    """Every :class:`Layout` of the mesh: tensor parallelism on the last dim of 2+ devices
-    or none; the other such dims data parallel, the first ``k`` replicating (``k`` from 0).
+    """Every :class:`Layout` of the mesh: tensor parallelism on the last mesh dim (when it
+    has 2+ devices: the ``megatron`` plan's dim, inside a node) or none; the other dims of
+    2+ devices data parallel, the first ``k`` replicating (``k`` from 0).
 
     On ``2x4``: ``fsdp``, ``hsdp``, ``ddp`` (over both dims), ``fsdp+tp``, ``ddp+tp``.
     """
     sized = [d for d, n in enumerate(mesh_shape) if n > 1]
+    last = len(mesh_shape) - 1
     out: list[Layout] = []
-    for tp in [None, *sized[-1:]]:
+    for tp in [None, *([last] if mesh_shape[last] > 1 else [])]:
         dp = [d for d in sized if d != tp]
         for k in range(len(dp) + 1):
             out.append(Layout(tuple(dp[:k]), tuple(dp[k:]), tp))
@@ -95,8 +110,9 @@ def layouts(mesh_shape: tuple[int, ...]) -> list[Layout]:
 @dataclass
 class SpacePoint:
     """One priced point: ``name`` (the layout's, ``+ac`` when every block recomputes), its
-    ``plan`` (or the ``error`` that kept it from being made), whether it ``fits`` the
-    budget, and its ``styles`` (what ``autoshard export`` writes for it)."""
+    ``layout``, the ``config`` and strategies (``sg``) it was priced with, its ``plan``
+    (or the ``error`` that kept it from being made), whether it ``fits`` the budget, and
+    its ``styles`` (what ``autoshard export`` writes for it)."""
 
     name: str
     layout: Layout
@@ -105,6 +121,8 @@ class SpacePoint:
     styles: StylePlan | None = None
     fits: bool = False
     error: str | None = None
+    config: SolveConfig | None = None
+    sg: StrategyGraph | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins for the solution's solver statistics and ``--json``."""
@@ -118,15 +136,19 @@ class SpacePoint:
         }
 
 
-def _fsdp_dim(shape: tuple[int, ...], group: int, tp: Placement | None) -> int:
+def _fsdp_dim(shape: tuple[int, ...], group: int, tp: Placement | None, tp_size: int) -> int:
     """The tensor dim FSDP shards a parameter of ``shape`` on over ``group`` devices: its
     first dim that ``group`` divides and tensor parallelism does not split (so that the
     gather is over the data-parallel dims alone, as FSDP2's strided shard of a
-    tensor-parallel parameter is), else its first dim ``group`` divides, else 0 (FSDP2
-    pads an uneven shard)."""
+    tensor-parallel parameter is), else the split dim when ``group`` divides its local size
+    (FSDP2 shards the local tensor), else 0 (FSDP2 pads an uneven dim 0)."""
     split = tp.dim if isinstance(tp, Shard) else None
-    fits = [k for k, n in enumerate(shape) if n % group == 0]
-    return next((k for k in fits if k != split), fits[0] if fits else 0)
+    whole = [k for k, n in enumerate(shape) if k != split and n % group == 0]
+    if whole:
+        return whole[0]
+    if split is not None and (shape[split] // tp_size) % group == 0:
+        return split
+    return 0
 
 
 def _point_map(
@@ -146,7 +168,7 @@ def _point_map(
         if t is not None and tp_placements is not None:
             ps[t] = tp_placements[name][t]
         if layout.dp_shard and len(shape):
-            k = _fsdp_dim(tuple(shape), group, ps[t] if t is not None else None)
+            k = _fsdp_dim(tuple(shape), group, ps[t] if t is not None else None, mesh[-1])
             for d in layout.dp_shard:
                 ps[d] = Shard(k)
         parameters[name] = tuple(ps)
@@ -172,26 +194,48 @@ def _styles_of_plan(model: nn.Module, plan: Plan, dim_names: tuple[str, ...] | N
     return style_plan(model, smap)
 
 
-def _model(config) -> nn.Module:  # noqa: ANN001 - a SolveConfig
+def _model(config: SolveConfig) -> nn.Module:
     """The model on the meta device, every block (the styles name every parameter)."""
     if config.model is not None:
         return config.model.module
     return instantiate(load_model_file(config.model_path), device="meta").module
 
 
-def search_space(
-    config,  # noqa: ANN001 - a SolveConfig
-    sg: StrategyGraph,
-    finish,  # noqa: ANN001
-    progress=None,  # noqa: ANN001
-) -> tuple[SpacePoint, list[SpacePoint]]:
-    """The fastest point of torchtitan's space on ``sg`` that fits ``config``'s budget, and
-    every point priced (in :func:`layouts` order, each with and without checkpointing as
-    the option allows).
+@dataclass
+class _OnMesh:
+    """What every layout shares: the config, strategy graph, and the ``megatron`` plan's
+    parameter placements (the tensor-parallel styles' source) or why there is none."""
 
-    ``finish``: ``(sg, choice, name, recompute) -> Plan`` (the solve's
-    :func:`~autoshard.solver.solve.finish_plan` for ``config``); ``progress``:
-    ``(phase, done, total)``, called with ``"space"`` once per layout.
+    config: SolveConfig
+    sg: StrategyGraph
+    tp_placements: dict[str, Placements] | None = None
+    tp_error: str | None = None
+
+
+def _on_mesh(config: SolveConfig, sg: StrategyGraph, tp: bool) -> _OnMesh:
+    on = _OnMesh(config, sg)
+    if tp:
+        try:
+            megatron = run_baseline(sg, "megatron", config.mesh)
+            on.tp_placements = finish_plan(config, sg, megatron.choice, "megatron").parameters
+        except AutoshardError as exc:
+            on.tp_error = f"no Megatron pairs to style: {exc}"
+    return on
+
+
+def search_space(
+    config: SolveConfig, sg: StrategyGraph, progress: Progress | None = None
+) -> tuple[SpacePoint, list[SpacePoint]]:
+    """The fastest point of torchtitan's space on ``config.mesh`` that fits its budget, and
+    every point priced (in :func:`layouts` order, each with and without checkpointing as
+    the option allows). ``sg``: the strategies of ``config``; ``progress``: ``(phase,
+    done, total)``, called with ``"space"`` once per layout.
+
+    A data-parallel group over several mesh dims (FSDP over all of a 2x4 mesh) runs as one
+    FSDP2 process group; it is priced as DTensor moves it, one collective per mesh dim in
+    turn (:mod:`autoshard.cost.collectives`), which is what NCCL's rail-parallel rings and
+    trees achieve across nodes with one NIC per GPU, not a single ring bound by one
+    inter-node link.
 
     Raises:
         MemoryBudgetError: no point fits (the message names the one needing least memory).
@@ -199,19 +243,12 @@ def search_space(
     """
     model = _model(config)
     params = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
-    names = tuple(config.mesh.dim_names) if config.mesh.dim_names else None
-    tp_placements, tp_error = None, None
-    if any(lay.tp_dim is not None for lay in layouts(tuple(sg.mesh_shape))):
-        try:
-            megatron = run_baseline(sg, "megatron", config.mesh)
-            tp_placements = finish(sg, megatron.choice, "megatron", None).parameters
-        except AutoshardError as exc:
-            tp_error = f"no Megatron pairs to style: {exc}"
+    budget = config.budget()
+    todo = layouts(tuple(sg.mesh_shape))
+    on = _on_mesh(config, sg, any(lay.tp_dim is not None for lay in todo))
     ck = sg.checkpointing
     modes = [False] if ck is None or not ck.blocks else [True] if ck.fixed else [False, True]
-    budget = config.budget()
     points: list[SpacePoint] = []
-    todo = layouts(tuple(sg.mesh_shape))
     for i, layout in enumerate(todo):
         if progress:
             progress("space", i, len(todo))
@@ -219,11 +256,12 @@ def search_space(
             if recompute and len(modes) == 2 and (points[-1].fits or points[-1].plan is None):
                 continue  # auto: recompute only a layout whose plan does not fit without
             point = SpacePoint(layout.name + ("+ac" if recompute else ""), layout, recompute)
+            point.config, point.sg = on.config, on.sg
             points.append(point)
-            if layout.tp_dim is not None and tp_placements is None:
-                point.error = tp_error
+            if layout.tp_dim is not None and on.tp_placements is None:
+                point.error = on.tp_error
                 continue
-            _price(point, config, sg, model, params, tp_placements, names, finish)
+            _price(point, model, params, on.tp_placements)
             point.fits = point.plan is not None and point.plan.memory_bytes <= budget * (1 + 1e-9)
     if progress:
         progress("space", len(todo), len(todo))
@@ -246,14 +284,23 @@ def search_space(
     return best, points
 
 
-def _price(point: SpacePoint, config, sg, model, params, tp_placements, names, finish) -> None:  # noqa: ANN001, PLR0913
+def _price(point: SpacePoint, model: nn.Module, params: dict, tp_placements) -> None:  # noqa: ANN001
     """Make ``point``'s plan (DTensor's propagation from its styles' pins) into
     ``point.plan`` and ``point.styles``, or say in ``point.error`` why it cannot be."""
-    layout = point.layout
+    layout, config, sg = point.layout, point.config, point.sg
+    names = tuple(config.mesh.dim_names)
     try:
         styles = style_plan(model, _point_map(sg, params, layout, tp_placements, names))
     except AutoshardError as exc:
         point.error = str(exc)
+        return
+    roles = (styles.tp_dim, styles.dp_replicate, styles.dp_shard)
+    if roles != (layout.tp_dim, layout.dp_replicate, layout.dp_shard):
+        point.error = (  # e.g. a data-parallel dim the batch does not split over
+            f"the inputs {', '.join(f'{k} {tuple(v)}' for k, v in styles_inputs(sg).items())} "
+            f"do not split their batch over every data-parallel dim of mesh "
+            f"{config.mesh.shape_str}"
+        )
         return
     if styles.unrunnable:
         point.error = f"the styles would split attention heads ({styles.unrunnable[0]})"
@@ -275,7 +322,7 @@ def _price(point: SpacePoint, config, sg, model, params, tp_placements, names, f
         point.error = str(exc)
         return
     recompute = sg.checkpointing.full() if point.checkpointing else None
-    plan = finish(sg, found.choice, f"torchtitan {point.name}", recompute)
+    plan = finish_plan(config, sg, found.choice, f"torchtitan {point.name}", recompute)
     back = _styles_of_plan(model, plan, names)
     moved = [k for k, v in inputs.items() if tuple(plan.inputs.get(k, v)) != tuple(v)]
     if back.differences or moved:
@@ -288,3 +335,51 @@ def _price(point: SpacePoint, config, sg, model, params, tp_placements, names, f
         return
     point.plan, point.styles = plan, back
     plan.extra.setdefault("notes", []).extend(found.notes)
+
+
+def styles_inputs(sg: StrategyGraph) -> dict[str, tuple[int, ...]]:
+    """Each input's global shape, by name (for messages)."""
+    return {
+        sg.graph.nodes[rep].fqn or rep: tuple(sg.graph.nodes[rep].results[0].shape)
+        for rep in placeholders(sg, "input")
+    }
+
+
+def plan_space(
+    config: SolveConfig,
+    space: str,
+    progress: Progress | None = None,
+    graph: TracedGraph | None = None,
+) -> SolveResult:
+    """``solve --space torchtitan``: the fastest plan FSDP2 and ``parallelize_module``
+    express that fits (:func:`search_space`), on the same graph and cost model; every point
+    priced is in ``plan.extra["space"]``. ``space="free"`` is
+    :func:`~autoshard.solver.solve.plan_model`. ``graph``: the model already traced, as
+    for ``plan_model``.
+
+    Raises:
+        AutoshardError: an unknown space, or as :func:`search_space`.
+    """
+    if space not in SPACES:
+        raise AutoshardError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
+    if space == "free":
+        return plan_model(config, progress, graph)
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    if graph is None:
+        graph = trace(config, progress)
+        seconds["trace"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sg = strategies(config, graph, progress)
+    seconds["strategies"] = time.perf_counter() - t
+    t = time.perf_counter()
+    best, points = search_space(config, sg, progress)
+    seconds["space"] = time.perf_counter() - t
+    plan = best.plan
+    plan.extra["space"] = {
+        "name": space,
+        "chosen": best.name,
+        "points": [p.to_dict() for p in points],
+    }
+    status = f"space {space} ({best.name})"
+    return unsolved_result(best.config, graph, best.sg, plan, seconds, status)
