@@ -290,3 +290,25 @@ def test_the_tensor_parallel_point_trains_like_one_device_on_8_gloo_ranks(tmp_pa
     report = _run_on_8_ranks(tmp_path, "llama", config.model_path, smap)
     q_placed = report["placements"]["model.layers.0.self_attn.q_proj.weight"]
     assert q_placed == ["S(1)", "S(0)"], q_placed
+
+
+def test_a_gpu_count_searches_the_space_on_every_mesh_shape(tmp_path: Path):
+    """`--gpus 8 --gpus-per-node 4 --space torchtitan`: every node-respecting shape gets
+    the space's search, the fastest is the minimum of the rows, and each plan lists its
+    points."""
+    from helpers import write_mlp
+
+    from autoshard.cost.mesh import node_shapes
+    from autoshard.solver.meshes import search_meshes
+
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("8"), mode="train")
+    meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(8, 4)]
+    search = search_meshes(config, meshes, gpus_per_node=4, space="torchtitan")
+    made = [r for r in search.rows if r.result is not None]
+    assert len(made) == len(meshes) >= 2
+    assert search.best.step_time_s == min(r.step_time_s for r in made)
+    for row in made:
+        space = row.result.plan.extra["space"]
+        assert space["chosen"] in row.result.plan.name
+        assert row.result.ilp.status.startswith("space torchtitan")
