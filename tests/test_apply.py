@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LLAMA_SMALL, ROOT, autoshard_cli, rank_env, write_mlp, write_model
+from helpers import GPT2_DEFAULT, LLAMA_SMALL, ROOT, autoshard_cli, rank_env, write_mlp, write_model
 
 from autoshard.api import save
 from autoshard.cost.mesh import MeshSpec
@@ -258,3 +258,38 @@ def test_export_writes_the_styles_and_prices_them_with_the_plans_cost_model(tmp_
     assert "note:" not in out.stderr
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("predicted step:")]
     assert "(+0.0%:" in line, line
+
+
+def test_styles_on_a_tensor_parallel_dim_with_no_styled_module_compute_replicated_there(
+    tmp_path: Path,
+):
+    """A tensor-parallel dim no style shards anything on (GPT-2's Conv1D has no built-in
+    style): the user's modules hand plain tensors on, so every forward op computes
+    replicated on that dim, and the styles' price says so (before: propagation sharded the
+    batch on tp for free, pricing a quarter of the compute)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoshard.solver.solve import plan_pinned
+
+    model = write_model(tmp_path, GPT2_DEFAULT, "gpt2")
+    cfg = SolveConfig(model_path=model, mesh=MeshSpec.from_options("2x2"), mode="train")
+    with torch.device("meta"):
+        names = [n for n, _ in load_model_file(model).module.build_model().named_parameters()]
+    params = {n: (Shard(0), Replicate()) for n in names}
+    params = {
+        n: (Replicate(), Replicate()) if "wte" in n or "wpe" in n else p for n, p in params.items()
+    }
+    inputs = {"input_ids": (Shard(0), Replicate())}
+    styled = plan_pinned(cfg, params, inputs, frozenset({0}), "styles", {}, 1)
+    sg, choice = styled.sg, styled.plan.choice
+    forward_ops = [
+        rep
+        for rep in sg.reps
+        if sg.graph.nodes.get(rep) is not None
+        and sg.graph.nodes[rep].kind == "op"
+        and not sg.graph.nodes[rep].backward
+    ]
+    assert forward_ops
+    for rep in forward_ops:
+        out = sg.nodes[rep].strategies[choice[rep]].outputs[0]
+        assert out is None or isinstance(out[1], Replicate), (rep, out)
