@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch._aot_autograd import descriptors as d
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -88,6 +89,14 @@ def fake_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> I
     finally:
         if owns:
             dist.destroy_process_group()
+
+
+def checkpoint_block(block: torch.nn.Module) -> torch.nn.Module:
+    """``block`` wrapped to recompute its forward in the backward (non-reentrant
+    ``torch.utils.checkpoint``), as torchtitan's activation checkpointing wraps a block:
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, whose wrapper keeps
+    its parameters' names (``named_parameters`` and ``state_dict`` strip its prefix)."""
+    return checkpoint_wrapper(block)
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:

@@ -24,6 +24,8 @@ from autoshard.model.loss import default_loss
 from autoshard.model.model_file import load_model_file
 from autoshard.plan.formats import load_sharding_map
 
+WRAPPED = "_checkpoint_wrapped_module."  # what checkpoint_wrapper adds to its names
+
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -64,10 +66,12 @@ def main(plan: str, model_file: str, out: str, exported: str | None = None) -> N
         local = batch_shard(load_sharding_map(plan), inputs)
         differences = []
 
+    # a checkpointed block's parameters, named from the root, pass through its wrapper
+    named = {n.replace(WRAPPED, ""): p for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss = default_loss(model(*local), *local)
     loss.backward()
-    grads = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+    grads = {n: full(p.grad).clone() for n, p in named.items()}
     opt.step()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_loss = default_loss(ref(*inputs), *inputs)
@@ -86,13 +90,14 @@ def main(plan: str, model_file: str, out: str, exported: str | None = None) -> N
     report = {
         "loss": rel(seen, ref_loss.detach()),
         "grads": max(rel(g, ref_params[n].grad) for n, g in grads.items()),
-        "params": max(rel(full(p.data), ref_params[n].data) for n, p in model.named_parameters()),
+        "params": max(rel(full(p.data), ref_params[n].data) for n, p in named.items()),
         "dtensors": sum(isinstance(p, DTensor) for p in model.parameters()),
         "placements": {
-            n: [str(x) for x in p.placements]
-            for n, p in model.named_parameters()
-            if isinstance(p, DTensor)
+            n: [str(x) for x in p.placements] for n, p in named.items() if isinstance(p, DTensor)
         },
+        "checkpointed": sorted(
+            n for n, m in model.named_modules() if type(m).__name__.endswith("CheckpointWrapper")
+        ),
         "differences": differences,
     }
     if dist.get_rank() == 0:

@@ -30,7 +30,7 @@ from helpers import (
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import load_model_file
-from autoshard.plan.formats import ShardingMap
+from autoshard.plan.formats import ShardingMap, load_sharding_map
 from autoshard.plan.styles import style_plan, styles_mesh_groups, torchtitan_code
 from autoshard.solver.solve import SolveConfig, strategies, trace
 from autoshard.solver.space import layouts, plan_space, search_space
@@ -97,6 +97,7 @@ def _torch_placements(model: torch.nn.Module, groups, ndim: int) -> dict:
     dims = {g.name: g.dims for g in groups}
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_checkpoint_wrapped_module.", "")  # a checkpointed block's
         full = [Replicate()] * ndim
         if isinstance(p, DTensor):
             for dim, pl in zip(p.device_mesh.mesh_dim_names, p.placements, strict=True):
@@ -208,6 +209,37 @@ def test_solve_and_export_on_the_cli(tmp_path: Path):
     assert bad.exit_code != 0 and "drop --algo" in bad.output
 
 
+def test_a_checkpointed_point_exports_its_checkpointing(tmp_path: Path):
+    """Under ``--activation-checkpointing full`` the chosen point recomputes every block:
+    its map says so, the exported function wraps each block in ``checkpoint_wrapper``
+    before FSDP (torchtitan's order), and torch, running it on a fake process group of 8,
+    wraps exactly those blocks and places every parameter (named through the wrapper) as
+    planned."""
+    from autoshard._torch_private import fake_mesh
+    from autoshard.plan.export import write_outputs
+
+    config = _config(tmp_path, "llama", activation_checkpointing="full")
+    best, _ = _search(config)
+    assert best.name.endswith("+ac") and list(best.plan.recomputed_blocks) == [0, 1]
+    _, path = write_outputs(best.plan, tmp_path, "llama_ac", config.cost_model(), {})
+    smap = load_sharding_map(path)
+    sp = style_plan(_meta_model(config), smap)
+    assert sp.recompute == ["model.layers.0", "model.layers.1"] and sp.differences == []
+    code = torchtitan_code(sp, smap.mesh_shape, smap.dim_names)
+    assert code.index("checkpoint_wrapper(block)") < code.index("fully_shard(")
+    (tmp_path / "p.py").write_text(code)
+    model = _meta_model(config)
+    with fake_mesh((8,)):
+        runpy.run_path(str(tmp_path / "p.py"))["parallelize"](model, device_type="cpu")
+        groups = styles_mesh_groups(sp, smap.mesh_shape, smap.dim_names)
+        got = _torch_placements(model, groups, len(smap.mesh_shape))
+    wrapped = [
+        n for n, m in model.named_modules() if type(m).__name__.endswith("CheckpointWrapper")
+    ]
+    assert wrapped == ["model.layers.0", "model.layers.1"]
+    assert got == {k: tuple(v) for k, v in best.plan.parameters.items()}
+
+
 def test_a_data_parallel_dim_the_batch_does_not_split_over_has_no_point(tmp_path: Path):
     """A batch of 8 on a 4x4 mesh: data parallelism over both dims would split it 16 ways,
     so those layouts have no plan and say why (the styles would read the unsplit dim as
@@ -312,3 +344,25 @@ def test_a_gpu_count_searches_the_space_on_every_mesh_shape(tmp_path: Path):
         space = row.result.plan.extra["space"]
         assert space["chosen"] in row.result.plan.name
         assert row.result.ilp.status.startswith("space torchtitan")
+
+
+@pytest.mark.slow
+def test_the_checkpointed_optimum_trains_like_one_device_on_8_gloo_ranks(tmp_path: Path):
+    """``--activation-checkpointing full``: the exported function wraps both blocks (torch
+    recomputes them in the backward) and trains like one device on 8 gloo ranks."""
+    model = write_model(tmp_path, MODELS["llama"], "llama")
+    out = autoshard_cli(
+        "solve",
+        str(model),
+        "--mesh",
+        "2x4",
+        "--space",
+        "torchtitan",
+        "--out",
+        str(tmp_path),
+        "--activation-checkpointing",
+        "full",
+    )
+    assert out.returncode == 0, out.stderr
+    report = _run_on_8_ranks(tmp_path, "llama", model, tmp_path / "llama_2x4_torchtitan.json")
+    assert report["checkpointed"] == ["model.layers.0", "model.layers.1"]

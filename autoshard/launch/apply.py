@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from autoshard._torch_private import checkpoint_block
 from autoshard.cost.mesh import default_dim_names
 from autoshard.errors import AutoshardError
 from autoshard.plan.formats import ShardingMap, load_sharding_map
@@ -149,10 +150,15 @@ def apply(
             kw = {k: _LAYOUTS[v] for k, v in kwargs.items()}
             styles[fqn] = ColwiseParallel(**kw) if style == COLWISE else RowwiseParallel(**kw)
         parallelize_module(model, mesh[names[sp.tp_dim]], styles)
+    by_param = {id(p): n for n, p in model.named_parameters()}  # before any wrapper
+    for fqn in sp.recompute:  # torchtitan's order: tensor parallelism, checkpointing, FSDP
+        parent, _, child = fqn.rpartition(".")
+        model.get_submodule(parent).register_module(
+            child, checkpoint_block(model.get_submodule(fqn))
+        )
     if sp.dp_mode is not None:
         dp_names = dp_mesh_names(sp, smap.mesh_shape, names)
         dp_mesh = mesh[dp_names[0]] if len(dp_names) == 1 else mesh[dp_names]
-        by_param = {id(p): n for n, p in model.named_parameters()}
 
         def placement(p: nn.Parameter) -> Shard:
             return Shard(sp.shard_dims.get(by_param.get(id(p), ""), 0))

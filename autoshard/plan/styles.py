@@ -68,6 +68,9 @@ class StylePlan:
         unrunnable: why the styles cannot run on the model's own code (a column-parallel
             projection whose shard is not a whole number of attention heads: the model
             reshapes its local output by ``head_dim``).
+        recompute: the blocks (FQNs) the plan recomputes in the backward (the map's
+            ``predicted.recomputed_blocks``), wrapped in ``checkpoint_wrapper`` as
+            torchtitan's activation checkpointing wraps its blocks.
     """
 
     tp_dim: int | None
@@ -81,6 +84,7 @@ class StylePlan:
     unrunnable: list[str] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # the repeated blocks' FQNs, in order
     container: str | None = None  # the module whose children are exactly the blocks
+    recompute: list[str] = field(default_factory=list)  # blocks checkpointed, in order
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
@@ -242,6 +246,13 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
         sp.groups = [*sorted(find_block_prefixes(model), key=natural_key), ""]
     sp.blocks = sorted(find_block_prefixes(model), key=natural_key)
     sp.container = _block_container(model)
+    recomputed = smap.predicted.get("recomputed_blocks") or []
+    if any(not 0 <= b < len(sp.blocks) for b in recomputed):
+        raise AutoshardError(
+            f"{smap.source} recomputes blocks {recomputed} but the model has "
+            f"{len(sp.blocks)}: solve again for this model"
+        )
+    sp.recompute = [sp.blocks[b] for b in sorted(recomputed)]
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
@@ -410,6 +421,27 @@ def _dp_mesh(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, .
     return f"mesh[{names[0]!r}]" if len(names) == 1 else f"mesh[{names[0]!r}, {names[1]!r}]"
 
 
+def _checkpoint_lines(sp: StylePlan) -> list[str]:
+    """Activation checkpointing of the blocks the plan recomputes, before FSDP (torchtitan's
+    order: tensor parallelism, checkpointing, FSDP): each block replaced in its parent by
+    ``checkpoint_wrapper(block)``, whose parameters keep their names."""
+    if not sp.recompute:
+        return []
+    comment = "  # recompute each in the backward (torchtitan's activation checkpointing)"
+    if sp.container is not None and sp.recompute == sp.blocks:
+        return [
+            f"    blocks = model.get_submodule({sp.container!r})",
+            f"    for name, block in list(blocks.named_children()):{comment}",
+            "        blocks.register_module(name, checkpoint_wrapper(block))",
+        ]
+    return [
+        f"    for name in ({''.join(f'{b!r}, ' for b in sp.recompute).rstrip()}):{comment}",
+        "        parent, _, child = name.rpartition('.')",
+        "        block = checkpoint_wrapper(model.get_submodule(name))",
+        "        model.get_submodule(parent).register_module(child, block)",
+    ]
+
+
 def _looped_body(
     sp: StylePlan, layout: BlockLayout, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]
 ) -> list[str]:
@@ -429,6 +461,7 @@ def _looped_body(
             lines.append(f"    parallelize_module(model, {tp_mesh}, {{")
             lines += _style_lines(layout.root_tp, "        ")
             lines.append("    })")
+    lines += _checkpoint_lines(sp)
     if sp.dp_mode is not None:
         mesh = _dp_mesh(sp, mesh_shape, dim_names)
         block_kw = root_kw = ""
@@ -470,6 +503,7 @@ def _listed_body(
         lines.append(f"    parallelize_module(model, mesh[{dim_names[sp.tp_dim]!r}], {{")
         lines += _style_lines(sp.folded_tp(), "        ")
         lines.append("    })")
+    lines += _checkpoint_lines(sp)
     if sp.dp_mode is not None:
         dp_mesh = _dp_mesh(sp, mesh_shape, dim_names)
         kw = ""
@@ -497,8 +531,8 @@ def _listed_body(
 def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
     """Python that applies ``sp`` as a torchtitan user writes it: ``parallelize_module``
     with one ``layer_plan`` in a loop over the blocks (when every block is alike,
-    :meth:`StylePlan.block_layout`; else every style by FQN), then ``fully_shard`` per
-    block and on the root."""
+    :meth:`StylePlan.block_layout`; else every style by FQN), ``checkpoint_wrapper`` on
+    the blocks the plan recomputes, then ``fully_shard`` per block and on the root."""
     lines = ["def parallelize(model, device_type='cuda'):"]
     shape, names = styles_mesh(sp, mesh_shape, dim_names)
     lines.append(
@@ -516,6 +550,14 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
         "from torch.distributed.device_mesh import init_device_mesh",
         "from torch.distributed.fsdp import fully_shard",
         *([f"from torch.distributed.tensor import {', '.join(used)}"] if used else []),
+        *(
+            [
+                "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
+                "checkpoint_wrapper"
+            ]
+            if sp.recompute
+            else []
+        ),
         "from torch.distributed.tensor.parallel import (",
         "    ColwiseParallel,",
         "    RowwiseParallel,",
