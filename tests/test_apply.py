@@ -293,3 +293,41 @@ def test_styles_on_a_tensor_parallel_dim_with_no_styled_module_compute_replicate
     for rep in forward_ops:
         out = sg.nodes[rep].strategies[choice[rep]].outputs[0]
         assert out is None or isinstance(out[1], Replicate), (rep, out)
+
+
+def test_a_listed_export_keeps_fsdp_dims_inside_a_checkpointed_block():
+    """Blocks styled unlike each other (the listed form), only block 1 recomputed, its
+    weight sharded by FSDP on dim 1: torch, running the export on a fake process group of
+    8, wraps block 1 and shards that weight on dim 1 (the names are read before the
+    wrapper adds its prefix; read after, the weight fell back to dim 0)."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from autoshard._torch_private import fake_mesh
+    from autoshard.plan.styles import StylePlan
+
+    sp = StylePlan(1, dp_replicate=(), dp_shard=(0,))
+    sp.tp = {"layers.0.fc": ("ColwiseParallel", {}), "layers.1.fc": ("RowwiseParallel", {})}
+    sp.shard_dims = {"layers.1.fc.weight": 1}
+    sp.groups, sp.recompute = ["layers.0", "layers.1", ""], ["layers.1"]
+    sp.blocks = ["layers.0", "layers.1"]
+    code = torchtitan_code(sp, (2, 4), ("dp", "tp"))
+    assert "for block in" not in code  # the listed form
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+    model = nn.Module()
+    with torch.device("meta"):
+        model.layers = nn.ModuleList([Block(), Block()])
+    namespace: dict = {}
+    exec(compile(code, "export", "exec"), namespace)
+    with fake_mesh((8,)):
+        namespace["parallelize"](model, device_type="cpu")
+    assert type(model.layers[1]).__name__.endswith("CheckpointWrapper")
+    weight = dict(model.named_parameters())["layers.1._checkpoint_wrapped_module.fc.weight"]
+    assert isinstance(weight, DTensor)
+    dims = dict(zip(weight.device_mesh.mesh_dim_names, weight.placements, strict=True))
+    assert dims["dp"].dim == 1, dims

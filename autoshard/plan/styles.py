@@ -247,12 +247,13 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
     sp.blocks = sorted(find_block_prefixes(model), key=natural_key)
     sp.container = _block_container(model)
     recomputed = smap.predicted.get("recomputed_blocks") or []
-    if any(not 0 <= b < len(sp.blocks) for b in recomputed):
+    block_of = {i: fqn for fqn, i in find_block_prefixes(model).items()}  # by its number
+    if any(b not in block_of for b in recomputed):
         raise AutoshardError(
-            f"{smap.source} recomputes blocks {recomputed} but the model has "
-            f"{len(sp.blocks)}: solve again for this model"
+            f"{smap.source} recomputes blocks {recomputed} but the model's blocks are "
+            f"numbered {sorted(block_of)}: solve again for this model"
         )
-    sp.recompute = [sp.blocks[b] for b in sorted(recomputed)]
+    sp.recompute = [block_of[b] for b in sorted(recomputed)]
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
@@ -503,15 +504,17 @@ def _listed_body(
         lines.append(f"    parallelize_module(model, mesh[{dim_names[sp.tp_dim]!r}], {{")
         lines += _style_lines(sp.folded_tp(), "        ")
         lines.append("    })")
+    fsdp_dims = sp.dp_mode is not None and sp.dp_shard and any(sp.shard_dims.values())
+    if fsdp_dims:  # named before any checkpoint wrapper adds its prefix to the names
+        lines.append("    names = {p: n for n, p in model.named_parameters()}")
     lines += _checkpoint_lines(sp)
     if sp.dp_mode is not None:
         dp_mesh = _dp_mesh(sp, mesh_shape, dim_names)
         kw = ""
-        if sp.dp_shard and any(v for v in sp.shard_dims.values()):
+        if fsdp_dims:
             lines.append("    shard_dims = {  # the tensor dim FSDP shards, where not 0")
             lines += [f"        {k!r}: {v}," for k, v in sp.shard_dims.items() if v]
             lines.append("    }")
-            lines.append("    names = {p: n for n, p in model.named_parameters()}")
             lines.append("")
             lines.append("    def placement(p):")
             lines.append("        return Shard(shard_dims.get(names[p], 0))")
@@ -547,9 +550,6 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
     used = [n for n in ("Replicate", "Shard") if f"{n}(" in body]
     header = [
         "# written by `autoshard export --format torchtitan`",
-        "from torch.distributed.device_mesh import init_device_mesh",
-        "from torch.distributed.fsdp import fully_shard",
-        *([f"from torch.distributed.tensor import {', '.join(used)}"] if used else []),
         *(
             [
                 "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
@@ -558,6 +558,9 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
             if sp.recompute
             else []
         ),
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.fsdp import fully_shard",
+        *([f"from torch.distributed.tensor import {', '.join(used)}"] if used else []),
         "from torch.distributed.tensor.parallel import (",
         "    ColwiseParallel,",
         "    RowwiseParallel,",
