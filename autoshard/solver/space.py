@@ -7,18 +7,21 @@ does, and the styles fix the parameters; DTensor's propagation places every acti
 block, Megatron's ``ColwiseParallel``/``RowwiseParallel`` pairs on the tensor-parallel dim).
 The space here is what those choices make on the plan's mesh (:func:`layouts`):
 
-- **tensor parallelism** on the last mesh dim of 2+ devices (inside a node, as torchtitan
-  puts it), or none. Its styles are Megatron's pairs as the ``megatron`` hand plan finds
-  them (:func:`autoshard.solver.tensor_parallel.find_tensor_parallel`), read back as
+- **tensor parallelism** on the last mesh dim when it has 2+ devices (the ``megatron``
+  plan's dim, inside a node, as torchtitan puts it), or none. Its styles are Megatron's
+  pairs as the ``megatron`` hand plan finds them
+  (:func:`autoshard.solver.tensor_parallel.find_tensor_parallel`), read back as
   ``parallelize_module`` styles (:func:`autoshard.plan.styles.style_plan`): only modules the
   built-in styles shard (``nn.Linear``, ``nn.Embedding``), only whole attention heads;
 - **data parallelism** on every other dim of 2+ devices: the first ``k`` replicate
   parameters (DDP, HSDP's replica groups) and the rest shard them (FSDP2 over one flattened
   group), ``k`` from none to all; each parameter sharded on its first tensor dim that the
-  group divides (``shard_placement_fn``), the inputs split on the batch;
-- **activation checkpointing** of every block (torchtitan's ``full``) under
-  ``--activation-checkpointing full``; under ``auto``, only for a layout that does not fit
-  without it.
+  group divides and tensor parallelism does not split (``shard_placement_fn``), the inputs
+  split on the batch (a layout whose batch does not split over all its data-parallel dims
+  has no plan);
+- **activation checkpointing** of every block (torchtitan's ``full``; the export wraps
+  each block in ``checkpoint_wrapper``) under ``--activation-checkpointing full``; under
+  ``auto``, only for a layout that does not fit without it.
 
 Each point is priced by DTensor's propagation from its pinned parameters and inputs
 (:func:`autoshard.solver.baselines.pinned`, what ``autoshard export`` prices), not by the
