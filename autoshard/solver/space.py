@@ -113,9 +113,8 @@ def layouts(mesh_shape: tuple[int, ...]) -> list[Layout]:
 @dataclass
 class SpacePoint:
     """One priced point: ``name`` (the layout's, ``+ac`` when every block recomputes), its
-    ``layout``, the ``config`` and strategies (``sg``) it was priced with, its ``plan``
-    (or the ``error`` that kept it from being made), whether it ``fits`` the budget, and
-    its ``styles`` (what ``autoshard export`` writes for it)."""
+    ``layout``, its ``plan`` (or the ``error`` that kept it from being made), whether it
+    ``fits`` the budget, and its ``styles`` (what ``autoshard export`` writes for it)."""
 
     name: str
     layout: Layout
@@ -124,8 +123,6 @@ class SpacePoint:
     styles: StylePlan | None = None
     fits: bool = False
     error: str | None = None
-    config: SolveConfig | None = None
-    sg: StrategyGraph | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins for the solution's solver statistics and ``--json``."""
@@ -204,26 +201,16 @@ def _model(config: SolveConfig) -> nn.Module:
     return instantiate(load_model_file(config.model_path), device="meta").module
 
 
-@dataclass
-class _OnMesh:
-    """What every layout shares: the config, strategy graph, and the ``megatron`` plan's
-    parameter placements (the tensor-parallel styles' source) or why there is none."""
-
-    config: SolveConfig
-    sg: StrategyGraph
-    tp_placements: dict[str, Placements] | None = None
-    tp_error: str | None = None
-
-
-def _on_mesh(config: SolveConfig, sg: StrategyGraph, tp: bool) -> _OnMesh:
-    on = _OnMesh(config, sg)
-    if tp:
-        try:
-            megatron = run_baseline(sg, "megatron", config.mesh)
-            on.tp_placements = finish_plan(config, sg, megatron.choice, "megatron").parameters
-        except AutoshardError as exc:
-            on.tp_error = f"no Megatron pairs to style: {exc}"
-    return on
+def _megatron_placements(
+    config: SolveConfig, sg: StrategyGraph
+) -> tuple[dict[str, Placements] | None, str | None]:
+    """The ``megatron`` plan's parameter placements (the tensor-parallel styles' source),
+    or None and why there is none."""
+    try:
+        megatron = run_baseline(sg, "megatron", config.mesh)
+    except AutoshardError as exc:
+        return None, f"no Megatron pairs to style: {exc}"
+    return finish_plan(config, sg, megatron.choice, "megatron").parameters, None
 
 
 def search_space(
@@ -248,7 +235,9 @@ def search_space(
     params = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
     budget = config.budget()
     todo = layouts(tuple(sg.mesh_shape))
-    on = _on_mesh(config, sg, any(lay.tp_dim is not None for lay in todo))
+    tp_placements, tp_error = None, None
+    if any(lay.tp_dim is not None for lay in todo):
+        tp_placements, tp_error = _megatron_placements(config, sg)
     ck = sg.checkpointing
     modes = [False] if ck is None or not ck.blocks else [True] if ck.fixed else [False, True]
     points: list[SpacePoint] = []
@@ -259,12 +248,11 @@ def search_space(
             if recompute and len(modes) == 2 and (points[-1].fits or points[-1].plan is None):
                 continue  # auto: recompute only a layout whose plan does not fit without
             point = SpacePoint(layout.name + ("+ac" if recompute else ""), layout, recompute)
-            point.config, point.sg = on.config, on.sg
             points.append(point)
-            if layout.tp_dim is not None and on.tp_placements is None:
-                point.error = on.tp_error
+            if layout.tp_dim is not None and tp_placements is None:
+                point.error = tp_error
                 continue
-            _price(point, model, params, on.tp_placements)
+            _price(point, config, sg, model, params, tp_placements)
             point.fits = point.plan is not None and point.plan.memory_bytes <= budget * (1 + 1e-9)
     if progress:
         progress("space", len(todo), len(todo))
@@ -287,10 +275,17 @@ def search_space(
     return best, points
 
 
-def _price(point: SpacePoint, model: nn.Module, params: dict, tp_placements) -> None:  # noqa: ANN001
+def _price(  # noqa: PLR0913
+    point: SpacePoint,
+    config: SolveConfig,
+    sg: StrategyGraph,
+    model: nn.Module,
+    params: dict,
+    tp_placements: dict[str, Placements] | None,
+) -> None:
     """Make ``point``'s plan (DTensor's propagation from its styles' pins) into
     ``point.plan`` and ``point.styles``, or say in ``point.error`` why it cannot be."""
-    layout, config, sg = point.layout, point.config, point.sg
+    layout = point.layout
     names = tuple(config.mesh.dim_names)
     try:
         styles = style_plan(model, _point_map(sg, params, layout, tp_placements, names))
@@ -385,4 +380,4 @@ def plan_space(
         "points": [p.to_dict() for p in points],
     }
     status = f"space {space} ({best.name})"
-    return unsolved_result(best.config, graph, best.sg, plan, seconds, status)
+    return unsolved_result(config, graph, sg, plan, seconds, status)
