@@ -70,6 +70,27 @@ def test_times_that_do_not_grow_with_size_fit_no_bandwidth():
         fit_link(flat, 4)
 
 
+def test_a_profile_prices_each_matmul_at_the_rate_measured_for_its_size():
+    """The H200 profile (tests/data/h200): every timed bfloat16 matmul, priced by the
+    profile's device, takes the seconds calibrate measured for it (the two shapes of one
+    FLOP count, 8192x4096x11008 and 8192x11008x4096, the mean of their rates); its peak
+    (the MFU's denominator) is the best rate measured."""
+    path = ROOT / "tests/data/h200/profile.json"
+    raw = json.loads(path.read_text())
+    device = load_profile(path).device_spec()
+    same_size: dict[float, list[float]] = {}
+    for m in raw["compute"]["matmuls"]:
+        flops = 2 * m["m"] * m["n"] * m["k"]
+        same_size.setdefault((m["dtype"], flops), []).append(m["seconds"])
+    for (dtype, flops), seconds in same_size.items():
+        rate = sum(flops / s for s in seconds) / len(seconds)
+        assert device.compute_time(flops, 0.0, dtype) == pytest.approx(flops / rate, rel=1e-12)
+    bf16 = [m["flops_per_s"] for m in raw["compute"]["matmuls"] if m["dtype"] == "bfloat16"]
+    assert device.peak("bfloat16") == max(bf16)
+    # small matmuls are slower per FLOP: 512^3 reached under 5% of the best rate measured
+    assert device.matmul_rate(2 * 512**3, "bfloat16") < 0.05 * max(bf16)
+
+
 def test_a_file_that_is_not_a_profile_is_one_line(tmp_path: Path):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"format": "autoshard.sharding_map/2"}))
@@ -110,6 +131,17 @@ def test_a_calibrated_profile_on_four_gloo_ranks_changes_the_plan(tmp_path: Path
     }
     for m in raw["compute"]["matmuls"]:
         assert m["flops_per_s"] == pytest.approx(2 * m["m"] * m["n"] * m["k"] / m["seconds"])
+    # causal attention, counted over the whole score matrix as FlopCounterMode counts it:
+    # forward 4 b h s^2 d (two matmuls), backward 2.5 times that (five), the count of
+    # Dao's FlashAttention-2 benchmarks (2023) before they halve it for causal masks
+    for a in raw["compute"]["attention"]:
+        forward = 4 * a["batch"] * a["heads"] * a["seq"] ** 2 * a["head_dim"]
+        assert a["flops_forward"] == forward
+        assert a["flops_forward_backward"] == forward * 3.5
+        assert a["flops_per_s_forward"] == pytest.approx(forward / a["seconds_forward"])
+    assert raw["compute"]["elementwise_bandwidth_Bps"] > 0
+    assert "matmul float32 512x512x512:" in out.stdout
+    assert "attention float32 causal 1x4x256x64: forward" in out.stdout
     p = load_profile(profile)
     (a0, a1), (bw0, bw1) = (f.latency for f in p.links), (f.bandwidth for f in p.links)
 

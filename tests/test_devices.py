@@ -125,3 +125,38 @@ def test_dtype_names_are_torch_floating_dtypes() -> None:
         dtype_name(torch.int64)
     with pytest.raises(AutoshardError, match="peak_flops keys"):
         DeviceSpec("x", {torch.float32: 1e12, 3: 1.0}, 1e9, 1)
+
+
+def test_a_measured_matmul_is_priced_at_the_time_it_was_measured() -> None:
+    """Two sizes measured (calibrate's points): a matmul of a measured size costs what was
+    measured; between them the rate moves linearly in log(flops) (worked by hand: halfway
+    in log between 1e9 and 1e11 FLOPs is 1e10, the mean of the rates); outside them the
+    nearest measured rate holds; a dtype with no points runs at its peak."""
+    spec = DeviceSpec(
+        "m",
+        {torch.float32: 100e12, torch.bfloat16: 800e12},
+        1e12,
+        1,
+        {"bfloat16": ((1e9, 100e12), (1e11, 700e12))},
+    )
+    # measured: 1e11 FLOPs in 1e11 / 700e12 s
+    assert spec.compute_time(1e11, 0.0, torch.bfloat16) == pytest.approx(1e11 / 700e12)
+    assert spec.compute_time(1e9, 0.0, torch.bfloat16) == pytest.approx(1e9 / 100e12)
+    assert spec.matmul_rate(1e10, torch.bfloat16) == pytest.approx(400e12)
+    assert spec.matmul_rate(1e6, torch.bfloat16) == 100e12
+    assert spec.matmul_rate(1e15, torch.bfloat16) == 700e12
+    assert spec.matmul_rate(1e10, torch.float32) == 100e12  # no points: the peak
+    # the byte term is untouched: a memory-bound op still runs at the bandwidth
+    assert spec.compute_time(0.0, 2e9, torch.bfloat16) == pytest.approx(2e-3)
+    assert DeviceSpec.from_dict(spec.to_dict()) == spec
+    assert "matmul_rates" not in DEVICES["h100"].to_dict()
+
+
+def test_matmul_rates_that_cannot_be_rates_are_refused() -> None:
+    fp32 = {torch.float32: 1e12}
+    with pytest.raises(AutoshardError, match=r"matmul_rates\[torch.bfloat16\] needs"):
+        DeviceSpec("x", fp32, 1e9, 1, {"bfloat16": ((1e9, 0.0),)})
+    with pytest.raises(AutoshardError, match="two rates for one size"):
+        DeviceSpec("x", fp32, 1e9, 1, {"float32": ((1e9, 1e12), (1e9, 2e12))})
+    with pytest.raises(AutoshardError, match="unknown dtype"):
+        DeviceSpec("x", fp32, 1e9, 1, {"bfloat17": ((1e9, 1e12),)})

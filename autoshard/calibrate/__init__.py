@@ -118,6 +118,7 @@ class Profile:
     peak_flops: dict[str, float]
     memory_bandwidth: float
     memory_bytes: int
+    matmul_rates: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def mesh(self, shape: tuple[int, ...], dim_names: tuple[str, ...] | None = None) -> MeshSpec:
         """The :class:`MeshSpec` of ``shape`` with the profile's links.
@@ -143,8 +144,26 @@ class Profile:
     def device_spec(self) -> DeviceSpec:
         """The measured device as a :class:`DeviceSpec` (name ``calibrated``)."""
         return DeviceSpec(
-            "calibrated", dict(self.peak_flops), self.memory_bandwidth, self.memory_bytes
+            "calibrated",
+            dict(self.peak_flops),
+            self.memory_bandwidth,
+            self.memory_bytes,
+            dict(self.matmul_rates),
         )
+
+
+def matmul_rates(matmuls: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """The timed matmuls of a profile as :class:`DeviceSpec`'s ``matmul_rates``: per dtype,
+    ``(2 m n k, 2 m n k / seconds)`` by size; shapes of equal FLOPs (``8192x4096x11008`` and
+    ``8192x11008x4096``) give the mean of their rates."""
+    by_size: dict[str, dict[float, list[float]]] = {}
+    for m in matmuls:
+        flops = 2.0 * m["m"] * m["n"] * m["k"]
+        by_size.setdefault(m["dtype"], {}).setdefault(flops, []).append(flops / m["seconds"])
+    return {
+        dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
+        for dtype, sizes in by_size.items()
+    }
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -189,6 +208,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             peak_flops={k: float(v) for k, v in c["peak_flops"].items()},
             memory_bandwidth=float(c["memory_bandwidth_Bps"]),
             memory_bytes=int(c["memory_bytes"]),
+            matmul_rates=matmul_rates(c.get("matmuls", [])),
         )
     except (KeyError, TypeError) as exc:
         raise AutoshardError(f"profile {p} lacks field {exc}: calibrate again") from None

@@ -64,6 +64,29 @@ def _timed(
     return statistics.median(times)
 
 
+def _timed_per_call(
+    fn: Callable[[], object],
+    sync: Callable[[], None],
+    iters: int,
+    barrier: Callable[[], None],
+    window: float = 2e-3,
+) -> float:
+    """Seconds of one call of ``fn`` when calls run back to back, as a training step's
+    kernels do: each timed sample runs ``fn`` ``reps`` times between two synchronisations
+    (``reps`` makes a sample last about ``window`` seconds, at most 200 calls), so the
+    launch and synchronisation overhead of one sample, tens of microseconds on a GPU, is
+    not charged to a kernel of a few microseconds. The median sample over ``iters``,
+    divided by ``reps``."""
+    one = _timed(fn, sync, 1, 1, barrier)
+    reps = max(1, min(200, int(window / max(one, 1e-9))))
+
+    def repeated() -> None:
+        for _ in range(reps):
+            fn()
+
+    return _timed(repeated, sync, iters, 0, barrier) / reps
+
+
 def _slowest(seconds: float, device: torch.device) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -113,30 +136,146 @@ def measure_links(
     return out
 
 
+# (m, n, k) of the matmuls timed on a GPU, per dtype. bfloat16, the dtype models train in,
+# gets a sweep: squares from 512 to 16384 (the efficiency of a GEMM by its size) and the four
+# GEMMs of a Llama-7B-shaped block on 8192 tokens (q/k/v/o, MLP up, MLP down, the LM head).
+GPU_MATMULS = {
+    "float32": [(4096, 4096, 4096), (8192, 8192, 8192)],
+    "float16": [(4096, 4096, 4096), (8192, 8192, 8192)],
+    "bfloat16": [(s, s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)]
+    + [(8192, 4096, 4096), (8192, 11008, 4096), (8192, 4096, 11008), (8192, 32000, 4096)],
+}
+CPU_MATMULS = {"float32": [(256, 256, 256), (512, 512, 512)]}
+# (batch, heads, seq, head_dim) of the causal attentions timed (bfloat16 on a GPU).
+GPU_ATTENTION = [(8, 32, 1024, 128), (4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)]
+CPU_ATTENTION = [(1, 4, 256, 64)]
+
+
+def measure_matmuls(
+    device: torch.device,
+    shapes: dict[str, list[tuple[int, int, int]]],
+    iters: int,
+    sync: Callable[[], None],
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Each ``(m, n, k)`` matmul of ``shapes[dtype]``: ``{"dtype", "m", "n", "k", "seconds",
+    "flops_per_s"}`` with ``flops_per_s = 2 m n k / seconds``; and the best rate per dtype."""
+    matmuls, peak = [], {}
+    # float32 matmuls run as TF32 on tensor cores, as large-model training sets them
+    # (``torch.backends.cuda.matmul.allow_tf32``) and as the presets' float32 peak assumes
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for name, dims in shapes.items():
+            _time_matmuls(device, name, dims, iters, sync, matmuls, peak)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return matmuls, peak
+
+
+def _time_matmuls(
+    device: torch.device,
+    name: str,
+    dims: list[tuple[int, int, int]],
+    iters: int,
+    sync: Callable[[], None],
+    matmuls: list[dict[str, Any]],
+    peak: dict[str, float],
+) -> None:
+    dtype = getattr(torch, name)
+    for m, n, k in dims:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        t = _slowest(_timed_per_call(lambda a=a, b=b: a @ b, sync, iters, dist.barrier), device)
+        rate = 2.0 * m * n * k / t
+        matmuls.append({"dtype": name, "m": m, "n": n, "k": k, "seconds": t, "flops_per_s": rate})
+        peak[name] = max(peak.get(name, 0.0), rate)
+        del a, b
+
+
+def measure_attention(
+    device: torch.device,
+    dtype: torch.dtype,
+    shapes: list[tuple[int, int, int, int]],
+    iters: int,
+    sync: Callable[[], None],
+) -> list[dict[str, Any]]:
+    """Causal ``scaled_dot_product_attention`` (the kernel PyTorch picks: FlashAttention on
+    recent GPUs) on ``(batch, heads, seq, head_dim)`` q, k, v: forward alone, and forward plus
+    backward. ``flops_forward`` and ``flops_forward_backward`` are PyTorch's own counts
+    (``torch.utils.flop_counter.sdpa_flop_count`` and ``sdpa_backward_flop_count``, which
+    :class:`~torch.utils.flop_counter.FlopCounterMode` uses for every SDPA kernel, and the
+    cost model's count: the whole ``seq x seq`` score matrix, causal or not), so
+    ``flops / seconds`` is the rate the roofline must use for attention to come out right."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    out = []
+    for b, h, s, d in shapes:
+        q, k, v = (
+            torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+        def forward(q=q, k=k, v=v):
+            with torch.no_grad():
+                return sdpa(q, k, v, is_causal=True)
+
+        def forward_backward(q=q, k=k, v=v, grad=grad):
+            return torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad)
+
+        shape = (b, h, s, d)
+        flops_f = sdpa_flop_count(shape, shape, shape)
+        counts = (flops_f, flops_f + sdpa_backward_flop_count(shape, shape, shape, shape))
+        t_f = _slowest(_timed_per_call(forward, sync, iters, dist.barrier), device)
+        t_fb = _slowest(_timed_per_call(forward_backward, sync, iters, dist.barrier), device)
+        out.append(
+            {
+                "dtype": str(dtype).removeprefix("torch."),
+                "batch": b,
+                "heads": h,
+                "seq": s,
+                "head_dim": d,
+                "causal": True,
+                "seconds_forward": t_f,
+                "seconds_forward_backward": t_fb,
+                "flops_forward": counts[0],
+                "flops_forward_backward": counts[1],
+                "flops_per_s_forward": counts[0] / t_f,
+                "flops_per_s_forward_backward": counts[1] / t_fb,
+            }
+        )
+        del q, k, v, grad
+    return out
+
+
 def measure_compute(
     device: torch.device,
-    dtypes: list[torch.dtype],
-    sides: list[int],
+    matmul_shapes: dict[str, list[tuple[int, int, int]]],
+    attention_shapes: list[tuple[int, int, int, int]],
+    attention_dtype: torch.dtype,
     copy_bytes: int,
     iters: int,
     sync: Callable[[], None],
 ) -> dict[str, Any]:
-    """Achieved matmul FLOP/s per dtype (best over square sides) and copy bandwidth."""
-    matmuls, peak = [], {}
-    for dtype in dtypes:
-        name = str(dtype).removeprefix("torch.")
-        for side in sides:
-            a = torch.randn(side, side, device=device).to(dtype)
-            b = torch.randn(side, side, device=device).to(dtype)
-            t = _slowest(_timed(lambda a=a, b=b: a @ b, sync, iters, 1, dist.barrier), device)
-            rate = 2.0 * side**3 / t
-            matmuls.append(
-                {"dtype": name, "m": side, "n": side, "k": side, "seconds": t, "flops_per_s": rate}
-            )
-            peak[name] = max(peak.get(name, 0.0), rate)
+    """Achieved matmul FLOP/s per dtype (the best over ``matmul_shapes``), every timed
+    matmul and attention, and the memory bandwidth of a copy (``2 copy_bytes / t``: read
+    plus write) and of an elementwise add of two bfloat16 tensors of ``copy_bytes`` each
+    (``3 copy_bytes / t``: two reads, one write)."""
+    matmuls, peak = measure_matmuls(device, matmul_shapes, iters, sync)
+    attention = measure_attention(device, attention_dtype, attention_shapes, iters, sync)
     x = torch.ones(copy_bytes // 4, device=device)
     y = torch.empty_like(x)
-    t = _slowest(_timed(lambda: y.copy_(x), sync, iters, 1, dist.barrier), device)
+    t = _slowest(_timed_per_call(lambda x=x, y=y: y.copy_(x), sync, iters, dist.barrier), device)
+    del x, y
+    a = torch.ones(copy_bytes // 2, device=device, dtype=torch.bfloat16)
+    b = torch.ones_like(a)
+    c = torch.empty_like(a)
+    t_add = _slowest(
+        _timed_per_call(lambda a=a, b=b, c=c: torch.add(a, b, out=c), sync, iters, dist.barrier),
+        device,
+    )
+    del a, b, c
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -145,7 +284,9 @@ def measure_compute(
     return {
         "peak_flops": peak,
         "matmuls": matmuls,
+        "attention": attention,
         "memory_bandwidth_Bps": 2.0 * copy_bytes / t,
+        "elementwise_bandwidth_Bps": 3.0 * copy_bytes / t_add,
         "copy_bytes": copy_bytes,
         "memory_bytes": int(memory),
     }
@@ -178,15 +319,12 @@ def run_rank(
         links = measure_links(mesh, (min_bytes, max_bytes), iters, device, sync)
         if cuda:
             compute = measure_compute(
-                device,
-                [torch.float32, torch.bfloat16, torch.float16],
-                [4096, 8192],
-                1 << 30,
-                iters,
-                sync,
+                device, GPU_MATMULS, GPU_ATTENTION, torch.bfloat16, 1 << 30, iters, sync
             )
         else:
-            compute = measure_compute(device, [torch.float32], [256, 512], 64 << 20, iters, sync)
+            compute = measure_compute(
+                device, CPU_MATMULS, CPU_ATTENTION, torch.float32, 64 << 20, iters, sync
+            )
         error = None
         if dist.get_rank() == 0:
             try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -107,6 +108,62 @@ def print_profile(path: Path) -> None:
         f"  device: matmul {flops}; memory {format_bandwidth(p.memory_bandwidth)}, "
         f"{format_bytes(p.memory_bytes)}"
     )
+    for line in rate_lines(json.loads(path.read_text())):
+        click.echo("  " + line)
+
+
+def preset_of(device_name: str):
+    """The preset :class:`~autoshard.cost.devices.DeviceSpec` whose name is in the measured
+    device's name (``"NVIDIA H100 80GB HBM3"`` -> ``h100``), else ``None``."""
+    from autoshard.cost.devices import DEVICES
+
+    words = device_name.lower().replace("-", " ").split()
+    for key, spec in DEVICES.items():
+        if key in words:
+            return spec
+    return None
+
+
+def _tflops(rate: float) -> str:
+    return f"{rate / 1e12:.4g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.4g} GFLOP/s"
+
+
+def rate_lines(raw: dict) -> list[str]:
+    """Each timed matmul and attention of a profile's JSON, as achieved rate and, where the
+    device has a preset, the fraction of the preset's datasheet peak it reached."""
+    preset = preset_of(str(raw.get("device", "")))
+    compute = raw["compute"]
+
+    def of_peak(rate: float, dtype: str) -> str:
+        return f" ({rate / preset.peak(dtype):.0%} of {preset.name})" if preset else ""
+
+    lines = []
+    for m in compute.get("matmuls", []):
+        rate = m["flops_per_s"]
+        lines.append(
+            f"matmul {m['dtype']} {m['m']}x{m['n']}x{m['k']}: {_tflops(rate)}"
+            + of_peak(rate, m["dtype"])
+        )
+    for a in compute.get("attention", []):
+        shape = f"{a['batch']}x{a['heads']}x{a['seq']}x{a['head_dim']}"
+        f, fb = a["flops_per_s_forward"], a["flops_per_s_forward_backward"]
+        lines.append(
+            f"attention {a['dtype']} causal {shape}: forward {_tflops(f)}"
+            + of_peak(f, a["dtype"])
+            + f", forward+backward {_tflops(fb)}"
+            + of_peak(fb, a["dtype"])
+            + " (PyTorch's FLOP count)"
+        )
+    if "elementwise_bandwidth_Bps" in compute:
+        bw = compute["elementwise_bandwidth_Bps"]
+        ratio = f" ({bw / preset.memory_bandwidth:.0%} of {preset.name})" if preset else ""
+        copy = compute["memory_bandwidth_Bps"]
+        copy_ratio = f" ({copy / preset.memory_bandwidth:.0%})" if preset else ""
+        lines.append(
+            f"memory: copy {format_bandwidth(copy)}{copy_ratio}, bfloat16 add "
+            f"{format_bandwidth(bw)}{ratio}"
+        )
+    return lines
 
 
 def _worst(by_kind: dict[str, float]) -> str:

@@ -83,6 +83,11 @@ class DeviceSpec:
             fallback for any dtype not listed.
         memory_bandwidth: peak device-memory (HBM/GDDR) bandwidth, bytes/s.
         memory_bytes: device memory, bytes.
+        matmul_rates: measured matmul rates by size, keyed by dtype name: each a tuple of
+            ``(flops, flops_per_s)`` points, ``flops`` the FLOPs of one timed matmul
+            (``2 m n k``) and ``flops_per_s`` the rate it reached (``autoshard calibrate``
+            writes them). Empty (the presets) means every matmul runs at :attr:`peak_flops`.
+            See :meth:`matmul_rate`.
 
     Raises:
         AutoshardError: from ``__post_init__`` when a number is missing, zero, negative or not
@@ -93,6 +98,9 @@ class DeviceSpec:
     peak_flops: dict[str, float] = field(hash=False)
     memory_bandwidth: float
     memory_bytes: int
+    matmul_rates: dict[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=dict, hash=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -128,6 +136,49 @@ class DeviceSpec:
             raise AutoshardError(
                 f"device {self.name}: memory_bytes({mem!r}) must be a positive whole number"
             )
+        self._check_rates()
+
+    def _check_rates(self) -> None:
+        rates: dict[str, tuple[tuple[float, float], ...]] = {}
+        for dtype, points in dict(self.matmul_rates).items():
+            name = dtype_name(dtype)
+            pts = sorted((float(f), float(r)) for f, r in points)
+            if not pts or any(
+                not (math.isfinite(f) and math.isfinite(r) and f > 0 and r > 0) for f, r in pts
+            ):
+                raise AutoshardError(
+                    f"device {self.name}: matmul_rates[torch.{name}] needs (flops, flops_per_s) "
+                    f"points, both positive and finite, got {points!r}"
+                )
+            if len({f for f, _ in pts}) != len(pts):
+                raise AutoshardError(
+                    f"device {self.name}: matmul_rates[torch.{name}] gives two rates for one "
+                    "size; average them first"
+                )
+            rates[name] = tuple(pts)
+        object.__setattr__(self, "matmul_rates", rates)
+
+    def matmul_rate(self, flops: float, dtype: Any) -> float:
+        """FLOP/s of one matmul-like op of ``flops`` FLOPs in ``dtype``.
+
+        Without measured points for ``dtype``: :meth:`peak`. With them: the rate measured at
+        that size, interpolated linearly in ``log(flops)`` between the two nearest measured
+        sizes and held at the nearest end outside them (a GEMM's efficiency rises with its
+        size until the tensor cores are full: small matmuls are slower per FLOP).
+        """
+        points = self.matmul_rates.get(_name(dtype))
+        if not points:
+            return self.peak(dtype)
+        if flops <= points[0][0]:
+            return points[0][1]
+        if flops >= points[-1][0]:
+            return points[-1][1]
+        x = math.log(flops)
+        for (f0, r0), (f1, r1) in zip(points, points[1:], strict=False):
+            if flops <= f1:
+                w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return r0 + w * (r1 - r0)
+        raise AssertionError("unreachable: flops is inside the measured range")
 
     def peak(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype`` (a torch dtype or its name); the float32 peak when
@@ -138,8 +189,11 @@ class DeviceSpec:
     def compute_time(self, flops: float, bytes_moved: float, dtype: Any) -> float:
         """Roofline time of one op on one device, in seconds.
 
-        ``max(flops / peak(dtype), bytes_moved / memory_bandwidth)`` (Williams et al., CACM
-        2009). Both counts are for the local shard on one device.
+        ``max(flops / rate, bytes_moved / memory_bandwidth)`` (Williams et al., CACM
+        2009), ``rate`` the matmul rate at that size (:meth:`matmul_rate`: the dtype's peak
+        unless measured rates are given). Both counts are for the local shard on one
+        device; ``flops`` counts matmul-like work only (FlopCounterMode's ops), so an op
+        with ``flops > 0`` is a matmul, a convolution or an attention.
 
         Args:
             flops: floating-point operations (a multiply-add counts 2), >= 0.
@@ -154,7 +208,8 @@ class DeviceSpec:
                 f"compute_time needs finite, non-negative counts, got flops({flops!r}) and "
                 f"bytes_moved({bytes_moved!r})"
             )
-        return max(flops / self.peak(dtype), bytes_moved / self.memory_bandwidth)
+        rate = self.matmul_rate(flops, dtype) if flops > 0 else 1.0
+        return max(flops / rate, bytes_moved / self.memory_bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins for the solution file: dtypes by name (``"bfloat16"``), SI units."""
@@ -163,6 +218,11 @@ class DeviceSpec:
             "peak_flops": dict(self.peak_flops),
             "memory_bandwidth_Bps": self.memory_bandwidth,
             "memory_bytes": self.memory_bytes,
+            **(
+                {"matmul_rates": {k: [list(p) for p in v] for k, v in self.matmul_rates.items()}}
+                if self.matmul_rates
+                else {}
+            ),
         }
 
     @classmethod
@@ -190,7 +250,11 @@ class DeviceSpec:
                     "name such as bfloat16"
                 )
             flops[str(dname)] = peak
-        return cls(name, flops, bandwidth, memory)
+        rates = {
+            str(k): tuple((float(f), float(r)) for f, r in v)
+            for k, v in dict(data.get("matmul_rates") or {}).items()
+        }
+        return cls(name, flops, bandwidth, memory, rates)
 
 
 def _table(bf16_fp16: float, tf32: float, fp8: float | None = None) -> dict[str, float]:
