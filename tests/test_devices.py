@@ -129,9 +129,10 @@ def test_dtype_names_are_torch_floating_dtypes() -> None:
 
 def test_a_measured_matmul_is_priced_at_the_time_it_was_measured() -> None:
     """Two sizes measured (calibrate's points): a matmul of a measured size costs what was
-    measured; between them the rate moves linearly in log(flops) (worked by hand: halfway
-    in log between 1e9 and 1e11 FLOPs is 1e10, the mean of the rates); outside them the
-    nearest measured rate holds; a dtype with no points runs at its peak."""
+    measured; between them the rate follows the power law through both (worked by hand:
+    1e10 FLOPs is halfway in log between 1e9 and 1e11, so its rate is the geometric mean
+    of 100 and 700 TFLOP/s, sqrt(70000) = 264.6); outside them the nearest measured rate
+    holds; a dtype with no points, or an op that is not a matmul, runs at the peak."""
     spec = DeviceSpec(
         "m",
         {torch.float32: 100e12, torch.bfloat16: 800e12},
@@ -142,7 +143,11 @@ def test_a_measured_matmul_is_priced_at_the_time_it_was_measured() -> None:
     # measured: 1e11 FLOPs in 1e11 / 700e12 s
     assert spec.compute_time(1e11, 0.0, torch.bfloat16) == pytest.approx(1e11 / 700e12)
     assert spec.compute_time(1e9, 0.0, torch.bfloat16) == pytest.approx(1e9 / 100e12)
-    assert spec.matmul_rate(1e10, torch.bfloat16) == pytest.approx(400e12)
+    assert spec.matmul_rate(1e10, torch.bfloat16) == pytest.approx(264.575e12, rel=1e-5)
+    # the time grows with the size between the points: 1e10 FLOPs take 37.8 us, between
+    # the 10 us of 1e9 and the 142.9 us of 1e11
+    assert spec.compute_time(1e10, 0.0, torch.bfloat16) == pytest.approx(37.796e-6, rel=1e-4)
+    assert spec.compute_time(1e10, 0.0, torch.bfloat16, matmul=False) == 1e10 / 800e12
     assert spec.matmul_rate(1e6, torch.bfloat16) == 100e12
     assert spec.matmul_rate(1e15, torch.bfloat16) == 700e12
     assert spec.matmul_rate(1e10, torch.float32) == 100e12  # no points: the peak

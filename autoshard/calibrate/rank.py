@@ -1,10 +1,11 @@
 """One rank of ``autoshard calibrate`` (``torchrun ... -m autoshard.calibrate ...``).
 
 Every rank times the same collectives on its groups of each mesh dim (all groups of a dim
-run at once, as in a training step), then a few matmuls and a copy; the times are the
-median over ``iters`` runs on each rank, then the largest over the ranks (the slowest
-group sets the pace). Rank 0 fits and writes the profile (:mod:`autoshard.calibrate`).
-NCCL and ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU otherwise.
+run at once, as in a training step), then matmuls of several sizes per dtype, causal
+attention, a copy and an elementwise add; the times are the median over ``iters`` runs on
+each rank, then the largest over the ranks (the slowest group sets the pace). Rank 0 fits
+and writes the profile (:mod:`autoshard.calibrate`). NCCL and ``cuda:LOCAL_RANK`` when
+CUDA is available, gloo on CPU otherwise.
 """
 
 from __future__ import annotations
@@ -68,23 +69,24 @@ def _timed_per_call(
     fn: Callable[[], object],
     sync: Callable[[], None],
     iters: int,
-    barrier: Callable[[], None],
+    device: torch.device,
     window: float = 2e-3,
 ) -> float:
     """Seconds of one call of ``fn`` when calls run back to back, as a training step's
     kernels do: each timed sample runs ``fn`` ``reps`` times between two synchronisations
     (``reps`` makes a sample last about ``window`` seconds, at most 200 calls), so the
     launch and synchronisation overhead of one sample, tens of microseconds on a GPU, is
-    not charged to a kernel of a few microseconds. The median sample over ``iters``,
-    divided by ``reps``."""
-    one = _timed(fn, sync, 1, 1, barrier)
+    not charged to a kernel of a few microseconds. ``reps`` comes from the slowest rank's
+    median of three single calls, so every rank runs the same number. The median sample
+    over ``iters``, divided by ``reps``, on this rank (the caller takes the slowest)."""
+    one = _slowest(_timed(fn, sync, 3, 1, dist.barrier), device)
     reps = max(1, min(200, int(window / max(one, 1e-9))))
 
     def repeated() -> None:
         for _ in range(reps):
             fn()
 
-    return _timed(repeated, sync, iters, 0, barrier) / reps
+    return _timed(repeated, sync, iters, 0, dist.barrier) / reps
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -136,15 +138,16 @@ def measure_links(
     return out
 
 
-# (m, n, k) of the matmuls timed on a GPU, per dtype. bfloat16, the dtype models train in,
-# gets a sweep: squares from 512 to 16384 (the efficiency of a GEMM by its size) and the four
-# GEMMs of a Llama-7B-shaped block on 8192 tokens (q/k/v/o, MLP up, MLP down, the LM head).
-GPU_MATMULS = {
-    "float32": [(4096, 4096, 4096), (8192, 8192, 8192)],
-    "float16": [(4096, 4096, 4096), (8192, 8192, 8192)],
-    "bfloat16": [(s, s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)]
-    + [(8192, 4096, 4096), (8192, 11008, 4096), (8192, 4096, 11008), (8192, 32000, 4096)],
-}
+# (m, n, k) of the matmuls timed on a GPU, the same for each dtype: squares from 512 to 16384
+# (the rate of a GEMM by its size) and the GEMMs of a Llama-7B-shaped model on 8192 tokens
+# (q/k/v/o, MLP up, MLP down, and its LM head).
+_GPU_SIZES = [(s, s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)] + [
+    (8192, 4096, 4096),
+    (8192, 11008, 4096),
+    (8192, 4096, 11008),
+    (8192, 32000, 4096),
+]
+GPU_MATMULS = {"bfloat16": _GPU_SIZES, "float16": _GPU_SIZES, "float32": _GPU_SIZES}
 CPU_MATMULS = {"float32": [(256, 256, 256), (512, 512, 512)]}
 # (batch, heads, seq, head_dim) of the causal attentions timed (bfloat16 on a GPU).
 GPU_ATTENTION = [(8, 32, 1024, 128), (4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)]
@@ -185,7 +188,7 @@ def _time_matmuls(
     for m, n, k in dims:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
-        t = _slowest(_timed_per_call(lambda a=a, b=b: a @ b, sync, iters, dist.barrier), device)
+        t = _slowest(_timed_per_call(lambda a=a, b=b: a @ b, sync, iters, device), device)
         rate = 2.0 * m * n * k / t
         matmuls.append({"dtype": name, "m": m, "n": n, "k": k, "seconds": t, "flops_per_s": rate})
         peak[name] = max(peak.get(name, 0.0), rate)
@@ -227,8 +230,8 @@ def measure_attention(
         shape = (b, h, s, d)
         flops_f = sdpa_flop_count(shape, shape, shape)
         counts = (flops_f, flops_f + sdpa_backward_flop_count(shape, shape, shape, shape))
-        t_f = _slowest(_timed_per_call(forward, sync, iters, dist.barrier), device)
-        t_fb = _slowest(_timed_per_call(forward_backward, sync, iters, dist.barrier), device)
+        t_f = _slowest(_timed_per_call(forward, sync, iters, device), device)
+        t_fb = _slowest(_timed_per_call(forward_backward, sync, iters, device), device)
         out.append(
             {
                 "dtype": str(dtype).removeprefix("torch."),
@@ -266,13 +269,13 @@ def measure_compute(
     attention = measure_attention(device, attention_dtype, attention_shapes, iters, sync)
     x = torch.ones(copy_bytes // 4, device=device)
     y = torch.empty_like(x)
-    t = _slowest(_timed_per_call(lambda x=x, y=y: y.copy_(x), sync, iters, dist.barrier), device)
+    t = _slowest(_timed_per_call(lambda x=x, y=y: y.copy_(x), sync, iters, device), device)
     del x, y
     a = torch.ones(copy_bytes // 2, device=device, dtype=torch.bfloat16)
     b = torch.ones_like(a)
     c = torch.empty_like(a)
     t_add = _slowest(
-        _timed_per_call(lambda a=a, b=b, c=c: torch.add(a, b, out=c), sync, iters, dist.barrier),
+        _timed_per_call(lambda a=a, b=b, c=c: torch.add(a, b, out=c), sync, iters, device),
         device,
     )
     del a, b, c

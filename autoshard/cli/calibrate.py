@@ -114,10 +114,13 @@ def print_profile(path: Path) -> None:
 
 def preset_of(device_name: str):
     """The preset :class:`~autoshard.cost.devices.DeviceSpec` whose name is in the measured
-    device's name (``"NVIDIA H100 80GB HBM3"`` -> ``h100``), else ``None``."""
+    device's name (``"NVIDIA H100 80GB HBM3"`` -> ``h100``), else ``None`` (also for the
+    PCIe and NVL parts, which have lower peaks than the SXM presets)."""
     from autoshard.cost.devices import DEVICES
 
     words = device_name.lower().replace("-", " ").split()
+    if "pcie" in words or "nvl" in words:
+        return None  # the presets are the SXM parts
     for key, spec in DEVICES.items():
         if key in words:
             return spec
@@ -148,11 +151,9 @@ def rate_lines(raw: dict) -> list[str]:
         shape = f"{a['batch']}x{a['heads']}x{a['seq']}x{a['head_dim']}"
         f, fb = a["flops_per_s_forward"], a["flops_per_s_forward_backward"]
         lines.append(
-            f"attention {a['dtype']} causal {shape}: forward {_tflops(f)}"
-            + of_peak(f, a["dtype"])
-            + f", forward+backward {_tflops(fb)}"
-            + of_peak(fb, a["dtype"])
-            + " (PyTorch's FLOP count)"
+            f"attention {a['dtype']} causal {shape}: forward {_tflops(f)}, forward+backward "
+            f"{_tflops(fb)} (PyTorch's count: the whole score matrix, which a causal kernel "
+            "half skips)"
         )
     if "elementwise_bandwidth_Bps" in compute:
         bw = compute["elementwise_bandwidth_Bps"]

@@ -6,6 +6,9 @@ Compute time of one op on one device is the roofline model (Williams, Waterman a
 
     t = max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth).
 
+A calibrated device (``autoshard calibrate``'s profile) replaces the peak of a matmul-like op
+by the rate measured for a matmul of its size (:meth:`DeviceSpec.matmul_rate`).
+
 Every number in :data:`DEVICES` is a vendor datasheet's peak for dense math (no structured
 sparsity: datasheets print the sparse figure, twice the dense one, with an asterisk).
 
@@ -161,10 +164,13 @@ class DeviceSpec:
     def matmul_rate(self, flops: float, dtype: Any) -> float:
         """FLOP/s of one matmul-like op of ``flops`` FLOPs in ``dtype``.
 
-        Without measured points for ``dtype``: :meth:`peak`. With them: the rate measured at
-        that size, interpolated linearly in ``log(flops)`` between the two nearest measured
-        sizes and held at the nearest end outside them (a GEMM's efficiency rises with its
-        size until the tensor cores are full: small matmuls are slower per FLOP).
+        Without measured points for ``dtype``: :meth:`peak`. With them: between two measured
+        sizes, the power law through them (``log rate`` linear in ``log flops``), so that
+        the time grows with the size wherever the measured times do; outside them, the
+        nearest measured rate. Small matmuls are slower per FLOP: a GEMM's tiles do not fill
+        the GPU, and below some size the host's per-call dispatch, not the GPU, sets the
+        time (on the H100 and H200 measured in tests/data, about 14 us per call for every
+        bfloat16 matmul up to 1024^3).
         """
         points = self.matmul_rates.get(_name(dtype))
         if not points:
@@ -177,7 +183,7 @@ class DeviceSpec:
         for (f0, r0), (f1, r1) in zip(points, points[1:], strict=False):
             if flops <= f1:
                 w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return r0 + w * (r1 - r0)
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
         raise AssertionError("unreachable: flops is inside the measured range")
 
     def peak(self, dtype: Any) -> float:
@@ -186,14 +192,17 @@ class DeviceSpec:
         flops = self.peak_flops
         return flops.get(_name(dtype), flops["float32"])
 
-    def compute_time(self, flops: float, bytes_moved: float, dtype: Any) -> float:
+    def compute_time(
+        self, flops: float, bytes_moved: float, dtype: Any, matmul: bool = True
+    ) -> float:
         """Roofline time of one op on one device, in seconds.
 
         ``max(flops / rate, bytes_moved / memory_bandwidth)`` (Williams et al., CACM
-        2009), ``rate`` the matmul rate at that size (:meth:`matmul_rate`: the dtype's peak
-        unless measured rates are given). Both counts are for the local shard on one
-        device; ``flops`` counts matmul-like work only (FlopCounterMode's ops), so an op
-        with ``flops > 0`` is a matmul, a convolution or an attention.
+        2009). For a matmul-like op (``matmul``: one whose FLOPs FlopCounterMode counts, a
+        matmul, convolution or attention) ``rate`` is :meth:`matmul_rate` at its size, the
+        dtype's peak unless measured rates are given; any other op's FLOPs (one per element,
+        an approximation) run at the peak, as its bytes set its time. Both counts are for
+        the local shard on one device.
 
         Args:
             flops: floating-point operations (a multiply-add counts 2), >= 0.
@@ -208,7 +217,9 @@ class DeviceSpec:
                 f"compute_time needs finite, non-negative counts, got flops({flops!r}) and "
                 f"bytes_moved({bytes_moved!r})"
             )
-        rate = self.matmul_rate(flops, dtype) if flops > 0 else 1.0
+        if flops == 0:
+            return bytes_moved / self.memory_bandwidth
+        rate = self.matmul_rate(flops, dtype) if matmul else self.peak(dtype)
         return max(flops / rate, bytes_moved / self.memory_bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,10 +261,16 @@ class DeviceSpec:
                     "name such as bfloat16"
                 )
             flops[str(dname)] = peak
-        rates = {
-            str(k): tuple((float(f), float(r)) for f, r in v)
-            for k, v in dict(data.get("matmul_rates") or {}).items()
-        }
+        try:
+            rates = {
+                str(k): tuple((float(f), float(r)) for f, r in v)
+                for k, v in dict(data.get("matmul_rates") or {}).items()
+            }
+        except (TypeError, ValueError):
+            raise AutoshardError(
+                f"device {name}: matmul_rates must map dtype names to [flops, flops_per_s] "
+                f"pairs, got {data.get('matmul_rates')!r}"
+            ) from None
         return cls(name, flops, bandwidth, memory, rates)
 
 

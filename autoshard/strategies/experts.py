@@ -130,13 +130,12 @@ def _exchanges(target, args, modes, mesh_shape) -> tuple[tuple[str, int, float],
     return (counts,) + tuple(("all_to_all", dim, float(n * rows * w * x.itemsize)) for w in widths)
 
 
-def experts_cost(
-    node, info, s: Strategy, mesh_shape, compute_time: Callable[[float, float, torch.dtype], float]
-) -> float:
+def experts_cost(node, info, s: Strategy, mesh_shape, compute_time: Callable[..., float]) -> float:
     """Roofline seconds of strategy ``s`` on one device: :func:`experts_flops` of its rows;
     bytes: its local inputs and outputs, and per row the dispatched token, the gate and up
     projections, the gated activation and the expert's output (three times over in the
-    backward, which recomputes)."""
+    backward, which recomputes). On a calibrated device the FLOPs run at the rate
+    measured for one matmul of that many FLOPs, optimistic for many small experts."""
     target = node.target
     modes = modes_of(target, s)
     rows = rows_per_device(target, info.args, modes, mesh_shape)

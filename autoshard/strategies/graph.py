@@ -50,7 +50,7 @@ from autoshard.strategies.sharing import build_shares, share_key
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
-from autoshard.trace.tracer import TensorInfo, TracedGraph, op_flops
+from autoshard.trace.tracer import TensorInfo, TracedGraph, counted_flops, op_flops
 
 aten = torch.ops.aten
 
@@ -353,7 +353,7 @@ def _out_meta(node: torch.fx.Node) -> Any:
 def build_strategy_graph(
     graph: TracedGraph,
     mesh_shape: Sequence[int],
-    compute_time: Callable[[float, float, torch.dtype], float],
+    compute_time: Callable[..., float],
     redistribute_cost: Callable[[Placements, Placements, tuple[int, ...], int], float],
     fixed_inputs: Placements | None = None,
     fixed_outputs: Placements | None = None,
@@ -369,7 +369,8 @@ def build_strategy_graph(
     Args:
         graph: the traced graph.
         mesh_shape: devices per mesh dim, e.g. ``(2, 4)``.
-        compute_time: ``(flops, bytes, dtype) -> seconds`` on one device (roofline).
+        compute_time: ``(flops, bytes, dtype, matmul) -> seconds`` on one device
+            (roofline; :meth:`~autoshard.cost.devices.DeviceSpec.compute_time`).
         redistribute_cost: ``(src, dst, global shape, itemsize) -> seconds``.
         fixed_inputs: when given, every user input must have these placements
             (e.g. all ``Replicate``); ``None`` lets the ILP choose.
@@ -796,17 +797,18 @@ def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
         TensorInfo(local_shape(r.shape, p, mesh_shape), r.dtype) if r is not None and p else r
         for r, p in zip(info.results, s.outputs + (None,) * len(info.results), strict=False)
     ]
-    flops = op_flops(node, args, results)
+    counted = counted_flops(node, args, results)
+    flops = counted if counted is not None else op_flops(node, args, results)
     nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
     dtype = next((r.dtype for r in results if r is not None), torch.float32)
-    return compute_time(flops, nbytes, dtype)
+    return compute_time(flops, nbytes, dtype, counted is not None)
 
 
 def adamw_step_time(
     t: TensorInfo,
     placements: Placements,
     mesh_shape: Sequence[int],
-    compute_time: Callable[[float, float, torch.dtype], float],
+    compute_time: Callable[..., float],
 ) -> float:
     """Seconds of one AdamW step on the shard of parameter ``t`` one device holds.
 
