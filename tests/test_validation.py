@@ -26,6 +26,7 @@ ROWS = {
     "llamalong4_bf16": ("tests/data/llama_long.py", "bf16-mixed"),
     "llama4_fp32": ("examples/llama.py", "fp32"),
     "gpt2_bf16": ("examples/gpt2.py", "bf16-mixed"),
+    "gpt2padded_bf16": ("tests/data/gpt2_padded.py", "bf16-mixed"),
     "gpt2_fp32": ("examples/gpt2.py", "fp32"),
 }
 MEASURED = sorted(
