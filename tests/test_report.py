@@ -120,6 +120,21 @@ def test_a_depth_reduced_model_s_last_block_planned_apart_is_reported_not_a_cras
         "(the two are equally fast here)"
     ], lines
 
+    # a swap that cannot be priced (a Shard into Partial edge costs math.inf) is said so,
+    # never "would add inf s" (seen on --mesh 1, where every placement is the whole tensor)
+    import math
+
+    import autoshard.cost.objective as objective
+
+    real = objective.evaluate
+    calls = iter([real, lambda sg, choice: math.inf])
+    monkeypatch.setattr(objective, "evaluate", lambda sg, choice: next(calls)(sg, choice))
+    lines = block_differences(planted)
+    assert lines == [
+        "block 5 planned unlike blocks 0-4: blocks 0-4' plan does not join this block's "
+        "neighbours here (no priced redistribution between them), so it cannot be compared"
+    ], lines
+
 
 def test_the_activation_table_shows_megatron_s_column_and_row_outputs(monkeypatch):
     """The activations of one block under the Megatron plan, as Shoeybi et al. 2019 (section

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -202,6 +203,7 @@ def block_differences(plan: Plan) -> list[str]:
             continue
         which = ("block " if len(blocks) == 1 else "blocks ") + format_ranges(blocks)
         others = ("block " if len(usual) == 1 else "blocks ") + format_ranges(usual)
+        of_others = others + ("'s" if len(usual) == 1 else "'")
         b = next((traced[k] for k in blocks if k in traced), None)
         twins = [u for u in usual if u in traced and traced[u] != b]
         if b is None or not twins:
@@ -221,13 +223,18 @@ def block_differences(plan: Plan) -> list[str]:
                 if want in ns.strategies:
                     choice[node] = ns.strategies.index(want)
         delta = evaluate(sg, choice) - base
-        if abs(delta) <= 1e-9 * max(base, 1e-12):
-            why = f"{others}' plan there would cost the same (the two are equally fast here)"
+        if not math.isfinite(delta):
+            why = (
+                f"{of_others} plan does not join this block's neighbours here (no priced "
+                "redistribution between them), so it cannot be compared"
+            )
+        elif abs(delta) <= 1e-9 * max(base, 1e-12):
+            why = f"{of_others} plan there would cost the same (the two are equally fast here)"
         elif delta > 0:
-            why = f"{others}' plan there would add {format_seconds(delta)} to the step"
+            why = f"{of_others} plan there would add {format_seconds(delta)} to the step"
         else:
             why = (
-                f"{others}' plan there would be {format_seconds(-delta)} faster: the solver "
+                f"{of_others} plan there would be {format_seconds(-delta)} faster: the solver "
                 "stopped within its gap, or the memory budget chose this"
             )
         lines.append(f"{which} planned unlike {others}: {why}")
