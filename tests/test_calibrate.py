@@ -91,6 +91,23 @@ def test_a_profile_prices_each_matmul_at_the_rate_measured_for_its_size():
     assert device.matmul_rate(2 * 512**3, "bfloat16") < 0.05 * max(bf16)
 
 
+def test_a_profile_prices_attention_at_the_seconds_measured_for_it():
+    """The H200 profile's causal attentions: the attention kernel's forward of a measured
+    size is priced at its measured forward seconds, its backward at the forward-plus-
+    backward run's seconds less the forward's (FLOPs likewise); a dtype with no attention
+    measured (float32) falls back to the matmul rates."""
+    path = ROOT / "tests/data/h200/profile.json"
+    raw = json.loads(path.read_text())
+    device = load_profile(path).device_spec()
+    for a in raw["compute"]["attention"]:
+        f, fb = a["flops_forward"], a["flops_forward_backward"]
+        t, tfb = a["seconds_forward"], a["seconds_forward_backward"]
+        assert device.compute_time(f, 0.0, "bfloat16", "attention_forward") == pytest.approx(t)
+        backward = device.compute_time(fb - f, 0.0, "bfloat16", "attention_backward")
+        assert backward == pytest.approx(tfb - t)
+    assert device.rate(1e12, "float32", "attention_forward") == device.matmul_rate(1e12, "float32")
+
+
 def test_a_file_that_is_not_a_profile_is_one_line(tmp_path: Path):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"format": "autoshard.sharding_map/2"}))
@@ -293,3 +310,37 @@ def test_profile_and_link_options_together_are_refused(tmp_path: Path):
     out = autoshard_cli("solve", mlp, "--mesh", "4", "--profile", str(profile), cwd=tmp_path)
     assert out.returncode != 0
     assert "was measured on mesh 2x2, not 4" in out.stderr
+
+
+def test_the_planner_prices_attention_at_the_profile_s_attention_rates(tmp_path: Path):
+    """A model of one causal SDPA on q, k, v of (2, 4, 256, 64), planned for inference on a
+    2x2 mesh with a profile whose attention runs at 1e9 FLOP/s (matmuls at 1e11): its
+    forward, 4 x 2 x 4 x 256^2 x 64 = 134,217,728 FLOPs (the whole score matrix), takes
+    134 ms whole; split 4 ways (batch and heads, nothing to communicate), a quarter of
+    that. Priced at the matmul rate it would be 100 times less."""
+    import torch
+
+    import autoshard
+
+    raw = json.loads(_write_profile(tmp_path / "p.json").read_text())
+    raw["compute"]["attention"] = [
+        {
+            "dtype": "float32",
+            "flops_forward": 1e6,
+            "seconds_forward": 1e-3,
+            "flops_forward_backward": 3.5e6,
+            "seconds_forward_backward": 3.5e-3,
+        }
+    ]
+    profile = tmp_path / "attention.json"
+    profile.write_text(json.dumps(raw))
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.empty(2, 4, 256, 64, device="meta")
+    result = autoshard.solve(Attention(), (q, q, q), mesh="2x2", mode="infer", profile=profile)
+    flops = 4 * 2 * 4 * 256**2 * 64
+    assert result.plan.step_flops == flops
+    assert result.plan.compute_s == pytest.approx(flops / 1e9 / 4, rel=1e-3)

@@ -147,7 +147,7 @@ def test_a_measured_matmul_is_priced_at_the_time_it_was_measured() -> None:
     # the time grows with the size between the points: 1e10 FLOPs take 37.8 us, between
     # the 10 us of 1e9 and the 142.9 us of 1e11
     assert spec.compute_time(1e10, 0.0, torch.bfloat16) == pytest.approx(37.796e-6, rel=1e-4)
-    assert spec.compute_time(1e10, 0.0, torch.bfloat16, matmul=False) == 1e10 / 800e12
+    assert spec.compute_time(1e10, 0.0, torch.bfloat16, kind="other") == 1e10 / 800e12
     assert spec.matmul_rate(1e6, torch.bfloat16) == 100e12
     assert spec.matmul_rate(1e15, torch.bfloat16) == 700e12
     assert spec.matmul_rate(1e10, torch.float32) == 100e12  # no points: the peak

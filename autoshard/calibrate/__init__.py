@@ -119,6 +119,12 @@ class Profile:
     memory_bandwidth: float
     memory_bytes: int
     matmul_rates: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    attention_forward_rates: dict[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=dict
+    )
+    attention_backward_rates: dict[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=dict
+    )
 
     def mesh(self, shape: tuple[int, ...], dim_names: tuple[str, ...] | None = None) -> MeshSpec:
         """The :class:`MeshSpec` of ``shape`` with the profile's links.
@@ -149,6 +155,8 @@ class Profile:
             self.memory_bandwidth,
             self.memory_bytes,
             dict(self.matmul_rates),
+            dict(self.attention_forward_rates),
+            dict(self.attention_backward_rates),
         )
 
 
@@ -163,6 +171,36 @@ def matmul_rates(matmuls: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, 
     return {
         dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
         for dtype, sizes in by_size.items()
+    }
+
+
+def attention_rates(
+    attention: list[dict[str, Any]],
+) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
+    """A profile's timed attentions as :class:`DeviceSpec`'s ``attention_forward_rates``
+    and ``attention_backward_rates``: per dtype, ``(flops, flops / seconds)`` of the forward,
+    and of the backward alone (the forward-plus-backward run less the forward: its FLOPs
+    and its seconds). Sizes of equal FLOPs give the mean of their rates; a backward that
+    timed no slower than its forward (noise) gives no point."""
+    forward: dict[str, dict[float, list[float]]] = {}
+    backward: dict[str, dict[float, list[float]]] = {}
+    for a in attention:
+        f, t = float(a["flops_forward"]), float(a["seconds_forward"])
+        forward.setdefault(a["dtype"], {}).setdefault(f, []).append(f / t)
+        fb = float(a["flops_forward_backward"]) - f
+        tb = float(a["seconds_forward_backward"]) - t
+        if tb > 0:
+            backward.setdefault(a["dtype"], {}).setdefault(fb, []).append(fb / tb)
+
+    def curves(by: dict[str, dict[float, list[float]]]) -> dict:
+        return {
+            dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
+            for dtype, sizes in by.items()
+        }
+
+    return {
+        "attention_forward_rates": curves(forward),
+        "attention_backward_rates": curves(backward),
     }
 
 
@@ -209,6 +247,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             memory_bandwidth=float(c["memory_bandwidth_Bps"]),
             memory_bytes=int(c["memory_bytes"]),
             matmul_rates=matmul_rates(c.get("matmuls", [])),
+            **attention_rates(c.get("attention", [])),
         )
     except (KeyError, TypeError) as exc:
         raise AutoshardError(f"profile {p} lacks field {exc}: calibrate again") from None

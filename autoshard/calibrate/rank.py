@@ -207,8 +207,10 @@ def measure_attention(
     backward. ``flops_forward`` and ``flops_forward_backward`` are PyTorch's own counts
     (``torch.utils.flop_counter.sdpa_flop_count`` and ``sdpa_backward_flop_count``, which
     :class:`~torch.utils.flop_counter.FlopCounterMode` uses for every SDPA kernel, and the
-    cost model's count: the whole ``seq x seq`` score matrix, causal or not), so
-    ``flops / seconds`` is the rate the roofline must use for attention to come out right."""
+    cost model's count: the whole ``seq x seq`` score matrix, causal or not). A causal
+    kernel skips half that matrix, so ``flops / seconds`` can exceed the datasheet peak. A
+    profile prices the attention kernel's forward and backward at these rates
+    (:func:`autoshard.calibrate.attention_rates`)."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 

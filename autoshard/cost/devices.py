@@ -91,6 +91,10 @@ class DeviceSpec:
             (``2 m n k``) and ``flops_per_s`` the rate it reached (``autoshard calibrate``
             writes them). Empty (the presets) means every matmul runs at :attr:`peak_flops`.
             See :meth:`matmul_rate`.
+        attention_forward_rates, attention_backward_rates: the same for the attention
+            kernel (FlashAttention's forward, and its backward alone), ``flops`` as PyTorch
+            counts them (the whole score matrix, causal or not). A dtype with no points
+            prices attention by :meth:`matmul_rate`.
 
     Raises:
         AutoshardError: from ``__post_init__`` when a number is missing, zero, negative or not
@@ -102,6 +106,12 @@ class DeviceSpec:
     memory_bandwidth: float
     memory_bytes: int
     matmul_rates: dict[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=dict, hash=False
+    )
+    attention_forward_rates: dict[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=dict, hash=False
+    )
+    attention_backward_rates: dict[str, tuple[tuple[float, float], ...]] = field(
         default_factory=dict, hash=False
     )
 
@@ -142,24 +152,35 @@ class DeviceSpec:
         self._check_rates()
 
     def _check_rates(self) -> None:
-        rates: dict[str, tuple[tuple[float, float], ...]] = {}
-        for dtype, points in dict(self.matmul_rates).items():
-            name = dtype_name(dtype)
-            pts = sorted((float(f), float(r)) for f, r in points)
-            if not pts or any(
-                not (math.isfinite(f) and math.isfinite(r) and f > 0 and r > 0) for f, r in pts
-            ):
-                raise AutoshardError(
-                    f"device {self.name}: matmul_rates[torch.{name}] needs (flops, flops_per_s) "
-                    f"points, both positive and finite, got {points!r}"
-                )
-            if len({f for f, _ in pts}) != len(pts):
-                raise AutoshardError(
-                    f"device {self.name}: matmul_rates[torch.{name}] gives two rates for one "
-                    "size; average them first"
-                )
-            rates[name] = tuple(pts)
-        object.__setattr__(self, "matmul_rates", rates)
+        for kind in RATE_KINDS.values():
+            rates: dict[str, tuple[tuple[float, float], ...]] = {}
+            for dtype, points in dict(getattr(self, kind)).items():
+                name = dtype_name(dtype)
+                pts = sorted((float(f), float(r)) for f, r in points)
+                if not pts or any(
+                    not (math.isfinite(f) and math.isfinite(r) and f > 0 and r > 0) for f, r in pts
+                ):
+                    raise AutoshardError(
+                        f"device {self.name}: {kind}[torch.{name}] needs (flops, flops_per_s) "
+                        f"points, both positive and finite, got {points!r}"
+                    )
+                if len({f for f, _ in pts}) != len(pts):
+                    raise AutoshardError(
+                        f"device {self.name}: {kind}[torch.{name}] gives two rates for one "
+                        "size; average them first"
+                    )
+                rates[name] = tuple(pts)
+            object.__setattr__(self, kind, rates)
+
+    def rate(self, flops: float, dtype: Any, kind: str = "matmul") -> float:
+        """FLOP/s of one op of ``kind`` (``"matmul"``, ``"attention_forward"``,
+        ``"attention_backward"``) and ``flops`` FLOPs: measured points of that kind by
+        :func:`_interpolate`, else :meth:`matmul_rate` (else the peak)."""
+        if kind != "matmul":
+            points = getattr(self, RATE_KINDS[kind]).get(_name(dtype))
+            if points:
+                return _interpolate(points, flops)
+        return self.matmul_rate(flops, dtype)
 
     def matmul_rate(self, flops: float, dtype: Any) -> float:
         """FLOP/s of one matmul-like op of ``flops`` FLOPs in ``dtype``.
@@ -173,18 +194,7 @@ class DeviceSpec:
         bfloat16 matmul up to 1024^3).
         """
         points = self.matmul_rates.get(_name(dtype))
-        if not points:
-            return self.peak(dtype)
-        if flops <= points[0][0]:
-            return points[0][1]
-        if flops >= points[-1][0]:
-            return points[-1][1]
-        x = math.log(flops)
-        for (f0, r0), (f1, r1) in zip(points, points[1:], strict=False):
-            if flops <= f1:
-                w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
-        raise AssertionError("unreachable: flops is inside the measured range")
+        return _interpolate(points, flops) if points else self.peak(dtype)
 
     def peak(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype`` (a torch dtype or its name); the float32 peak when
@@ -193,16 +203,17 @@ class DeviceSpec:
         return flops.get(_name(dtype), flops["float32"])
 
     def compute_time(
-        self, flops: float, bytes_moved: float, dtype: Any, matmul: bool = True
+        self, flops: float, bytes_moved: float, dtype: Any, kind: str = "matmul"
     ) -> float:
         """Roofline time of one op on one device, in seconds.
 
         ``max(flops / rate, bytes_moved / memory_bandwidth)`` (Williams et al., CACM
-        2009). For a matmul-like op (``matmul``: one whose FLOPs FlopCounterMode counts, a
-        matmul, convolution or attention) ``rate`` is :meth:`matmul_rate` at its size, the
-        dtype's peak unless measured rates are given; any other op's FLOPs (one per element,
-        an approximation) run at the peak, as its bytes set its time. Both counts are for
-        the local shard on one device.
+        2009). For a matmul-like op (one whose FLOPs FlopCounterMode counts: ``kind``
+        ``"matmul"`` for a matmul or convolution, ``"attention_forward"`` or
+        ``"attention_backward"`` for the attention kernel) ``rate`` is :meth:`rate` at its
+        size, the dtype's peak unless measured rates are given; any other op's FLOPs
+        (``kind="other"``: one per element, an approximation) run at the peak, as its bytes
+        set its time. Both counts are for the local shard on one device.
 
         Args:
             flops: floating-point operations (a multiply-add counts 2), >= 0.
@@ -219,7 +230,7 @@ class DeviceSpec:
             )
         if flops == 0:
             return bytes_moved / self.memory_bandwidth
-        rate = self.matmul_rate(flops, dtype) if matmul else self.peak(dtype)
+        rate = self.peak(dtype) if kind == "other" else self.rate(flops, dtype, kind)
         return max(flops / rate, bytes_moved / self.memory_bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,11 +240,11 @@ class DeviceSpec:
             "peak_flops": dict(self.peak_flops),
             "memory_bandwidth_Bps": self.memory_bandwidth,
             "memory_bytes": self.memory_bytes,
-            **(
-                {"matmul_rates": {k: [list(p) for p in v] for k, v in self.matmul_rates.items()}}
-                if self.matmul_rates
-                else {}
-            ),
+            **{
+                kind: {k: [list(p) for p in v] for k, v in getattr(self, kind).items()}
+                for kind in RATE_KINDS.values()
+                if getattr(self, kind)
+            },
         }
 
     @classmethod
@@ -261,17 +272,43 @@ class DeviceSpec:
                     "name such as bfloat16"
                 )
             flops[str(dname)] = peak
-        try:
-            rates = {
-                str(k): tuple((float(f), float(r)) for f, r in v)
-                for k, v in dict(data.get("matmul_rates") or {}).items()
-            }
-        except (TypeError, ValueError):
-            raise AutoshardError(
-                f"device {name}: matmul_rates must map dtype names to [flops, flops_per_s] "
-                f"pairs, got {data.get('matmul_rates')!r}"
-            ) from None
-        return cls(name, flops, bandwidth, memory, rates)
+        rates = {}
+        for kind in RATE_KINDS.values():
+            try:
+                rates[kind] = {
+                    str(k): tuple((float(f), float(r)) for f, r in v)
+                    for k, v in dict(data.get(kind) or {}).items()
+                }
+            except (TypeError, ValueError):
+                raise AutoshardError(
+                    f"device {name}: {kind} must map dtype names to [flops, flops_per_s] "
+                    f"pairs, got {data.get(kind)!r}"
+                ) from None
+        return cls(name, flops, bandwidth, memory, **rates)
+
+
+RATE_KINDS = {
+    "matmul": "matmul_rates",
+    "attention_forward": "attention_forward_rates",
+    "attention_backward": "attention_backward_rates",
+}
+"""An op kind of :meth:`DeviceSpec.compute_time` -> the field of its measured rates."""
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], flops: float) -> float:
+    """The rate at ``flops`` on measured ``(flops, flops_per_s)`` points (sorted): the power
+    law through the two nearest points between them (``log rate`` linear in ``log flops``),
+    the nearest point's rate outside them."""
+    if flops <= points[0][0]:
+        return points[0][1]
+    if flops >= points[-1][0]:
+        return points[-1][1]
+    x = math.log(flops)
+    for (f0, r0), (f1, r1) in zip(points, points[1:], strict=False):
+        if flops <= f1:
+            w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+    raise AssertionError("unreachable: flops is inside the measured range")
 
 
 def _table(bf16_fp16: float, tf32: float, fp8: float | None = None) -> dict[str, float]:

@@ -369,7 +369,7 @@ def build_strategy_graph(
     Args:
         graph: the traced graph.
         mesh_shape: devices per mesh dim, e.g. ``(2, 4)``.
-        compute_time: ``(flops, bytes, dtype, matmul) -> seconds`` on one device
+        compute_time: ``(flops, bytes, dtype, kind) -> seconds`` on one device
             (roofline; :meth:`~autoshard.cost.devices.DeviceSpec.compute_time`).
         redistribute_cost: ``(src, dst, global shape, itemsize) -> seconds``.
         fixed_inputs: when given, every user input must have these placements
@@ -801,7 +801,13 @@ def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
     flops = counted if counted is not None else op_flops(node, args, results)
     nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
     dtype = next((r.dtype for r in results if r is not None), torch.float32)
-    return compute_time(flops, nbytes, dtype, counted is not None)
+    if counted is None:
+        kind = "other"
+    elif node.target in FLASH_OPS:
+        kind = "attention_backward" if node.target is FLASH_BACKWARD else "attention_forward"
+    else:
+        kind = "matmul"
+    return compute_time(flops, nbytes, dtype, kind)
 
 
 def adamw_step_time(
