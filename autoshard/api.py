@@ -113,7 +113,9 @@ class PlanOptions:
             placement pay one resharding (``--share-reshardings``; docs/cost-model.md).
         profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
             links and device replace the datasheet's (``mesh`` must then be the shape it
-            was measured on, given as a string, and ``device`` is not read).
+            was measured on, given as a string, and ``device`` is not read). A profile of
+            one device (``calibrate --mesh 1``) replaces the device only, on any mesh and
+            with ``gpus=``.
     """
 
     mode: str = "train"
@@ -189,11 +191,13 @@ def solve(
 
     Raises:
         AutoshardError: bad inputs, an untraceable model, no plan within the budget, both
-            ``mesh`` and ``gpus`` (or ``gpus`` with ``profile``), an unknown space.
+            ``mesh`` and ``gpus`` (or ``gpus`` with a profile of several devices), an
+            unknown space.
         TypeError: an unknown keyword.
     """
     opts = _options("solve", options, keywords)
-    if gpus is not None and (mesh is not None or opts.profile is not None):
+    links_profile = opts.profile is not None and not load_profile(opts.profile).device_only
+    if gpus is not None and (mesh is not None or links_profile):
         given = "mesh" if mesh is not None else "profile"
         raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
     config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
@@ -209,12 +213,16 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
     """The :class:`SolveConfig` of a module built in Python (what :func:`solve` takes)."""
     loaded = loaded_from_module(model, example_inputs, opts.name, opts.loss_fn)
     if opts.profile is not None:
-        if not isinstance(mesh, str):
+        measured = load_profile(opts.profile)
+        chip = measured.device_spec()
+        if measured.device_only:  # one device measured: its rates, the mesh's own links
+            spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
+        elif not isinstance(mesh, str):
             raise AutoshardError(
                 'with profile=, give mesh as its shape ("2x4"): the profile sets the links'
             )
-        measured = load_profile(opts.profile)
-        spec, chip = measured.mesh(parse_mesh_shape(mesh)), measured.device_spec()
+        else:
+            spec = measured.mesh(parse_mesh_shape(mesh))
     else:
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.from_options(mesh)
         chip = get_device(opts.device)

@@ -344,3 +344,48 @@ def test_the_planner_prices_attention_at_the_profile_s_attention_rates(tmp_path:
     flops = 4 * 2 * 4 * 256**2 * 64
     assert result.plan.step_flops == flops
     assert result.plan.compute_s == pytest.approx(flops / 1e9 / 4, rel=1e-3)
+
+
+def test_a_one_device_profile_prices_the_device_on_any_mesh(tmp_path: Path):
+    """A profile of one GPU (``calibrate --mesh 1``: no links) sets the device only: the
+    Python API plans a 2x2 mesh with it, the links the mesh's own (the datasheet's
+    defaults; here the ones given), the compute the profile's (the 256x256 MLP of the test
+    above: 21 us whole at the profile's 1e11 FLOP/s, a quarter split 4 ways). The command
+    line takes it with --mesh and refuses --device beside it."""
+    import torch
+
+    import autoshard
+    from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW
+
+    raw = json.loads(_write_profile(tmp_path / "p.json").read_text())
+    raw["mesh"] = {"shape": [1], "dim_names": ["d0"]}
+    raw["links"] = [{"dim": 0, "name": "d0", "size": 1, "samples": [], "latency_s": None}]
+    profile = tmp_path / "one.json"
+    profile.write_text(json.dumps(raw))
+    assert load_profile(profile).device_only and not load_profile(tmp_path / "p.json").device_only
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False)
+        )
+    x = torch.empty(8, 256, device="meta")
+    result = autoshard.solve(model, x, mesh="2x2", mode="infer", profile=profile)
+    assert result.config.device.name == "calibrated"
+    assert result.config.mesh == MeshSpec.from_options("2x2")
+    assert result.plan.compute_s == pytest.approx(2 * 2 * 8 * 256 * 256 / 1e11 / 4, rel=1e-3)
+
+    args = ["solve", str(ROOT / "examples/mlp.py"), "--mesh", "2x4", "--mode", "infer"]
+    args += ["--out", str(tmp_path / "s"), "--profile", str(profile)]
+    out = autoshard_cli(*args, "--json", "-q", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    solved = json.loads(out.stdout)
+    assert solved["device"] == "calibrated"
+    assert solved["mesh"]["bandwidth_Bps"][1] == DEFAULT_INTRA_NODE_BW
+    refused = autoshard_cli(*args, "--device", "h200", cwd=tmp_path)
+    assert refused.returncode != 0
+    assert "--profile sets the device; drop --device" in refused.stderr
+    gpus = ["solve", str(ROOT / "examples/mlp.py"), "--gpus", "4", "--gpus-per-node", "2"]
+    gpus += ["--mode", "infer", "--out", str(tmp_path / "g"), "--profile", str(profile)]
+    out = autoshard_cli(*gpus, "--json", "-q", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["device"] == "calibrated"

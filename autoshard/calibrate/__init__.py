@@ -126,6 +126,12 @@ class Profile:
         default_factory=dict
     )
 
+    @property
+    def device_only(self) -> bool:
+        """Measured on one device (``--mesh 1``): no links, only the device's rates, which
+        hold on any mesh of that device (the links then come from the link options)."""
+        return all(link is None for link in self.links)
+
     def mesh(self, shape: tuple[int, ...], dim_names: tuple[str, ...] | None = None) -> MeshSpec:
         """The :class:`MeshSpec` of ``shape`` with the profile's links.
 

@@ -104,8 +104,9 @@ def mesh_options(f=None, *, mesh_required: bool = True):
             default=None,
             metavar="FILE",
             help="A profile from `autoshard calibrate`: measured latency and bandwidth per "
-            "mesh dim, achieved FLOP/s and memory bandwidth, in place of the link options "
-            "and --device.",
+            "mesh dim, matmul and attention rates by size and memory bandwidth, in place of "
+            "the link options and --device. A profile of one GPU (calibrate --mesh 1) "
+            "replaces --device only, on any mesh (and with --gpus).",
         ),
     ]
     for opt in reversed(options):
@@ -291,29 +292,34 @@ MESH_LINK_KEYS = _MESH_KEYS[2:]
 def mesh_and_device(opts: dict) -> tuple[MeshSpec, DeviceSpec]:
     """The mesh and the device of the mesh options (click's keyword names): from
     ``--profile`` when given (:mod:`autoshard.calibrate`), else from the link options and
-    ``--device``.
+    ``--device``. A profile of one device (``calibrate --mesh 1``) sets the device only:
+    it holds on any mesh, whose links come from the link options.
 
     Raises:
-        AutoshardError: a bad mesh or profile, a profile measured on another mesh, or a
-            link option or ``--device`` given beside ``--profile`` (which sets them).
+        AutoshardError: a bad mesh or profile, a profile measured on another mesh (unless
+            on one device), or a link option or ``--device`` given beside ``--profile``
+            (which sets them; a one-device profile sets only the device).
     """
     path = opts.get("profile_path")
     if path is None:
         return mesh_from_options(*(opts[k] for k in _MESH_KEYS)), get_device(opts["device_name"])
     from autoshard.calibrate import load_profile
 
+    profile = load_profile(path)
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
+        # a profile of one device (calibrate --mesh 1) sets the device only
+        keys = ("device_name",) if profile.device_only else (*_MESH_KEYS[2:], "device_name")
         given = [
             "--" + k.replace("_", "-").removesuffix("-name")
-            for k in (*_MESH_KEYS[2:], "device_name")
+            for k in keys
             if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE
         ]
         if given:
-            raise AutoshardError(
-                f"--profile sets the links and the device; drop {', '.join(given)}"
-            )
-    profile = load_profile(path)
+            sets = "the device" if profile.device_only else "the links and the device"
+            raise AutoshardError(f"--profile sets {sets}; drop {', '.join(given)}")
+    if profile.device_only:
+        return mesh_from_options(*(opts[k] for k in _MESH_KEYS)), profile.device_spec()
     names = opts["mesh_dim_names"].split(",") if opts.get("mesh_dim_names") else None
     return profile.mesh(parse_mesh_shape(opts["mesh_shape"]), names), profile.device_spec()
 

@@ -197,6 +197,16 @@ def _write_and_report(result, out_dir, stem, notes, console, html_path, as_json,
         _report(console, result, files, facts, notes, html_path, as_json, quiet)
 
 
+def _links_profile(path) -> bool:  # noqa: ANN001
+    """A ``--profile`` that sets links (measured on a mesh of several devices), which one
+    mesh shape only has: not for ``--gpus``. A one-device profile sets the device only."""
+    if path is None:
+        return False
+    from autoshard.calibrate import load_profile
+
+    return not load_profile(path).device_only
+
+
 def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: ANN001
     """The meshes ``--gpus`` stands for (empty without it); ``opts["mesh_shape"]`` is set
     to the 1-D mesh of ``gpus`` then, for the config's other options.
@@ -204,7 +214,7 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
     Raises:
         click.UsageError: neither --mesh nor --gpus.
         AutoshardError: --gpus with an option that plans one given mesh (--mesh, --algo,
-            --preload, --profile, --mesh-dim-names).
+            --preload, a --profile of several devices' links, --mesh-dim-names).
     """
     if gpus is None:
         if opts["mesh_shape"] is None:
@@ -218,7 +228,7 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
             ("--mesh", opts["mesh_shape"] is not None),
             ("--algo", algo != "ilp"),
             ("--preload", preload is not None),
-            ("--profile", opts.get("profile_path") is not None),
+            ("--profile", _links_profile(opts.get("profile_path"))),
             ("--mesh-dim-names", opts.get("mesh_dim_names") is not None),
         )
         if on
