@@ -158,6 +158,7 @@ def test_export_prices_a_mixed_precision_plan(tmp_path: Path):
     assert "(+0.0%:" in out.stderr, out.stderr
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 def test_export_prices_a_vocab_parallel_head(tmp_path: Path):
     """The Megatron map of the Llama with its LM head sharded by vocabulary on tp: a
     standalone column (its logits gathered for the loss), whose own ops the style shards

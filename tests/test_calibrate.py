@@ -346,6 +346,7 @@ def test_the_planner_prices_attention_at_the_profile_s_attention_rates(tmp_path:
     assert result.plan.compute_s == pytest.approx(flops / 1e9 / 4, rel=1e-3)
 
 
+@pytest.mark.slow  # over 5 s: the fast tier stays under 2 minutes
 def test_a_one_device_profile_prices_the_device_on_any_mesh(tmp_path: Path):
     """A profile of one GPU (``calibrate --mesh 1``: no links) sets the device only: the
     Python API plans a 2x2 mesh with it, the links the mesh's own (the datasheet's

@@ -369,6 +369,7 @@ def _blocks(params: dict, container: str) -> dict[int | None, dict]:
     return out
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 @pytest.mark.parametrize("mode", ["train", "infer"])
 @pytest.mark.parametrize("model, deeper", [("gpt2", 12), ("llama", 8)])
 def test_a_two_block_solution_preloads_onto_a_deeper_model(

@@ -49,6 +49,7 @@ def test_a_block_planted_unlike_the_others_is_named_with_what_it_costs(monkeypat
     assert f"would be {format_seconds(planted)} faster" in lines[0], lines[0]
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 def test_every_replicate_fallback_is_listed_with_the_time_it_carries(tmp_path):
     """Experts the fused op does not cover (here: an activation it does not know,
     ``gelu_new``) stay HuggingFace's grouped matmuls, which have no sharding rule. Under the

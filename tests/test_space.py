@@ -148,6 +148,7 @@ def test_every_point_exports_as_planned_and_torch_places_it_so(tmp_path: Path, n
         assert got == {k: tuple(v) for k, v in plan.parameters.items()}, point.name
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 def test_the_free_ilp_is_never_slower_than_the_space(tmp_path: Path):
     """The space is a subset of the free one: the ILP's plan of the small Llama on 2x4 is at
     most the space's best (within the ILP's gap), and `compare` shows both."""
@@ -162,6 +163,7 @@ def test_the_free_ilp_is_never_slower_than_the_space(tmp_path: Path):
     assert rows["ilp"].plan.step_time_s <= space.plan.step_time_s * (1 + gap) + 1e-12
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 def test_the_budget_picks_the_fastest_point_that_fits(tmp_path: Path):
     """Under a budget below the fastest point's memory the next fastest that fits wins; under
     one below every point's memory the error names the least; `full` checkpoints every

@@ -89,6 +89,7 @@ def _run(*args):
     return CliRunner().invoke(stages_command, [str(a) for a in args])
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 @pytest.mark.parametrize("pp, balance", [(2, [4, 4]), (4, [2, 2, 2, 2])])
 def test_identical_blocks_split_evenly(blocks_file, tmp_path, pp, balance):
     result = _run(
@@ -158,6 +159,7 @@ def blocks_graph(blocks_file):
     return config, trace(config)
 
 
+@pytest.mark.slow  # over 6 s: the fast tier stays under 2 minutes
 @pytest.mark.parametrize("mode", ["infer", "train"])
 def test_one_stage_is_the_whole_model_ilp(blocks_file, mode):
     """pp = 1: the only stage holds every node, receives and sends nothing, and with B = 1
@@ -309,6 +311,7 @@ def test_stage_memory_budget_shards_the_stage(blocks_file, tmp_path):
     assert "fits the memory budget of 1.00 MiB" in line and "fullest stage" in line
 
 
+@pytest.mark.slow  # over 5 s: the fast tier stays under 2 minutes
 def test_a_stage_hides_no_more_of_a_scaled_gradient_than_it_costs(blocks_file):
     """A stage's gradient reductions are priced at ``sync_scale`` of a step (one micro-batch
     of several); what may hide of each must be scaled alike, or the stage's ILP would be
