@@ -102,9 +102,14 @@ def test_a_profile_prices_attention_at_the_seconds_measured_for_it():
     for a in raw["compute"]["attention"]:
         f, fb = a["flops_forward"], a["flops_forward_backward"]
         t, tfb = a["seconds_forward"], a["seconds_forward_backward"]
-        assert device.compute_time(f, 0.0, "bfloat16", "attention_forward") == pytest.approx(t)
-        backward = device.compute_time(fb - f, 0.0, "bfloat16", "attention_backward")
+        per = a["batch"] * a["heads"]
+        forward = device.compute_time(f, 0.0, "bfloat16", "attention_forward", per=per)
+        assert forward == pytest.approx(t)
+        backward = device.compute_time(fb - f, 0.0, "bfloat16", "attention_backward", per=per)
         assert backward == pytest.approx(tfb - t)
+        # the same sequence length on twice the batch: twice the time, at the same rate
+        twice = device.compute_time(2 * f, 0.0, "bfloat16", "attention_forward", per=2 * per)
+        assert twice == pytest.approx(2 * t)
     assert device.rate(1e12, "float32", "attention_forward") == device.matmul_rate(1e12, "float32")
 
 
@@ -313,11 +318,17 @@ def test_profile_and_link_options_together_are_refused(tmp_path: Path):
 
 
 def test_the_planner_prices_attention_at_the_profile_s_attention_rates(tmp_path: Path):
-    """A model of one causal SDPA on q, k, v of (2, 4, 256, 64), planned for inference on a
-    2x2 mesh with a profile whose attention runs at 1e9 FLOP/s (matmuls at 1e11): its
-    forward, 4 x 2 x 4 x 256^2 x 64 = 134,217,728 FLOPs (the whole score matrix), takes
-    134 ms whole; split 4 ways (batch and heads, nothing to communicate), a quarter of
-    that. Priced at the matmul rate it would be 100 times less."""
+    """A model of one SDPA on q, k, v of (2, 4, 256, 64) (q scaled by a parameter, so that
+    it trains), planned on a 2x2 mesh with a profile whose causal attention runs its
+    forward at 1e9 FLOP/s and its backward at 1e8 (matmuls at the profile's 1e11 peak).
+    Split 4 ways (batch and heads, nothing to communicate):
+
+    - inference, causal: the forward's 4 x 2 x 4 x 256^2 x 64 = 134,217,728 FLOPs (the
+      whole score matrix) at 1e9, a quarter each: 33.6 ms;
+    - training, causal: that plus the backward's 2.5 times as many FLOPs at 1e8: 872 ms
+      (the scaling and the loss, a few microseconds, within the tolerance);
+    - inference, not causal: the measured rates are a causal kernel's, so it is priced as
+      a matmul of its FLOPs, at 1e11."""
     import torch
 
     import autoshard
@@ -326,24 +337,41 @@ def test_the_planner_prices_attention_at_the_profile_s_attention_rates(tmp_path:
     raw["compute"]["attention"] = [
         {
             "dtype": "float32",
+            "batch": 1,
+            "heads": 1,
+            "causal": True,
             "flops_forward": 1e6,
             "seconds_forward": 1e-3,
             "flops_forward_backward": 3.5e6,
-            "seconds_forward_backward": 3.5e-3,
+            "seconds_forward_backward": 1e-3 + 2.5e6 / 1e8,
         }
     ]
     profile = tmp_path / "attention.json"
     profile.write_text(json.dumps(raw))
 
     class Attention(torch.nn.Module):
+        def __init__(self, causal: bool):
+            super().__init__()
+            self.causal = causal
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
         def forward(self, q, k, v):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q * self.scale, k, v, is_causal=self.causal
+            )
 
     q = torch.empty(2, 4, 256, 64, device="meta")
-    result = autoshard.solve(Attention(), (q, q, q), mesh="2x2", mode="infer", profile=profile)
     flops = 4 * 2 * 4 * 256**2 * 64
-    assert result.plan.step_flops == flops
-    assert result.plan.compute_s == pytest.approx(flops / 1e9 / 4, rel=1e-3)
+
+    def compute(mode: str, causal: bool) -> float:
+        with torch.device("meta"):
+            model = Attention(causal)
+        result = autoshard.solve(model, (q, q, q), mesh="2x2", mode=mode, profile=profile)
+        return result.plan.compute_s
+
+    assert compute("infer", True) == pytest.approx(flops / 1e9 / 4, rel=1e-3)
+    assert compute("train", True) == pytest.approx((flops / 1e9 + 2.5 * flops / 1e8) / 4, rel=1e-3)
+    assert compute("infer", False) == pytest.approx(flops / 1e11 / 4, rel=1e-2)
 
 
 @pytest.mark.slow  # over 5 s: the fast tier stays under 2 minutes

@@ -183,20 +183,24 @@ def matmul_rates(matmuls: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, 
 def attention_rates(
     attention: list[dict[str, Any]],
 ) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
-    """A profile's timed attentions as :class:`DeviceSpec`'s ``attention_forward_rates``
-    and ``attention_backward_rates``: per dtype, ``(flops, flops / seconds)`` of the forward,
-    and of the backward alone (the forward-plus-backward run less the forward: its FLOPs
-    and its seconds). Sizes of equal FLOPs give the mean of their rates; a backward that
-    timed no slower than its forward (noise) gives no point."""
+    """A profile's timed causal attentions as :class:`DeviceSpec`'s
+    ``attention_forward_rates`` and ``attention_backward_rates``: per dtype,
+    ``(flops / (batch x heads), flops / seconds)`` of the forward, and of the backward alone
+    (the forward-plus-backward run less the forward: its FLOPs and its seconds). Keyed per
+    batch x head, a point stands for one sequence length. Points of equal key give the mean
+    of their rates; a backward that timed no slower than its forward (noise) gives none."""
     forward: dict[str, dict[float, list[float]]] = {}
     backward: dict[str, dict[float, list[float]]] = {}
     for a in attention:
+        if not a.get("causal", True):
+            continue  # the model prices causal, unmasked attention by these
+        per = float(a.get("batch", 1) * a.get("heads", 1))
         f, t = float(a["flops_forward"]), float(a["seconds_forward"])
-        forward.setdefault(a["dtype"], {}).setdefault(f, []).append(f / t)
+        forward.setdefault(a["dtype"], {}).setdefault(f / per, []).append(f / t)
         fb = float(a["flops_forward_backward"]) - f
         tb = float(a["seconds_forward_backward"]) - t
         if tb > 0:
-            backward.setdefault(a["dtype"], {}).setdefault(fb, []).append(fb / tb)
+            backward.setdefault(a["dtype"], {}).setdefault(fb / per, []).append(fb / tb)
 
     def curves(by: dict[str, dict[float, list[float]]]) -> dict:
         return {

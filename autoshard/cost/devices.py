@@ -6,8 +6,10 @@ Compute time of one op on one device is the roofline model (Williams, Waterman a
 
     t = max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth).
 
-A calibrated device (``autoshard calibrate``'s profile) replaces the peak of a matmul-like op
-by the rate measured for a matmul of its size (:meth:`DeviceSpec.matmul_rate`).
+A calibrated device (``autoshard calibrate``'s profile) replaces the peak of a matmul or
+convolution by the rate measured for a matmul of its size (:meth:`DeviceSpec.matmul_rate`),
+and that of a causal attention by the rate measured for attention of its sequence length
+(:meth:`DeviceSpec.rate`).
 
 Every number in :data:`DEVICES` is a vendor datasheet's peak for dense math (no structured
 sparsity: datasheets print the sparse figure, twice the dense one, with an asterisk).
@@ -91,10 +93,11 @@ class DeviceSpec:
             (``2 m n k``) and ``flops_per_s`` the rate it reached (``autoshard calibrate``
             writes them). Empty (the presets) means every matmul runs at :attr:`peak_flops`.
             See :meth:`matmul_rate`.
-        attention_forward_rates, attention_backward_rates: the same for the attention
-            kernel (FlashAttention's forward, and its backward alone), ``flops`` as PyTorch
-            counts them (the whole score matrix, causal or not). A dtype with no points
-            prices attention by :meth:`matmul_rate`.
+        attention_forward_rates, attention_backward_rates: the same for causal attention
+            with no mask (FlashAttention's forward, and its backward alone), ``flops`` as
+            PyTorch counts them (the whole score matrix, causal or not) per batch x head,
+            so that a point is the efficiency of one sequence length. A dtype with no
+            points prices attention by :meth:`matmul_rate`.
 
     Raises:
         AutoshardError: from ``__post_init__`` when a number is missing, zero, negative or not
@@ -172,15 +175,24 @@ class DeviceSpec:
                 rates[name] = tuple(pts)
             object.__setattr__(self, kind, rates)
 
-    def rate(self, flops: float, dtype: Any, kind: str = "matmul") -> float:
+    def rate(
+        self, flops: float, dtype: Any, kind: str = "matmul", total: float | None = None
+    ) -> float:
         """FLOP/s of one op of ``kind`` (``"matmul"``, ``"attention_forward"``,
-        ``"attention_backward"``) and ``flops`` FLOPs: measured points of that kind by
-        :func:`_interpolate`, else :meth:`matmul_rate` (else the peak)."""
+        ``"attention_backward"``): at ``flops`` on the measured points of that kind
+        (:func:`_interpolate`; attention's points are per batch x head), else
+        :meth:`matmul_rate` of its ``total`` FLOPs (``flops`` unless given), else the peak.
+
+        Raises:
+            AutoshardError: an unknown ``kind``.
+        """
+        if kind not in RATE_KINDS:
+            raise AutoshardError(f"unknown op kind {kind!r}: one of {', '.join(RATE_KINDS)}")
         if kind != "matmul":
             points = getattr(self, RATE_KINDS[kind]).get(_name(dtype))
             if points:
                 return _interpolate(points, flops)
-        return self.matmul_rate(flops, dtype)
+        return self.matmul_rate(flops if total is None else total, dtype)
 
     def matmul_rate(self, flops: float, dtype: Any) -> float:
         """FLOP/s of one matmul-like op of ``flops`` FLOPs in ``dtype``.
@@ -203,7 +215,12 @@ class DeviceSpec:
         return flops.get(_name(dtype), flops["float32"])
 
     def compute_time(
-        self, flops: float, bytes_moved: float, dtype: Any, kind: str = "matmul"
+        self,
+        flops: float,
+        bytes_moved: float,
+        dtype: Any,
+        kind: str = "matmul",
+        per: float = 1.0,
     ) -> float:
         """Roofline time of one op on one device, in seconds.
 
@@ -219,6 +236,10 @@ class DeviceSpec:
             flops: floating-point operations (a multiply-add counts 2), >= 0.
             bytes_moved: bytes read plus written in device memory, >= 0.
             dtype: the op's compute dtype; one missing from :attr:`peak_flops` uses float32's.
+            kind: ``"matmul"``, ``"attention_forward"``, ``"attention_backward"`` or
+                ``"other"``.
+            per: the attention's batch x heads: its rate is looked up at ``flops / per``,
+                the FLOPs of one head of one sequence (attention rates are kept per head).
 
         Raises:
             AutoshardError: a negative or non-finite count.
@@ -230,7 +251,12 @@ class DeviceSpec:
             )
         if flops == 0:
             return bytes_moved / self.memory_bandwidth
-        rate = self.peak(dtype) if kind == "other" else self.rate(flops, dtype, kind)
+        if kind == "other":
+            rate = self.peak(dtype)
+        elif kind == "matmul":
+            rate = self.matmul_rate(flops, dtype)
+        else:
+            rate = self.rate(flops / per, dtype, kind, total=flops)
         return max(flops / rate, bytes_moved / self.memory_bandwidth)
 
     def to_dict(self) -> dict[str, Any]:

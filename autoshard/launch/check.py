@@ -88,7 +88,8 @@ def report_time(
             f"note: the step took {ratio:.3g}x what the profile predicts; a profile measured "
             f"on other devices or another backend than this run's{on}, overlap the plan "
             "counts on that the backend does not do (gloo runs each collective to its end "
-            "before the next op), or per-op overhead on small ops may explain it"
+            "before the next op), links taken from the link options (a profile of one "
+            "device measures no links), or per-op overhead on small ops may explain it"
         )
     return ratio
 

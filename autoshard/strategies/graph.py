@@ -802,12 +802,23 @@ def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
     nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
     dtype = next((r.dtype for r in results if r is not None), torch.float32)
     if counted is None:
-        kind = "other"
-    elif node.target in FLASH_OPS:
+        return compute_time(flops, nbytes, dtype, "other")
+    if node.target in FLASH_OPS and _causal_unmasked(node):
+        # a calibrated attention rate is per batch x head (calibrate times causal attention
+        # on several (batch, heads, seq); its efficiency follows seq, not the batch)
         kind = "attention_backward" if node.target is FLASH_BACKWARD else "attention_forward"
-    else:
-        kind = "matmul"
-    return compute_time(flops, nbytes, dtype, kind)
+        q = args[1] if node.target is FLASH_BACKWARD else args[0]
+        return compute_time(flops, nbytes, dtype, kind, per=q.shape[0] * q.shape[1])
+    return compute_time(flops, nbytes, dtype, "matmul")
+
+
+def _causal_unmasked(node) -> bool:
+    """A flash attention node with ``is_causal`` and no ``attn_mask``: what calibrate
+    times (a bidirectional or masked attention does twice the causal kernel's work for the
+    same count, so it is priced as a matmul of its FLOPs)."""
+    i = 7 if node.target is FLASH_BACKWARD else 4
+    causal = node.args[i] if len(node.args) > i else node.kwargs.get("is_causal", False)
+    return bool(causal) and node.kwargs.get("attn_mask") is None
 
 
 def adamw_step_time(
