@@ -103,3 +103,34 @@ def test_the_datasheet_roofline_is_a_lower_bound_on_every_measured_step(
     predicted = _predicted(tmp_path, gpu, row, "--device", gpu)
     assert predicted["step_flops"] == pytest.approx(measured["flops"], rel=1e-8)
     assert predicted["time_s"]["step"] < measured["seconds"]["step"]
+
+
+@pytest.mark.slow
+def test_the_step_script_times_a_real_step_and_counts_what_autoshard_counts(tmp_path: Path):
+    """``scripts/measure_step.py`` (what measured the rows above) on this CPU, the MLP
+    example, one timed step: it writes every field the rows use, the phases add up to the
+    step, and the FLOPs FlopCounterMode counted while the real step ran equal autoshard's
+    count of the same training step."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "step.json"
+    args = [sys.executable, str(ROOT / "scripts/measure_step.py"), str(ROOT / "examples/mlp.py")]
+    args += ["--device", "cpu", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(out.read_text())
+    seconds = measured["seconds"]
+    assert seconds["step"] == pytest.approx(
+        seconds["forward"] + seconds["backward"] + seconds["optimizer"], rel=1e-6
+    )
+    assert measured["adamw"] == "fused" and measured["precision"] == "fp32"
+    predicted = _solve_mlp(tmp_path)
+    assert predicted["step_flops"] == measured["flops"]
+
+
+def _solve_mlp(tmp_path: Path) -> dict:
+    args = ["solve", "examples/mlp.py", "--mesh", "1", "--out", str(tmp_path / "s")]
+    out = autoshard_cli(*args, "--json", "-q")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
