@@ -44,4 +44,11 @@ def rank_command(plan: Path, model: Path, **run: Any) -> None:
         if rank == 0:
             click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    sys.exit(rc)
+    # The process group is destroyed and every file written: leave without the
+    # interpreter's finalization, where a collective backend's worker thread still alive
+    # can abort the process ("terminate called without an active exception", seen once
+    # on a loaded machine after a passing --check; pytorch/pytorch PR 179291 describes
+    # such finalization crashes of gloo's threads).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
