@@ -152,6 +152,9 @@ CPU_MATMULS = {"float32": [(256, 256, 256), (512, 512, 512)]}
 # (batch, heads, seq, head_dim) of the causal attentions timed (bfloat16 on a GPU).
 GPU_ATTENTION = [(8, 32, 1024, 128), (4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)]
 CPU_ATTENTION = [(1, 4, 256, 64)]
+# bfloat16 runs FlashAttention; float32 cannot, and runs the memory-efficient kernel,
+# several times slower (docs/validation.md): each dtype is priced by its own rates
+GPU_ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def measure_matmuls(
@@ -258,7 +261,7 @@ def measure_compute(
     device: torch.device,
     matmul_shapes: dict[str, list[tuple[int, int, int]]],
     attention_shapes: list[tuple[int, int, int, int]],
-    attention_dtype: torch.dtype,
+    attention_dtypes: tuple[torch.dtype, ...],
     copy_bytes: int,
     iters: int,
     sync: Callable[[], None],
@@ -268,7 +271,11 @@ def measure_compute(
     plus write) and of an elementwise add of two bfloat16 tensors of ``copy_bytes`` each
     (``3 copy_bytes / t``: two reads, one write)."""
     matmuls, peak = measure_matmuls(device, matmul_shapes, iters, sync)
-    attention = measure_attention(device, attention_dtype, attention_shapes, iters, sync)
+    attention = [
+        a
+        for dtype in attention_dtypes
+        for a in measure_attention(device, dtype, attention_shapes, iters, sync)
+    ]
     x = torch.ones(copy_bytes // 4, device=device)
     y = torch.empty_like(x)
     t = _slowest(_timed_per_call(lambda x=x, y=y: y.copy_(x), sync, iters, device), device)
@@ -324,11 +331,11 @@ def run_rank(
         links = measure_links(mesh, (min_bytes, max_bytes), iters, device, sync)
         if cuda:
             compute = measure_compute(
-                device, GPU_MATMULS, GPU_ATTENTION, torch.bfloat16, 1 << 30, iters, sync
+                device, GPU_MATMULS, GPU_ATTENTION, GPU_ATTENTION_DTYPES, 1 << 30, iters, sync
             )
         else:
             compute = measure_compute(
-                device, CPU_MATMULS, CPU_ATTENTION, torch.float32, 64 << 20, iters, sync
+                device, CPU_MATMULS, CPU_ATTENTION, (torch.float32,), 64 << 20, iters, sync
             )
         error = None
         if dist.get_rank() == 0:
