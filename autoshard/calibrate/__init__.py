@@ -174,9 +174,16 @@ def matmul_rates(matmuls: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, 
     for m in matmuls:
         flops = 2.0 * m["m"] * m["n"] * m["k"]
         by_size.setdefault(m["dtype"], {}).setdefault(flops, []).append(flops / m["seconds"])
+    return _mean_curves(by_size)
+
+
+def _mean_curves(
+    by: dict[str, dict[float, list[float]]],
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per dtype, ``(key, mean rate)`` points sorted by key, from the rates timed per key."""
     return {
         dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
-        for dtype, sizes in by_size.items()
+        for dtype, sizes in by.items()
     }
 
 
@@ -202,15 +209,9 @@ def attention_rates(
         if tb > 0:
             backward.setdefault(a["dtype"], {}).setdefault(fb / per, []).append(fb / tb)
 
-    def curves(by: dict[str, dict[float, list[float]]]) -> dict:
-        return {
-            dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
-            for dtype, sizes in by.items()
-        }
-
     return {
-        "attention_forward_rates": curves(forward),
-        "attention_backward_rates": curves(backward),
+        "attention_forward_rates": _mean_curves(forward),
+        "attention_backward_rates": _mean_curves(backward),
     }
 
 
