@@ -348,3 +348,44 @@ def test_an_lp_relaxation_stopped_at_its_iteration_limit_keeps_the_start():
     with pytest.raises(AutoshardError, match="stopped at 1 simplex iterations"):
         _search(sg, stopped, None, None)
     assert _search(sg, SolverOptions(), None, start).status in ("optimal", "within_gap")
+
+
+# ---- the overlap savings: straight to the full MIP (issue 29) ---------------------------------
+
+
+def test_with_overlap_the_full_mip_proves_the_optimum_the_fractional_lp_cannot(tmp_path):
+    """bf16-mixed training of a 2-layer MLP (2048 x 2048 -> 8192) on 4 devices: with the
+    overlap savings the LP relaxation is fractional, 2% under the optimum, so a plan can
+    only be proven by branch and bound. The search (straight to the full MIP) proves its
+    plan optimal; its objective is the plan's step time as the greedy fill prices it; and
+    no plan that changes the strategies of the four nodes with the most choices (1,296
+    plans, every other node as the search chose) is faster."""
+    import itertools
+
+    from helpers import write_mlp
+
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.solver.highs import run
+    from autoshard.solver.ilp import SCALE, _milp, build_problem
+    from autoshard.solver.solve import SolveConfig, strategies, trace
+
+    config = SolveConfig(
+        write_mlp(tmp_path, b=2048, d=2048, h=8192),
+        MeshSpec.from_options("4"),
+        precision="bf16-mixed",
+    )
+    sg = strategies(config, trace(config))
+    prob = build_problem(sg)
+    assert prob.overlap is not None
+    lp = run(_milp(prob, boolean=False))
+    xv = lp.x[: prob.n_x]
+    assert np.any((xv > 1e-6) & (xv < 1 - 1e-6)), "the LP must be fractional here"
+    result = solve(sg, SolverOptions(mip_gap=0.0))
+    assert result.status == "optimal" and result.gap <= 1e-9
+    assert result.objective_s == pytest.approx(evaluate(sg, result.choice), rel=1e-12)
+    assert lp.objective / SCALE < result.objective_s * (1 - 0.01)  # the LP is 2% under
+    widest = sorted(sg.reps, key=lambda r: -len(sg.nodes[r].strategies))[:4]
+    best = result.objective_s
+    for combo in itertools.product(*(range(len(sg.nodes[r].strategies)) for r in widest)):
+        choice = {**result.choice, **dict(zip(widest, combo, strict=True))}
+        assert evaluate(sg, choice) >= best * (1 - 1e-9), choice

@@ -206,4 +206,6 @@ def test_an_error_after_a_stop_of_no_limit_of_ours_does_not_blame_the_time_limit
     assert "--time-limit" not in _limit_words("stopped", options)
     assert "none of autoshard's limits" in _limit_words("stopped", options)
     assert _limit_words("time_limit", options) == "stopped at --time-limit 30 s; raise it"
-    assert "--work-limit 25" in _limit_words("work_limit", SolverOptions())
+    from autoshard.solver.options import WORK_LIMIT
+
+    assert f"--work-limit {WORK_LIMIT}" in _limit_words("work_limit", SolverOptions())
