@@ -200,3 +200,41 @@ def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_p
         if line.count("│") >= 3
     }
     assert rows["2x2"] == "network x node" and rows["4"] == "network", rows
+
+
+def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planned(
+    tmp_path: Path, monkeypatch
+):
+    """8 GPUs on one node: 2x2x2's program is many times 2x4's (each edge pairs up to 5^3
+    placements per side against 5^2). With the cap between the two sizes, the search
+    plans 8, 4x2 and 2x4, and 2x2x2's row says why it has no plan: its column count, which
+    is the count of the program ``build_problem`` builds, and the command that plans it."""
+    import autoshard.solver.meshes as searched
+    from autoshard.solver.ilp import build_problem, program_columns
+    from autoshard.solver.solve import strategies, trace
+
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("8"))
+    graph = trace(config)
+    sizes = {}
+    for shape in ((2, 4), (2, 2, 2)):
+        sg = strategies(replace(config, mesh=MeshSpec.on_nodes(shape, 8)), graph)
+        prob = build_problem(sg)
+        sizes[shape] = program_columns(sg)
+        assert sizes[shape] == prob.n_x + prob.n_y
+    assert sizes[(2, 2, 2)] > 2 * sizes[(2, 4)]
+    cap = (sizes[(2, 4)] + sizes[(2, 2, 2)]) // 2
+    meshes = [MeshSpec.on_nodes(s, 8) for s in node_shapes(8, 8)]
+    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
+    search = search_meshes(config, meshes)
+    rows = {r.mesh.shape: r for r in search.rows}
+    assert set(rows) == {(8,), (4, 2), (2, 4), (2, 2, 2)}
+    assert rows[(2, 2, 2)].result is None
+    assert rows[(2, 2, 2)].error == (
+        f"its ILP has {sizes[(2, 2, 2)]:,} columns, over the {cap:,} the mesh search solves; "
+        "plan it alone with --mesh 2x2x2"
+    )
+    assert all(rows[s].result is not None for s in ((8,), (4, 2), (2, 4)))
+    # --mesh plans it: no cap unless asked for
+    alone = plan_model(replace(config, mesh=MeshSpec.on_nodes((2, 2, 2), 8)), graph=graph)
+    assert alone.plan.step_time_s > 0

@@ -19,6 +19,7 @@ from autoshard.cli.options import (
     refuse_overwriting_preload,
 )
 from autoshard.errors import AutoshardError
+from autoshard.solver.options import MESH_SEARCH_COLUMNS
 
 
 @click.command("solve")
@@ -31,7 +32,9 @@ from autoshard.errors import AutoshardError
     metavar="N",
     help="In place of --mesh: try every mesh shape of N GPUs that respects the node boundary "
     "(1-3 dims; a dim inside a node or across nodes, never half of each), plan each, print "
-    "them ranked and write the fastest.",
+    "them ranked and write the fastest. A shape whose ILP has over "
+    f"{MESH_SEARCH_COLUMNS:,} columns (most 3-D meshes) is listed unsolved, with the --mesh "
+    "command that plans it alone.",
 )
 @click.option(
     "--gpus-per-node",

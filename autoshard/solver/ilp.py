@@ -284,6 +284,33 @@ def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps)
     )
 
 
+def program_columns(sg: StrategyGraph) -> int:
+    """The columns of ``sg``'s program before any is added for the overlap savings or the
+    checkpointing decision: one per strategy of each representative, one per possible
+    (produced, wanted) placement pair of each edge, one per shared resharding. The same
+    count as :func:`build_problem`'s ``n_x + n_y``, without building it."""
+    n_x = sum(len(sg.nodes[r].strategies) for r in sg.reps)
+    return n_x + sum(int(np.isfinite(e.cost).sum()) for e in sg.edges) + len(sg.shares)
+
+
+def check_size(sg: StrategyGraph, options: SolverOptions, mesh: Sequence[int]) -> None:
+    """Refuses a program over ``options.max_columns`` (:class:`SolverOptions`).
+
+    Raises:
+        AutoshardError: naming the count, the cap and how to plan the mesh alone.
+    """
+    cap = options.max_columns
+    if cap is None:
+        return
+    n = program_columns(sg)
+    if n > cap:
+        shape = "x".join(map(str, mesh))
+        raise AutoshardError(
+            f"its ILP has {n:,} columns, over the {cap:,} the mesh search "
+            f"solves; plan it alone with --mesh {shape}"
+        )
+
+
 def _node_blocks(sg: StrategyGraph) -> tuple[list[str], dict[str, int], np.ndarray]:
     reps = sg.reps
     offsets, pos = {}, 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
+from autoshard.solver.options import MESH_SEARCH_COLUMNS
 from autoshard.solver.solve import SolveConfig, SolveResult, trace
 from autoshard.solver.space import plan_space
 
@@ -86,6 +87,9 @@ def search_meshes(
     graph = trace(config, progress)
     trace_s = time.perf_counter() - t
     rows: list[MeshRow] = []
+    solver = config.solver
+    if solver.max_columns is None:  # one shape's program must not hold up the others
+        solver = replace(solver, max_columns=MESH_SEARCH_COLUMNS)
     for k, mesh in enumerate(meshes):
         if progress:
             progress("meshes", k, len(meshes))
@@ -96,7 +100,7 @@ def search_meshes(
 
         try:
             result = plan_space(
-                replace(config, mesh=mesh), space, inner if progress else None, graph
+                replace(config, mesh=mesh, solver=solver), space, inner if progress else None, graph
             )
         except AutoshardError as exc:  # this shape has no plan: its row says why
             rows.append(MeshRow(mesh, error=str(exc)))

@@ -27,6 +27,13 @@ LP_ITERATION_LIMIT = 200_000
 """Default simplex iterations per LP relaxation (HiGHS's ``simplex_iteration_limit``)."""
 
 
+MESH_SEARCH_COLUMNS = 1_000_000
+"""The most columns a program of ``--gpus``'s mesh search may have (its other shapes are
+still planned). A 3-D mesh is where this bites: the Llama shape at 2 layers, bf16-mixed,
+has 127,171 columns on 2x4 and 2,586,569 on 2x2x2, whose LP relaxation had not ended
+after 500 s (issue 29)."""
+
+
 @dataclass(frozen=True)
 class SolverOptions:
     """Options of the ILP search, validated once.
@@ -41,7 +48,10 @@ class SolverOptions:
     optimality gap accepted (0 = prove optimality; default 1%). ``lp_first``: solve the
     LP relaxation first; when it is integral it is the optimum, and when rounding it
     (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan is
-    returned with its gap; otherwise the MIP is solved.
+    returned with its gap; otherwise the MIP is solved. ``max_columns``: the most columns
+    (strategies plus edge transport variables) a program may have to be solved; a larger
+    one is refused before its search starts (None: no cap; the mesh search of ``--gpus``
+    sets :data:`MESH_SEARCH_COLUMNS`). Counted from the program, never timed.
 
     Raises:
         AutoshardError: a limit that is not positive, a gap outside ``[0, 1)``; the
@@ -54,6 +64,7 @@ class SolverOptions:
     lp_first: bool = True
     work_limit: int = WORK_LIMIT
     lp_iteration_limit: int = LP_ITERATION_LIMIT
+    max_columns: int | None = None
 
     def __post_init__(self) -> None:
         if self.time_limit_s is not None and not self.time_limit_s > 0:
@@ -65,6 +76,12 @@ class SolverOptions:
         if not (isinstance(self.work_limit, int) and self.work_limit > 0):
             raise AutoshardError(
                 f"--work-limit (work_limit) must be a positive whole number, got {self.work_limit}"
+            )
+        if self.max_columns is not None and not (
+            isinstance(self.max_columns, int) and self.max_columns > 0
+        ):
+            raise AutoshardError(
+                f"max_columns must be a positive whole number or None, got {self.max_columns}"
             )
         if not (isinstance(self.lp_iteration_limit, int) and self.lp_iteration_limit > 0):
             raise AutoshardError(

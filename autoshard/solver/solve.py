@@ -37,7 +37,7 @@ from autoshard.plan.export import output_stem, write_outputs
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.highs import HighsWork, tallying
-from autoshard.solver.ilp import ILPResult, solve
+from autoshard.solver.ilp import ILPResult, check_size, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import Placements, StrategyGraph, build_strategy_graph
 from autoshard.trace.tracer import TracedGraph, reduce_depth, trace_model
@@ -367,6 +367,7 @@ def plan_model(
         t = time.perf_counter()
         sg = strategies(config, graph, progress)
         seconds["strategies"] = time.perf_counter() - t
+    check_size(sg, config.solver, config.mesh.shape)  # before the hand plans' work
     if progress:
         progress("solve", 0, 1)
     t = time.perf_counter()
