@@ -210,7 +210,8 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
     plans 8, 4x2 and 2x4, and 2x2x2's row says why it has no plan: its column count, which
     is the count of the program ``build_problem`` builds, and the command that plans it."""
     import autoshard.solver.meshes as searched
-    from autoshard.solver.ilp import build_problem, program_columns
+    from autoshard.solver.ilp import build_problem, check_size, program_columns
+    from autoshard.solver.options import SolverOptions
     from autoshard.solver.solve import strategies, trace
 
     model = write_mlp(tmp_path, 64, 256, 1024)
@@ -235,6 +236,7 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
         "plan it alone with --mesh 2x2x2"
     )
     assert all(rows[s].result is not None for s in ((8,), (4, 2), (2, 4)))
-    # --mesh plans it: no cap unless asked for
-    alone = plan_model(replace(config, mesh=MeshSpec.on_nodes((2, 2, 2), 8)), graph=graph)
-    assert alone.plan.step_time_s > 0
+    # --mesh plans it: the options a solve of one mesh gets have no cap
+    check_size(sg, SolverOptions(), (2, 2, 2))
+    with pytest.raises(AutoshardError, match="plan it alone with --mesh 2x2x2"):
+        check_size(sg, SolverOptions(max_columns=cap), (2, 2, 2))
