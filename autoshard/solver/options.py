@@ -51,8 +51,9 @@ class SolverOptions:
     returned with its gap; otherwise the MIP is solved. A program with the overlap
     savings skips it (its LP is weak: :func:`autoshard.solver.ilp._search`).
     ``max_columns``: the most columns (strategies plus edge transport variables) a program
-    may have to be solved; a larger one is refused before its search starts (None: no cap; the mesh search of ``--gpus``
-    sets :data:`MESH_SEARCH_COLUMNS`). Counted from the program, never timed.
+    may have to be solved; a larger one is refused before its search starts (None: no
+    cap; the mesh search of ``--gpus`` sets :data:`MESH_SEARCH_COLUMNS`). Counted from
+    the program, never timed.
 
     Raises:
         AutoshardError: a limit that is not positive, a gap outside ``[0, 1)``; the
