@@ -353,7 +353,9 @@ def test_an_lp_relaxation_stopped_at_its_iteration_limit_keeps_the_start():
 # ---- the overlap savings: straight to the full MIP (issue 29) ---------------------------------
 
 
-def test_with_overlap_the_full_mip_proves_the_optimum_the_fractional_lp_cannot(tmp_path):
+def test_with_overlap_the_full_mip_proves_the_optimum_the_fractional_lp_cannot(
+    tmp_path, monkeypatch
+):
     """bf16-mixed training of a 2-layer MLP (2048 x 2048 -> 8192) on 4 devices: with the
     overlap savings the LP relaxation is fractional, 2% under the optimum, so a plan can
     only be proven by branch and bound. The search (straight to the full MIP) proves its
@@ -380,6 +382,15 @@ def test_with_overlap_the_full_mip_proves_the_optimum_the_fractional_lp_cannot(t
     lp = run(_milp(prob, boolean=False))
     xv = lp.x[: prob.n_x]
     assert np.any((xv > 1e-6) & (xv < 1 - 1e-6)), "the LP must be fractional here"
+    import autoshard.solver.ilp as ilp
+
+    lp_first = ilp._lp_first
+
+    def only_without_overlap(sg_, prob_, *args):
+        assert prob_.overlap is None, "LP first on a program with the overlap savings"
+        return lp_first(sg_, prob_, *args)  # the start solved without them
+
+    monkeypatch.setattr(ilp, "_lp_first", only_without_overlap)
     result = solve(sg, SolverOptions(mip_gap=0.0))
     assert result.status == "optimal" and result.gap <= 1e-9
     assert result.objective_s == pytest.approx(evaluate(sg, result.choice), rel=1e-12)

@@ -231,12 +231,13 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
     rows = {r.mesh.shape: r for r in search.rows}
     assert set(rows) == {(8,), (4, 2), (2, 4), (2, 2, 2)}
     assert rows[(2, 2, 2)].result is None
+    # the links the search laid 2x2x2 on: one node, so every dim at NVLink's
+    assert MeshSpec.on_nodes((2, 2, 2), 8).bandwidth == (INTRA,) * 3
     assert rows[(2, 2, 2)].error == (
-        f"its ILP has {sizes[(2, 2, 2)]:,} columns, over the {cap:,} the mesh search solves; "
-        "plan it alone with --mesh 2x2x2"
+        f"its ILP has {sizes[(2, 2, 2)]:,} columns, over the {cap:,} this search solves per "
+        "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2x2 with the "
+        "links it has here, per dim " + ", ".join(["450 GB/s and 5.00 us"] * 3)
     )
     assert all(rows[s].result is not None for s in ((8,), (4, 2), (2, 4)))
-    # --mesh plans it: the options a solve of one mesh gets have no cap
-    check_size(sg, SolverOptions(), (2, 2, 2))
-    with pytest.raises(AutoshardError, match="plan it alone with --mesh 2x2x2"):
-        check_size(sg, SolverOptions(max_columns=cap), (2, 2, 2))
+    # the options a solve of one mesh gets by default have no cap
+    check_size(sg, SolverOptions(), MeshSpec.on_nodes((2, 2, 2), 8))

@@ -33,8 +33,8 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     help="In place of --mesh: try every mesh shape of N GPUs that respects the node boundary "
     "(1-3 dims; a dim inside a node or across nodes, never half of each), plan each, print "
     "them ranked and write the fastest. A shape whose ILP has over "
-    f"{MESH_SEARCH_COLUMNS:,} columns (most 3-D meshes) is listed unsolved, with the --mesh "
-    "command that plans it alone.",
+    f"{MESH_SEARCH_COLUMNS:,} columns (a 3-D mesh, often) is listed unsolved, with its "
+    "column count.",
 )
 @click.option(
     "--gpus-per-node",

@@ -53,6 +53,7 @@ import scipy.sparse as sp
 
 from autoshard.cost.checkpointing import Columns, columns
 from autoshard.cost.liveness import local_bytes
+from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import overlappable, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError
@@ -61,7 +62,7 @@ from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import schedule
 from autoshard.strategies.sharing import rerun_refunded
-from autoshard.units import format_bytes
+from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 SCALE = 1e6  # the ILP's objective is in microseconds
 
@@ -293,21 +294,28 @@ def program_columns(sg: StrategyGraph) -> int:
     return n_x + sum(int(np.isfinite(e.cost).sum()) for e in sg.edges) + len(sg.shares)
 
 
-def check_size(sg: StrategyGraph, options: SolverOptions, mesh: Sequence[int]) -> None:
+def check_size(sg: StrategyGraph, options: SolverOptions, mesh: MeshSpec) -> None:
     """Refuses a program over ``options.max_columns`` (:class:`SolverOptions`).
 
     Raises:
-        AutoshardError: naming the count, the cap and how to plan the mesh alone.
+        AutoshardError: naming the count, the cap, and the links to give ``--mesh`` to
+            plan the mesh on its own (a mesh search lays a shape's dims on the cluster's
+            links, which ``--mesh``'s default of dim 0 across nodes may not match).
     """
     cap = options.max_columns
     if cap is None:
         return
     n = program_columns(sg)
     if n > cap:
-        shape = "x".join(map(str, mesh))
+        shape = "x".join(map(str, mesh.shape))
+        links = ", ".join(
+            f"{format_bandwidth(b)} and {format_seconds(a)}"
+            for b, a in zip(mesh.bandwidth, mesh.latency, strict=True)
+        )
         raise AutoshardError(
-            f"its ILP has {n:,} columns, over the {cap:,} the mesh search "
-            f"solves; plan it alone with --mesh {shape}"
+            f"its ILP has {n:,} columns, over the {cap:,} this search solves per mesh "
+            f"(max_columns); to search it anyway, plan it on its own: --mesh {shape} with "
+            f"the links it has here, per dim {links}"
         )
 
 
@@ -797,8 +805,11 @@ def _search(
     mixes the strategies that communicate most with those that compute most, and hides
     more than any plan can: GPT-2 small bf16-mixed on 2x4, bound 8% under the optimum), and
     relax-and-fix then spent most of the search: such a program goes straight to the full
-    MIP, whose cuts and branching close the gap (issue 29: the 4-layer Qwen2 within 1% in
-    9 work units, 19 s, where LP, relax-and-fix and MIP took 314 s).
+    MIP, whose cuts and branching close the gap (issue 29, docs/performance.md: GPT-2
+    within 0.33% in 23.5 s where LP, relax-and-fix and MIP stopped at the work limit 8.1%
+    from the bound after 33 s; the 4-layer Qwen2, whose LP is nearly tight, is slower
+    this way: 22.8 s against 15.3 s). The MIP's root LP has no iteration cap (HiGHS
+    applies ``simplex_iteration_limit`` to LPs only); ``time_limit_s`` bounds it.
 
     Args:
         sg: strategies, costs and edges.

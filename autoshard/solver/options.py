@@ -50,7 +50,8 @@ class SolverOptions:
     (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan is
     returned with its gap; otherwise the MIP is solved. A program with the overlap
     savings skips it (its LP is weak: :func:`autoshard.solver.ilp._search`).
-    ``max_columns``: the most columns (strategies plus edge transport variables) a program
+    ``max_columns``: the most columns (strategies, edge transport variables and shared
+    reshardings: :func:`autoshard.solver.ilp.program_columns`) a program
     may have to be solved; a larger one is refused before its search starts (None: no
     cap; the mesh search of ``--gpus`` sets :data:`MESH_SEARCH_COLUMNS`). Counted from
     the program, never timed.

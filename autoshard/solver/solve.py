@@ -367,7 +367,7 @@ def plan_model(
         t = time.perf_counter()
         sg = strategies(config, graph, progress)
         seconds["strategies"] = time.perf_counter() - t
-    check_size(sg, config.solver, config.mesh.shape)  # before the hand plans' work
+    check_size(sg, config.solver, config.mesh)  # before the hand plans' work
     if progress:
         progress("solve", 0, 1)
     t = time.perf_counter()
