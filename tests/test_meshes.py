@@ -205,39 +205,38 @@ def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_p
 def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planned(
     tmp_path: Path, monkeypatch
 ):
-    """8 GPUs on one node: 2x2x2's program is many times 2x4's (each edge pairs up to 5^3
-    placements per side against 5^2). With the cap between the two sizes, the search
-    plans 8, 4x2 and 2x4, and 2x2x2's row says why it has no plan: its column count, which
-    is the count of the program ``build_problem`` builds, and the command that plans it."""
+    """4 GPUs on one node: 2x2's program is many times 4's (each edge pairs up to 5^2
+    placements per side against 5). With the cap between the two sizes, the search plans
+    4, and 2x2's row says why it has no plan: its column count, which is the count of the
+    program ``build_problem`` builds, and the links to plan it with on its own."""
     import autoshard.solver.meshes as searched
     from autoshard.solver.ilp import build_problem, check_size, program_columns
     from autoshard.solver.options import SolverOptions
     from autoshard.solver.solve import strategies, trace
 
     model = write_mlp(tmp_path, 64, 256, 1024)
-    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("8"))
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
     graph = trace(config)
+    meshes = {s: MeshSpec.on_nodes(s, 4) for s in node_shapes(4, 4)}
+    assert set(meshes) == {(4,), (2, 2)}
     sizes = {}
-    for shape in ((2, 4), (2, 2, 2)):
-        sg = strategies(replace(config, mesh=MeshSpec.on_nodes(shape, 8)), graph)
+    for shape, mesh in meshes.items():
+        sg = strategies(replace(config, mesh=mesh), graph)
         prob = build_problem(sg)
         sizes[shape] = program_columns(sg)
         assert sizes[shape] == prob.n_x + prob.n_y
-    assert sizes[(2, 2, 2)] > 2 * sizes[(2, 4)]
-    cap = (sizes[(2, 4)] + sizes[(2, 2, 2)]) // 2
-    meshes = [MeshSpec.on_nodes(s, 8) for s in node_shapes(8, 8)]
+    assert sizes[(2, 2)] > 2 * sizes[(4,)]
+    cap = (sizes[(4,)] + sizes[(2, 2)]) // 2
     monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
-    search = search_meshes(config, meshes)
+    search = search_meshes(config, list(meshes.values()))
     rows = {r.mesh.shape: r for r in search.rows}
-    assert set(rows) == {(8,), (4, 2), (2, 4), (2, 2, 2)}
-    assert rows[(2, 2, 2)].result is None
-    # the links the search laid 2x2x2 on: one node, so every dim at NVLink's
-    assert MeshSpec.on_nodes((2, 2, 2), 8).bandwidth == (INTRA,) * 3
-    assert rows[(2, 2, 2)].error == (
-        f"its ILP has {sizes[(2, 2, 2)]:,} columns, over the {cap:,} this search solves per "
-        "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2x2 with the "
-        "links it has here, per dim " + ", ".join(["450 GB/s and 5.00 us"] * 3)
+    assert rows[(4,)].result is not None and rows[(2, 2)].result is None
+    # the links the search laid 2x2 on: one node, so both dims at NVLink's
+    assert meshes[(2, 2)].bandwidth == (INTRA, INTRA)
+    assert rows[(2, 2)].error == (
+        f"its ILP has {sizes[(2, 2)]:,} columns, over the {cap:,} this search solves per "
+        "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2 with the "
+        "links it has here, per dim " + ", ".join(["450 GB/s and 5.00 us"] * 2)
     )
-    assert all(rows[s].result is not None for s in ((8,), (4, 2), (2, 4)))
     # the options a solve of one mesh gets by default have no cap
-    check_size(sg, SolverOptions(), MeshSpec.on_nodes((2, 2, 2), 8))
+    check_size(sg, SolverOptions(), meshes[(2, 2)])
