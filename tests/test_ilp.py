@@ -391,6 +391,7 @@ def test_with_overlap_the_full_mip_proves_the_optimum_the_fractional_lp_cannot(
         return lp_first(sg_, prob_, *args)  # the start solved without them
 
     monkeypatch.setattr(ilp, "_lp_first", only_without_overlap)
+    monkeypatch.setattr(ilp, "SMALL_PROGRAM", 0)  # this one is small: take the large path
     result = solve(sg, SolverOptions(mip_gap=0.0))
     assert result.status == "optimal" and result.gap <= 1e-9
     assert result.objective_s == pytest.approx(evaluate(sg, result.choice), rel=1e-12)
