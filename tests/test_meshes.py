@@ -210,8 +210,7 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
     4, and 2x2's row says why it has no plan: its column count, which is the count of the
     program ``build_problem`` builds, and the links to plan it with on its own."""
     import autoshard.solver.meshes as searched
-    from autoshard.solver.ilp import build_problem, check_size, program_columns
-    from autoshard.solver.options import SolverOptions
+    from autoshard.solver.ilp import build_problem, program_columns
     from autoshard.solver.solve import strategies, trace
 
     model = write_mlp(tmp_path, 64, 256, 1024)
@@ -238,5 +237,6 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
         "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2 with the "
         "links it has here, per dim " + ", ".join(["450 GB/s and 5.00 us"] * 2)
     )
-    # the options a solve of one mesh gets by default have no cap
-    check_size(sg, SolverOptions(), meshes[(2, 2)])
+    # the cap is the search's: the same shape solved on its own (solve --mesh) is planned
+    alone = plan_model(replace(config, mesh=meshes[(2, 2)]), graph=graph)
+    assert alone.ilp.num_variables == sizes[(2, 2)] > cap

@@ -66,6 +66,12 @@ from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 SCALE = 1e6  # the ILP's objective is in microseconds
 
+SMALL_PROGRAM = 20_000
+"""Columns up to which a program with the overlap savings still solves its LP first
+(:func:`_search`), whose integral solution is the exact optimum: the stage ILPs of the
+launch tests' 4-block model on 1x2 have 1,095 to 2,752 columns; GPT-2 small on 2x4 has
+57,140."""
+
 
 @dataclass
 class ILPResult:
@@ -119,6 +125,11 @@ class _Problem:
     overlap: _OverlapRows | None = None
     recompute: _RecomputeRows | None = None
     shares: _ShareColumns | None = None
+
+    @property
+    def savings(self) -> _OverlapRows | None:
+        """The overlap savings' rows as the MILP holds them: none without edge columns."""
+        return self.overlap if self.n_y else None
 
 
 @dataclass(frozen=True)
@@ -435,7 +446,7 @@ def _milp(
     (:mod:`autoshard.cost.overlap`). The objective subtracts ``sum z``.
     """
     n_x, n_y = prob.n_x, prob.n_y
-    ov = prob.overlap if prob.n_y else None
+    ov = prob.savings
     rc = prob.recompute
     ck0 = _recompute_offset(prob)  # the first checkpointing column
     n = ck0 + (rc.cols.n if rc is not None else 0)
@@ -647,7 +658,7 @@ def _size(prob: _Problem, memory: tuple[np.ndarray, float] | None) -> dict[str, 
 
 def _recompute_offset(prob: _Problem) -> int:
     """The first checkpointing column in the MILP (:func:`_milp`)."""
-    ov = prob.overlap if prob.n_y else None
+    ov = prob.savings
     return prob.n_x + prob.n_y + (len(ov.weight) if ov is not None else 0)
 
 
@@ -728,13 +739,6 @@ def solve(
         result = replace(result, start=start.start, start_objective_s=start.objective_s)
     # every phase's seconds (the search without overlap included) but the last build
     return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
-
-
-SMALL_PROGRAM = 20_000
-"""Columns up to which a program with the overlap savings still solves its LP first
-(:func:`_search`): the pipeline stages' and the tests' small models, whose exact optimum
-an integral LP gives (a stage of 4 blocks on 1x2 has 1,000-odd columns). GPT-2 small on
-2x4 has 57,140."""
 
 
 # the name of the start solved without the overlap savings (see solve)
@@ -835,7 +839,7 @@ def _search(
     prob = build_problem(sg)
     build_s = time.perf_counter() - t0  # building the matrices, not the LP's solve
     incumbent: ILPResult | None = start
-    straight = prob.overlap is not None and prob.n_y and prob.n_x + prob.n_y > SMALL_PROGRAM
+    straight = prob.savings is not None and prob.n_x + prob.n_y > SMALL_PROGRAM
     if options.lp_first and not straight:  # see the docstring
         try:
             found = _lp_first(sg, prob, options, memory, t0, deadline)

@@ -49,7 +49,8 @@ class SolverOptions:
     LP relaxation first; when it is integral it is the optimum, and when rounding it
     (each node's largest strategy) is within ``mip_gap`` of the LP bound, that plan is
     returned with its gap; otherwise the MIP is solved. A program with the overlap
-    savings skips it (its LP is weak: :func:`autoshard.solver.ilp._search`).
+    savings and over ``SMALL_PROGRAM`` columns skips it (its LP is weak:
+    :func:`autoshard.solver.ilp._search`).
     ``max_columns``: the most columns (strategies, edge transport variables and shared
     reshardings: :func:`autoshard.solver.ilp.program_columns`) a program
     may have to be solved; a larger one is refused before its search starts (None: no
