@@ -89,6 +89,13 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--adamw", choices=("fused", "foreach"), default="fused")
     ap.add_argument("--device", default="cuda", help="cpu only to try the script itself")
+    ap.add_argument(
+        "--checkpointing",
+        choices=("none", "full"),
+        default="none",
+        help="full: recompute every decoder layer in the backward (HuggingFace's "
+        "gradient_checkpointing_enable, non-reentrant), as --activation-checkpointing full",
+    )
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -100,6 +107,8 @@ def main() -> None:
     with dev:
         model = mod.build_model()
     model.train()
+    if args.checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     inputs = mod.example_inputs()
     if isinstance(inputs, dict):
         kwargs, inputs = {k: v.to(dev) for k, v in inputs.items()}, ()
@@ -161,6 +170,7 @@ def main() -> None:
         "model_file": str(args.model_file),
         "precision": args.precision,
         "adamw": args.adamw,
+        "checkpointing": args.checkpointing,
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "torch": torch.__version__,
         "parameters": n_params,
