@@ -34,3 +34,11 @@ def build_model() -> torch.nn.Module:
 
 def example_inputs() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (BATCH, SEQ_LEN), dtype=torch.int64),)
+
+
+def loss_fn(out, input_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits in float32 against the tokens, as torchtitan's loss
+    (``cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``)."""
+    return torch.nn.functional.cross_entropy(
+        out.logits.flatten(0, 1).float(), input_ids.flatten(0, 1)
+    )
