@@ -2,8 +2,9 @@
 torchtitan's 8-GPU FSDP run (docs/performance.md of pytorch/torchtitan, Table 1: local
 batch 2, sequence 8192): hidden 4096, 32 heads, 8 key/value heads, intermediate 14336,
 vocab 128256, untied embeddings. ``AUTOSHARD_LAYERS`` sets the depth (default 32), as in
-``examples/llama.py``. A measured row of docs/validation.md (one H100, one GPU's share of
-that run's work)."""
+``examples/llama.py``; ``AUTOSHARD_BATCH`` the global batch (default 2, one GPU's share:
+16 prices the 8-GPU run, 256 the 128-GPU one). A measured row of docs/validation.md (one
+H100, one GPU's share of that run's work)."""
 
 import os
 import sys
@@ -14,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 import llama  # noqa: E402
 
-BATCH, SEQ_LEN, VOCAB = 2, 8192, 128256
+SEQ_LEN, VOCAB = 8192, 128256
+BATCH = int(os.environ.get("AUTOSHARD_BATCH", "2"))
 
 
 def build_model() -> torch.nn.Module:
