@@ -1,0 +1,77 @@
+"""The GPT-architecture models of published training runs (docs/validation.md, "Published
+runs"): Megatron-LM's GPT models (Narayanan et al. 2021, Table 1) and MosaicML's MPT
+models (llm-foundry's benchmark table), as HuggingFace ``GPT2LMHeadModel`` from a config on
+the meta device: learned positions, LayerNorm, a 4 x hidden GELU MLP, SDPA attention.
+
+Megatron's GPT is this architecture; its 2021 runs predate FlashAttention and computed
+the attention matrix explicitly (a fused scale-mask-softmax between two batched matmuls),
+so the ``gpt_*`` models use HuggingFace's eager attention, which does the same. MPT (with
+FlashAttention, llm-foundry's default) uses SDPA. MPT differs in two small ways: ALiBi in place of
+learned positions (a bias added inside the attention kernel, no matmul) and no biases
+(a few FLOPs per token); both are below the table's precision.
+
+Environment variables (read when the file is imported):
+    AUTOSHARD_MODEL    gpt_1.7b, gpt_3.6b, gpt_7.5b, gpt_18.4b (Megatron), mpt_7b, mpt_13b
+    AUTOSHARD_BATCH    global batch (sequences)
+    AUTOSHARD_SEQ      sequence length (tokens)
+    AUTOSHARD_LAYERS   depth (default: the model's)
+"""
+
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+# name -> (layers, hidden, heads, vocab)
+SHAPES = {
+    # Narayanan et al. 2021, Table 1 (vocabulary 51,200)
+    "gpt_1.7b": (24, 2304, 24, 51200),
+    "gpt_3.6b": (30, 3072, 32, 51200),
+    "gpt_7.5b": (36, 4096, 32, 51200),
+    "gpt_18.4b": (40, 6144, 48, 51200),
+    # llm-foundry scripts/train/yamls/pretrain/mpt-{7b,13b}.yaml (vocabulary 50,368)
+    "mpt_7b": (32, 4096, 32, 50368),
+    "mpt_13b": (40, 5120, 40, 50368),
+}
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise ValueError(f"{name} must be set (see this file's docstring)")
+    return value
+
+
+MODEL = _env("AUTOSHARD_MODEL")
+if MODEL not in SHAPES:
+    raise ValueError(f"AUTOSHARD_MODEL must be one of {', '.join(SHAPES)}, got {MODEL!r}")
+LAYERS, HIDDEN, HEADS, VOCAB = SHAPES[MODEL]
+LAYERS = int(os.environ.get("AUTOSHARD_LAYERS") or LAYERS)
+ATTENTION = "eager" if MODEL.startswith("gpt_") else "sdpa"
+BATCH = int(_env("AUTOSHARD_BATCH"))
+SEQ_LEN = int(_env("AUTOSHARD_SEQ"))
+
+
+def build_model() -> torch.nn.Module:
+    config = GPT2Config(
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        vocab_size=VOCAB,
+        n_positions=SEQ_LEN,
+        use_cache=False,
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = ATTENTION
+    return GPT2LMHeadModel(config)
+
+
+def example_inputs() -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, VOCAB, (BATCH, SEQ_LEN), dtype=torch.int64),)
+
+
+def loss_fn(out, input_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the float32 logits against the tokens."""
+    return torch.nn.functional.cross_entropy(
+        out.logits.flatten(0, 1).float(), input_ids.flatten(0, 1)
+    )
