@@ -165,3 +165,44 @@ def test_matmul_rates_that_cannot_be_rates_are_refused() -> None:
         DeviceSpec("x", fp32, 1e9, 1, {"float32": ((1e9, 1e12), (1e9, 2e12))})
     with pytest.raises(AutoshardError, match="unknown dtype"):
         DeviceSpec("x", fp32, 1e9, 1, {"bfloat17": ((1e9, 1e12),)})
+
+
+@pytest.mark.parametrize(("name", "profile"), [("h100", "h100b"), ("h200", "h200")])
+def test_a_measured_preset_prices_what_its_gpu_measured(name: str, profile: str) -> None:
+    """``h100-measured`` and ``h200-measured`` are the GPUs lent to this project, read here
+    from their raw calibration files (tests/data/*/profile.json), not through autoshard:
+    each timed bfloat16 matmul is priced at the time it took (the curve passes through
+    the measured points), a copy of 1 GiB in and out at the measured bandwidth; the MFU's
+    peak and the memory stay the datasheet's."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).parent / f"data/{profile}/profile.json").read_text())
+    measured, datasheet = get_device(f"{name}-measured"), get_device(name)
+    assert measured.peak_flops == datasheet.peak_flops
+    assert measured.memory_bytes == datasheet.memory_bytes
+    bandwidth = raw["compute"]["memory_bandwidth_Bps"]
+    assert measured.compute_time(0, 2**31, "bfloat16", kind="other") == pytest.approx(
+        2**31 / bandwidth, rel=1e-12
+    )
+    sizes = {}
+    for m in raw["compute"]["matmuls"]:
+        if m["dtype"] == "bfloat16":
+            sizes.setdefault(2.0 * m["m"] * m["n"] * m["k"], []).append(m["seconds"])
+    assert len(sizes) >= 4
+    for flops, seconds in sizes.items():
+        # shapes of equal FLOPs average their rates; each square is its own size
+        rate = sum(flops / t for t in seconds) / len(seconds)
+        assert measured.compute_time(flops, 0, "bfloat16") == pytest.approx(flops / rate)
+    # the datasheet prices the largest square 20% or more faster than the GPU ran it
+    big = max(sizes)
+    assert datasheet.compute_time(big, 0, "bfloat16") < 0.8 * measured.compute_time(
+        big, 0, "bfloat16"
+    )
+
+
+def test_a_preset_with_no_measurement_says_which_are_kept() -> None:
+    from autoshard.cost.devices import measured_device
+
+    with pytest.raises(AutoshardError, match="no measured rates of 'a100' are kept: .*h100"):
+        measured_device("a100")

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cost.collective_table import collective
-from autoshard.cost.devices import DeviceSpec
+from autoshard.cost.devices import DeviceSpec, attention_rates, matmul_rates
 from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, MeshSpec
 from autoshard.errors import AutoshardError
 
@@ -164,55 +164,6 @@ class Profile:
             dict(self.attention_forward_rates),
             dict(self.attention_backward_rates),
         )
-
-
-def matmul_rates(matmuls: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, float], ...]]:
-    """The timed matmuls of a profile as :class:`DeviceSpec`'s ``matmul_rates``: per dtype,
-    ``(2 m n k, 2 m n k / seconds)`` by size; shapes of equal FLOPs (``8192x4096x11008`` and
-    ``8192x11008x4096``) give the mean of their rates."""
-    by_size: dict[str, dict[float, list[float]]] = {}
-    for m in matmuls:
-        flops = 2.0 * m["m"] * m["n"] * m["k"]
-        by_size.setdefault(m["dtype"], {}).setdefault(flops, []).append(flops / m["seconds"])
-    return _mean_curves(by_size)
-
-
-def _mean_curves(
-    by: dict[str, dict[float, list[float]]],
-) -> dict[str, tuple[tuple[float, float], ...]]:
-    """Per dtype, ``(key, mean rate)`` points sorted by key, from the rates timed per key."""
-    return {
-        dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
-        for dtype, sizes in by.items()
-    }
-
-
-def attention_rates(
-    attention: list[dict[str, Any]],
-) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
-    """A profile's timed causal attentions as :class:`DeviceSpec`'s
-    ``attention_forward_rates`` and ``attention_backward_rates``: per dtype,
-    ``(flops / (batch x heads), flops / seconds)`` of the forward, and of the backward alone
-    (the forward-plus-backward run less the forward: its FLOPs and its seconds). Keyed per
-    batch x head, a point stands for one sequence length. Points of equal key give the mean
-    of their rates; a backward that timed no slower than its forward (noise) gives none."""
-    forward: dict[str, dict[float, list[float]]] = {}
-    backward: dict[str, dict[float, list[float]]] = {}
-    for a in attention:
-        if not a.get("causal", True):
-            continue  # the model prices causal, unmasked attention by these
-        per = float(a.get("batch", 1) * a.get("heads", 1))
-        f, t = float(a["flops_forward"]), float(a["seconds_forward"])
-        forward.setdefault(a["dtype"], {}).setdefault(f / per, []).append(f / t)
-        fb = float(a["flops_forward_backward"]) - f
-        tb = float(a["seconds_forward_backward"]) - t
-        if tb > 0:
-            backward.setdefault(a["dtype"], {}).setdefault(fb / per, []).append(fb / tb)
-
-    return {
-        "attention_forward_rates": _mean_curves(forward),
-        "attention_backward_rates": _mean_curves(backward),
-    }
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

@@ -11,8 +11,13 @@ convolution by the rate measured for a matmul of its size (:meth:`DeviceSpec.mat
 and that of a causal attention by the rate measured for attention of its sequence length
 (:meth:`DeviceSpec.rate`).
 
-Every number in :data:`DEVICES` is a vendor datasheet's peak for dense math (no structured
-sparsity: datasheets print the sparse figure, twice the dense one, with an asterisk).
+Every number of the presets ``h100``, ``h200``, ``a100``, ``l40s`` and ``mi300x`` in
+:data:`DEVICES` is a vendor datasheet's peak for dense math (no structured sparsity:
+datasheets print the sparse figure, twice the dense one, with an asterisk). The presets
+``h100-measured`` and ``h200-measured`` (:func:`measured_device`) keep those peaks for the
+MFU, and price matmuls, attention and memory-bound ops at the rates one such GPU reached
+under ``autoshard calibrate --mesh 1`` (``autoshard/cost/measured``): a datasheet's peak
+is not what a GPU achieves (docs/validation.md).
 
 Which peak stands for float32: matmul-heavy fp32 training runs its matmuls on the tensor cores
 as TF32 (PyTorch's ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision
@@ -32,13 +37,15 @@ does not import torch (the command line reads :data:`DEVICES` before anything he
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from autoshard.errors import AutoshardError
 
-__all__ = ["DEFAULT_DEVICE", "DEVICES", "DeviceSpec", "get_device"]
+__all__ = ["DEFAULT_DEVICE", "DEVICES", "DeviceSpec", "get_device", "measured_device"]
 
 TERA = 1e12
 
@@ -337,6 +344,55 @@ def _interpolate(points: tuple[tuple[float, float], ...], flops: float) -> float
     raise AssertionError("unreachable: flops is inside the measured range")
 
 
+def matmul_rates(matmuls: list[dict]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """The timed matmuls of a profile as :class:`DeviceSpec`'s ``matmul_rates``: per dtype,
+    ``(2 m n k, 2 m n k / seconds)`` by size; shapes of equal FLOPs (``8192x4096x11008`` and
+    ``8192x11008x4096``) give the mean of their rates."""
+    by_size: dict[str, dict[float, list[float]]] = {}
+    for m in matmuls:
+        flops = 2.0 * m["m"] * m["n"] * m["k"]
+        by_size.setdefault(m["dtype"], {}).setdefault(flops, []).append(flops / m["seconds"])
+    return _mean_curves(by_size)
+
+
+def _mean_curves(
+    by: dict[str, dict[float, list[float]]],
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per dtype, ``(key, mean rate)`` points sorted by key, from the rates timed per key."""
+    return {
+        dtype: tuple((f, sum(rs) / len(rs)) for f, rs in sorted(sizes.items()))
+        for dtype, sizes in by.items()
+    }
+
+
+def attention_rates(
+    attention: list[dict],
+) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
+    """A profile's timed causal attentions as :class:`DeviceSpec`'s
+    ``attention_forward_rates`` and ``attention_backward_rates``: per dtype,
+    ``(flops / (batch x heads), flops / seconds)`` of the forward, and of the backward alone
+    (the forward-plus-backward run less the forward: its FLOPs and its seconds). Keyed per
+    batch x head, a point stands for one sequence length. Points of equal key give the mean
+    of their rates; a backward that timed no slower than its forward (noise) gives none."""
+    forward: dict[str, dict[float, list[float]]] = {}
+    backward: dict[str, dict[float, list[float]]] = {}
+    for a in attention:
+        if not a.get("causal", True):
+            continue  # the model prices causal, unmasked attention by these
+        per = float(a.get("batch", 1) * a.get("heads", 1))
+        f, t = float(a["flops_forward"]), float(a["seconds_forward"])
+        forward.setdefault(a["dtype"], {}).setdefault(f / per, []).append(f / t)
+        fb = float(a["flops_forward_backward"]) - f
+        tb = float(a["seconds_forward_backward"]) - t
+        if tb > 0:
+            backward.setdefault(a["dtype"], {}).setdefault(fb / per, []).append(fb / tb)
+
+    return {
+        "attention_forward_rates": _mean_curves(forward),
+        "attention_backward_rates": _mean_curves(backward),
+    }
+
+
 def _table(bf16_fp16: float, tf32: float, fp8: float | None = None) -> dict[str, float]:
     """Peak table from dense tensor-core TFLOPS: bf16 = fp16, fp32 -> TF32, optional fp8."""
     t = {"bfloat16": bf16_fp16 * TERA, "float16": bf16_fp16 * TERA, "float32": tf32 * TERA}
@@ -393,6 +449,40 @@ DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=192 * 10**9,
     ),
 }
+
+
+def measured_device(name: str) -> DeviceSpec:
+    """The preset ``name`` with the rates one such GPU achieved in place of its datasheet's:
+    matmul rates by size, causal attention rates and the copy bandwidth that
+    ``autoshard calibrate --mesh 1`` measured (``autoshard/cost/measured/NAME.json``, whose
+    ``source`` names the machine and the command). ``peak_flops`` stays the datasheet's: it
+    is the MFU's denominator, and prices only a dtype with no measured matmul.
+
+    Raises:
+        AutoshardError: no measurement of ``name`` is kept (the message lists those kept).
+    """
+    path = MEASURED_DIR / f"{name}.json"
+    if not path.is_file():
+        kept = ", ".join(sorted(p.stem for p in MEASURED_DIR.glob("*.json")))
+        raise AutoshardError(f"no measured rates of {name!r} are kept: pick one of {kept}")
+    d = json.loads(path.read_text())
+    base = DEVICES[name]
+    return DeviceSpec(
+        f"{name}-measured",
+        dict(base.peak_flops),
+        float(d["memory_bandwidth_Bps"]),
+        base.memory_bytes,
+        matmul_rates(d["matmuls"]),
+        **attention_rates(d["attention"]),
+    )
+
+
+MEASURED_DIR = Path(__file__).with_name("measured")
+"""The rates GPUs lent to this project achieved (``autoshard calibrate --mesh 1``'s compute
+part, one JSON file per preset); :func:`measured_device`."""
+
+for _preset in ("h100", "h200"):
+    DEVICES[f"{_preset}-measured"] = measured_device(_preset)
 
 DEFAULT_DEVICE = "h100"
 """The device the cost model assumes unless the user picks one (``--device``)."""
