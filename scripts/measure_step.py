@@ -78,6 +78,34 @@ class Mark:
         return other.t - self.t
 
 
+def _selective_op():
+    """torchtitan's op-level selective activation checkpointing
+    (``torchtitan/distributed/activation_checkpoint.py``, ``_apply_op_sac``): save the
+    outputs of the attention kernels and of every other ``mm``, recompute everything else.
+    The ``mm`` count is kept apart for the forward and for the recomputation, so both make
+    the same choices."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {
+        aten.mm.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten.max.default,
+    }
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == aten.mm.default:
+            counts[mode] += 1
+        keep = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_file", type=Path)
@@ -91,10 +119,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu only to try the script itself")
     ap.add_argument(
         "--checkpointing",
-        choices=("none", "full"),
+        choices=("none", "full", "selective-op"),
         default="none",
         help="full: recompute every decoder layer in the backward (HuggingFace's "
-        "gradient_checkpointing_enable, non-reentrant), as --activation-checkpointing full",
+        "gradient_checkpointing_enable, non-reentrant), as --activation-checkpointing full; "
+        "selective-op: torchtitan's op-level selective AC in every layer (keep the outputs "
+        "of attention and of every other matmul, recompute the rest)",
     )
     args = ap.parse_args()
 
@@ -109,6 +139,10 @@ def main() -> None:
     model.train()
     if args.checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif args.checkpointing == "selective-op":
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": _selective_op}
+        )
     inputs = mod.example_inputs()
     if isinstance(inputs, dict):
         kwargs, inputs = {k: v.to(dev) for k, v in inputs.items()}, ()
