@@ -105,7 +105,14 @@ def test_attention_is_sharded_by_batch_or_heads_with_no_communication(tmp_path):
     assert str(FLASH_FORWARD) not in sg.fallback_ops
 
 
-@pytest.mark.parametrize("text", [GPT2_DEFAULT, LLAMA_SMALL], ids=["gpt2", "llama-gqa"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(GPT2_DEFAULT, id="gpt2"),
+        # 15 s: in the whole suite (make test), out of the fast tier
+        pytest.param(LLAMA_SMALL, id="llama-gqa", marks=pytest.mark.slow),
+    ],
+)
 def test_models_with_default_attention_plan_without_fallback(tmp_path, text):
     """Llama's grouped-query attention repeats its key/value heads before the fused op."""
     cfg = SolveConfig(

@@ -10,6 +10,9 @@ batch can hold a shard of it. The one exception is the broadcast of the loss's 0
 gradient (``expand`` of a scalar: a view with a zero stride, which allocates and computes
 nothing); the division after it is checked like every other op.
 
+Llama and GPT-2 are walked again with torchtitan's loss, a cross-entropy of the float32
+logits: its backward (``nll_loss_backward``) had only DTensor's replicated strategy.
+
 Mixtral's router backward (the gradient of ``topk``) scatters into
 ``new_zeros(tokens, experts)``, which DTensor's rule replicates whenever the size differs
 from its input's; autoshard's own rule shards it with its input's rows.
@@ -39,6 +42,16 @@ def example_inputs():
     return (torch.randint(0, 1000, ({batch}, {seq})),)
 """
 
+# how these models are trained (torchtitan's loss): a cross-entropy of the float32 logits,
+# whose backward (``nll_loss_backward``) had only a replicated strategy
+_CROSS_ENTROPY = """
+
+def loss_fn(out, input_ids):
+    return torch.nn.functional.cross_entropy(
+        out.logits.flatten(0, 1).float(), input_ids.flatten(0, 1)
+    )
+"""
+
 # default configs but for depth; Llama at the Llama-3-8B shape (LlamaConfig's defaults are
 # Llama 2's, without grouped-query attention)
 MODELS = {
@@ -54,6 +67,7 @@ MODELS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", "n_layer=2"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "num_hidden_layers=2"),
 }
+CROSS_ENTROPY = {"llama3", "gpt2"}  # also walked with the cross-entropy loss, in training
 
 
 def _batch_scaled(t) -> bool:
@@ -80,13 +94,18 @@ def _unshardable(graph, sg) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", list(MODELS))
-def test_no_fallback_and_nothing_computed_whole(tmp_path, model):
+@pytest.mark.parametrize(
+    ("model", "loss"),
+    [(m, "default") for m in MODELS] + [(m, "cross_entropy") for m in sorted(CROSS_ENTROPY)],
+)
+def test_no_fallback_and_nothing_computed_whole(tmp_path, model, loss):
     config, cls, kwargs = MODELS[model]
     text = _TEMPLATE.format(config=config, model=cls, kwargs=kwargs, batch=BATCH, seq=SEQ)
+    if loss == "cross_entropy":
+        text += _CROSS_ENTROPY
     path = write_model(tmp_path, text, model)
     seen = {}
-    for mode in ("train", "infer"):
+    for mode in ("train", "infer") if loss == "default" else ("train",):
         graph = trace(SolveConfig(path, MeshSpec.from_options("8"), mode=mode))
         for mesh in MESHES:
             sg = strategies(SolveConfig(path, MeshSpec.from_options(mesh), mode=mode), graph)

@@ -39,9 +39,29 @@ ROWS = {
         "bf16-mixed",
         ("--activation-checkpointing", "full"),
     ),
+    "llama31_8b_ce_L2_bf16_full": (
+        "tests/data/llama31_8b.py",
+        "bf16-mixed",
+        ("--activation-checkpointing", "full"),
+    ),
+    # torchtitan's op-level selective AC, which autoshard does not price (issue 28, item
+    # 5): priced without recomputation, a lower bound only
+    "llama31_8b_ce_L1_bf16_selective": (
+        "tests/data/llama31_8b.py",
+        "bf16-mixed",
+        ("--activation-checkpointing", "none"),
+    ),
+    "llama31_8b_ce_L2_bf16_selective": (
+        "tests/data/llama31_8b.py",
+        "bf16-mixed",
+        ("--activation-checkpointing", "none"),
+    ),
 }
 # the device preset of each measured GPU's folder
-PRESET = {"h100": "h100", "h100b": "h100", "h200": "h200"}
+PRESET = {"h100": "h100", "h100b": "h100", "h200": "h200", "h200b": "h200"}
+# the calibration that prices each folder's rows: the second H200 ran no calibrate, and
+# takes the first H200's
+PROFILE = {"h100": "h100", "h100b": "h100b", "h200": "h200", "h200b": "h200"}
 MEASURED = sorted(
     (p.parent.name, p.stem.removeprefix("step_")) for p in DATA.glob("h*/step_*.json")
 )
@@ -49,7 +69,7 @@ MEASURED = sorted(
 LLAMA_BF16 = [
     (gpu, row)
     for gpu, row in MEASURED
-    if row.startswith("llama") and "_bf16" in row and not row.endswith("foreach")
+    if row.startswith("llama") and "_bf16" in row and not row.endswith(("foreach", "selective"))
 ]
 
 
@@ -71,7 +91,7 @@ def test_every_measured_row_is_held_here():
     """Each measured file has its model file and precision above, and every GPU is in."""
     assert {row for _, row in MEASURED} <= set(ROWS)
     assert {gpu for gpu, _ in MEASURED} == set(PRESET)
-    assert len(LLAMA_BF16) == 10
+    assert len(LLAMA_BF16) == 13
 
 
 @pytest.mark.slow
@@ -80,7 +100,8 @@ def test_a_calibrated_gpu_predicts_the_measured_llama_step(tmp_path: Path, gpu: 
     """Llama-2-7B-shaped blocks (4 and 8 of them, batch 8 x 1024; and 4 on batch 2 x 4096)
     in bf16-mixed on one H200 or H100, and Llama-3.1-8B blocks (1 and 2, batch 2 x 8192,
     torchtitan's cross-entropy or the mean loss, one row recomputing every block) on the
-    second H100, priced with that GPU's own calibration (matmul rates by size, copy
+    second H100 and a second H200, priced with that GPU's own calibration (the second
+    H200's with the first's) (matmul rates by size, copy
     bandwidth):
 
     - the step's FLOPs are the count PyTorch's FlopCounterMode made on the GPU, to
@@ -97,7 +118,7 @@ def test_a_calibrated_gpu_predicts_the_measured_llama_step(tmp_path: Path, gpu: 
       30 autoshard prices, which an FSDP2 step does inside its collectives);
     - memory within 20% of the peak the CUDA allocator saw, and not below it."""
     measured = _measured(gpu, row)
-    profile = DATA / gpu / "profile.json"
+    profile = DATA / PROFILE[gpu] / "profile.json"
     predicted = _predicted(tmp_path, gpu, row, "--profile", str(profile))
     assert predicted["device"] == "calibrated"
     if measured["flops"] is None:
