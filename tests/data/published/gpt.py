@@ -18,9 +18,13 @@ Environment variables (read when the file is imported):
 """
 
 import os
+import sys
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_env import loss_fn, read_run  # noqa: E402, F401 (loss_fn: the model file's loss)
 
 # name -> (layers, hidden, heads, vocab)
 SHAPES = {
@@ -35,21 +39,9 @@ SHAPES = {
 }
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        raise ValueError(f"{name} must be set (see this file's docstring)")
-    return value
-
-
-MODEL = _env("AUTOSHARD_MODEL")
-if MODEL not in SHAPES:
-    raise ValueError(f"AUTOSHARD_MODEL must be one of {', '.join(SHAPES)}, got {MODEL!r}")
-LAYERS, HIDDEN, HEADS, VOCAB = SHAPES[MODEL]
-LAYERS = int(os.environ.get("AUTOSHARD_LAYERS") or LAYERS)
+MODEL = os.environ.get("AUTOSHARD_MODEL", "")
+(_, HIDDEN, HEADS, VOCAB), LAYERS, BATCH, SEQ_LEN = read_run(SHAPES)
 ATTENTION = "eager" if MODEL.startswith("gpt_") else "sdpa"
-BATCH = int(_env("AUTOSHARD_BATCH"))
-SEQ_LEN = int(_env("AUTOSHARD_SEQ"))
 
 
 def build_model() -> torch.nn.Module:
@@ -68,10 +60,3 @@ def build_model() -> torch.nn.Module:
 
 def example_inputs() -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, VOCAB, (BATCH, SEQ_LEN), dtype=torch.int64),)
-
-
-def loss_fn(out, input_ids: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the float32 logits against the tokens."""
-    return torch.nn.functional.cross_entropy(
-        out.logits.flatten(0, 1).float(), input_ids.flatten(0, 1)
-    )
