@@ -177,7 +177,13 @@ def test_a_measured_preset_prices_what_its_gpu_measured(name: str, profile: str)
     import json
     from pathlib import Path
 
+    from autoshard.cost.devices import MEASURED_DIR
+
     raw = json.loads((Path(__file__).parent / f"data/{profile}/profile.json").read_text())
+    kept = json.loads((MEASURED_DIR / f"{name}.json").read_text())
+    # the package keeps that GPU's measurement whole: every timed matmul and attention
+    assert kept["matmuls"] == raw["compute"]["matmuls"]
+    assert kept["attention"] == raw["compute"]["attention"]
     measured, datasheet = get_device(f"{name}-measured"), get_device(name)
     assert measured.peak_flops == datasheet.peak_flops
     assert measured.memory_bytes == datasheet.memory_bytes

@@ -378,3 +378,40 @@ def test_the_cross_entropy_gradient_follows_the_batch_shard(tmp_path, mesh_text)
     if mesh_text == "4":  # the ILP's plan (on 2x2 it may keep the loss whole on one dim)
         plan = plan_model(config).plan
         assert local_bytes(grad, plan.node_strategy[name].outputs[0], (4,)) == grad.nbytes / 4
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_cross_entropy_backward_rule_places_each_input_as_dtensor_does(reduction, weighted):
+    """``nll_loss_backward(grad_output, input[N, C], target[N], weight?, reduction,
+    ignore_index, total_weight)`` on a 2 x 2 mesh, N = 8: besides all-replicated, one
+    strategy per way to shard N (dim 0, dim 1, both), as DTensor's rule places each
+    concrete case: input, target and the gradient sharded alike; the gradient of the loss
+    sharded with them without reduction, else the replicated seed; the weight replicated;
+    ``total_weight`` replicated for the mean, as the forward left it (a sum over the
+    shards) otherwise. A 1-D input (one sample) is only replicated."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autoshard.strategies.graph import OWN_RULES
+
+    rule = OWN_RULES[torch.ops.aten.nll_loss_backward.default]
+    t = SimpleNamespace
+    args = [t(shape=(8,) if reduction == 0 else ()), t(shape=(8, 5)), t(shape=(8,))]
+    args += [t(shape=(5,))] * weighted + [t(shape=())]
+    node = SimpleNamespace(args=(None, None, None, None, reduction, -100, None))
+    strategies = rule(node, args, [t(shape=(8, 5))], (2, 2))
+    R, S, P = Replicate(), Shard(0), Partial()
+    rep = (R, R)
+    assert strategies[0].outputs == (rep,) and strategies[0].inputs == (rep,) * len(args)
+    got = {s.outputs[0]: s.inputs for s in strategies[1:]}
+    assert set(got) == {(S, R), (R, S), (S, S)}
+    for combo, inputs in got.items():
+        summed = tuple(P if p == S else R for p in combo)
+        grad_out = combo if reduction == 0 else rep
+        want = (grad_out, combo, combo) + (rep,) * weighted
+        want += (rep if reduction == 1 else summed,)
+        assert inputs == want, (combo, inputs)
+    one_sample = [t(shape=()), t(shape=(5,)), t(shape=())] + [t(shape=())]
+    assert len(rule(node, one_sample, [t(shape=(5,))], (2, 2))) == 1

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cost.collective_table import collective
-from autoshard.cost.devices import DeviceSpec, attention_rates, matmul_rates
+from autoshard.cost.devices import DeviceSpec, measured_rates
 from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, MeshSpec
 from autoshard.errors import AutoshardError
 
@@ -208,8 +208,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             peak_flops={k: float(v) for k, v in c["peak_flops"].items()},
             memory_bandwidth=float(c["memory_bandwidth_Bps"]),
             memory_bytes=int(c["memory_bytes"]),
-            matmul_rates=matmul_rates(c.get("matmuls", [])),
-            **attention_rates(c.get("attention", [])),
+            **measured_rates(c),
         )
     except (KeyError, TypeError) as exc:
         raise AutoshardError(f"profile {p} lacks field {exc}: calibrate again") from None

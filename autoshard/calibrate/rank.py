@@ -213,7 +213,7 @@ def measure_attention(
     cost model's count: the whole ``seq x seq`` score matrix, causal or not). A causal
     kernel skips half that matrix, so ``flops / seconds`` can exceed the datasheet peak. A
     profile prices the attention kernel's forward and backward at these rates
-    (:func:`autoshard.calibrate.attention_rates`)."""
+    (:func:`autoshard.cost.devices.attention_rates`)."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 

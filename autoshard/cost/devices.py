@@ -45,7 +45,14 @@ from typing import Any
 
 from autoshard.errors import AutoshardError
 
-__all__ = ["DEFAULT_DEVICE", "DEVICES", "DeviceSpec", "get_device", "measured_device"]
+__all__ = [
+    "DEFAULT_DEVICE",
+    "DEVICES",
+    "DeviceSpec",
+    "get_device",
+    "measured_device",
+    "measured_rates",
+]
 
 TERA = 1e12
 
@@ -451,38 +458,53 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
+def measured_rates(compute: dict) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
+    """The rate fields of a :class:`DeviceSpec` (``matmul_rates``,
+    ``attention_forward_rates``, ``attention_backward_rates``) from the ``compute`` part of
+    a calibration profile: its timed ``matmuls`` and ``attention`` lists."""
+    return {
+        "matmul_rates": matmul_rates(compute.get("matmuls", [])),
+        **attention_rates(compute.get("attention", [])),
+    }
+
+
+MEASURED_FORMAT = "autoshard.measured-device/1"
+MEASURED_DIR = Path(__file__).with_name("measured")
+"""The rates GPUs lent to this project achieved: one JSON file per preset (format
+:data:`MEASURED_FORMAT`), ``autoshard calibrate --mesh 1``'s compute part with a
+``source`` naming the machine and the command; :func:`measured_device`."""
+
+
 def measured_device(name: str) -> DeviceSpec:
     """The preset ``name`` with the rates one such GPU achieved in place of its datasheet's:
     matmul rates by size, causal attention rates and the copy bandwidth that
-    ``autoshard calibrate --mesh 1`` measured (``autoshard/cost/measured/NAME.json``, whose
-    ``source`` names the machine and the command). ``peak_flops`` stays the datasheet's: it
-    is the MFU's denominator, and prices only a dtype with no measured matmul.
+    ``autoshard calibrate --mesh 1`` measured (``MEASURED_DIR/NAME.json``). ``peak_flops``
+    stays the datasheet's: it is the MFU's denominator, and prices only a dtype with no
+    measured matmul.
 
     Raises:
-        AutoshardError: no measurement of ``name`` is kept (the message lists those kept).
+        AutoshardError: no measurement of ``name`` is kept (the message lists those kept),
+            or its file is not a measured-device file.
     """
     path = MEASURED_DIR / f"{name}.json"
     if not path.is_file():
         kept = ", ".join(sorted(p.stem for p in MEASURED_DIR.glob("*.json")))
         raise AutoshardError(f"no measured rates of {name!r} are kept: pick one of {kept}")
     d = json.loads(path.read_text())
+    if d.get("format") != MEASURED_FORMAT or d.get("device") != name:
+        raise AutoshardError(f"{path} is not {MEASURED_FORMAT} for {name!r}")
     base = DEVICES[name]
     return DeviceSpec(
         f"{name}-measured",
         dict(base.peak_flops),
         float(d["memory_bandwidth_Bps"]),
         base.memory_bytes,
-        matmul_rates(d["matmuls"]),
-        **attention_rates(d["attention"]),
+        **measured_rates(d),
     )
 
 
-MEASURED_DIR = Path(__file__).with_name("measured")
-"""The rates GPUs lent to this project achieved (``autoshard calibrate --mesh 1``'s compute
-part, one JSON file per preset); :func:`measured_device`."""
-
-for _preset in ("h100", "h200"):
-    DEVICES[f"{_preset}-measured"] = measured_device(_preset)
+for _path in sorted(MEASURED_DIR.glob("*.json")):
+    DEVICES[f"{_path.stem}-measured"] = measured_device(_path.stem)
 
 DEFAULT_DEVICE = "h100"
 """The device the cost model assumes unless the user picks one (``--device``)."""

@@ -195,14 +195,8 @@ def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
     n_in = len(args)
     reduction = node.args[3] if len(node.args) > 3 else 1  # 0 none, 1 mean, 2 sum
     out = [Strategy((rep, rep), (rep,) * n_in)]
-    for combo in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
-        if all(isinstance(p, Replicate) for p in combo):
-            continue
-        if args[0].shape[0] % math.prod(
-            n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard)
-        ):
-            continue
-        weight = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
+    for combo in _batch_shard_combos(args[0], mesh_shape):
+        weight = _partial_where_sharded(combo)
         if reduction == 0:
             loss = combo
         elif reduction == 1:
@@ -224,27 +218,43 @@ def _nll_loss_backward_rule(node, args, results, mesh_shape) -> list[Strategy]:
     computed on every device (67 GB in float32 for Llama-3.1-8B at 16 x 8192 tokens).
     Here, as DTensor's rule places one concrete case (what the launcher runs): input,
     target and the gradient sharded alike on the batch dim ``N``; ``grad_output`` follows
-    the target without reduction and is the replicated 0-d seed otherwise; ``weight`` and
-    ``total_weight`` replicated (the all-reduced count: each shard of the gradient is then
-    ``-grad_output / total_weight`` at its targets, the global mean's gradient).
-    Replicated gives replicated. A 1-D input (one sample, no batch dim) is only replicated.
+    the target without reduction and is the replicated 0-d seed otherwise; ``weight``
+    replicated; ``total_weight`` replicated for the mean (the all-reduced count: each
+    shard of the gradient is then ``-grad_output / total_weight`` at its targets, the
+    global mean's gradient) and, as DTensor leaves it, as the forward made it for the sum
+    or no reduction, whose kernel does not read it. Replicated gives replicated. A 1-D
+    input (one sample, no batch dim) is only replicated.
     """
     rep = (Replicate(),) * len(mesh_shape)
     n_in = len(args)
     reduction = node.args[4] if len(node.args) > 4 else 1  # 0 none, 1 mean, 2 sum
     out = [Strategy((rep,), (rep,) * n_in)]
-    if len(args[1].shape) < 2:
-        return out
+    for combo in _batch_shard_combos(args[1], mesh_shape):
+        grad_out = combo if reduction == 0 else rep
+        total_weight = rep if reduction == 1 else _partial_where_sharded(combo)
+        weight = (rep,) * (n_in - 4)  # given or not
+        out.append(Strategy((combo,), (grad_out, combo, combo, *weight, total_weight)))
+    return out
+
+
+def _batch_shard_combos(t: TensorInfo, mesh_shape: tuple[int, ...]):
+    """The placements that shard an ``(N, C)`` loss input on its batch dim ``N`` over one
+    or more mesh dims (replicated on the others) where they divide ``N``; none for a 1-D
+    input (one sample: ``C`` classes and a 0-d target)."""
+    if len(t.shape) < 2:
+        return
     for combo in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
         if all(isinstance(p, Replicate) for p in combo):
             continue
-        if args[1].shape[0] % math.prod(
-            n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard)
-        ):
-            continue
-        grad_out = combo if reduction == 0 else rep
-        out.append(Strategy((combo,), (grad_out, combo, combo) + (rep,) * (n_in - 3)))
-    return out
+        ways = math.prod(n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard))
+        if t.shape[0] % ways == 0:
+            yield combo
+
+
+def _partial_where_sharded(combo: tuple) -> tuple:
+    """``Partial(sum)`` on the mesh dims ``combo`` shards, ``Replicate`` elsewhere: a sum
+    over the batch shards (the loss's ``total_weight``)."""
+    return tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
 
 
 def _attention_rule(node, args, results, mesh_shape) -> list[Strategy]:
