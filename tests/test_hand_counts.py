@@ -16,7 +16,8 @@ papers, with the parameter sizes PyTorch's own module reports:
   token ids), so it is gathered once;
 - **Megatron TP** (Shoeybi et al., 2019, figure 4: the ``f`` and ``g`` operators): two
   all-reduces per layer in the forward pass and two in the backward, and no other
-  collective: each rank's weight gradients are its shards'.
+  collective: each rank's weight gradients are its shards' (the backward's two with
+  ``--share-reshardings``, which pays one all-reduce for the two reads of one gradient).
 
 Each plan also all-reduces the 0-d loss once in the forward pass (each device's mean over
 its own rows, 4 bytes).
@@ -64,10 +65,15 @@ def sizes(model_path) -> dict[str, int]:
     return {name: p.numel() for name, p in loaded.module.named_parameters()}
 
 
-def _plan(model_path: Path, algo: str):
+def _plan(model_path: Path, algo: str, share_reshardings: bool = False):
     mesh = MeshSpec.from_options(str(N), None, intra_node_bw=BW, intra_node_latency=0.0)
     config = SolveConfig(
-        model_path, mesh, precision="bf16-mixed", mode="train", activation_checkpointing="none"
+        model_path,
+        mesh,
+        precision="bf16-mixed",
+        mode="train",
+        activation_checkpointing="none",
+        share_reshardings=share_reshardings,
     )
     return plan_baseline(config, algo).plan
 
@@ -109,21 +115,22 @@ def test_megatron_all_reduces_twice_per_layer_in_the_forward(model_path):
     assert _counts(_plan(model_path, "megatron"))[("forward", "all_reduce")] == 2 * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the backward is left to greedy propagation (tensor_parallel._pin_outside_ops "
-    "skips backward ops), which reduce-scatters a gradient (half an all-reduce's bytes) and "
-    "gathers it again later: 6 all-reduces, 11 reduce-scatters, 5 all-gathers and 4 "
-    "all-to-alls where Megatron runs 4 all-reduces",
-)
 def test_megatron_all_reduces_twice_per_layer_in_the_backward_and_nothing_else(model_path):
-    backward = {
-        k: n
-        for (phase, k), n in _counts(_plan(model_path, "megatron")).items()
-        if phase == "backward"
+    """The backward outside the tensor-parallel regions is replicated on the TP dim as its
+    forward is, so each region's partial input gradient is all-reduced once, where it
+    enters the norm before the region. Before, the backward was left to greedy propagation,
+    which reduce-scattered a gradient (half an all-reduce's bytes) and gathered it again
+    later: 6 all-reduces, 11 reduce-scatters, 5 all-gathers and 4 all-to-alls. The norm's
+    backward reads that gradient twice; with ``--share-reshardings`` the two reads share one
+    all-reduce, as Megatron runs it, and without it each read pays its own."""
+    shared = _counts(_plan(model_path, "megatron", share_reshardings=True))
+    assert {k: n for (phase, k), n in shared.items() if phase == "backward"} == {
+        "all_reduce": 2 * 2
     }
-    assert backward == {"all_reduce": 2 * 2}
+    apart = _counts(_plan(model_path, "megatron"))
+    assert {k: n for (phase, k), n in apart.items() if phase == "backward"} == {
+        "all_reduce": 2 * 2 * 2
+    }
 
 
 def test_the_tiny_llama_is_what_the_counts_assume(sizes):

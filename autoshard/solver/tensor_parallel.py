@@ -475,6 +475,44 @@ def _pin_tp_params(
         restrict_param_uses(r, sg, used_as_stored)
 
 
+def _pin_outside_backward(
+    r: Restriction,
+    sg: StrategyGraph,
+    outside: list[str],
+    region_reps: set[str],
+    backward: set[str],
+    t: int,
+) -> None:
+    """Megatron's backward outside the tensor-parallel regions (Shoeybi et al. 2019, the
+    ``f`` operator): the gradient of a replicated tensor is never sharded on the TP dim. A
+    backward op of a module outside the regions (a norm) is replicated there, as its
+    forward is, so the partial gradient a region hands back is all-reduced where it enters
+    it; every other backward op outside the regions' modules (the residual stream's adds)
+    is replicated or partial on the TP dim, so partial gradients add up before their one
+    all-reduce. Left to propagation, a reduce-scatter (half an all-reduce's bytes) won each
+    choice and the gradient was gathered again later. Returns None."""
+    nodes = sg.graph.nodes
+    module = {r_: nodes[r_].module_path for r_ in sg.reps if r_ in nodes}
+    outside_modules = {module.get(r_) for r_ in outside} - {None}
+    inside_modules = {module.get(r_) for r_ in region_reps} - {None}
+    # the residual stream's shapes: what the ops outside the regions make
+    stream = {tuple(nodes[r_].results[0].shape) for r_ in outside if _first_result(sg, r_)}
+    for rep in sorted(backward):
+        path = module.get(rep)
+        if node_kind(sg, rep) != "op" or path in inside_modules or not _first_result(sg, rep):
+            continue
+        if path in outside_modules:
+            r.allow(sg, rep, all_on(sg, rep, t, is_r), "replicated_on_tp")
+        elif path is None and tuple(nodes[rep].results[0].shape) in stream:
+            r.allow(sg, rep, all_on(sg, rep, t, lambda p: not is_s(p)), "replicated_on_tp")
+
+
+def _first_result(sg: StrategyGraph, rep: str) -> bool:
+    """Whether ``rep`` is a traced node with a first tensor result."""
+    info = sg.graph.nodes.get(rep)
+    return info is not None and bool(info.results) and info.results[0] is not None
+
+
 def _pin_outside_ops(
     r: Restriction,
     sg: StrategyGraph,
@@ -515,3 +553,5 @@ def _pin_outside_ops(
             f"{unpinned} ops outside the tensor-parallel regions have no strategy "
             "replicated on the TP dim; left to propagation"
         )
+    if not sequence_parallel and pin_outside:
+        _pin_outside_backward(r, sg, outside, region_reps, backward, t)
