@@ -326,6 +326,7 @@ WITHIN = frozenset(
         "megatron-gpt-1.7b-32xa100",
         "megatron-gpt-3.6b-64xa100",
         "megatron-gpt-7.5b-128xa100",
+        "megatron-gpt-18.4b-256xa100",
     }
 )
 # the same with the rates one H100 achieved (autoshard/cost/measured/h100.json)
