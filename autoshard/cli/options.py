@@ -95,7 +95,10 @@ def mesh_options(f=None, *, mesh_required: bool = True):
             default=DEFAULT_DEVICE,
             show_default=True,
             type=click.Choice(sorted(DEVICES), case_sensitive=False),
-            help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline).",
+            help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline): "
+            "the datasheet's peaks, which no GPU reaches; h100-measured and h200-measured "
+            "price at the rates one such GPU reached (matmuls by size, attention, copy; "
+            "docs/validation.md).",
         ),
         click.option(
             "--profile",
