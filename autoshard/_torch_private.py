@@ -457,3 +457,12 @@ def all_to_all_uneven(x: torch.Tensor, out_splits: list[int], in_splits: list[in
     import torch.distributed._functional_collectives as fc
 
     return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
+
+
+def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over ``group``'s ranks, through torch's functional collectives (as
+    :func:`all_to_all_uneven`: DTensor's, seen by the launcher's collective log and recorded
+    by a lowered step); a new tensor, waited on before it returns."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))

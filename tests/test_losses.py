@@ -394,9 +394,9 @@ def test_the_cross_entropy_backward_rule_places_each_input_as_dtensor_does(reduc
 
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from autoshard.strategies.graph import OWN_RULES
+    from autoshard.strategies.rules import op_rule
 
-    rule = OWN_RULES[torch.ops.aten.nll_loss_backward.default]
+    rule = op_rule(torch.ops.aten.nll_loss_backward.default).generate
     t = SimpleNamespace
     args = [t(shape=(8,) if reduction == 0 else ()), t(shape=(8, 5)), t(shape=(8,))]
     args += [t(shape=(5,))] * weighted + [t(shape=())]

@@ -9,17 +9,8 @@ registered" (eager) or, in a stage's exported graph, fell to DTensor's decomposi
 propagation.
 
 :func:`register_launch_rules` gives them the strategies DTensor gives the CUDA
-flash kernel (``torch/distributed/tensor/_ops/_matrix_ops.py``), per mesh dim: everything
-replicated; everything sharded by batch (``Shard(0)``); everything sharded by heads
-(``Shard(1)``). Attention is independent per batch row and per head, so each needs no
-communication. Heads are offered only where each rank's query heads read its own key/value
-heads: the key/value heads equal the query heads, or both counts divide by the mesh's size
-(grouped-query attention, query head ``i`` reading key/value head ``i // (Hq / Hkv)``). A mask
-stays replicated, and a dim is offered only where the mask broadcasts (size 1, or a mask of
-fewer dims) or there is none: the masks these paths meet are plain tensors made on every
-rank (HuggingFace's causal mask inside a stage), which DTensor's implicit replication passes
-to the kernel whole, never resharded, so a batch-sized mask beside a batch-sharded query
-would not line up.
+flash kernel, per mesh dim, as the op rule of :mod:`autoshard.strategies.attention`
+states them (its DTensor form, with the limits these paths need).
 
 A DTensor's strides are the global tensor's, worked out by the ops' meta kernels, and a
 reshape decides on them to view rather than copy. The fused CPU attention lays its output out
@@ -39,58 +30,29 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from functools import partial
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoshard._torch_private import is_mask_partial, key_sharding_cache_on, register_launch_rule
-from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
-
-
-def _heads_shardable(query: Any, key: Any) -> bool:
-    """Whether sharding dim 1 (heads) keeps every query head with its key/value head."""
-    hq, hkv = query.shape[1], key.shape[1]
-    n = query.mesh.size()
-    return hq == hkv or (hq % n == 0 and hkv % n == 0)
-
-
-def _mask_broadcasts(mask: Any, dim: int) -> bool:
-    """Whether a mask broadcasts over the query's ``dim`` (0: batch, 1: heads): it has no
-    such dim (a 2-D ``[L, S]`` or 3-D mask aligns from the right) or size 1 there."""
-    k = dim - (4 - len(mask.shape))
-    return k < 0 or mask.shape[k] == 1
-
-
-def _attention_rule(
-    query_at: int, outputs: int, *args: Any, attn_mask: Any = None, **_: Any
-) -> list[tuple[list[Any], list[Any]]]:
-    """(outputs' placements, tensor inputs' placements) per strategy, for one mesh dim, of
-    the forward (``query_at=0``, 2 outputs: output, logsumexp; tensors query, key, value)
-    or the backward (``query_at=1``, 3 outputs: the gradients; tensors grad_out, query,
-    key, value, out, logsumexp); ``attn_mask``, when given, comes last."""
-    tensors = sum(hasattr(a, "placements") for a in args)  # DTensorSpecs; floats are not
-    query, key = args[query_at], args[query_at + 1]
-    dims = [0] + ([1] if _heads_shardable(query, key) else [])
-    if attn_mask is not None:
-        dims = [d for d in dims if _mask_broadcasts(attn_mask, d)]
-    mask = [Replicate()] if attn_mask is not None else []
-    out = [([Replicate()] * outputs, [Replicate()] * tensors + mask)]
-    for dim in dims:
-        out.append(([Shard(dim)] * outputs, [Shard(dim)] * tensors + mask))
-    return out
+from autoshard.strategies.rules import op_rules
 
 
 def register_launch_rules() -> None:
-    """Give DTensor the rules of this module (once per process; later calls do nothing):
-    the fused CPU attention's, and the HF experts matmul's where transformers defines it
-    (:func:`register_transformers_grouped_mm_rules`). Call after the model file is loaded
-    and before the first DTensor op runs (DTensor caches its sharding decisions)."""
-    register_launch_rule(FLASH_FORWARD, partial(_attention_rule, 0, 2))
-    register_launch_rule(FLASH_BACKWARD, partial(_attention_rule, 1, 3))
-    for op in (FLASH_FORWARD, FLASH_BACKWARD):
-        key_sharding_cache_on(op, ["attn_mask"])  # the rules read the mask's shape
+    """Give DTensor the rules it lacks (once per process; later calls do nothing): every op
+    rule's DTensor form (:attr:`autoshard.strategies.registry.OpRule.dtensor_rule`: the
+    fused CPU attention's, :mod:`autoshard.strategies.attention`), and the HF experts
+    matmul's where transformers defines it (:func:`register_transformers_grouped_mm_rules`).
+    Call after the model file is loaded and before the first DTensor op runs (DTensor
+    caches its sharding decisions)."""
+    for rule in op_rules():
+        if rule.dtensor_rule is None:
+            continue
+        for op in sorted(rule.targets, key=str):
+            register_launch_rule(op, rule.dtensor_rule)
+            if rule.dtensor_cache_keys:
+                key_sharding_cache_on(op, list(rule.dtensor_cache_keys))
     register_transformers_grouped_mm_rules()
 
 

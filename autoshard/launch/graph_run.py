@@ -15,9 +15,11 @@ as meta-pytorch/autoparallel's ``apply_sharding.py`` does:
   plan's is a *deviation*: counted, named, and redistributed to the plan's placement;
 - an op with no DTensor rule (the plan gave it replicated inputs and outputs, as the
   solver's fallback does) runs on each rank's local, full copy;
-- the fused experts ops run :func:`autoshard.trace.experts.experts_local` on each rank's
-  shards, exchanging tokens by ``all_to_all_single`` where the plan shards experts and
-  tokens on the same mesh dim (expert parallelism, :mod:`autoshard.strategies.experts`);
+- an op with a kernel of its own (:mod:`autoshard.strategies.registry`: the fused
+  attention ops, the fused experts ops, a model's custom ops) runs that kernel on each
+  rank's shards, told the mode of each mesh dim; the experts' exchanges tokens by
+  ``all_to_all_single`` where the plan shards experts and tokens on the same mesh dim
+  (expert parallelism, :mod:`autoshard.strategies.experts`);
 - nodes the plan marks free (factory ops, masks, position ids, buffers) run on plain
   tensors on every rank and enter the DTensor world as ``Replicate``, from which any
   placement is a local slice.
@@ -41,7 +43,7 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor import zeros as dtensor_zeros
 
 from autoshard import _torch_private as tp
@@ -52,14 +54,9 @@ from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
 from autoshard.launch.lowered import PHASE, local_shard
-from autoshard.strategies.graph import SHARD_LOCAL_OPS
-from autoshard.trace.experts import (
-    EXPERT_OPS,
-    EXPERTS_FORWARD,
-    Exchange,
-    experts_backward_local,
-    experts_local,
-)
+from autoshard.strategies.registry import KernelContext
+from autoshard.strategies.rules import OpRule, op_rule
+from autoshard.strategies.strategy import Strategy
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
 Placements = tuple[Placement, ...]
@@ -580,11 +577,9 @@ class PlanInterpreter(torch.fx.Interpreter):
         back = self._substitute(n, args_list)
         if plan.fallback:
             out = self._run_local(n, args_list, kwargs)
-        elif n.target in SHARD_LOCAL_OPS:
-            out = self._run_shard_local(n, args_list, kwargs, plan)
-        elif n.target in EXPERT_OPS:
+        elif (rule := op_rule(n.target)) is not None and rule.kernel is not None:
             with self._phase(self._phase_of(plan)):
-                out = self._run_experts(n, args_list, kwargs, plan)
+                out = self._run_kernel(n, rule, args_list, kwargs, plan)
         elif n.target in NO_FLOAT64 and self.dtype_map and _has_float64(args_list):
             with self._phase(self._phase_of(plan)):
                 out = run_narrowed(n.target, args_list, kwargs, self.log.substitutions)
@@ -625,45 +620,20 @@ class PlanInterpreter(torch.fx.Interpreter):
 
         return tree_map(wrap, out)
 
-    def _run_experts(self, n: torch.fx.Node, args: list, kwargs: dict, plan: NodePlan) -> Any:
-        """The fused experts op (:mod:`autoshard.trace.experts`) on this rank's shards, as
-        its strategy places it (:mod:`autoshard.strategies.experts`): the experts it holds
-        are the block of its coordinate on the mesh dim that shards them; where that dim
-        also shards the tokens, tokens go to their experts' rank and back by all-to-all."""
-        forward = n.target is EXPERTS_FORWARD
-        first = 0 if forward else 1
-        experts = plan.inputs[first + 3]
-        tokens = plan.inputs[first]
-        num_experts = int(args[first + 3].shape[0])
-        kw: dict[str, Any] = {}
-        if sum(isinstance(p, Shard) for p in experts) > 1:
-            raise AutoshardError(
-                f"{n.name}: the plan shards the experts over more than one mesh dim "
-                f"({experts}); the experts op takes one (solve again)"
-            )
-        for dim, p in enumerate(experts):
-            if not isinstance(p, Shard):
-                continue
-            size, rank = self.mesh.size(dim), self.mesh.get_local_rank(dim)
-            kw.update(first_expert=rank * (num_experts // size), num_experts=num_experts)
-            if isinstance(tokens[dim], Shard):
-                kw["exchange"] = Exchange(self.mesh.get_group(dim), size, rank)
-        local = tree_map(local_shard, args)
-        out = (experts_local if forward else experts_backward_local)(*local, **kwargs, **kw)
-        outs = [out] if forward else list(out)
-        metas = [n.meta["val"]] if forward else list(n.meta["val"])
-        placed = [
-            DTensor.from_local(
-                x, self.mesh, list(want), run_check=False, shape=meta.shape, stride=meta.stride()
-            )
-            for x, want, meta in zip(outs, plan.outputs, metas, strict=True)
-        ]
-        return placed[0] if forward else tuple(placed)
-
-    def _run_shard_local(self, n: torch.fx.Node, args: list, kwargs: dict, plan: NodePlan) -> Any:
-        """An op whose strategies need no communication (the fused attention ops, sharded
-        by batch or heads): run on each rank's shards, the results placed as planned."""
-        out = n.target(*tree_map(local_shard, args), **tree_map(local_shard, kwargs))
+    def _run_kernel(
+        self, n: torch.fx.Node, rule: OpRule, args: list, kwargs: dict, plan: NodePlan
+    ) -> Any:
+        """An op with a kernel of its own (:attr:`autoshard.strategies.registry.OpRule.kernel`:
+        the fused attention and experts ops, a model's custom ops) on this rank's shards,
+        told the mode its strategy gives each mesh dim; the results placed as planned."""
+        info = self.program.graph.nodes[n.name]
+        strategy = Strategy(tuple(plan.outputs), tuple(plan.inputs))
+        try:
+            modes = rule.modes(n, info.args, info.results, strategy)
+        except ValueError as e:
+            raise AutoshardError(f"{n.name}: {e} (solve again)") from e
+        ctx = KernelContext(modes, self.mesh)
+        out = rule.kernel(n.target, tree_map(local_shard, args), tree_map(local_shard, kwargs), ctx)
         many = isinstance(out, (tuple, list))
         outs = list(out) if many else [out]
         metas = n.meta["val"] if many else [n.meta["val"]]

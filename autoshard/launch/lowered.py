@@ -20,10 +20,11 @@ Each collective node carries the phase it was issued in (``forward``, ``backward
 phase, kind and mesh dim (:meth:`LoweredStep.collectives`) and compared with the plan's
 prediction, as step 1's are.
 
-Not lowered: a graph holding the fused experts ops (:mod:`autoshard.trace.experts`). Their
-token exchange sends as many rows to each rank as the routing of that step says, which a
-recorded graph would freeze at step 1's counts; such a program runs the interpreter at
-every step (:func:`lowerable` says why).
+Not lowered: a graph holding an op whose rule is not ``lowerable``
+(:mod:`autoshard.strategies.registry`): the fused experts ops
+(:mod:`autoshard.trace.experts`), whose token exchange sends as many rows to each rank as
+the routing of that step says, which a recorded graph would freeze at step 1's counts;
+such a program runs the interpreter at every step (:func:`lowerable` says why).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.collective_log import collective_kind
-from autoshard.trace.experts import EXPERT_OPS
+from autoshard.strategies.rules import op_rule
 
 PHASE = "phase"
 """The key of ``node.meta["custom"]`` that holds a lowered node's phase."""
@@ -79,11 +80,18 @@ def _wrap(value: Any, spec: _Spec | None, mesh: DeviceMesh) -> Any:
 def lowerable(graph: torch.fx.Graph) -> str | None:
     """``None`` when ``graph`` (the traced graph a program runs) can be lowered, else why
     not (one line)."""
-    experts = sum(1 for n in graph.nodes if n.op == "call_function" and n.target in EXPERT_OPS)
-    if experts:
+    held = Counter(
+        str(n.target)
+        for n in graph.nodes
+        if n.op == "call_function"
+        and (rule := op_rule(n.target)) is not None
+        and not rule.lowerable
+    )
+    if held:
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(held.items()))
         return (
-            f"{experts} experts op(s) exchange as many tokens as each step's routing sends, "
-            "which a recorded graph would freeze"
+            f"{ops}: what these ops send depends on each step's values (the experts' "
+            "routing), which a recorded graph would freeze"
         )
     return None
 

@@ -496,6 +496,63 @@ def experts_line(plan: Plan, summary: dict | None = None) -> str | None:
     return out
 
 
+def in_op_summary(plan: Plan) -> dict[str, dict]:
+    """What ops communicate inside themselves in ``plan`` (an op rule's collectives,
+    :mod:`autoshard.strategies.registry`: the experts' token exchange, a model's own op's),
+    by op: the real nodes (``nodes``), the mode of each mesh dim their strategies choose
+    (``modes``: ``"d0: S0"``-style text -> real nodes), the collectives by kind per step
+    (``collectives``) and their seconds per step (``seconds``)."""
+    from autoshard.cost.collectives import comm_model
+    from autoshard.strategies.rules import op_rule
+
+    graph = plan.sg.graph
+    fx_nodes = {x.name: x for x in graph.graph_module.graph.nodes}
+    comm = comm_model(plan.mesh)
+    out: dict[str, dict] = {}
+    for n, s in plan.node_strategy.items():
+        info = graph.nodes.get(n)
+        if info is None or not s.collectives:
+            continue
+        rule = op_rule(info.target)
+        m = graph.mult(n)
+        entry = out.setdefault(
+            str(info.target),
+            {"nodes": 0, "modes": Counter(), "collectives": Counter(), "seconds": 0.0},
+        )
+        entry["nodes"] += m
+        if rule is not None and rule.per_dim is not None:
+            modes = rule.modes(fx_nodes[n], info.args, info.results, s)
+            text = ", ".join(
+                f"{d}: {mode}" for d, mode in zip(plan.mesh.dim_names, modes, strict=True)
+            )
+            entry["modes"][text] += m
+        for kind, dim, nbytes in s.collectives:
+            entry["collectives"][kind] += m
+            entry["seconds"] += m * comm.collective(kind, nbytes, dim)
+    return {
+        op: {**e, "modes": dict(e["modes"]), "collectives": dict(e["collectives"])}
+        for op, e in sorted(out.items())
+    }
+
+
+def in_op_line(plan: Plan | None, summary: dict | None = None) -> str | None:
+    """``collectives inside ops: OP xN (d0: S0): K all-reduces, T per step; ...`` or None
+    when no op communicates itself."""
+    summary = in_op_summary(plan) if summary is None else summary
+    if not summary:
+        return None
+    parts = []
+    for op, e in summary.items():
+        modes = "; ".join(f"{text} x{k}" for text, k in e["modes"].items())
+        kinds = ", ".join(
+            f"{k} {COLLECTIVES[kind].title}{'s' if k != 1 else ''}"
+            for kind, k in sorted(e["collectives"].items())
+        )
+        where = f" ({modes})" if modes else ""
+        parts.append(f"{op} x{e['nodes']}{where}: {kinds}, {format_seconds(e['seconds'])} per step")
+    return "collectives inside ops: " + "; ".join(parts)
+
+
 REPORT_FORMAT = "autoshard.report/1"
 
 
@@ -578,6 +635,7 @@ def report_dict(
                 for op, (n, secs) in facts.fallbacks.items()
             },
             "experts": experts_summary(plan),
+            "in_op_collectives": in_op_summary(plan),
             "space": plan.extra.get("space"),
             "notes": [*facts.differences, *notes],
         }
@@ -633,9 +691,9 @@ def print_report(
     activations = activation_table(plan)
     if activations is not None:
         console.print(activations)
-    experts = experts_line(plan)
-    if experts is not None:
-        console.print(experts, highlight=False)
+    for line in (experts_line(plan), in_op_line(plan)):
+        if line is not None:
+            console.print(line, highlight=False)
     for line in facts.differences:
         console.print(line, highlight=False)
     shapes = {

@@ -33,15 +33,23 @@ Each exchange is priced with :meth:`autoshard.cost.collectives.CommModel.collect
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard.strategies.strategy import Placements, Strategy, local_shape
-from autoshard.trace.experts import EXPERTS_BACKWARD, EXPERTS_FORWARD, experts_flops
+from autoshard.errors import AutoshardError
+from autoshard.strategies.registry import DimChoice, KernelContext, register_op_rule
+from autoshard.strategies.strategy import Strategy, local_shape
+from autoshard.trace.experts import (
+    EXPERTS_BACKWARD,
+    EXPERTS_FORWARD,
+    Exchange,
+    experts_backward_local,
+    experts_flops,
+    experts_local,
+)
 from autoshard.trace.tracer import TensorInfo
 
 MODES = ("R", "DP", "EP", "EPR")
@@ -84,37 +92,33 @@ def rows_per_device(target, args: Sequence[TensorInfo], modes: Sequence[str], me
     return x.shape[0] // split * index.shape[1] // spread
 
 
-def experts_rule(node, args, results, mesh_shape) -> list[Strategy]:
-    """Every combination of :data:`MODES` over the mesh dims that divides evenly, with at
-    most one dim holding experts; an ``EP`` dim carries its all-to-all exchanges."""
-    target = node.target
-    x, index, w1 = _shapes(target, args)
-    tokens, experts = x.shape[0], w1.shape[0]
+def _choices(node, args, results) -> list[DimChoice]:
+    """The four :data:`MODES` of one mesh dim: where the tokens, the experts and the
+    output (the backward's gradients) sit."""
     out = []
-    for modes in itertools.product(MODES, repeat=len(mesh_shape)):
-        expert_dims = [i for i, m in enumerate(modes) if m in ("EP", "EPR")]
-        if len(expert_dims) > 1 or any(mesh_shape[i] == 1 for i in expert_dims):
-            continue  # one dim holds experts; on a dim of one device they are whole
-        split = math.prod(n for m, n in zip(modes, mesh_shape, strict=True) if m in ("DP", "EP"))
-        if tokens % split or any(experts % mesh_shape[i] for i in expert_dims):
-            continue
-        tok = tuple(_TOKENS[m] for m in modes)
-        exp = tuple(_EXPERTS[m] for m in modes)
-        if target is EXPERTS_FORWARD:
-            ins = (tok, tok, tok, exp, exp)
-            outs: tuple[Placements, ...] = (tuple(_OUT[m] for m in modes),)
+    for m in MODES:
+        tok, exp = _TOKENS[m], _EXPERTS[m]
+        if node.target is EXPERTS_FORWARD:
+            ins: tuple = (tok, tok, tok, exp, exp)
+            outs: tuple = (_OUT[m],)
         else:
-            ins = (tuple(_OUT[m] if m != "EPR" else _R for m in modes), tok, tok, tok, exp, exp)
-            gt = tuple(_GRAD_TOKENS[m] for m in modes)
-            ge = tuple(_GRAD_EXPERTS[m] for m in modes)
+            ins = (_OUT[m] if m != "EPR" else _R, tok, tok, tok, exp, exp)
+            gt, ge = _GRAD_TOKENS[m], _GRAD_EXPERTS[m]
             outs = (gt, gt, ge, ge)
-        out.append(Strategy(outs, ins, _exchanges(target, args, modes, mesh_shape)))
+        out.append(DimChoice(m, ins, outs))
     return out
 
 
-def _exchanges(target, args, modes, mesh_shape) -> tuple[tuple[str, int, float], ...]:
+def _one_expert_dim(node, args, modes, mesh_shape) -> bool:
+    """At most one mesh dim holds experts; on a dim of one device they are whole."""
+    expert_dims = [i for i, m in enumerate(modes) if m in ("EP", "EPR")]
+    return len(expert_dims) <= 1 and all(mesh_shape[i] > 1 for i in expert_dims)
+
+
+def _exchanges(node, args, modes, mesh_shape) -> tuple[tuple[str, int, float], ...]:
     """The all-to-all exchanges of the ``EP`` dim: ``(kind, mesh dim, bytes of the whole
     group)`` as :meth:`~autoshard.cost.collectives.CommModel.collective` takes them."""
+    target = node.target
     if "EP" not in modes:
         return ()
     dim = modes.index("EP")
@@ -150,5 +154,35 @@ def experts_cost(node, info, s: Strategy, mesh_shape, compute_time: Callable[...
     return compute_time(flops, nbytes + rows * per_row, x.dtype)
 
 
-EXPERTS_RULES = {EXPERTS_FORWARD: experts_rule, EXPERTS_BACKWARD: experts_rule}
-EXPERTS_COSTS = {EXPERTS_FORWARD: experts_cost, EXPERTS_BACKWARD: experts_cost}
+def _kernel(target, args: list, kwargs: dict, ctx: KernelContext):
+    """The fused experts op on this rank's shards, as its modes place it: the experts it
+    holds are the block of its coordinate on the mesh dim that shards them; where that dim
+    also shards the tokens (``EP``), tokens go to their experts' rank and back by
+    all-to-all (:class:`autoshard.trace.experts.Exchange`)."""
+    forward = target is EXPERTS_FORWARD
+    first = 0 if forward else 1
+    dims = [d for d, m in enumerate(ctx.modes) if m in ("EP", "EPR")]
+    if len(dims) > 1:
+        raise AutoshardError(
+            f"{target}: the plan shards the experts over more than one mesh dim "
+            f"({ctx.modes}); the experts op takes one (solve again)"
+        )
+    kw: dict = {}
+    for dim in dims:
+        size, rank = ctx.size(dim), ctx.rank(dim)
+        num_experts = int(args[first + 3].shape[0]) * size
+        kw.update(first_expert=rank * (num_experts // size), num_experts=num_experts)
+        if ctx.modes[dim] == "EP":
+            kw["exchange"] = Exchange(ctx.group(dim), size, rank)
+    return (experts_local if forward else experts_backward_local)(*args, **kwargs, **kw)
+
+
+register_op_rule(
+    EXPERTS_FORWARD,
+    EXPERTS_BACKWARD,
+    allow=_one_expert_dim,
+    collectives=_exchanges,
+    compute_cost=experts_cost,
+    kernel=_kernel,
+    lowerable=False,
+)(_choices)

@@ -2,8 +2,8 @@
 
 A *strategy* of a node is one choice of placements (one per mesh dim) for each of
 its tensor inputs and outputs. They come from PyTorch's own DTensor sharding
-rules (through :mod:`autoshard._torch_private`), from autoshard's small table of
-rules where PyTorch has none or a broken one (:data:`OWN_RULES`), and otherwise
+rules (through :mod:`autoshard._torch_private`), from autoshard's op rules where
+PyTorch has none or a broken one (:mod:`autoshard.strategies.registry`), and otherwise
 from a replicate fallback (everything ``Replicate``) that is counted and
 reported, never silent.
 
@@ -30,7 +30,6 @@ strategy of its representative to one of its own (``choice``).
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 import time
@@ -41,16 +40,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_private as tp
-from autoshard.strategies.experts import EXPERTS_COSTS, EXPERTS_RULES
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
+from autoshard.strategies.registry import roofline
+from autoshard.strategies.rules import op_rule
 from autoshard.strategies.sharing import build_shares, share_key
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
-from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.ops import is_view
-from autoshard.trace.tracer import TensorInfo, TracedGraph, counted_flops, op_flops
+from autoshard.trace.tracer import TensorInfo, TracedGraph
 
 aten = torch.ops.aten
 
@@ -172,178 +171,6 @@ class StrategyGraph:
             self.__dict__["_rep_cost_cache"] = costs
         return self.__dict__["_rep_cost_cache"]
 
-
-# --- autoshard's own rules: ops PyTorch has no (working) rule for ---------------------
-
-OwnRule = Callable[
-    [Any, list[TensorInfo], list[TensorInfo | None], tuple[int, ...]], list[Strategy]
-]
-
-
-def _nll_loss_forward_rule(node, args, results, mesh_shape) -> list[Strategy]:
-    """``nll_loss_forward(input[N, C], target[N], weight?, reduction, ignore_index)``.
-
-    PyTorch's rule indexes the target's strategy by the input's index and breaks
-    with several input strategies. Here: batch-sharded input and target give a
-    partial loss, placed as DTensor's own dispatch places it (the launcher runs it):
-    ``Partial(avg)`` for the mean reduction (the mean of local means, exact for equal
-    shards), ``Partial(sum)`` for the sum, and a batch-sharded loss for no reduction;
-    ``total_weight`` is a ``Partial(sum)``. Replicated gives replicated. Outputs: (loss,
-    total_weight).
-    """
-    rep = (Replicate(),) * len(mesh_shape)
-    n_in = len(args)
-    reduction = node.args[3] if len(node.args) > 3 else 1  # 0 none, 1 mean, 2 sum
-    out = [Strategy((rep, rep), (rep,) * n_in)]
-    for combo in _batch_shard_combos(args[0], mesh_shape):
-        weight = _partial_where_sharded(combo)
-        if reduction == 0:
-            loss = combo
-        elif reduction == 1:
-            loss = tuple(Partial("avg") if isinstance(p, Shard) else Replicate() for p in combo)
-        else:
-            loss = weight
-        ins = (combo, combo) + (rep,) * (n_in - 2)
-        out.append(Strategy((loss, weight), ins))
-    return out
-
-
-def _nll_loss_backward_rule(node, args, results, mesh_shape) -> list[Strategy]:
-    """``nll_loss_backward(grad_output, input[N, C], target[N], weight?, reduction,
-    ignore_index, total_weight)``, the gradient of a cross-entropy loss.
-
-    PyTorch's rule indexes the target's, the gradient's and ``total_weight``'s strategies
-    by the input's index, as its forward rule does, and so offers only ``Replicate`` when
-    each input has several candidates: the whole ``(N, C)`` gradient of the logits was
-    computed on every device (67 GB in float32 for Llama-3.1-8B at 16 x 8192 tokens).
-    Here, as DTensor's rule places one concrete case (what the launcher runs): input,
-    target and the gradient sharded alike on the batch dim ``N``; ``grad_output`` follows
-    the target without reduction and is the replicated 0-d seed otherwise; ``weight``
-    replicated; ``total_weight`` replicated for the mean (the all-reduced count: each
-    shard of the gradient is then ``-grad_output / total_weight`` at its targets, the
-    global mean's gradient) and, as DTensor leaves it, as the forward made it for the sum
-    or no reduction, whose kernel does not read it. Replicated gives replicated. A 1-D
-    input (one sample, no batch dim) is only replicated.
-    """
-    rep = (Replicate(),) * len(mesh_shape)
-    n_in = len(args)
-    reduction = node.args[4] if len(node.args) > 4 else 1  # 0 none, 1 mean, 2 sum
-    out = [Strategy((rep,), (rep,) * n_in)]
-    for combo in _batch_shard_combos(args[1], mesh_shape):
-        grad_out = combo if reduction == 0 else rep
-        total_weight = rep if reduction == 1 else _partial_where_sharded(combo)
-        weight = (rep,) * (n_in - 4)  # given or not
-        out.append(Strategy((combo,), (grad_out, combo, combo, *weight, total_weight)))
-    return out
-
-
-def _batch_shard_combos(t: TensorInfo, mesh_shape: tuple[int, ...]):
-    """The placements that shard an ``(N, C)`` loss input on its batch dim ``N`` over one
-    or more mesh dims (replicated on the others) where they divide ``N``; none for a 1-D
-    input (one sample: ``C`` classes and a 0-d target)."""
-    if len(t.shape) < 2:
-        return
-    for combo in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
-        if all(isinstance(p, Replicate) for p in combo):
-            continue
-        ways = math.prod(n for p, n in zip(combo, mesh_shape, strict=True) if isinstance(p, Shard))
-        if t.shape[0] % ways == 0:
-            yield combo
-
-
-def _partial_where_sharded(combo: tuple) -> tuple:
-    """``Partial(sum)`` on the mesh dims ``combo`` shards, ``Replicate`` elsewhere: a sum
-    over the batch shards (the loss's ``total_weight``)."""
-    return tuple(Partial() if isinstance(p, Shard) else Replicate() for p in combo)
-
-
-def _attention_rule(node, args, results, mesh_shape) -> list[Strategy]:
-    """The fused attention ops (:mod:`autoshard.trace.attention`), forward and backward.
-
-    Every ``[B, H, S, D]`` argument and result (and the ``[B, H, S]`` log-sum-exp) is
-    placed alike on each mesh dim: ``Replicate``, ``Shard(0)`` (batch) or ``Shard(1)``
-    (heads), when the dim divides; attention is independent per batch row and per head,
-    so each device computes its shard with no communication, as DTensor's rule for the
-    CUDA flash kernel does. An attention mask follows on its dims of full size and is
-    ``Replicate`` where it broadcasts (size 1). The sequence is not sharded (context
-    parallelism is not in the search space).
-    """
-    ndim = len(mesh_shape)
-    out = []
-    for combo in itertools.product([Replicate(), Shard(0), Shard(1)], repeat=ndim):
-        div = {0: 1, 1: 1}
-        for p, n in zip(combo, mesh_shape, strict=True):
-            if isinstance(p, Shard):
-                div[p.dim] *= n
-        if any(args[0].shape[d] % k for d, k in div.items()):
-            continue
-
-        def follow(t: TensorInfo | None, ndims: tuple[int, ...], combo=combo):
-            """``[B, H, S(, D)]`` tensors follow ``combo``; a mask broadcasts from the right,
-            so only a 4-D one does, and its dims of size 1 stay whole."""
-            if t is None:
-                return None
-            if len(t.shape) in ndims:
-                return tuple(
-                    p if not isinstance(p, Shard) or t.shape[p.dim] > 1 else Replicate()
-                    for p in combo
-                )
-            return (Replicate(),) * ndim
-
-        # the query/key/value-like arguments (and grad_out, out, logsumexp in the
-        # backward) lead; an attention mask, when given, is the last tensor argument
-        n_bhs = 6 if node.target is FLASH_BACKWARD else 3
-        ins = tuple(follow(a, (3, 4) if i < n_bhs else (4,)) for i, a in enumerate(args))
-        out.append(Strategy(tuple(follow(r, (3, 4)) for r in results), ins))
-    return out
-
-
-def _new_zeros_rule(node, args, results, mesh_shape) -> list[Strategy]:
-    """``new_zeros(input, size)``: zeros whatever the input holds, so the input is read
-    in whatever placement it has, with no communication. On each mesh dim the output is
-    whole, or sharded on a tensor dim where the input is sharded on the same dim of the
-    same size (each rank makes the zeros of its own rows, as the launcher does for
-    ``ZEROS_OPS``). DTensor's own rule replicates the output whenever its size differs
-    from the input's (Mixtral's router backward: ``new_zeros(tokens, experts)`` from
-    ``(tokens, top_k)``), which computed a batch-sized tensor whole on every device.
-    """
-    t_in, t_out = args[0], results[0]
-    aligned = [
-        d for d in range(min(len(t_in.shape), len(t_out.shape))) if t_in.shape[d] == t_out.shape[d]
-    ]
-    rep = Replicate()
-    choices = [(rep, rep)] + [(Shard(d), Shard(d)) for d in aligned]
-    choices += [(Shard(d), rep) for d in range(len(t_in.shape)) if d not in aligned]
-    out = []
-    for combo in itertools.product(choices, repeat=len(mesh_shape)):
-        ways_in: dict[int, int] = {}
-        for (p, _), n in zip(combo, mesh_shape, strict=True):
-            if isinstance(p, Shard):
-                ways_in[p.dim] = ways_in.get(p.dim, 1) * n
-        if any(t_in.shape[d] % k for d, k in ways_in.items()):
-            continue  # the output's shards are the input's, so they divide too
-        ins = tuple(p for p, _ in combo)
-        outs = tuple(q for _, q in combo)
-        out.append(Strategy((outs,), (ins,) + ((rep,) * len(mesh_shape),) * (len(args) - 1)))
-    return out
-
-
-OWN_RULES: dict[Any, OwnRule] = {
-    aten.nll_loss_forward.default: _nll_loss_forward_rule,
-    aten.nll_loss_backward.default: _nll_loss_backward_rule,
-    aten.new_zeros.default: _new_zeros_rule,
-    **{op: _attention_rule for op in FLASH_OPS},
-    **EXPERTS_RULES,
-}
-"""autoshard's rules, by op. The fused attention ops have no DTensor rule; the launcher
-runs them shard by shard (:data:`SHARD_LOCAL_OPS`). The fused experts ops: expert
-parallelism (:mod:`autoshard.strategies.experts`), run by the launcher's own kernel.
-``new_zeros``: zeros sharded as the input is where the sizes agree (the launcher makes
-them as planned: ``autoshard.launch.graph_run.ZEROS_OPS``)."""
-
-SHARD_LOCAL_OPS = FLASH_OPS
-"""Ops whose every strategy needs no communication: the launcher runs them on each rank's
-local shards and places the results as planned."""
 
 UNNESTED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default})
 """Ops DTensor runs through a handler that reads each tensor's ``dim_map`` (its convolution
@@ -648,7 +475,7 @@ class _Builder:
             else:
                 cand_lists.append(self.out_cands(a, 0))
         target = node.target
-        own = OWN_RULES.get(target)
+        own = op_rule(target)
         key = (
             target,
             _static_key(node.args, self.infos),
@@ -676,7 +503,7 @@ class _Builder:
         if compute is None:
             compute = np.array(
                 [
-                    _compute_cost(node, info, s, self.mesh_shape, self.compute_time)
+                    _compute_cost(node, info, s, self.mesh_shape, self.compute_time, own)
                     for s in strategies
                 ]
             )
@@ -742,7 +569,7 @@ def _grows(info) -> bool:  # noqa: ANN001 - a NodeInfo
 def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:
     """Strategies for one op, deduplicated; ``None`` when no rule gives any."""
     if own is not None:
-        found = own(node, info.args, info.results, mesh_shape)
+        found = own.generate(node, info.args, info.results, mesh_shape)
     elif tp.has_rule(node.target):
         rs = _rule_strategies(node, mesh, cand_lists)
         if rs is None:  # a rule that cannot handle these arguments: fall back
@@ -822,47 +649,17 @@ def _even(s: Strategy, info, mesh_shape) -> bool:
     return True
 
 
-def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time) -> float:
-    """Roofline seconds of strategy ``s`` on one device: its local shard of the op (the
-    fused experts: :func:`autoshard.strategies.experts.experts_cost`).
+def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time, rule) -> float:
+    """Roofline seconds of strategy ``s`` on one device: its local shard of the op
+    (:func:`autoshard.strategies.registry.roofline`, or the op rule's own cost).
 
     Views (``view``, ``t``, ``permute``, ``expand``, ...) alias their input: 0 s.
     """
     if is_view(node.target):
         return 0.0
-    own = EXPERTS_COSTS.get(node.target)
-    if own is not None:
-        return own(node, info, s, mesh_shape, compute_time)
-    args = [
-        TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
-        for t, p in zip(info.args, s.inputs, strict=True)
-    ]
-    results = [
-        TensorInfo(local_shape(r.shape, p, mesh_shape), r.dtype) if r is not None and p else r
-        for r, p in zip(info.results, s.outputs + (None,) * len(info.results), strict=False)
-    ]
-    counted = counted_flops(node, args, results)
-    flops = counted if counted is not None else op_flops(node, args, results)
-    nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
-    dtype = next((r.dtype for r in results if r is not None), torch.float32)
-    if counted is None:
-        return compute_time(flops, nbytes, dtype, "other")
-    if node.target in FLASH_OPS and _causal_unmasked(node):
-        # a calibrated attention rate is per batch x head (calibrate times causal attention
-        # on several (batch, heads, seq); its efficiency follows seq, not the batch)
-        kind = "attention_backward" if node.target is FLASH_BACKWARD else "attention_forward"
-        q = args[1] if node.target is FLASH_BACKWARD else args[0]
-        return compute_time(flops, nbytes, dtype, kind, per=q.shape[0] * q.shape[1])
-    return compute_time(flops, nbytes, dtype, "matmul")
-
-
-def _causal_unmasked(node) -> bool:
-    """A flash attention node with ``is_causal`` and no ``attn_mask``: what calibrate
-    times (a bidirectional or masked attention does twice the causal kernel's work for the
-    same count, so it is priced as a matmul of its FLOPs)."""
-    i = 7 if node.target is FLASH_BACKWARD else 4
-    causal = node.args[i] if len(node.args) > i else node.kwargs.get("is_causal", False)
-    return bool(causal) and node.kwargs.get("attn_mask") is None
+    if rule is not None and rule.compute_cost is not None:
+        return rule.compute_cost(node, info, s, mesh_shape, compute_time)
+    return roofline(node, info, s, mesh_shape, compute_time)
 
 
 def adamw_step_time(

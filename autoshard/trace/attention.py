@@ -13,7 +13,7 @@ kernel, a CPU kernel for the launcher, and an autograd formula whose backward is
 ``..._for_cpu_backward``): the same inputs, outputs and saved tensors as the CUDA flash
 kernel. :data:`FLASH_OPS` names them for the FLOP count (priced with the counter's formula
 for the CUDA flash kernel, :func:`flash_flops`) and for the strategies and the launcher
-(:data:`autoshard.strategies.graph.OWN_RULES`: batch- or head-sharded, computed shard by
+(:mod:`autoshard.strategies.attention`: batch- or head-sharded, computed shard by
 shard with no communication).
 
 The causal mask as eager runs it: HuggingFace builds no mask when there is no padding mask

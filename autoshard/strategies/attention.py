@@ -1,0 +1,145 @@
+"""The fused attention ops (:mod:`autoshard.trace.attention`): how they may be sharded,
+priced and run, as one :class:`~autoshard.strategies.registry.OpRule`.
+
+Per mesh dim, every ``[B, H, S, D]`` argument and result (and the ``[B, H, S]``
+log-sum-exp) is placed alike: ``R`` (``Replicate``), ``S0`` (batch, ``Shard(0)``) or
+``S1`` (heads, ``Shard(1)``). Attention is independent per batch row and per head, so
+each device computes its shard with no communication (the kernel is the op itself on the
+local shards), as DTensor's rule for the CUDA flash kernel places it
+(``torch/distributed/tensor/_ops/_matrix_ops.py``). An attention mask follows on its dims
+of full size and is ``Replicate`` where it broadcasts (size 1). The sequence is not
+sharded (context parallelism is not in the search space).
+
+Priced by the roofline of the local shard, at a calibrated attention rate where the
+kernel is the one ``autoshard calibrate`` times (causal, no mask).
+
+For ``--mode propagate``, where DTensor places activations itself (stage plans), DTensor
+gets the same three choices per mesh dim (:func:`dtensor_rule`), with two limits the
+planner's graph does not need: heads are offered only where each rank's query heads read
+its own key/value heads (the key/value heads equal the query heads, or both counts divide
+by the mesh's size: grouped-query attention, query head ``i`` reading key/value head
+``i // (Hq / Hkv)``); and a mask stays replicated, a dim offered only where the mask
+broadcasts (size 1, or a mask of fewer dims) or there is none. The masks these paths meet
+are plain tensors made on every rank (HuggingFace's causal mask inside a stage), which
+DTensor's implicit replication passes to the kernel whole, so a batch-sized mask beside a
+batch-sharded query would not line up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard.strategies.registry import DimChoice, register_op_rule, roofline, shard_local
+from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
+from autoshard.trace.tracer import TensorInfo
+
+_R = Replicate()
+
+
+def _follow(t: TensorInfo | None, p: Any, ndims: tuple[int, ...]) -> Any:
+    """Where ``t`` sits on a mesh dim the op places ``p``: ``[B, H, S(, D)]`` tensors
+    follow ``p``; a mask broadcasts from the right, so only a 4-D one does, and its dims of
+    size 1 stay whole."""
+    if t is None:
+        return None
+    if len(t.shape) in ndims:
+        return p if not isinstance(p, Shard) or t.shape[p.dim] > 1 else _R
+    return _R
+
+
+def _cost(node: Any, info: Any, s: Any, mesh_shape: Any, compute_time: Any) -> float:
+    """The local shard's roofline; the causal, unmasked kernel at the calibrated attention
+    rate, which is per batch x head (calibrate times causal attention on several (batch,
+    heads, seq); its efficiency follows seq, not the batch). A bidirectional or masked
+    attention does twice the causal kernel's work for the same count, so it is priced as a
+    matmul of its FLOPs."""
+    if not _causal_unmasked(node):
+        return roofline(node, info, s, mesh_shape, compute_time)
+    backward = node.target is FLASH_BACKWARD
+    kind = "attention_backward" if backward else "attention_forward"
+    q_at = 1 if backward else 0
+    return roofline(
+        node,
+        info,
+        s,
+        mesh_shape,
+        compute_time,
+        kind,
+        per=lambda args: args[q_at].shape[0] * args[q_at].shape[1],
+    )
+
+
+def _causal_unmasked(node: Any) -> bool:
+    """``is_causal`` and no ``attn_mask``: what calibrate times."""
+    i = 7 if node.target is FLASH_BACKWARD else 4
+    causal = node.args[i] if len(node.args) > i else node.kwargs.get("is_causal", False)
+    return bool(causal) and node.kwargs.get("attn_mask") is None
+
+
+def _heads_shardable(query: Any, key: Any) -> bool:
+    """Whether sharding dim 1 (heads) keeps every query head with its key/value head."""
+    hq, hkv = query.shape[1], key.shape[1]
+    n = query.mesh.size()
+    return hq == hkv or (hq % n == 0 and hkv % n == 0)
+
+
+def _mask_broadcasts(mask: Any, dim: int) -> bool:
+    """Whether a mask broadcasts over the query's ``dim`` (0: batch, 1: heads): it has no
+    such dim (a 2-D ``[L, S]`` or 3-D mask aligns from the right) or size 1 there."""
+    k = dim - (4 - len(mask.shape))
+    return k < 0 or mask.shape[k] == 1
+
+
+def dtensor_rule(
+    query_at: int, outputs: int, *args: Any, attn_mask: Any = None, **_: Any
+) -> list[tuple[list[Any], list[Any]]]:
+    """DTensor's form of the rule (module docstring): (outputs' placements, tensor inputs'
+    placements) per strategy, for one mesh dim, of the forward (``query_at=0``, 2 outputs:
+    output, logsumexp; tensors query, key, value) or the backward (``query_at=1``, 3
+    outputs: the gradients; tensors grad_out, query, key, value, out, logsumexp);
+    ``attn_mask``, when given, comes last. ``args`` are DTensor's specs."""
+    tensors = sum(hasattr(a, "placements") for a in args)  # DTensorSpecs; floats are not
+    query, key = args[query_at], args[query_at + 1]
+    dims = [0] + ([1] if _heads_shardable(query, key) else [])
+    if attn_mask is not None:
+        dims = [d for d in dims if _mask_broadcasts(attn_mask, d)]
+    mask = [Replicate()] if attn_mask is not None else []
+    out = [([Replicate()] * outputs, [Replicate()] * tensors + mask)]
+    for dim in dims:
+        out.append(([Shard(dim)] * outputs, [Shard(dim)] * tensors + mask))
+    return out
+
+
+def _dtensor_rule(op: Any) -> Any:
+    query_at, outputs = (1, 3) if op is FLASH_BACKWARD else (0, 2)
+
+    def rule(*args: Any, **kwargs: Any) -> Any:
+        return dtensor_rule(query_at, outputs, *args, **kwargs)
+
+    return rule
+
+
+def _register(op: Any) -> None:
+    @register_op_rule(
+        op,
+        compute_cost=_cost,
+        kernel=shard_local,
+        dtensor_rule=_dtensor_rule(op),
+        dtensor_cache_keys=("attn_mask",),
+    )
+    def choices(node: Any, args: list, results: list) -> list[DimChoice]:
+        """``R``, ``S0`` (batch), ``S1`` (heads): the query/key/value-like arguments (and
+        grad_out, out, logsumexp in the backward) lead; an attention mask, when given, is
+        the last tensor argument."""
+        n_bhs = 6 if node.target is FLASH_BACKWARD else 3
+        out = []
+        for name, p in (("R", _R), ("S0", Shard(0)), ("S1", Shard(1))):
+            ins = tuple(_follow(a, p, (3, 4) if i < n_bhs else (4,)) for i, a in enumerate(args))
+            out.append(DimChoice(name, ins, tuple(_follow(r, p, (3, 4)) for r in results)))
+        return out
+
+
+for _op in sorted(FLASH_OPS, key=str):
+    _register(_op)

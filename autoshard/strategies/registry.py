@@ -1,0 +1,275 @@
+"""autoshard's own op rules, in one table: what PyTorch's DTensor does not know of an op.
+
+An op gets an :class:`OpRule` when DTensor has no sharding rule for it (a custom op, the
+fused attention and experts ops), or a broken one (``nll_loss``). The rule says, in one
+place, everything autoshard needs to plan, price, report and launch the op:
+
+- its **strategies per mesh dim** (:attr:`OpRule.per_dim`: a list of :class:`DimChoice`,
+  one placement per tensor input and output), as DTensor's
+  ``register_single_dim_strategy`` and meta-pytorch/autoparallel's ``register_rule`` take
+  them: the framework takes their product over the mesh dims (dim 0 outermost), keeps the
+  combinations :attr:`OpRule.allow` admits, and drops any that does not shard evenly;
+- the **collectives it runs itself** under each combination (:attr:`OpRule.collectives`:
+  ``(kind, mesh dim, bytes of the whole group)``, priced by
+  :meth:`autoshard.cost.collectives.CommModel.collective` and counted in the plan's
+  prediction, so the launch's observed counts must show them);
+- its **compute cost** when the default roofline over its local shards does not hold
+  (:attr:`OpRule.compute_cost`; :func:`roofline` is the default);
+- its **launch kernel** (:attr:`OpRule.kernel`): what each rank runs on its local shards,
+  given the mode of every mesh dim and the mesh dim's process group
+  (:class:`KernelContext`); ``None`` runs the op under DTensor's own dispatch.
+
+Register with the decorator, on the function that gives the per-dim choices::
+
+    @register_op_rule(torch.ops.mylib.center.default, kernel=center_kernel,
+                      collectives=center_collectives)
+    def center_choices(node, args, results):
+        return [DimChoice("R", (R,), (R,)), DimChoice("S0", (S0,), (S0,))]
+
+An op file (a model's own, or :mod:`autoshard.strategies.attention` and
+:mod:`autoshard.strategies.experts`) registers its rules when imported; the package's
+``__init__`` imports autoshard's own, and a model file imports its own before autoshard
+traces it. Rules for an op that cannot be given per mesh dim (the loss's, whose
+``total_weight`` is ``Partial`` exactly where the batch is sharded on any dim) pass
+``strategies=`` instead: a function of ``(node, args, results, mesh_shape)`` that
+returns whole :class:`Strategy` objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Placement
+
+from autoshard import _torch_private as tp
+from autoshard.strategies.strategy import Strategy, local_shape
+from autoshard.trace.tracer import TensorInfo, counted_flops, op_flops
+
+OwnStrategies = Callable[
+    [Any, list[TensorInfo], list[TensorInfo | None], tuple[int, ...]], list[Strategy]
+]
+"""``(node, args, results, mesh_shape) -> strategies``: a rule given whole."""
+
+
+@dataclass(frozen=True)
+class DimChoice:
+    """One way an op may be placed on one mesh dim.
+
+    ``name``: what reports and kernels call it (``"R"``, ``"S0"``, ``"EP"``, ...);
+    ``inputs``: one placement per tensor input, in the traced node's tensor-argument order;
+    ``outputs``: one per output (``None`` for an output that is not a tensor)."""
+
+    name: str
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement | None, ...]
+
+
+@dataclass(frozen=True)
+class KernelContext:
+    """What a launch kernel knows of where it runs: the mode (:attr:`DimChoice.name`) the
+    plan chose on each mesh dim, and the mesh (a ``DeviceMesh``) whose dims' process groups
+    its collectives use. Collectives go through :meth:`all_reduce` and
+    :meth:`all_to_all`, torch's functional collectives, which the launcher's collective
+    log counts per mesh dim and a lowered step records."""
+
+    modes: tuple[str, ...]
+    mesh: Any
+
+    def size(self, dim: int) -> int:
+        """Devices on mesh dim ``dim``."""
+        return self.mesh.size(dim)
+
+    def rank(self, dim: int) -> int:
+        """This rank's coordinate on mesh dim ``dim``."""
+        return self.mesh.get_local_rank(dim)
+
+    def group(self, dim: int) -> Any:
+        """The process group of this rank's mesh dim ``dim``."""
+        return self.mesh.get_group(dim)
+
+    def all_reduce(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum of ``x`` over mesh dim ``dim`` (a new tensor; waited on)."""
+        return tp.all_reduce_sum(x, self.group(dim))
+
+    def all_to_all(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dim: int
+    ) -> torch.Tensor:
+        """Rows of ``x`` exchanged over mesh dim ``dim``: ``in_splits[r]`` rows sent to rank
+        ``r`` of the dim, ``out_splits[r]`` received from it."""
+        return tp.all_to_all_uneven(x, out_splits, in_splits, self.group(dim))
+
+
+Kernel = Callable[[Any, list[Any], dict[str, Any], KernelContext], Any]
+"""``(target, local args, local kwargs, context) -> local output(s)``: each rank's part."""
+
+
+def shard_local(target: Any, args: list[Any], kwargs: dict[str, Any], ctx: KernelContext) -> Any:
+    """The kernel of an op whose every strategy needs no communication: the op itself on
+    each rank's local shards."""
+    return target(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """Everything autoshard knows of one op DTensor does not (module docstring).
+
+    Attributes:
+        targets: the ops (``OpOverload``) the rule is for.
+        per_dim: ``(node, args, results) -> [DimChoice]``: the choices on any one mesh dim
+            (``args``/``results``: :class:`TensorInfo` of the tensor inputs and outputs).
+        strategies: instead of ``per_dim``, the whole strategies (:data:`OwnStrategies`).
+        allow: ``(node, args, modes, mesh_shape) -> bool``: whether a combination of
+            per-dim choices (their names, one per mesh dim) is one.
+        collectives: ``(node, args, modes, mesh_shape) -> ((kind, mesh dim, bytes), ...)``:
+            what the op communicates itself under that combination (bytes of the whole
+            group, as :meth:`~autoshard.cost.collectives.CommModel.collective` takes them).
+        compute_cost: ``(node, info, strategy, mesh_shape, compute_time) -> seconds`` on
+            one device; default :func:`roofline`.
+        kernel: the launch kernel (:data:`Kernel`) for ``per_dim`` rules, or ``None``: the
+            op runs under DTensor's dispatch (a rule DTensor has, mended).
+        lowerable: whether a step holding the op can be recorded once and replayed
+            (:mod:`autoshard.launch.lowered`); not when what its kernel sends depends on
+            the values (the experts' routing).
+        dtensor_rule: for ``--mode propagate``, where DTensor places activations itself:
+            a per-mesh-dim rule in DTensor's form, registered with it at launch
+            (:func:`autoshard._torch_private.register_launch_rule`), and the keyword
+            arguments its sharding cache must key on (``dtensor_cache_keys``).
+    """
+
+    targets: frozenset
+    per_dim: Callable[..., Sequence[DimChoice]] | None = None
+    strategies: OwnStrategies | None = None
+    allow: Callable[..., bool] | None = None
+    collectives: Callable[..., tuple[tuple[str, int, float], ...]] | None = None
+    compute_cost: Callable[..., float] | None = None
+    kernel: Kernel | None = None
+    lowerable: bool = True
+    dtensor_rule: Callable[..., Any] | None = None
+    dtensor_cache_keys: tuple[str, ...] = ()
+
+    def generate(self, node: Any, args: list, results: list, mesh_shape) -> list[Strategy]:
+        """Every strategy of ``node`` on a mesh of ``mesh_shape`` (unfiltered for even
+        sharding, which the strategy builder checks for every rule)."""
+        if self.strategies is not None:
+            return self.strategies(node, args, results, mesh_shape)
+        choices = list(self.per_dim(node, args, results))
+        out = []
+        for combo in itertools.product(choices, repeat=len(mesh_shape)):
+            modes = tuple(c.name for c in combo)
+            if self.allow is not None and not self.allow(node, args, modes, mesh_shape):
+                continue
+            ins = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(args)))
+            outs = tuple(
+                None if combo[0].outputs[j] is None else tuple(c.outputs[j] for c in combo)
+                for j in range(len(results))
+            )
+            own = self.collectives(node, args, modes, mesh_shape) if self.collectives else ()
+            out.append(Strategy(outs, ins, tuple(own)))
+        return out
+
+    def modes(self, node: Any, args: list, results: list, s: Strategy) -> tuple[str, ...]:
+        """The choice (:attr:`DimChoice.name`) strategy ``s`` makes on each mesh dim.
+
+        Raises:
+            ValueError: ``s`` is no product of this rule's choices (a plan made for
+                another rule), or two choices of one dim place every tensor alike.
+        """
+        choices = list(self.per_dim(node, args, results))
+        out = []
+        for d in range(len(s.inputs[0]) if s.inputs else 0):
+            ins = tuple(p[d] for p in s.inputs)
+            outs = tuple(None if p is None else p[d] for p in s.outputs)
+            found = [
+                c.name
+                for c in choices
+                if c.inputs == ins
+                and all(o is None or o == w for o, w in zip(outs, c.outputs, strict=True))
+            ]
+            if len(found) != 1:
+                raise ValueError(
+                    f"{node.target}: mesh dim {d} places inputs {ins} and outputs {outs}, "
+                    f"which {len(found)} of its rule's choices do ({found})"
+                )
+            out.append(found[0])
+        return tuple(out)
+
+
+_RULES: dict[Any, OpRule] = {}
+
+
+def register_op_rule(*targets: Any, **fields: Any) -> Callable:
+    """Decorator: the function it decorates is the ``per_dim`` choices (or, with
+    ``whole=True``, the ``strategies``) of an :class:`OpRule` for ``targets``, with the
+    rule's other ``fields``. Returns the function unchanged.
+
+    Raises:
+        ValueError: one of ``targets`` has a rule already (two files claim one op).
+    """
+    whole = fields.pop("whole", False)
+
+    def register(fn: Callable) -> Callable:
+        rule = OpRule(frozenset(targets), **{("strategies" if whole else "per_dim"): fn}, **fields)
+        for t in targets:
+            had = _RULES.get(t)
+            if had is not None and _origin(had) != _origin(rule):
+                raise ValueError(
+                    f"{t} has an op rule already, from {_origin(had)}; this one is from "
+                    f"{_origin(rule)}"
+                )
+            _RULES[t] = rule  # the same file run again (a model file loaded twice) replaces
+        return fn
+
+    return register
+
+
+def _origin(rule: OpRule) -> str:
+    fn = rule.per_dim or rule.strategies
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def op_rule(target: Any) -> OpRule | None:
+    """The rule registered for ``target``, or ``None``."""
+    return _RULES.get(target)
+
+
+def op_rules() -> list[OpRule]:
+    """Every rule registered, once each, in registration order."""
+    return list(dict.fromkeys(_RULES.values()))
+
+
+def roofline(
+    node: Any,
+    info: Any,
+    s: Strategy,
+    mesh_shape: Sequence[int],
+    compute_time: Callable[..., float],
+    kind: str | None = None,
+    per: Callable[[list[TensorInfo]], int] | None = None,
+) -> float:
+    """Roofline seconds of strategy ``s`` of ``node`` on one device: the FLOPs of its local
+    shard (``FlopCounterMode``'s count, or autoshard's for ops it does not count) against
+    the bytes of its local inputs and outputs, at ``compute_time``'s rates for ``kind``
+    (default: ``"matmul"`` for ops the counter counts, ``"other"`` for the rest); ``per``
+    gives the rate's batch (a calibrated attention rate is per batch x head) from the local
+    inputs."""
+    args = [
+        TensorInfo(local_shape(t.shape, p, mesh_shape), t.dtype)
+        for t, p in zip(info.args, s.inputs, strict=True)
+    ]
+    results = [
+        TensorInfo(local_shape(r.shape, p, mesh_shape), r.dtype) if r is not None and p else r
+        for r, p in zip(info.results, s.outputs + (None,) * len(info.results), strict=False)
+    ]
+    counted = counted_flops(node, args, results)
+    flops = counted if counted is not None else op_flops(node, args, results)
+    nbytes = sum(a.nbytes for a in args) + sum(r.nbytes for r in results if r is not None)
+    dtype = next((r.dtype for r in results if r is not None), torch.float32)
+    if counted is None:
+        return compute_time(flops, nbytes, dtype, "other")
+    if kind is not None and per is not None:
+        return compute_time(flops, nbytes, dtype, kind, per=per(args))
+    return compute_time(flops, nbytes, dtype, kind or "matmul")
