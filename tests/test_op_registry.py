@@ -19,8 +19,10 @@ from helpers import ROOT, autoshard_cli, torchrun
 from test_launch_plan import LOWERED_OK, STEP2_OK, assert_runs_the_plan
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.model.model_file import load_model_file
-from autoshard.plan.report import in_op_line
+import autoshard
+from autoshard.cost.mesh import MeshSpec
+from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.plan.report import in_op_line, in_op_summary
 from autoshard.strategies.registry import DimChoice, register_op_rule
 from autoshard.strategies.rules import op_rule, op_rules
 from autoshard.strategies.strategy import Strategy
@@ -76,20 +78,16 @@ def test_a_second_file_cannot_claim_the_op(center):
     assert op_rule(center).per_dim.__name__ == "center_choices"
 
 
-def _solve_json(tmp_path: Path) -> dict:
-    out = autoshard_cli("solve", str(MODEL), *SOLVE, "--out", str(tmp_path), "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
-
-
-def test_the_in_op_all_reduce_is_planned_priced_and_reported(tmp_path: Path):
+def test_the_in_op_all_reduce_is_planned_priced_and_reported(center):
     """Data parallel wins (narrow weights, 8192 rows), so the centering runs batch-split on
     the 4 devices in the forward and the backward: one all-reduce of D fp32 column sums
     each, priced by the ring formula by hand, counted as in-op steps of each phase, and
     named in the report."""
-    report = _solve_json(tmp_path)
+    loaded = instantiate(load_model_file(MODEL), device="meta")
+    mesh = MeshSpec.from_options("4", intra_node_latency=ALPHA, intra_node_bw=BW)
+    plan = autoshard.solve(loaded.module, loaded.inputs, mesh).plan
     one = _ring_all_reduce(4, D * 4)
-    assert report["in_op_collectives"] == {
+    assert in_op_summary(plan) == {
         "toy.center.default": {
             "nodes": 2,
             "modes": {"d0: S0": 2},
@@ -97,13 +95,12 @@ def test_the_in_op_all_reduce_is_planned_priced_and_reported(tmp_path: Path):
             "seconds": pytest.approx(2 * one, rel=1e-12),
         }
     }
-    written = json.loads(next(tmp_path.glob("*.json")).read_text())
-    in_op = [s for s in written["predicted"]["collective_steps"] if s.get("in_op")]
-    assert sorted((s["phase"], s["kind"], s["mesh_dim"], s["count"]) for s in in_op) == [
-        ("backward", "all_reduce", 0, 1),
-        ("forward", "all_reduce", 0, 1),
-    ]
-    line = in_op_line(None, report["in_op_collectives"])  # the text report's line
+    assert dict(plan.own_steps) == {
+        ("forward", "all_reduce", 0): 1,
+        ("backward", "all_reduce", 0): 1,
+    }
+    assert plan.comm_s["all_reduce"] >= 2 * one
+    line = in_op_line(plan)  # the text report's line
     assert line.startswith("collectives inside ops: toy.center.default x2 (d0: S0 x2): 2 all-")
 
 
@@ -113,7 +110,9 @@ def test_the_custom_op_launches_on_4_gloo_ranks_as_planned(tmp_path: Path):
     the collectives seen equal the plan's per phase, kind and mesh dim (the in-op ones
     among them), the lowered step records them, and loss, gradients and parameters equal
     one device's."""
-    _solve_json(tmp_path)
+    out = autoshard_cli("solve", str(MODEL), *SOLVE, "--out", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["in_op_collectives"]["toy.center.default"]["nodes"] == 2
     plan = next(tmp_path.glob("*.json"))
     run = torchrun(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
