@@ -65,7 +65,7 @@ def test_the_op_file_s_choices_are_multiplied_over_the_mesh_dims(center):
             ("all_reduce", d, float(cols * 4)) for d, m in enumerate((a, b)) if m == "S0"
         )
         assert rule.modes(node, [x], [x], s) == (a, b)
-    with pytest.raises(ValueError, match="which 0 of its rule's choices"):
+    with pytest.raises(ValueError, match="which none of its rule's choices does"):
         rule.modes(node, [x], [x], Strategy(((s0, s1),), ((s1, s0),)))
 
 
@@ -118,3 +118,67 @@ def test_the_custom_op_launches_on_4_gloo_ranks_as_planned(tmp_path: Path):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
     assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout
+
+
+INLINE_RULE = """
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from autoshard.strategies.registry import DimChoice, register_op_rule
+
+if not hasattr(torch.ops.toy, "double"):
+    @torch.library.custom_op("toy::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    @double.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+
+@register_op_rule(torch.ops.toy.double.default)
+def double_choices(node, args, results):
+    return [DimChoice("R", (Replicate(),), (Replicate(),))]
+
+
+def build_model():
+    return nn.Linear(4, 4)
+
+
+def example_inputs():
+    return (torch.randn(8, 4),)
+"""
+
+
+def test_a_model_file_that_defines_its_own_rule_loads_twice(tmp_path: Path):
+    """Each load runs the file under a new module name; the rule is the same file's, so
+    the second load replaces it rather than clash with it."""
+    path = tmp_path / "inline_rule.py"
+    path.write_text(INLINE_RULE)
+    load_model_file(path)
+    first = op_rule(torch.ops.toy.double.default)
+    load_model_file(path)
+    second = op_rule(torch.ops.toy.double.default)
+    assert first is not second and second.per_dim.__qualname__ == "double_choices"
+
+
+def test_attention_with_a_batch_of_one_names_its_modes():
+    """Batch 1: the batch split places every tensor as replication does, so the builder
+    keeps one of the two strategies; the launcher still names each dim's mode."""
+    from autoshard.trace.attention import FLASH_FORWARD
+
+    rule = op_rule(FLASH_FORWARD)
+    q = TensorInfo((1, 4, 16, 8), torch.float32)
+    lse = TensorInfo((1, 4, 16), torch.float32)
+    node = type("Node", (), {"target": FLASH_FORWARD, "args": (), "kwargs": {}})()
+    strategies = list(dict.fromkeys(rule.generate(node, [q, q, q], [q, lse], (2,))))
+    assert [rule.modes(node, [q, q, q], [q, lse], s) for s in strategies] == [("R",), ("S1",)]
+
+
+def test_an_op_rule_states_its_choices_per_mesh_dim_when_it_has_a_kernel():
+    with pytest.raises(ValueError, match="need the choices per mesh dim"):
+        register_op_rule(torch.ops.aten.relu.default, whole=True, kernel=lambda *a: None)(
+            lambda node, args, results, mesh_shape: []
+        )
+    assert op_rule(torch.ops.aten.relu.default) is None

@@ -15,6 +15,7 @@ from autoshard.cost.collective_table import COLLECTIVES
 from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
 from autoshard.strategies.strategy import local_shape
+from autoshard.trace.experts import EXPERT_OPS, EXPERTS_FORWARD
 from autoshard.trace.ops import is_heavy, is_view
 from autoshard.trace.tracer import path_within_block
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
@@ -440,7 +441,6 @@ def experts_summary(plan: Plan) -> dict | None:
     under uniform routing)."""
     from autoshard.cost.collectives import comm_model
     from autoshard.strategies.experts import modes_of
-    from autoshard.trace.experts import EXPERT_OPS, EXPERTS_FORWARD
 
     graph = plan.sg.graph
     comm = comm_model(plan.mesh)
@@ -535,10 +535,14 @@ def in_op_summary(plan: Plan) -> dict[str, dict]:
     }
 
 
-def in_op_line(plan: Plan | None, summary: dict | None = None) -> str | None:
+def in_op_line(
+    plan: Plan | None, summary: dict | None = None, skip: Iterable[str] = ()
+) -> str | None:
     """``collectives inside ops: OP xN (d0: S0): K all-reduces, T per step; ...`` or None
-    when no op communicates itself."""
+    when no op communicates itself; ``skip``: ops a line of their own reports (the
+    experts', :func:`experts_line`)."""
     summary = in_op_summary(plan) if summary is None else summary
+    summary = {op: e for op, e in summary.items() if op not in set(skip)}
     if not summary:
         return None
     parts = []
@@ -691,7 +695,9 @@ def print_report(
     activations = activation_table(plan)
     if activations is not None:
         console.print(activations)
-    for line in (experts_line(plan), in_op_line(plan)):
+    experts = experts_line(plan)
+    skip = () if experts is None else {str(op) for op in EXPERT_OPS}
+    for line in (experts, in_op_line(plan, skip=skip)):
         if line is not None:
             console.print(line, highlight=False)
     for line in facts.differences:

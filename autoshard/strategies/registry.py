@@ -27,12 +27,12 @@ Register with the decorator, on the function that gives the per-dim choices::
         return [DimChoice("R", (R,), (R,)), DimChoice("S0", (S0,), (S0,))]
 
 An op file (a model's own, or :mod:`autoshard.strategies.attention` and
-:mod:`autoshard.strategies.experts`) registers its rules when imported; the package's
-``__init__`` imports autoshard's own, and a model file imports its own before autoshard
-traces it. Rules for an op that cannot be given per mesh dim (the loss's, whose
-``total_weight`` is ``Partial`` exactly where the batch is sharded on any dim) pass
-``strategies=`` instead: a function of ``(node, args, results, mesh_shape)`` that
-returns whole :class:`Strategy` objects.
+:mod:`autoshard.strategies.experts`) registers its rules when imported;
+:mod:`autoshard.strategies.rules` imports autoshard's own (look ops up there), and a model
+file imports its own (or defines them) before autoshard traces it. A rule whose choices
+are not a product over the mesh dims passes ``strategies=`` (with ``whole=True``)
+instead: a function of ``(node, args, results, mesh_shape)`` that returns whole
+:class:`Strategy` objects, run under DTensor's dispatch at launch.
 """
 
 from __future__ import annotations
@@ -151,12 +151,33 @@ class OpRule:
     dtensor_rule: Callable[..., Any] | None = None
     dtensor_cache_keys: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if (self.per_dim is None) == (self.strategies is None):
+            raise ValueError(f"{set(self.targets)}: give an op rule per_dim or strategies")
+        per_dim_only = ("allow", "collectives", "kernel")
+        if self.strategies is not None and any(getattr(self, f) for f in per_dim_only):
+            raise ValueError(
+                f"{set(self.targets)}: allow, collectives and kernel need the choices per "
+                "mesh dim (per_dim), which name each dim's mode"
+            )
+
     def generate(self, node: Any, args: list, results: list, mesh_shape) -> list[Strategy]:
         """Every strategy of ``node`` on a mesh of ``mesh_shape`` (unfiltered for even
         sharding, which the strategy builder checks for every rule)."""
         if self.strategies is not None:
             return self.strategies(node, args, results, mesh_shape)
         choices = list(self.per_dim(node, args, results))
+        for c in choices:
+            if len(c.inputs) != len(args) or len(c.outputs) != len(results):
+                raise ValueError(
+                    f"{node.target}: choice {c.name} places {len(c.inputs)} inputs and "
+                    f"{len(c.outputs)} outputs; the op has {len(args)} and {len(results)}"
+                )
+            if [p is None for p in c.outputs] != [r is None for r in results]:
+                raise ValueError(
+                    f"{node.target}: choice {c.name} must place exactly the outputs that "
+                    "are tensors (None for the others)"
+                )
         out = []
         for combo in itertools.product(choices, repeat=len(mesh_shape)):
             modes = tuple(c.name for c in combo)
@@ -172,29 +193,30 @@ class OpRule:
         return out
 
     def modes(self, node: Any, args: list, results: list, s: Strategy) -> tuple[str, ...]:
-        """The choice (:attr:`DimChoice.name`) strategy ``s`` makes on each mesh dim.
+        """The choice (:attr:`DimChoice.name`) strategy ``s`` makes on each mesh dim. Two
+        choices that place every tensor alike (attention's batch split where the batch is
+        1) are one: the first is named, as the strategy builder keeps the first of equal
+        strategies.
 
         Raises:
             ValueError: ``s`` is no product of this rule's choices (a plan made for
-                another rule), or two choices of one dim place every tensor alike.
+                another rule).
         """
-        choices = list(self.per_dim(node, args, results))
+        choices: dict[tuple, str] = {}
+        for c in self.per_dim(node, args, results):
+            choices.setdefault((c.inputs, c.outputs), c.name)
+        placed = s.inputs or tuple(p for p in s.outputs if p is not None)
         out = []
-        for d in range(len(s.inputs[0]) if s.inputs else 0):
+        for d in range(len(placed[0]) if placed else 0):
             ins = tuple(p[d] for p in s.inputs)
             outs = tuple(None if p is None else p[d] for p in s.outputs)
-            found = [
-                c.name
-                for c in choices
-                if c.inputs == ins
-                and all(o is None or o == w for o, w in zip(outs, c.outputs, strict=True))
-            ]
-            if len(found) != 1:
+            found = choices.get((ins, outs))
+            if found is None:
                 raise ValueError(
                     f"{node.target}: mesh dim {d} places inputs {ins} and outputs {outs}, "
-                    f"which {len(found)} of its rule's choices do ({found})"
+                    "which none of its rule's choices does"
                 )
-            out.append(found[0])
+            out.append(found)
         return tuple(out)
 
 
@@ -227,8 +249,10 @@ def register_op_rule(*targets: Any, **fields: Any) -> Callable:
 
 
 def _origin(rule: OpRule) -> str:
+    """Where the rule's function is defined: its file and name (a model file's module
+    gets a new name each time it is loaded; its file stays)."""
     fn = rule.per_dim or rule.strategies
-    return f"{fn.__module__}.{fn.__qualname__}"
+    return f"{fn.__code__.co_filename}:{fn.__qualname__}"
 
 
 def op_rule(target: Any) -> OpRule | None:
