@@ -466,3 +466,21 @@ def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     import torch.distributed._functional_collectives as fc
 
     return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
+
+
+def all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """``x`` from every rank of ``group``, concatenated along tensor dim ``dim`` in rank
+    order, through torch's functional collectives (as :func:`all_reduce_sum`)."""
+    import torch.distributed._functional_collectives as fc
+
+    front = x.movedim(dim, 0).contiguous()  # all_gather_single gathers along dim 0
+    return fc.wait_tensor(fc.all_gather_single(front, 0, group)).movedim(0, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over ``group``'s ranks, each rank keeping its block of tensor dim
+    ``dim`` (rank order), through torch's functional collectives (as :func:`all_reduce_sum`)."""
+    import torch.distributed._functional_collectives as fc
+
+    front = x.movedim(dim, 0).contiguous()  # as all_gather_dim: along dim 0
+    return fc.wait_tensor(fc.reduce_scatter_single(front, "sum", 0, group)).movedim(0, dim)

@@ -111,6 +111,8 @@ class PlanOptions:
         name: the model's name in reports and file names (default: its class name).
         share_reshardings: reads of one tensor in one phase and block that want the same
             placement pay one resharding (``--share-reshardings``; docs/cost-model.md).
+        context_parallel: attention may also be sharded by sequence
+            (``--context-parallel``; :mod:`autoshard.strategies.attention`).
         profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
             links and device replace the datasheet's (``mesh`` must then be the shape it
             was measured on, given as a string, and ``device`` is not read). A profile of
@@ -129,6 +131,7 @@ class PlanOptions:
     name: str | None = None
     profile: str | Path | None = None
     share_reshardings: bool = False
+    context_parallel: bool = False
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
@@ -239,6 +242,7 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
         tie=opts.tie,
         precision=opts.precision,
         share_reshardings=opts.share_reshardings,
+        context_parallel=opts.context_parallel,
         model=loaded,
     )
 

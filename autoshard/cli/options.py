@@ -267,6 +267,14 @@ def plan_options(f):
             "(the search is 2-5x slower with it: docs/cost-model.md).",
         ),
         click.option(
+            "--context-parallel",
+            is_flag=True,
+            help="Attention may also be sharded by sequence on a mesh dim (context "
+            "parallelism: each device attends its queries to the keys and values gathered "
+            "from the dim, as torchtitan's all-gather CP does); by default by batch or heads "
+            "only (docs/cost-model.md).",
+        ),
+        click.option(
             "--no-tie",
             is_flag=True,
             help="Trace every repeated layer and give each its own variables (slower); by default "
@@ -357,6 +365,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         bucket_bytes=opts["bucket_bytes"],
         overlap=not opts["no_overlap"],
         share_reshardings=opts["share_reshardings"],
+        context_parallel=opts["context_parallel"],
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
     )
 

@@ -86,6 +86,9 @@ class SolveConfig:
     # reads of one tensor in one phase and block that want one placement pay one
     # resharding (autoshard.strategies.sharing); off: each read pays its own
     share_reshardings: bool = False
+    # attention may also be sharded by sequence (context parallelism,
+    # autoshard.strategies.attention); off: by batch or heads only
+    context_parallel: bool = False
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpointing: str = "auto"
@@ -191,6 +194,7 @@ class SolveConfig:
             bucket_bytes=cost.get("bucket_bytes", DDP_BUCKET_BYTES),
             overlap=cost.get("overlap", True),
             share_reshardings=cost.get("share_reshardings", False),
+            context_parallel=cost.get("context_parallel", False),
             activation_checkpointing=cost.get("activation_checkpointing", "auto"),
         )
 
@@ -208,6 +212,7 @@ class SolveConfig:
             "bucket_bytes": self.bucket_bytes,
             "overlap": self.overlap,
             "share_reshardings": self.share_reshardings,
+            "context_parallel": self.context_parallel,
             "activation_checkpointing": self.activation_checkpointing,
             "mesh": self.mesh.to_dict(),
         }
@@ -309,6 +314,7 @@ def strategies(
         reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
         collective_cost=comm_model(config.mesh).collective,
         share_reads=config.share_reshardings,
+        features=frozenset({"context_parallel"}) if config.context_parallel else frozenset(),
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

@@ -27,15 +27,25 @@ batch-sharded query would not line up.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.strategies.registry import DimChoice, register_op_rule, roofline, shard_local
+from autoshard.strategies.registry import (
+    DimChoice,
+    KernelContext,
+    register_op_rule,
+    roofline,
+)
+from autoshard.strategies.strategy import Strategy
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_OPS
 from autoshard.trace.tracer import TensorInfo
 
 _R = Replicate()
+_S2 = Shard(2)
 
 
 def _follow(t: TensorInfo | None, p: Any, ndims: tuple[int, ...]) -> Any:
@@ -55,6 +65,7 @@ def _cost(node: Any, info: Any, s: Any, mesh_shape: Any, compute_time: Any) -> f
     heads, seq); its efficiency follows seq, not the batch). A bidirectional or masked
     attention does twice the causal kernel's work for the same count, so it is priced as a
     matmul of its FLOPs."""
+    s = _gathered(node.target, s)
     if not _causal_unmasked(node):
         return roofline(node, info, s, mesh_shape, compute_time)
     backward = node.target is FLASH_BACKWARD
@@ -121,16 +132,112 @@ def _dtensor_rule(op: Any) -> Any:
     return rule
 
 
+def _seq_dims(modes: Sequence[str]) -> list[int]:
+    return [d for d, m in enumerate(modes) if m == "S2"]
+
+
+def _one_sequence_dim(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> bool:
+    """At most one mesh dim shards the sequence, and one of more than one device."""
+    seq = _seq_dims(modes)
+    return len(seq) <= 1 and all(mesh_shape[d] > 1 for d in seq)
+
+
+def _gathered(target: Any, s: Strategy) -> Strategy:
+    """``s`` with the keys and values (and in the backward their gradients, before the
+    reduce-scatter) whole in the sequence on its ``S2`` dim: what the kernel computes
+    with (a device attends its queries to every key)."""
+    q_at = 1 if target is FLASH_BACKWARD else 0
+    seq = [d for d, p in enumerate(s.inputs[q_at]) if p == _S2]
+    if not seq:
+        return s
+
+    def whole(ps: Any) -> Any:
+        return tuple(_R if d in seq else p for d, p in enumerate(ps))
+
+    ins = tuple(whole(p) if i in (q_at + 1, q_at + 2) else p for i, p in enumerate(s.inputs))
+    outs = s.outputs
+    if target is FLASH_BACKWARD:  # grad_query stays a shard; grad_key, grad_value whole
+        outs = (outs[0], whole(outs[1]), whole(outs[2]))
+    return Strategy(outs, ins, s.collectives, s.own_s)
+
+
+def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> tuple:
+    """Context parallelism's key/value exchange on its ``S2`` dim: ``(kind, mesh dim,
+    bytes of the whole group)``. The forward all-gathers the keys and the values; the
+    backward gathers them again (the forward saved its shards) and reduce-scatters their
+    gradients, each the local ``[B_l, H_l, S, D]`` (``B_l``, ``H_l``: split by the other
+    dims)."""
+    seq = _seq_dims(modes)
+    if not seq:
+        return ()
+    (d,) = seq
+    q_at = 1 if node.target is FLASH_BACKWARD else 0
+    out = []
+    for t in (args[q_at + 1], args[q_at + 2]):  # key, value
+        local = list(t.shape)
+        for m, n in zip(modes, mesh_shape, strict=True):
+            if m in ("S0", "S1"):
+                local[int(m[1])] //= n
+        out.append(float(math.prod(local) * t.itemsize))
+    gathers = tuple(("all_gather", d, b) for b in out)
+    if node.target is FLASH_BACKWARD:
+        return gathers + tuple(("reduce_scatter", d, b) for b in out)
+    return gathers
+
+
+def _causal_mask(q: torch.Tensor, keys: int, rank: int) -> torch.Tensor:
+    """The additive causal mask ``[S_l, S]`` of the ``rank``-th block of ``S_l`` queries
+    against all ``keys``: query ``i`` (global ``rank S_l + i``) sees keys up to itself."""
+    rows = q.shape[2]
+    pos_q = torch.arange(rank * rows, (rank + 1) * rows, device=q.device)[:, None]
+    pos_k = torch.arange(keys, device=q.device)[None, :]
+    mask = torch.zeros(rows, keys, dtype=q.dtype, device=q.device)
+    return mask.masked_fill(pos_k > pos_q, float("-inf"))
+
+
+def _kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
+    """On each rank's shards. Batch and heads need no communication; on a sequence (``S2``)
+    dim the rank gathers the keys and values of the dim, attends its queries to them
+    (the causal mask offset by its block's place), and in the backward reduce-scatters
+    their gradients back to the shards."""
+    seq = _seq_dims(ctx.modes)
+    if not seq:
+        return target(*args, **kwargs)
+    (d,) = seq
+    rank = ctx.rank(d)
+    backward = target is FLASH_BACKWARD
+    q_at, causal_at = (1, 7) if backward else (0, 4)
+    args = list(args)
+    q = args[q_at]
+    for i in (q_at + 1, q_at + 2):
+        args[i] = ctx.all_gather(args[i], d, 2)
+    causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
+    if causal:
+        if len(args) > causal_at:
+            args[causal_at] = False
+        else:
+            kwargs = {**kwargs, "is_causal": False}
+        kwargs = {**kwargs, "attn_mask": _causal_mask(q, args[q_at + 1].shape[2], rank)}
+    out = target(*args, **kwargs)
+    if not backward:
+        return out
+    grad_q, grad_k, grad_v = out
+    return grad_q, ctx.reduce_scatter(grad_k, d, 2), ctx.reduce_scatter(grad_v, d, 2)
+
+
 def _register(op: Any) -> None:
     @register_op_rule(
         op,
+        allow=_one_sequence_dim,
+        collectives=_exchanges,
         compute_cost=_cost,
-        kernel=shard_local,
+        kernel=_kernel,
         dtensor_rule=_dtensor_rule(op),
         dtensor_cache_keys=("attn_mask",),
     )
     def choices(node: Any, args: list, results: list) -> list[DimChoice]:
-        """``R``, ``S0`` (batch), ``S1`` (heads): the query/key/value-like arguments (and
+        """``R``, ``S0`` (batch), ``S1`` (heads), and with context parallelism ``S2``
+        (sequence; not with an attention mask): the query/key/value-like arguments (and
         grad_out, out, logsumexp in the backward) lead; an attention mask, when given, is
         the last tensor argument."""
         n_bhs = 6 if node.target is FLASH_BACKWARD else 3
@@ -138,6 +245,9 @@ def _register(op: Any) -> None:
         for name, p in (("R", _R), ("S0", Shard(0)), ("S1", Shard(1))):
             ins = tuple(_follow(a, p, (3, 4) if i < n_bhs else (4,)) for i, a in enumerate(args))
             out.append(DimChoice(name, ins, tuple(_follow(r, p, (3, 4)) for r in results)))
+        if len(args) == n_bhs:
+            outs = tuple(None if r is None else _S2 for r in results)
+            out.append(DimChoice("S2", (_S2,) * n_bhs, outs, feature="context_parallel"))
         return out
 
 

@@ -234,6 +234,7 @@ def build_strategy_graph(
     reduce_itemsize: int | None = None,
     collective_cost: Callable[[str, float, int], float] | None = None,
     share_reads: bool = False,
+    features: frozenset[str] = frozenset(),
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -263,6 +264,9 @@ def build_strategy_graph(
         share_reads: reads of one tensor in one phase and block that want one placement
             pay one resharding (:mod:`autoshard.strategies.sharing`); ``False``: each
             read pays its own.
+        features: the op rules' optional choices to offer
+            (:attr:`autoshard.strategies.registry.DimChoice.feature`:
+            ``"context_parallel"``, attention sharded by sequence).
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -271,6 +275,7 @@ def build_strategy_graph(
     t0 = time.perf_counter()
     b = _Builder(graph, tuple(mesh_shape), compute_time, fixed_inputs, fixed_outputs)
     b.collective_cost = collective_cost
+    b.features = frozenset(features)
     with tp.fake_mesh(b.mesh_shape) as mesh:
         b.mesh = mesh
         total = len(graph.nodes)
@@ -333,6 +338,7 @@ class _Builder:
         self.fixed_inputs = fixed_inputs
         self.fixed_outputs = fixed_outputs
         self.mesh = None  # the fake DeviceMesh, set while building
+        self.features: frozenset[str] = frozenset()  # op rules' optional choices offered
         self.collective_cost: Callable[[str, float, int], float] | None = None
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.infos = {
@@ -487,7 +493,9 @@ class _Builder:
         cached = self.cache.get(key)
         if cached is None:
             self.calls += 1
-            strategies = _generate(node, info, self.mesh, self.mesh_shape, cand_lists, own)
+            strategies = _generate(
+                node, info, self.mesh, self.mesh_shape, cand_lists, own, self.features
+            )
             used_fallback = strategies is None
             if used_fallback:
                 strategies = _replicate_fallback(len(info.args), info.results, self.ndim)
@@ -566,10 +574,12 @@ def _grows(info) -> bool:  # noqa: ANN001 - a NodeInfo
     return math.prod(info.results[0].shape) > math.prod(info.args[0].shape)
 
 
-def _generate(node, info, mesh, mesh_shape, cand_lists, own) -> list[Strategy] | None:
+def _generate(
+    node, info, mesh, mesh_shape, cand_lists, own, features=frozenset()
+) -> list[Strategy] | None:
     """Strategies for one op, deduplicated; ``None`` when no rule gives any."""
     if own is not None:
-        found = own.generate(node, info.args, info.results, mesh_shape)
+        found = own.generate(node, info.args, info.results, mesh_shape, features)
     elif tp.has_rule(node.target):
         rs = _rule_strategies(node, mesh, cand_lists)
         if rs is None:  # a rule that cannot handle these arguments: fall back

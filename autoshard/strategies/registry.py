@@ -66,6 +66,10 @@ class DimChoice:
     name: str
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement | None, ...]
+    feature: str | None = None
+    """A search option the choice needs (``"context_parallel"``): offered only when the
+    search enables it (:meth:`OpRule.generate`'s ``features``); a launch names it
+    whatever the search was."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,16 @@ class KernelContext:
     def all_reduce(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum of ``x`` over mesh dim ``dim`` (a new tensor; waited on)."""
         return tp.all_reduce_sum(x, self.group(dim))
+
+    def all_gather(self, x: torch.Tensor, dim: int, tensor_dim: int) -> torch.Tensor:
+        """Every rank's ``x`` on mesh dim ``dim``, concatenated along ``tensor_dim`` in the
+        dim's rank order."""
+        return tp.all_gather_dim(x, tensor_dim, self.group(dim))
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, tensor_dim: int) -> torch.Tensor:
+        """The sum of ``x`` over mesh dim ``dim``, this rank keeping its block of
+        ``tensor_dim``."""
+        return tp.reduce_scatter_dim(x, tensor_dim, self.group(dim))
 
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dim: int
@@ -161,12 +175,19 @@ class OpRule:
                 "mesh dim (per_dim), which name each dim's mode"
             )
 
-    def generate(self, node: Any, args: list, results: list, mesh_shape) -> list[Strategy]:
+    def generate(
+        self, node: Any, args: list, results: list, mesh_shape, features: frozenset = frozenset()
+    ) -> list[Strategy]:
         """Every strategy of ``node`` on a mesh of ``mesh_shape`` (unfiltered for even
-        sharding, which the strategy builder checks for every rule)."""
+        sharding, which the strategy builder checks for every rule), of the choices whose
+        :attr:`DimChoice.feature` is none or in ``features``."""
         if self.strategies is not None:
             return self.strategies(node, args, results, mesh_shape)
-        choices = list(self.per_dim(node, args, results))
+        choices = [
+            c
+            for c in self.per_dim(node, args, results)
+            if c.feature is None or c.feature in features
+        ]
         for c in choices:
             if len(c.inputs) != len(args) or len(c.outputs) != len(results):
                 raise ValueError(

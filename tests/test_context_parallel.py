@@ -1,0 +1,120 @@
+"""Context parallelism (``--context-parallel``): attention sharded by sequence, its keys
+and values all-gathered over the mesh dim in the forward and again in the backward, their
+gradients reduce-scattered (torchtitan's all-gather CP, Llama 3's: Grattafiori et al.
+2024, section 3.3.2).
+
+Independent references: the ring all-gather and reduce-scatter formulas worked by hand
+(NCCL tests, PERFORMANCE.md: ``(n - 1) (alpha + B / (n bw))`` each), the counts a launch
+sees, and a single-device run in float64.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, autoshard_cli, torchrun
+from test_launch_plan import LOWERED_OK, STEP2_OK, assert_runs_the_plan
+from torch.distributed.tensor import Shard
+
+import autoshard
+from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, DEFAULT_INTRA_NODE_LATENCY
+from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.plan.report import in_op_summary
+from autoshard.strategies.rules import op_rule
+from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
+from autoshard.trace.tracer import TensorInfo
+
+MODEL = ROOT / "tests" / "data" / "long_llama.py"
+FORWARD, BACKWARD = str(FLASH_FORWARD), str(FLASH_BACKWARD)
+
+
+def _solve(monkeypatch, batch: int, seq: int, **options):
+    """The 2-layer, 4-head Llama of ``MODEL`` on 8 devices (one node), bf16 mixed."""
+    monkeypatch.setenv("AUTOSHARD_BATCH", str(batch))
+    monkeypatch.setenv("AUTOSHARD_SEQ", str(seq))
+    monkeypatch.setenv("AUTOSHARD_HEADS", "4")
+    loaded = instantiate(load_model_file(MODEL), device="meta")
+    return autoshard.solve(loaded.module, loaded.inputs, "8", precision="bf16-mixed", **options)
+
+
+def _ring(n: int, nbytes: float) -> float:
+    """One ring all-gather or reduce-scatter of ``nbytes`` (the whole) on ``n`` devices."""
+    alpha, bw = DEFAULT_INTRA_NODE_LATENCY, DEFAULT_INTRA_NODE_BW
+    return (n - 1) * (alpha + nbytes / (n * bw))
+
+
+@pytest.mark.slow
+def test_one_long_sequence_is_split_by_sequence_and_many_short_ones_by_batch(monkeypatch):
+    """One sequence of 32,768 tokens and 4 heads on 8 devices: batch and heads split
+    attention 4 ways at most, the sequence 8 ways, and the search takes it. Per layer the
+    forward gathers the keys and the values (``[1, 4, S, 64]`` bf16 each), the backward
+    gathers them again and reduce-scatters their gradients: 4 all-gathers in the forward,
+    4 and 4 reduce-scatters in the backward over the 2 layers. Eight sequences of 2,048:
+    the batch splits 8 ways with nothing to exchange, and no attention is split by
+    sequence."""
+    long = _solve(monkeypatch, 1, 32768, context_parallel=True)
+    one = _ring(8, 1 * 4 * 32768 * 64 * 2)
+    assert in_op_summary(long.plan) == {
+        FORWARD: {
+            "nodes": 2,
+            "modes": {"d0: S2": 2},
+            "collectives": {"all_gather": 4},
+            "seconds": pytest.approx(4 * one, rel=1e-12),
+        },
+        BACKWARD: {
+            "nodes": 2,
+            "modes": {"d0: S2": 2},
+            "collectives": {"all_gather": 4, "reduce_scatter": 4},
+            "seconds": pytest.approx(8 * one, rel=1e-12),
+        },
+    }
+    without = _solve(monkeypatch, 1, 32768)
+    assert in_op_summary(without.plan) == {}
+    assert long.plan.step_time_s < without.plan.step_time_s
+    short = _solve(monkeypatch, 8, 2048, context_parallel=True)
+    assert in_op_summary(short.plan) == {}
+
+
+def test_the_sequence_split_is_offered_only_when_asked_and_only_without_a_mask():
+    """On a 2 x 4 mesh: batch on dim 0, sequence on dim 1 gathers on dim 1 the keys and
+    values of half the batch; no strategy shards the sequence on two dims, and none with
+    an attention mask (a mask's rows would need the query's offset)."""
+    rule = op_rule(FLASH_FORWARD)
+    q = TensorInfo((2, 4, 64, 8), torch.float32)
+    lse = TensorInfo((2, 4, 64), torch.float32)
+    node = type("Node", (), {"target": FLASH_FORWARD, "args": (), "kwargs": {}})()
+    plain = rule.generate(node, [q, q, q], [q, lse], (2, 4))
+    assert not any(Shard(2) in s.inputs[0] for s in plain)
+    cp = rule.generate(node, [q, q, q], [q, lse], (2, 4), frozenset({"context_parallel"}))
+    split = [s for s in cp if Shard(2) in s.inputs[0]]
+    assert all(s.inputs[0].count(Shard(2)) == 1 for s in split)
+    (batch_seq,) = [s for s in split if s.inputs[0] == (Shard(0), Shard(2))]
+    half = float(1 * 4 * 64 * 8 * 4)  # [B/2, H, S, D] fp32, gathered whole in S on dim 1
+    assert batch_seq.collectives == (("all_gather", 1, half), ("all_gather", 1, half))
+    assert batch_seq.outputs == ((Shard(0), Shard(2)), (Shard(0), Shard(2)))
+    masked = rule.generate(node, [q, q, q, q], [q, lse], (2, 4), frozenset({"context_parallel"}))
+    assert not any(Shard(2) in s.inputs[0] for s in masked)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_plan_launches_on_4_gloo_ranks_like_one_device(tmp_path: Path):
+    """One sequence of 512 tokens, one head, 4 ranks, links of 10 ns: the sequence split is
+    the only way to spread attention, and the plan takes it. Each rank attends its 128
+    queries to the gathered keys under a causal mask offset by its block; the gradients of
+    the keys and values are reduce-scattered. Collectives seen equal the plan's per phase,
+    kind and mesh dim (the in-op ones among them), the lowered step records them, and loss,
+    gradients and parameters equal one device's in float64."""
+    env = {"AUTOSHARD_SEQ": "512", "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
+    args = ["solve", str(MODEL), "--mesh", "4", "--intra-node-latency", "10ns"]
+    out = autoshard_cli(*args, "--context-parallel", "--out", str(tmp_path), "--json", **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    in_op = json.loads(out.stdout)["in_op_collectives"]
+    assert in_op[FORWARD]["modes"] == {"d0: S2": 2}, in_op
+    plan = next(tmp_path.glob("*.json"))
+    run = torchrun(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2", **env)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)
+    assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout
