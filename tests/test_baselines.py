@@ -135,7 +135,7 @@ CASES = [
     ("mlp", "2x2", "train"),
     ("gpt2_tiny", "4", "infer"),
     ("gpt2_tiny", "2x4", "infer"),
-    ("gpt2_tiny", "2x2", "train"),
+    pytest.param("gpt2_tiny", "2x2", "train", marks=pytest.mark.slow),  # 7 s
     ("llama_tiny", "4", "infer"),
     ("llama_tiny", "2x2", "infer"),
     ("llama_tiny", "4", "train"),

@@ -17,6 +17,7 @@ from autoshard.solver.solve import SolveConfig, plan_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # two solves of GPT-2 (8 s): the fast tier keeps under 2 minutes
 def test_the_documented_example_runs_and_equals_the_model_file_plan(tmp_path, monkeypatch):
     """docs/python.md's code block, run as written (in a temporary folder), gives the
     plan `autoshard solve examples/gpt2.py` gives for the same 2-layer GPT-2: the same
@@ -53,6 +54,7 @@ def test_the_callers_model_is_left_whole():
     )
 
 
+@pytest.mark.slow  # a GPT-2 solve (8 s): the fast tier keeps under 2 minutes
 def test_a_meta_model_takes_inputs_made_on_the_cpu():
     """The docstring's advice (build on meta) with inputs made as anyone makes them, on
     the CPU: HuggingFace's GPT-2 traces its meta buffers with them (it failed with "found
