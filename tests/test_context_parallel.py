@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import ROOT, autoshard_cli, torchrun
 from test_launch_plan import LOWERED_OK, STEP2_OK, assert_runs_the_plan
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
 from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, DEFAULT_INTRA_NODE_LATENCY
@@ -95,6 +95,13 @@ def test_the_sequence_split_is_offered_only_when_asked_and_only_without_a_mask()
     half = float(1 * 4 * 64 * 8 * 4)  # [B/2, H, S, D] fp32, gathered whole in S on dim 1
     assert batch_seq.collectives == (("all_gather", 1, half), ("all_gather", 1, half))
     assert batch_seq.outputs == ((Shard(0), Shard(2)), (Shard(0), Shard(2)))
+    # one sequence: the batch split is replication, so its pair with the sequence split is
+    # one strategy, with the whole batch's bytes (not a second one priced at 0 bytes)
+    one = TensorInfo((1, 4, 64, 8), torch.float32)
+    lse1 = TensorInfo((1, 4, 64), torch.float32)
+    cp1 = rule.generate(node, [one] * 3, [one, lse1], (2, 4), frozenset({"context_parallel"}))
+    seq_on_1 = [s for s in set(cp1) if s.inputs[0] == (Replicate(), Shard(2))]
+    assert [s.collectives for s in seq_on_1] == [(("all_gather", 1, 8192.0),) * 2]
     masked = rule.generate(node, [q, q, q, q], [q, lse], (2, 4), frozenset({"context_parallel"}))
     assert not any(Shard(2) in s.inputs[0] for s in masked)
 
@@ -118,3 +125,31 @@ def test_a_context_parallel_plan_launches_on_4_gloo_ranks_like_one_device(tmp_pa
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
     assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout
+
+
+def test_a_sequence_split_is_priced_as_the_masked_kernel_it_runs():
+    """4 devices, 64 tokens: a device's 16 queries against the 64 gathered keys, the FLOPs
+    ``FlopCounterMode``'s formula gives for those shapes (forward ``4 B H S_q S_k D``), at the
+    matmul rate: the kernel runs with an explicit mask, so never at a calibrated causal
+    attention rate, which the unsplit causal op gets."""
+    rule = op_rule(FLASH_FORWARD)
+    q = TensorInfo((2, 4, 64, 8), torch.float32)
+    lse = TensorInfo((2, 4, 64), torch.float32)
+    node = type(
+        "Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}}
+    )()
+    info = type("Info", (), {"args": [q, q, q], "results": [q, lse]})()
+    seen = []
+
+    def compute_time(flops, nbytes, dtype, kind, per=None):
+        seen.append((kind, flops))
+        return 0.0
+
+    strategies = rule.generate(node, [q] * 3, [q, lse], (4,), frozenset({"context_parallel"}))
+    by_mode = {rule.modes(node, [q] * 3, [q, lse], s): s for s in strategies}
+    for mode in (("R",), ("S2",)):
+        rule.compute_cost(node, info, by_mode[mode], (4,), compute_time)
+    assert seen == [
+        ("attention_forward", 4 * 2 * 4 * 64 * 64 * 8),
+        ("matmul", 4 * 2 * 4 * 16 * 64 * 8),
+    ]

@@ -271,8 +271,8 @@ def plan_options(f):
             is_flag=True,
             help="Attention may also be sharded by sequence on a mesh dim (context "
             "parallelism: each device attends its queries to the keys and values gathered "
-            "from the dim, as torchtitan's all-gather CP does); by default by batch or heads "
-            "only (docs/cost-model.md).",
+            "from the dim, as torchtitan's all-gather CP does; not for attention with a mask); "
+            "by default by batch or heads only (docs/cost-model.md).",
         ),
         click.option(
             "--no-tie",

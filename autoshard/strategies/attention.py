@@ -7,11 +7,19 @@ log-sum-exp) is placed alike: ``R`` (``Replicate``), ``S0`` (batch, ``Shard(0)``
 each device computes its shard with no communication (the kernel is the op itself on the
 local shards), as DTensor's rule for the CUDA flash kernel places it
 (``torch/distributed/tensor/_ops/_matrix_ops.py``). An attention mask follows on its dims
-of full size and is ``Replicate`` where it broadcasts (size 1). The sequence is not
-sharded (context parallelism is not in the search space).
+of full size and is ``Replicate`` where it broadcasts (size 1).
 
-Priced by the roofline of the local shard, at a calibrated attention rate where the
-kernel is the one ``autoshard calibrate`` times (causal, no mask).
+With context parallelism (the search's ``context_parallel`` feature, ``--context-parallel``)
+a fourth choice, ``S2``, splits the sequence on one mesh dim, for attention with no mask:
+each device keeps its block of queries, all-gathers the dim's keys and values (in the
+backward again, and reduce-scatters their gradients), and attends its queries to them under
+the causal mask offset by its block, as torchtitan's all-gather context parallelism does.
+Under grouped-query attention the keys and values are already repeated to the query heads
+here (:mod:`autoshard.trace.attention`), so the exchange moves the repeated heads.
+
+Priced by the roofline of the local shard (with the keys and values whole in the sequence
+under ``S2``), at a calibrated attention rate where the kernel is the one ``autoshard
+calibrate`` times (causal, no mask, no sequence split).
 
 For ``--mode propagate``, where DTensor places activations itself (stage plans), DTensor
 gets the same three choices per mesh dim (:func:`dtensor_rule`), with two limits the
@@ -64,10 +72,11 @@ def _cost(node: Any, info: Any, s: Any, mesh_shape: Any, compute_time: Any) -> f
     rate, which is per batch x head (calibrate times causal attention on several (batch,
     heads, seq); its efficiency follows seq, not the batch). A bidirectional or masked
     attention does twice the causal kernel's work for the same count, so it is priced as a
-    matmul of its FLOPs."""
-    s = _gathered(node.target, s)
-    if not _causal_unmasked(node):
-        return roofline(node, info, s, mesh_shape, compute_time)
+    matmul of its FLOPs; so is a sequence split, whose kernel runs masked (its block of
+    queries against every key, the causal mask explicit)."""
+    whole = _gathered(node.target, s)
+    if whole is not s or not _causal_unmasked(node):
+        return roofline(node, info, whole, mesh_shape, compute_time)
     backward = node.target is FLASH_BACKWARD
     kind = "attention_backward" if backward else "attention_forward"
     q_at = 1 if backward else 0
@@ -176,7 +185,7 @@ def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> 
     for t in (args[q_at + 1], args[q_at + 2]):  # key, value
         local = list(t.shape)
         for m, n in zip(modes, mesh_shape, strict=True):
-            if m in ("S0", "S1"):
+            if m in ("S0", "S1") and t.shape[int(m[1])] > 1:  # as _follow splits it
                 local[int(m[1])] //= n
         out.append(float(math.prod(local) * t.itemsize))
     gathers = tuple(("all_gather", d, b) for b in out)
@@ -204,7 +213,7 @@ def _kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
     if not seq:
         return target(*args, **kwargs)
     (d,) = seq
-    rank = ctx.rank(d)
+    rank = ctx.rank(d)  # the gather's order and the shard's place on the dim
     backward = target is FLASH_BACKWARD
     q_at, causal_at = (1, 7) if backward else (0, 4)
     args = list(args)

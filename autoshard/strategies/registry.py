@@ -46,6 +46,7 @@ import torch
 from torch.distributed.tensor import Placement
 
 from autoshard import _torch_private as tp
+from autoshard.errors import AutoshardError
 from autoshard.strategies.strategy import Strategy, local_shape
 from autoshard.trace.tracer import TensorInfo, counted_flops, op_flops
 
@@ -76,9 +77,9 @@ class DimChoice:
 class KernelContext:
     """What a launch kernel knows of where it runs: the mode (:attr:`DimChoice.name`) the
     plan chose on each mesh dim, and the mesh (a ``DeviceMesh``) whose dims' process groups
-    its collectives use. Collectives go through :meth:`all_reduce` and
-    :meth:`all_to_all`, torch's functional collectives, which the launcher's collective
-    log counts per mesh dim and a lowered step records."""
+    its collectives use. Collectives go through :meth:`all_reduce`, :meth:`all_gather`,
+    :meth:`reduce_scatter` and :meth:`all_to_all`, torch's functional collectives, which
+    the launcher's collective log counts per mesh dim and a lowered step records."""
 
     modes: tuple[str, ...]
     mesh: Any
@@ -88,8 +89,21 @@ class KernelContext:
         return self.mesh.size(dim)
 
     def rank(self, dim: int) -> int:
-        """This rank's coordinate on mesh dim ``dim``."""
-        return self.mesh.get_local_rank(dim)
+        """This rank's coordinate on mesh dim ``dim``: the place of its shard, and its rank
+        in the dim's group (the order collectives concatenate in).
+
+        Raises:
+            AutoshardError: the two differ (a mesh built with its ranks permuted), where a
+                kernel's gathered blocks would not line up with the shards.
+        """
+        coordinate = self.mesh.get_coordinate()[dim]
+        if coordinate != self.mesh.get_local_rank(dim):
+            raise AutoshardError(
+                f"mesh dim {dim}: this rank's coordinate {coordinate} is not its rank "
+                f"{self.mesh.get_local_rank(dim)} in the dim's group; build the mesh with "
+                "init_device_mesh (ranks in order)"
+            )
+        return coordinate
 
     def group(self, dim: int) -> Any:
         """The process group of this rank's mesh dim ``dim``."""

@@ -17,8 +17,9 @@ class Strategy:
 
     ``collectives``: what the op itself communicates under this strategy, beyond the
     resharding of its inputs: ``(kind, mesh dim, bytes)`` as
-    :meth:`autoshard.cost.collectives.CommModel.collective` prices them (the experts'
-    token exchange, :mod:`autoshard.strategies.experts`); empty for every other op.
+    :meth:`autoshard.cost.collectives.CommModel.collective` prices them (an op rule's
+    ``collectives``, :mod:`autoshard.strategies.registry`: the experts' token exchange,
+    context parallelism's key/value exchange); empty for every other op.
     ``own_s``: their seconds on one device, set when the strategy graph prices them.
     """
 

@@ -14,7 +14,8 @@ kernel, a CPU kernel for the launcher, and an autograd formula whose backward is
 kernel. :data:`FLASH_OPS` names them for the FLOP count (priced with the counter's formula
 for the CUDA flash kernel, :func:`flash_flops`) and for the strategies and the launcher
 (:mod:`autoshard.strategies.attention`: batch- or head-sharded, computed shard by
-shard with no communication).
+shard with no communication; or, with context parallelism, sequence-sharded with the
+keys and values gathered).
 
 The causal mask as eager runs it: HuggingFace builds no mask when there is no padding mask
 (``transformers.masking_utils._ignore_causal_mask_sdpa``: SDPA's ``is_causal=True``
