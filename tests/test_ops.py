@@ -47,3 +47,25 @@ def test_heavy_ops_are_the_matmul_convolution_and_sdpa_families():
     assert is_heavy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
     assert not is_heavy(aten.convolution_backward.default)  # as the layer clustering counts
     assert not is_heavy(aten.add.Tensor) and not is_heavy(operator.getitem)
+
+
+def test_a_view_round_trip_reads_the_tensor_itself():
+    """``(6, 4) -> (2, 3, 4) -> (6, 4)`` is ``x``: the second view is cut, its reader reads
+    ``x``; a view to another shape, or back with other strides, stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.trace.tracer import cut_view_round_trips
+
+    def step(x):
+        y = x.view(2, 3, 4)
+        return y.view(6, 4) * 2, y.view(3, 8) + 1, y.view(6, 4).t().contiguous().view(4, 6)
+
+    x = torch.randn(6, 4)
+    gm = make_fx(step)(x)
+    want = gm(x)
+    assert cut_view_round_trips(gm) == 2
+    views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
+    shapes = sorted(tuple(n.meta["val"].shape) for n in views)
+    assert shapes == [(2, 3, 4), (3, 8), (4, 6)]
+    for got, expected in zip(gm(x), want, strict=True):
+        assert torch.equal(got, expected)
