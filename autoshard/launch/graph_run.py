@@ -446,6 +446,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         # value moved, its moved copy), dropped after the group's last reader
         self._moved: dict[tuple, dict[tuple, tuple[Any, DTensor]]] = {}
         self._last_reader = _last_shared_readers(program)
+        self._modes: dict[str, tuple[str, ...]] = {}  # a kernel op's mode per mesh dim
         self._phase_override: str | None = None
         self._drop_at, self._rerun_at, self._needed, reread = _recomputation(
             self.module.graph, program
@@ -626,12 +627,15 @@ class PlanInterpreter(torch.fx.Interpreter):
         """An op with a kernel of its own (:attr:`autoshard.strategies.registry.OpRule.kernel`:
         the fused attention and experts ops, a model's custom ops) on this rank's shards,
         told the mode its strategy gives each mesh dim; the results placed as planned."""
-        info = self.program.graph.nodes[n.name]
-        strategy = Strategy(tuple(plan.outputs), tuple(plan.inputs))
-        try:
-            modes = rule.modes(n, info.args, info.results, strategy)
-        except ValueError as e:
-            raise AutoshardError(f"{n.name}: {e} (solve again)") from e
+        modes = self._modes.get(n.name)
+        if modes is None:  # the plan fixes them: worked out once, not every step
+            info = self.program.graph.nodes[n.name]
+            strategy = Strategy(tuple(plan.outputs), tuple(plan.inputs))
+            try:
+                modes = rule.modes(n, info.args, info.results, strategy)
+            except ValueError as e:
+                raise AutoshardError(f"{n.name}: {e} (solve again)") from e
+            self._modes[n.name] = modes
         ctx = KernelContext(modes, self.mesh)
         out = rule.kernel(n.target, tree_map(local_shard, args), tree_map(local_shard, kwargs), ctx)
         many = isinstance(out, (tuple, list))
