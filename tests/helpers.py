@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 MLP_TEMPLATE = """
@@ -127,9 +129,37 @@ def torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[
     )
 
 
+@contextlib.contextmanager
+def environment(**env: str) -> Iterator[None]:
+    """Within the block, ``env`` is set in ``os.environ``; after it, the environment is
+    what it was, whatever the block set (``autoshard -v`` sets a variable of its own)."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+IN_PROCESS = frozenset({"solve", "compare", "stages", "show", "export"})
+"""The commands :func:`autoshard_cli` runs in the test's own process: none starts torchrun."""
+
+
 def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
-    """``python -m autoshard.cli ARGS`` in a subprocess (this checkout importable), captured;
-    ``env``: extra environment variables."""
+    """``autoshard ARGS`` run from ``cwd`` with ``env`` (extra environment variables),
+    captured: its exit code, stdout and stderr.
+
+    The commands of :data:`IN_PROCESS` run in this process through click's ``CliRunner``
+    (``autoshard.cli.main.main``, what the console script calls), with ``env`` set and the
+    working folder changed for the call and both restored after it. A subprocess would
+    spend about 7 s of its 2 cores importing torch, transformers and autoshard again
+    before its first line of work (``python -X importtime``), and the suite runs a hundred
+    of these. An exception the command did not turn into its one-line error comes back
+    as exit code 1 with its traceback in stderr, as from a process. ``launch`` and
+    ``calibrate`` start torchrun and run as ``python -m autoshard.cli``."""
+    if args and args[0] in IN_PROCESS:
+        return _in_process(args, cwd, env)
     return subprocess.run(
         [sys.executable, "-m", "autoshard.cli", *args],
         cwd=cwd,
@@ -138,6 +168,27 @@ def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.Comple
         text=True,
         timeout=600,
     )
+
+
+def _in_process(args: tuple[str, ...], cwd: Path, env: dict[str, str]):
+    import traceback
+
+    from click.testing import CliRunner
+
+    from autoshard.cli.main import main
+
+    here = os.getcwd()
+    with environment(**env):
+        os.chdir(cwd)
+        try:
+            result = CliRunner().invoke(main, list(args), prog_name="autoshard")
+        finally:
+            os.chdir(here)
+    stderr = result.stderr
+    if result.exc_info is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    argv = ["autoshard", *args]
+    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, stderr)
 
 
 def number(pattern: str, text: str) -> float:
