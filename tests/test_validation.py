@@ -10,11 +10,14 @@ docs/validation.md shows the table.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, autoshard_cli
+from helpers import ROOT, autoshard_cli, environment
+
+from autoshard.solver.solve import trace
 
 DATA = ROOT / "tests/data"
 
@@ -77,14 +80,50 @@ def _measured(gpu: str, row: str) -> dict:
     return json.loads((DATA / gpu / f"step_{row}.json").read_text())
 
 
-def _predicted(tmp_path: Path, gpu: str, row: str, *device: str) -> dict:
+def _solve_args(gpu: str, row: str, *device: str) -> list[str]:
     model_file, precision, options = ROWS[row]
-    env = _measured(gpu, row)["environment"]
     args = ["solve", model_file, "--mesh", "1", "--precision", precision, *options, *device]
-    args += ["--out", str(tmp_path / row), "--json", "-q"]
-    out = autoshard_cli(*args, **env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
+    return [*args, "--json", "-q"]
+
+
+@functools.cache
+def _traced(model_file: str, precision: str, env: tuple[tuple[str, str], ...]):
+    """The row's model traced once per test process (a trace reads neither the device nor
+    the recomputation: the rows of one model, batch and precision share it)."""
+    args = ["solve", model_file, "--mesh", "1", "--precision", precision]
+    with environment(**dict(env)):
+        return trace(_config(args))
+
+
+def _config(args: list[str]):
+    from autoshard.cli.options import config_from_options
+    from autoshard.cli.solve import solve_command
+
+    ctx = solve_command.make_context("solve", args[1:])
+    return config_from_options(ROOT / ctx.params.pop("model_file"), ctx.params)
+
+
+def _predicted(tmp_path: Path, gpu: str, row: str, *device: str) -> dict:
+    """What ``autoshard solve MODEL --mesh 1 ... --json`` prints for the measured row,
+    computed in this process as the command does (its own options; the trace shared by the
+    rows of one model, :func:`_traced`). :func:`test_the_command_prints_what_the_rows_hold`
+    holds it equal to the command's output."""
+    from autoshard.plan.export import write_outputs
+    from autoshard.plan.report import ReportFacts, report_dict
+    from autoshard.solver.solve import plan_model
+
+    model_file, precision, _ = ROWS[row]
+    env = _measured(gpu, row)["environment"]
+    config = _config(_solve_args(gpu, row, *device))
+    with environment(**env):
+        graph = _traced(model_file, precision, tuple(sorted(env.items())))
+        result = plan_model(config, graph=graph)
+    stem = f"{Path(model_file).stem}_1"
+    files = write_outputs(
+        result.plan, tmp_path / row, stem, config.cost_model(), result.solver_stats()
+    )
+    report = report_dict(result, files, [], ReportFacts.of(result.plan))
+    return json.loads(json.dumps(report))  # as --json prints it
 
 
 def test_every_measured_row_is_held_here():
@@ -180,3 +219,20 @@ def _solve_mlp(tmp_path: Path) -> dict:
     out = autoshard_cli(*args, "--json", "-q")
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_the_command_prints_what_the_rows_hold(tmp_path: Path):
+    """``autoshard solve ... --mesh 1 --json`` (the command docs/validation.md names) prints
+    the FLOPs, times, memory and device :func:`_predicted` computes, for one row at the
+    datasheet and with its GPU's calibration."""
+    gpu, row = "h200", "llama4_bf16"
+    profile = ("--profile", str(DATA / PROFILE[gpu] / "profile.json"))
+    for device in (("--device", PRESET[gpu]), profile):
+        args = _solve_args(gpu, row, *device, "--out", str(tmp_path / "cli"))
+        out = autoshard_cli(*args, **_measured(gpu, row)["environment"])
+        assert out.returncode == 0, out.stderr[-2000:]
+        printed = json.loads(out.stdout)
+        held = _predicted(tmp_path, gpu, row, *device)
+        for key in ("device", "step_flops", "time_s", "memory_bytes"):
+            assert printed[key] == held[key], key
