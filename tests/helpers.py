@@ -185,7 +185,7 @@ def _in_process(args: tuple[str, ...], cwd: Path, env: dict[str, str]):
         finally:
             os.chdir(here)
     stderr = result.stderr
-    if result.exc_info is not None and not isinstance(result.exception, SystemExit):
+    if result.exc_info is not None and not isinstance(result.exc_info[1], SystemExit):
         stderr += "".join(traceback.format_exception(*result.exc_info))
     argv = ["autoshard", *args]
     return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, stderr)

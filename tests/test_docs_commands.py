@@ -4,10 +4,15 @@ Each documented file's commands run in order (a later one reads what an earlier 
 ``show solutions/gpt2_2x4.json`` after the solve) in a fresh folder holding the bundled
 ``examples/`` and ``cli.py``, with the commands as written: ``autoshard``,
 ``.venv/bin/autoshard``, ``.venv/bin/python`` and ``torchrun`` name this environment's
-programs. A command fails the test on a non-zero exit or a Python traceback anywhere in its
-output. Blocks that show output, a synopsis or a multi-node run are marked ``text`` (or carry
-no language) and are not run; the two ``make`` targets are checked apart (``make run`` is
-the GPT-2 solve the README also lists, ``make test`` is this suite).
+programs. ``autoshard`` commands that start no ranks (``solve``, ``compare``, ``stages``,
+``show``, ``export``) run in the test's own process, as ``helpers.autoshard_cli`` runs them
+(the console script's ``main``, with the command's environment and folder): each would
+spend about 7 s importing torch again in a process of its own. ``make run``, which
+the fresh-clone check runs, and ``python cli.py`` run the programs themselves. A command
+fails the test on a non-zero exit or a Python traceback anywhere in its output. Blocks
+that show output, a synopsis or a multi-node run are marked ``text`` (or carry no
+language) and are not run; the two ``make`` targets are checked apart (``make run`` is the
+GPT-2 solve the README also lists, ``make test`` is this suite).
 
 ``python tests/test_docs_commands.py`` runs them all and prints each command's wall time.
 """
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import IN_PROCESS, autoshard_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -129,17 +135,19 @@ def run_command(cmd: DocCommand, cwd: Path) -> tuple[float, str]:
         AssertionError: a non-zero exit or a traceback in the output.
     """
     extra, words = argv(cmd.text)
-    env = {**os.environ, **extra, "COLUMNS": "100"}
     t = time.perf_counter()
-    done = subprocess.run(
-        words,
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-        check=False,
-    )
+    if Path(words[0]).name == "autoshard" and words[1] in IN_PROCESS:
+        done = autoshard_cli(*words[1:], cwd=cwd, **extra, COLUMNS="100")
+    else:
+        done = subprocess.run(
+            words,
+            cwd=cwd,
+            env={**os.environ, **extra, "COLUMNS": "100"},
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+        )
     seconds = time.perf_counter() - t
     output = done.stdout + done.stderr
     where = f"{cmd.doc}:{cmd.line}: `{cmd.text}`"
