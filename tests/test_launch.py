@@ -24,6 +24,7 @@ from helpers import (
     CHECK_OUTPUT,
     TORCHRUN_TIMEOUT_S,
     assert_checked,
+    autoshard_cli,
     number,
     rank_env,
     torchrun,
@@ -447,11 +448,8 @@ def test_unknown_parameter_fails_under_torchrun(tmp_path: Path) -> None:
 
 def _solve_map(model: Path, out: Path, *extra: str, **env: str) -> Path:
     """The sharding map `autoshard solve` writes for ``model`` on 2x4 (training mode)."""
-    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x4"]
-    cmd += ["--out", str(out), "-q", *extra]
-    run = subprocess.run(
-        cmd, cwd=ROOT, env=rank_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    args = ["solve", str(model), "--mesh", "2x4", "--out", str(out), "-q", *extra]
+    run = autoshard_cli(*args, **env)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     return next(Path(line) for line in run.stdout.split() if line.endswith(".json"))
 

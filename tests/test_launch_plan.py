@@ -23,8 +23,8 @@ from helpers import (
     LLAMA_SMALL,
     MIXTRAL_SMALL,
     ROOT,
-    TORCHRUN_TIMEOUT_S,
     assert_checked,
+    autoshard_cli,
     rank_env,
     torchrun,
     write_mlp,
@@ -43,11 +43,8 @@ STEP2_OK = re.compile(r"check: step 2 from the lowered graph vs on DTensors .* e
 
 def solve(model: Path, out: Path, mesh: str = "2x4", *extra: str) -> Path:
     """The sharding map `autoshard solve --mode train` writes for ``model``."""
-    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", mesh]
-    cmd += ["--mode", "train", "--out", str(out), "-q", *extra]
-    run = subprocess.run(
-        cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
-    )
+    args = ["solve", str(model), "--mesh", mesh, "--mode", "train", "--out", str(out), "-q"]
+    run = autoshard_cli(*args, *extra)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     return next(Path(line) for line in run.stdout.split() if line.endswith(".json"))
 

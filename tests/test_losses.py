@@ -301,20 +301,9 @@ def _solve_and_check_on_4_ranks(model, out) -> None:
     """``autoshard solve MODEL --mesh 2x2``, then its plan on 4 gloo ranks with
     ``--train --check``: collectives as planned; loss, every gradient and every parameter
     after AdamW within 1e-6 of one device's."""
-    import subprocess
-    import sys
+    from helpers import assert_checked, autoshard_cli, torchrun
 
-    from helpers import ROOT, assert_checked, rank_env, torchrun
-
-    cmd = [sys.executable, "-m", "autoshard.cli", "solve", str(model), "--mesh", "2x2"]
-    solved = subprocess.run(
-        [*cmd, "--out", str(out), "-q"],
-        cwd=ROOT,
-        env=rank_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    solved = autoshard_cli("solve", str(model), "--mesh", "2x2", "--out", str(out), "-q")
     assert solved.returncode == 0, solved.stderr[-3000:]
     plan = next(p for p in solved.stdout.split() if p.endswith(".json"))
     run = torchrun(4, plan, str(model), "--train", "--check")
