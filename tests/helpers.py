@@ -153,9 +153,9 @@ def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.Comple
     The commands of :data:`IN_PROCESS` run in this process through click's ``CliRunner``
     (``autoshard.cli.main.main``, what the console script calls), with ``env`` set and the
     working folder changed for the call and both restored after it. A subprocess would
-    spend about 7 s of its 2 cores importing torch, transformers and autoshard again
-    before its first line of work (``python -X importtime``), and the suite runs a hundred
-    of these. An exception the command did not turn into its one-line error comes back
+    spend 9.5 s importing torch, transformers and autoshard again before its first line of
+    work (``import torch, transformers; import autoshard.solver.solve``, idle 2-core
+    machine, 2026-11-28). An exception the command did not turn into its one-line error comes back
     as exit code 1 with its traceback in stderr, as from a process. ``launch`` and
     ``calibrate`` start torchrun and run as ``python -m autoshard.cli``."""
     if args and args[0] in IN_PROCESS:
@@ -168,6 +168,18 @@ def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.Comple
         text=True,
         timeout=600,
     )
+
+
+def cli_config(*args: str):
+    """The ``SolveConfig`` that ``autoshard ARGS`` (``solve``, ``compare``) would plan with:
+    the command's own click parser and defaults, then ``config_from_options``, as the
+    command does before its first line of work."""
+    from autoshard.cli.main import main
+    from autoshard.cli.options import config_from_options
+
+    command = main.commands[args[0]]
+    params = command.make_context(args[0], list(args[1:])).params
+    return config_from_options(ROOT / params.pop("model_file"), params)
 
 
 def _in_process(args: tuple[str, ...], cwd: Path, env: dict[str, str]):

@@ -7,12 +7,12 @@ Each documented file's commands run in order (a later one reads what an earlier 
 programs. ``autoshard`` commands that start no ranks (``solve``, ``compare``, ``stages``,
 ``show``, ``export``) run in the test's own process, as ``helpers.autoshard_cli`` runs them
 (the console script's ``main``, with the command's environment and folder): each would
-spend about 7 s importing torch again in a process of its own. ``make run``, which
-the fresh-clone check runs, and ``python cli.py`` run the programs themselves. A command
-fails the test on a non-zero exit or a Python traceback anywhere in its output. Blocks
-that show output, a synopsis or a multi-node run are marked ``text`` (or carry no
-language) and are not run; the two ``make`` targets are checked apart (``make run`` is the
-GPT-2 solve the README also lists, ``make test`` is this suite).
+spend 9.5 s importing torch, transformers and autoshard again in a process of its own.
+``make run``, which the fresh-clone check runs, and ``python cli.py`` run the programs
+themselves. A command fails the test on a non-zero exit or a Python traceback anywhere
+in its output. Blocks that show output, a synopsis or a multi-node run are marked ``text``
+(or carry no language) and are not run; the two ``make`` targets are checked apart
+(``make run`` is the GPT-2 solve the README also lists, ``make test`` is this suite).
 
 ``python tests/test_docs_commands.py`` runs them all and prints each command's wall time.
 """

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 
 import pytest
-from helpers import ROOT, autoshard_cli, environment
+from helpers import ROOT, autoshard_cli, cli_config, environment
 
 from autoshard.solver.compare import compare_plans
 from autoshard.solver.solve import strategies, trace
@@ -363,22 +363,13 @@ def _compare_args(run: Run, checkpointing: str, device: str | None) -> list[str]
 def _traced(run_id: str):
     run = BY_ID[run_id]
     with environment(**run.env):
-        return trace(_config(run, _modes(run)[0], None))
-
-
-def _config(run: Run, checkpointing: str, device: str | None):
-    from autoshard.cli.compare import compare_command
-    from autoshard.cli.options import config_from_options
-
-    args = _compare_args(run, checkpointing, device)[1:]
-    ctx = compare_command.make_context("compare", args)
-    return config_from_options(ROOT / ctx.params.pop("model_file"), ctx.params)
+        return trace(cli_config(*_compare_args(run, _modes(run)[0], None)))
 
 
 @functools.cache
 def _price(run_id: str, checkpointing: str, device: str | None) -> dict:
     run = BY_ID[run_id]
-    config = _config(run, checkpointing, device)
+    config = cli_config(*_compare_args(run, checkpointing, device))
     with environment(**run.env):
         (row,) = compare_plans(config, strategies(config, _traced(run_id)), (run.plan,))
     return json.loads(json.dumps(row.to_dict()))  # as --json prints it

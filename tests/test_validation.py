@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, autoshard_cli, environment
+from helpers import ROOT, autoshard_cli, cli_config, environment
 
 from autoshard.solver.solve import trace
 
@@ -80,7 +80,7 @@ def _measured(gpu: str, row: str) -> dict:
     return json.loads((DATA / gpu / f"step_{row}.json").read_text())
 
 
-def _solve_args(gpu: str, row: str, *device: str) -> list[str]:
+def _solve_args(row: str, *device: str) -> list[str]:
     model_file, precision, options = ROWS[row]
     args = ["solve", model_file, "--mesh", "1", "--precision", precision, *options, *device]
     return [*args, "--json", "-q"]
@@ -90,17 +90,8 @@ def _solve_args(gpu: str, row: str, *device: str) -> list[str]:
 def _traced(model_file: str, precision: str, env: tuple[tuple[str, str], ...]):
     """The row's model traced once per test process (a trace reads neither the device nor
     the recomputation: the rows of one model, batch and precision share it)."""
-    args = ["solve", model_file, "--mesh", "1", "--precision", precision]
     with environment(**dict(env)):
-        return trace(_config(args))
-
-
-def _config(args: list[str]):
-    from autoshard.cli.options import config_from_options
-    from autoshard.cli.solve import solve_command
-
-    ctx = solve_command.make_context("solve", args[1:])
-    return config_from_options(ROOT / ctx.params.pop("model_file"), ctx.params)
+        return trace(cli_config("solve", model_file, "--mesh", "1", "--precision", precision))
 
 
 def _predicted(tmp_path: Path, gpu: str, row: str, *device: str) -> dict:
@@ -114,7 +105,7 @@ def _predicted(tmp_path: Path, gpu: str, row: str, *device: str) -> dict:
 
     model_file, precision, _ = ROWS[row]
     env = _measured(gpu, row)["environment"]
-    config = _config(_solve_args(gpu, row, *device))
+    config = cli_config(*_solve_args(row, *device))
     with environment(**env):
         graph = _traced(model_file, precision, tuple(sorted(env.items())))
         result = plan_model(config, graph=graph)
@@ -229,7 +220,7 @@ def test_the_command_prints_what_the_rows_hold(tmp_path: Path):
     gpu, row = "h200", "llama4_bf16"
     profile = ("--profile", str(DATA / PROFILE[gpu] / "profile.json"))
     for device in (("--device", PRESET[gpu]), profile):
-        args = _solve_args(gpu, row, *device, "--out", str(tmp_path / "cli"))
+        args = _solve_args(row, *device, "--out", str(tmp_path / "cli"))
         out = autoshard_cli(*args, **_measured(gpu, row)["environment"])
         assert out.returncode == 0, out.stderr[-2000:]
         printed = json.loads(out.stdout)
