@@ -249,11 +249,49 @@ def test_helper_import_dataclass_and_no_pollution(tmp_path: Path) -> None:
         assert tuple(lm.inputs[0].shape) == (7, 5)
         assert sys.path == before_path
         assert mf.module.__name__ not in sys.modules
-        assert set(sys.modules) - before_modules == {"my_helper_mod"}
+        assert set(sys.modules) - before_modules == set()  # the helper left with the file
         # two loads of one file are independent modules
         assert load_model_file(path).module is not mf.module
     finally:
         sys.modules.pop("my_helper_mod", None)
+
+
+def test_a_helper_that_reads_the_environment_reads_each_load_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper imported through a folder the model file puts on ``sys.path`` (as
+    tests/data/llama_long.py imports examples/llama.py) is imported afresh by each load:
+    its module-level read of the environment sees the second load's value. (Cached, the
+    second load built the first load's depth: the measured long-sequence row priced a third
+    of its FLOPs after a one-block row in the same process.)"""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    write(
+        shared,
+        "import os, torch\nDEPTH = int(os.environ['HELPER_DEPTH'])\n"
+        "def make():\n    return torch.nn.Sequential(*[torch.nn.Linear(4, 4)] * DEPTH)\n",
+        "depth_helper.py",
+    )
+    source = f"""\
+    import sys, torch
+    sys.path.insert(0, {str(shared)!r})
+    import depth_helper
+
+    def build_model():
+        return depth_helper.make()
+
+    def example_inputs():
+        return (torch.zeros(2, 4),)
+    """
+    path = write(tmp_path, source)
+    before = set(sys.modules)
+    depths = []
+    for depth in ("1", "3", "2"):
+        monkeypatch.setenv("HELPER_DEPTH", depth)
+        depths.append(len(instantiate(load_model_file(path)).module))
+    assert depths == [1, 3, 2]
+    assert "depth_helper" not in set(sys.modules) - before
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(shared)])
 
 
 def test_cpu_device_gives_real_tensors(tmp_path: Path) -> None:

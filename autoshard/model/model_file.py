@@ -14,6 +14,7 @@ one-line message that names the file (and the line, where there is one) and the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import inspect
@@ -106,8 +107,16 @@ def _importable(path: Path, module_name: str, module: types.ModuleType) -> Itera
 
     The module is in ``sys.modules`` under its unique name while the file runs (classes
     and dataclasses defined in it look themselves up there), and removed afterwards.
+
+    Helper modules the file imports from beside it, or from a folder it puts on
+    ``sys.path`` itself, are the file's own: they leave ``sys.modules`` when it has run,
+    so the next load imports them afresh. A helper that reads the environment when it is
+    imported (``AUTOSHARD_LAYERS`` in the examples) then reads this load's environment,
+    not the first load's, when one process loads model files more than once.
     """
     directory = str(path.parent)
+    paths_before = collections.Counter(sys.path)
+    modules_before = set(sys.modules)
     added_path = directory not in sys.path
     if added_path:
         sys.path.insert(0, directory)
@@ -118,9 +127,21 @@ def _importable(path: Path, module_name: str, module: types.ModuleType) -> Itera
     finally:
         if not had_module:
             sys.modules.pop(module_name, None)
+        # a folder the file inserted, again on a repeated load (the count goes up)
+        folders = {Path(p).resolve() for p in collections.Counter(sys.path) - paths_before if p}
+        folders.add(path.parent)
+        for name in set(sys.modules) - modules_before:
+            if _defined_in(sys.modules.get(name), folders):
+                sys.modules.pop(name, None)
         if added_path:
             with contextlib.suppress(ValueError):
                 sys.path.remove(directory)
+
+
+def _defined_in(module: types.ModuleType | None, folders: set[Path]) -> bool:
+    """Whether ``module`` is a plain module file directly inside one of ``folders``."""
+    file = getattr(module, "__file__", None)
+    return file is not None and Path(file).resolve().parent in folders
 
 
 def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
