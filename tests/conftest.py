@@ -1,5 +1,6 @@
 """Test tiers: ``make test-fast`` runs ``-m "not slow"``; every test that starts torchrun
-(or ``python -m torch.distributed.run``) must be marked ``slow``.
+(or ``python -m torch.distributed.run``) must be marked ``slow``, and so must every test
+that runs ranks with ``helpers.ranks``.
 
 A test left unmarked that starts one fails at once with a message naming the marker, so
 the fast tier never grows a multi-process launch by accident.
@@ -27,6 +28,9 @@ def _starts_ranks(args: object) -> bool:
 def _torchrun_only_in_slow_tests(request, monkeypatch):
     if request.node.get_closest_marker("slow") is not None:
         return
+    import helpers
+
+    monkeypatch.setattr(helpers, "RANKS_ALLOWED", False)  # helpers.ranks: forked ranks
     real = subprocess.Popen._execute_child  # the class itself stays as it is
 
     def guarded(self, args, *a, **kw):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import types
+import unittest.mock
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 MLP_TEMPLATE = """
@@ -112,21 +116,86 @@ def rank_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun(nproc: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node N -m autoshard.launch ARGS``, captured."""
+    """``torchrun --standalone --nproc-per-node N -m autoshard.launch ARGS``, captured:
+    the real torchrun, for the tests whose subject is how a launch starts. The others run
+    their ranks with :func:`ranks` (the same processes, forked from a warm parent)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", str(nproc), "-m", "autoshard.launch", *args]
-    from autoshard.launch.torchrun import MMAP_THRESHOLD
-
-    # the ranks' allocator as `autoshard launch` sets it (rank_environment)
-    env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **env}
     return subprocess.run(
         cmd,
         cwd=ROOT,
-        env=rank_env(**env),
+        env=_launch_env(env),
         capture_output=True,
         text=True,
         timeout=TORCHRUN_TIMEOUT_S,
     )
+
+
+def _launch_env(env: dict[str, str]) -> dict[str, str]:
+    from autoshard.launch.torchrun import MMAP_THRESHOLD
+
+    # the ranks' allocator as `autoshard launch` sets it (rank_environment)
+    return rank_env(**{"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **env})
+
+
+RANKS_ALLOWED = True
+"""False while a test not marked ``slow`` runs (tests/conftest.py): :func:`ranks` then
+refuses, as a torchrun started by such a test is refused."""
+
+_zygote: subprocess.Popen[str] | None = None
+
+
+def _warm_parent() -> subprocess.Popen[str]:
+    """The running tests/rank_zygote.py of this test process, started on first use."""
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        _zygote = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "rank_zygote.py")],
+            cwd=ROOT,
+            env=_launch_env({}),  # read at its start: malloc's threshold, one thread
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert _zygote.stdout is not None
+        ready = _zygote.stdout.readline()
+        assert ready.strip() == "ready", f"tests/rank_zygote.py did not start: {ready!r}"
+        atexit.register(_zygote.kill)
+    return _zygote
+
+
+def ranks(nproc: int, *argv: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    """``nproc`` ranks of ``argv`` (``-m MODULE ARGS`` or ``SCRIPT ARGS``, what follows
+    torchrun's options; a bare plan and model mean ``-m autoshard.launch``), as
+    ``torchrun --standalone --nproc-per-node N`` runs them from ``cwd`` with ``env``
+    added, captured; forked from tests/rank_zygote.py, which has imported torch, DTensor
+    and autoshard once (its docstring says what differs from torchrun: only how each
+    process starts).
+
+    Raises:
+        AssertionError: called from a test not marked ``slow``.
+        subprocess.TimeoutExpired: the ranks ran past :data:`TORCHRUN_TIMEOUT_S`.
+    """
+    if not RANKS_ALLOWED:
+        raise AssertionError("a test that starts ranks must be marked @pytest.mark.slow")
+    if argv[0] != "-m" and not argv[0].endswith(".py"):
+        argv = ("-m", "autoshard.launch", *argv)
+    request = {
+        "nproc": nproc,
+        "argv": list(argv),
+        "env": _launch_env(env),
+        "cwd": str(cwd),
+        "timeout": TORCHRUN_TIMEOUT_S,
+    }
+    zygote = _warm_parent()
+    assert zygote.stdin is not None and zygote.stdout is not None
+    zygote.stdin.write(json.dumps(request) + "\n")
+    zygote.stdin.flush()
+    reply = json.loads(zygote.stdout.readline())
+    cmd = ["ranks", str(nproc), *argv]
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, TORCHRUN_TIMEOUT_S, reply["stdout"], reply["stderr"])
+    return subprocess.CompletedProcess(cmd, reply["rc"], reply["stdout"], reply["stderr"])
 
 
 @contextlib.contextmanager
@@ -142,8 +211,10 @@ def environment(**env: str) -> Iterator[None]:
         os.environ.update(saved)
 
 
-IN_PROCESS = frozenset({"solve", "compare", "stages", "show", "export"})
-"""The commands :func:`autoshard_cli` runs in the test's own process: none starts torchrun."""
+IN_PROCESS = frozenset({"solve", "compare", "stages", "show", "export", "launch"})
+"""The commands :func:`autoshard_cli` runs in the test's own process. ``launch`` checks
+the plan here and starts its ranks with :func:`ranks` in place of torchrun
+(:func:`warm_torchrun`); tests/test_launch.py runs the real command, torchrun included."""
 
 
 def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
@@ -156,8 +227,9 @@ def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.Comple
     spend 9.5 s importing torch, transformers and autoshard again before its first line of
     work (``import torch, transformers; import autoshard.solver.solve``, idle 2-core
     machine, 2026-11-28). An exception the command did not turn into its one-line error comes back
-    as exit code 1 with its traceback in stderr, as from a process. ``launch`` and
-    ``calibrate`` start torchrun and run as ``python -m autoshard.cli``."""
+    as exit code 1 with its traceback in stderr, as from a process. ``launch`` starts its
+    ranks forked from a warm parent (:func:`warm_torchrun`); ``calibrate`` runs as
+    ``python -m autoshard.cli`` and starts torchrun."""
     if args and args[0] in IN_PROCESS:
         return _in_process(args, cwd, env)
     return subprocess.run(
@@ -187,10 +259,12 @@ def _in_process(args: tuple[str, ...], cwd: Path, env: dict[str, str]):
 
     from click.testing import CliRunner
 
+    import autoshard.cli.launch
     from autoshard.cli.main import main
 
     here = os.getcwd()
-    with environment(**env):
+    shim = types.SimpleNamespace(run=_torchrun_shim)  # autoshard.cli.launch's subprocess
+    with environment(**env), unittest.mock.patch.object(autoshard.cli.launch, "subprocess", shim):
         os.chdir(cwd)
         try:
             result = CliRunner().invoke(main, list(args), prog_name="autoshard")
@@ -201,6 +275,46 @@ def _in_process(args: tuple[str, ...], cwd: Path, env: dict[str, str]):
         stderr += "".join(traceback.format_exception(*result.exc_info))
     argv = ["autoshard", *args]
     return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, stderr)
+
+
+def warm_torchrun(
+    argv: Sequence[str], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str] | None:
+    """``torchrun --standalone --nproc-per-node N PROGRAM...`` (or ``python -m
+    torch.distributed.run`` with those options) run with :func:`ranks`; ``None`` for any
+    other command line (another torchrun option: run it for real)."""
+    words = list(argv)
+    if words[:3] == [sys.executable, "-m", "torch.distributed.run"]:
+        words = words[3:]
+    elif Path(words[0]).name == "torchrun":
+        words = words[1:]
+    else:
+        return None
+    nproc = None
+    while words and words[0].startswith("--"):
+        option = words.pop(0).replace("_", "-")
+        if option == "--standalone":
+            continue
+        if option.startswith("--nproc-per-node=") and option.split("=", 1)[1].isdigit():
+            nproc = int(option.split("=", 1)[1])
+        elif option == "--nproc-per-node" and words and words[0].isdigit():
+            nproc = int(words.pop(0))
+        else:
+            return None
+    if nproc is None or not words:
+        return None
+    return ranks(nproc, *words, cwd=cwd, **env)
+
+
+def _torchrun_shim(argv: Sequence[str], env: dict[str, str] | None = None, check: bool = False):
+    """``subprocess.run`` as ``autoshard launch`` calls it, its torchrun run by
+    :func:`warm_torchrun` with the output written where the command's would go."""
+    done = warm_torchrun(argv, Path.cwd(), dict(env or os.environ))
+    if done is None:
+        return subprocess.run(argv, env=env, check=check)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    return done
 
 
 def number(pattern: str, text: str) -> float:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import GPT2_DEFAULT, LLAMA_SMALL, ROOT, autoshard_cli, rank_env, write_mlp, write_model
+from helpers import GPT2_DEFAULT, LLAMA_SMALL, ROOT, autoshard_cli, ranks, write_mlp, write_model
 
 from autoshard.api import save
 from autoshard.cost.mesh import MeshSpec
@@ -196,10 +194,8 @@ def test_a_plan_of_another_model_is_refused(tmp_path: Path):
 
 def _train(tmp_path: Path, smap: Path, model: Path, *exported: Path) -> dict:
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += ["8", str(ROOT / "tests/apply_rank.py"), str(smap), str(model), str(out)]
-    cmd += [str(p) for p in exported]
-    run = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=600)
+    args = [str(ROOT / "tests/apply_rank.py"), str(smap), str(model), str(out)]
+    run = ranks(8, *args, *[str(p) for p in exported])
     assert run.returncode == 0, "\n".join(x for x in run.stderr.splitlines() if "rank" in x)[-6000:]
     return json.loads(out.read_text())
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, autoshard_cli, torchrun
+from helpers import ROOT, autoshard_cli, ranks
 from test_launch_plan import LOWERED_OK, STEP2_OK, assert_runs_the_plan
 from torch.distributed.tensor import Replicate, Shard
 
@@ -121,7 +121,7 @@ def test_a_context_parallel_plan_launches_on_4_gloo_ranks_like_one_device(tmp_pa
     in_op = json.loads(out.stdout)["in_op_collectives"]
     assert in_op[FORWARD]["modes"] == {"d0: S2": 2}, in_op
     plan = next(tmp_path.glob("*.json"))
-    run = torchrun(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2", **env)
+    run = ranks(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2", **env)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
     assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout

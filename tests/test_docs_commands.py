@@ -8,6 +8,11 @@ programs. ``autoshard`` commands that start no ranks (``solve``, ``compare``, ``
 ``show``, ``export``) run in the test's own process, as ``helpers.autoshard_cli`` runs them
 (the console script's ``main``, with the command's environment and folder): each would
 spend 9.5 s importing torch, transformers and autoshard again in a process of its own.
+``autoshard launch`` runs there too, and it and a documented ``torchrun --standalone
+--nproc-per-node N`` start their ranks forked from a warm parent (``helpers.ranks``,
+tests/rank_zygote.py: the same processes, environment and program as torchrun's, without
+7.5 s of imports in each); tests/test_launch.py runs ``autoshard launch`` with the real
+torchrun.
 ``make run``, which the fresh-clone check runs, and ``python cli.py`` run the programs
 themselves. A command fails the test on a non-zero exit or a Python traceback anywhere
 in its output. Blocks that show output, a synopsis or a multi-node run are marked ``text``
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import IN_PROCESS, autoshard_cli
+from helpers import IN_PROCESS, autoshard_cli, warm_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -136,9 +141,12 @@ def run_command(cmd: DocCommand, cwd: Path) -> tuple[float, str]:
     """
     extra, words = argv(cmd.text)
     t = time.perf_counter()
+    done = None
     if Path(words[0]).name == "autoshard" and words[1] in IN_PROCESS:
         done = autoshard_cli(*words[1:], cwd=cwd, **extra, COLUMNS="100")
-    else:
+    elif Path(words[0]).name == "torchrun":
+        done = warm_torchrun(words, cwd, {**extra, "COLUMNS": "100"})
+    if done is None:
         done = subprocess.run(
             words,
             cwd=cwd,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MIXTRAL_SMALL, assert_checked, torchrun, write_model
+from helpers import MIXTRAL_SMALL, assert_checked, ranks, write_model
 from torch.distributed.tensor import Shard
 from transformers import MixtralConfig, Qwen2MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -224,7 +224,7 @@ def test_expert_parallel_plan_trains_like_one_device_on_4_ranks(tmp_path: Path) 
         ("forward", "all_to_all", 6),
         ("backward", "all_to_all", 6),
     }
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     rows = observed_rows(run.stdout)
     assert ("forward", "all_to_all", "d0", 6, 6) in rows, run.stdout
@@ -243,15 +243,10 @@ def test_expert_and_data_parallel_compose_on_a_2x2_mesh(tmp_path: Path) -> None:
     HuggingFace skips), so that half the ranks' experts get no row. Every rank's rows, its
     experts' gradients (summed over ``dp``) and the ``Partial`` sums over ``ep`` equal the
     one-device values to 1e-12."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT, rank_env
+    from helpers import ROOT, ranks
 
     out = tmp_path / "worst.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += ["4", str(ROOT / "tests" / "experts_rank.py"), str(out)]
-    run = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=600)
+    run = ranks(4, str(ROOT / "tests" / "experts_rank.py"), str(out))
     assert run.returncode == 0, run.stderr[-4000:]
     worst = json.loads(out.read_text())
     assert len(worst) == 12, worst

@@ -27,6 +27,7 @@ from helpers import (
     autoshard_cli,
     number,
     rank_env,
+    ranks,
     torchrun,
     write_gpt2_short,
 )
@@ -388,7 +389,7 @@ def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
         {"x": ["S(0)", "R"]},
         {"step_time_s": 1e-4, "collectives": {"all_reduce": 5}},
     )
-    run = torchrun(8, str(plan), str(MLP), "--train", "--check")
+    run = ranks(8, str(plan), str(MLP), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     # Local shards: fc1 and fc2 weights 1024 x 4096 / 4, fc1.bias 4096 / 4, fc2.bias 1024.
@@ -435,7 +436,7 @@ def test_unknown_parameter_fails_under_torchrun(tmp_path: Path) -> None:
     plan = _write_map(
         tmp_path / "mlp.json", {**MLP_DP_TP, "fc3.weight": ["R", "R"]}, {"x": ["S(0)", "R"]}
     )
-    run = torchrun(8, str(plan), str(MLP))
+    run = ranks(8, str(plan), str(MLP))
     assert run.returncode != 0
     assert "error: the sharding map does not match mlp.py: 1 map entry that mlp.py lacks: " in (
         run.stderr
@@ -459,7 +460,7 @@ def test_solved_mlp_plan_trains_like_one_device(tmp_path: Path) -> None:
     """The ILP's own plan (not a hand-written one) on 8 gloo processes: forward and one
     training step equal the single-device run within 1e-5."""
     plan = _solve_map(MLP, tmp_path)
-    run = torchrun(8, str(plan), str(MLP), "--train", "--check")
+    run = ranks(8, str(plan), str(MLP), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_checked(out, 1e-5, params=1e-5)

@@ -26,7 +26,7 @@ from helpers import (
     assert_checked,
     autoshard_cli,
     rank_env,
-    torchrun,
+    ranks,
     write_mlp,
     write_model,
 )
@@ -90,8 +90,8 @@ def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
     model = write_model(tmp_path, text, name)
     plan = solve(model, tmp_path, mesh)
     assert json.loads(plan.read_text())["format"] == "autoshard.sharding_map/2"
-    ranks = MeshSpec.from_options(mesh).num_devices
-    run = torchrun(ranks, str(plan), str(model), "--train", "--check", "--steps", "2")
+    nproc = MeshSpec.from_options(mesh).num_devices
+    run = ranks(nproc, str(plan), str(model), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "running the plan's graph" in run.stdout
     assert_runs_the_plan(run.stdout)
@@ -127,7 +127,7 @@ def test_torch_transformer_encoder_trains_as_planned(tmp_path: Path) -> None:
     and trained one step on 4 gloo ranks, as predicted and as one device."""
     model = write_model(tmp_path, TRANSFORMER_ENCODER, "encoder")
     plan = solve(model, tmp_path, "2x2")
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
 
@@ -140,7 +140,7 @@ def test_recomputed_blocks_rerun_their_forward_as_predicted(tmp_path: Path) -> N
     model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
     plan = solve(model, tmp_path, "2x2", "--algo", "megatron", "--activation-checkpointing", "full")
     assert json.loads(plan.read_text())["predicted"]["recomputed_blocks"] == [0, 1]
-    run = torchrun(4, str(plan), str(model), "--train", "--check", "--steps", "2")
+    run = ranks(4, str(plan), str(model), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "activation checkpointing: 2 block(s)" in run.stdout
     assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout  # reruns too
@@ -198,7 +198,7 @@ def test_sequence_parallel_gathers_once_per_block_input_as_predicted(tmp_path: P
             gathers[row["phase"]] += row["count"]
     assert gathers["forward"] == 2 * 2 + 1, predicted["collective_steps"]
     assert gathers["recompute"] == 2 * 2, predicted["collective_steps"]
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
 
@@ -215,7 +215,7 @@ def test_mlp_plan_runs_as_predicted(tmp_path: Path, mlp_plan: tuple[Path, Path])
     """And ``--json`` writes the same report for machines."""
     model, plan = mlp_plan
     report = tmp_path / "report.json"
-    run = torchrun(4, str(plan), str(model), "--train", "--check", "--json", str(report))
+    run = ranks(4, str(plan), str(model), "--train", "--check", "--json", str(report))
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
     data = json.loads(report.read_text())
@@ -240,7 +240,7 @@ def test_later_steps_run_the_lowered_graph(tmp_path: Path, mlp_plan: tuple[Path,
     drift = {}
     for how in ("--lower", "--no-lower"):
         report = tmp_path / f"{how}.json"
-        run = torchrun(
+        run = ranks(
             4, str(plan), str(model), "--train", "--check", "--steps", "3", how,
             "--json", str(report),
         )  # fmt: skip
@@ -266,7 +266,7 @@ def test_check_fails_when_the_lowered_graph_drops_an_all_reduce(
     the DTensor run gives on the same inputs."""
     model, _ = mlp_plan
     plan = solve(model, model.parent, "2x2", "--algo", "ddp")
-    run = torchrun(
+    run = ranks(
         4, str(plan), str(model), "--train", "--check", "--steps", "2",
         AUTOSHARD_FAULT="lowered-drop:all_reduce",
     )  # fmt: skip
@@ -286,7 +286,7 @@ def test_check_fails_when_later_steps_read_values_frozen_at_step_1(
     optimizer step), as if the recording had frozen them: every count still agrees, and
     only the comparison with the DTensor run on step 2's own inputs can see it."""
     model, plan = mlp_plan
-    run = torchrun(
+    run = ranks(
         4, str(plan), str(model), "--train", "--check", "--steps", "2",
         AUTOSHARD_FAULT="lowered-stale:all",
     )  # fmt: skip
@@ -309,7 +309,7 @@ def test_check_fails_on_a_planted_gradient_fault(
     """A gradient x2, sign-flipped or 1% off is caught (each alone), with one line saying
     which tensors are beyond tolerance."""
     model, plan = mlp_plan
-    run = torchrun(4, str(plan), str(model), "--train", "--check", AUTOSHARD_FAULT=fault)
+    run = ranks(4, str(plan), str(model), "--train", "--check", AUTOSHARD_FAULT=fault)
     assert run.returncode != 0
     assert re.search(reason, run.stdout), run.stdout
 
@@ -320,9 +320,7 @@ def test_check_fails_on_a_dropped_all_reduce(mlp_plan: tuple[Path, Path]) -> Non
     from one device's."""
     model, _ = mlp_plan
     plan = solve(model, model.parent, "2x2", "--algo", "ddp")
-    run = torchrun(
-        4, str(plan), str(model), "--train", "--check", AUTOSHARD_FAULT="drop:all_reduce"
-    )
+    run = ranks(4, str(plan), str(model), "--train", "--check", AUTOSHARD_FAULT="drop:all_reduce")
     assert run.returncode != 0
     assert "check: collectives differ from the plan's prediction FAILED" in run.stdout
     assert re.search(r"all_reduce .*<- differs", run.stdout), run.stdout
@@ -356,7 +354,7 @@ def test_check_fails_on_a_wrong_placement(tmp_path: Path, mlp_plan: tuple[Path, 
     smap["solution"] = {"file": bad.name, "plan_sha256": solution_digest(load_solution(bad))}
     bad_map = tmp_path / "bad.json"
     bad_map.write_text(json.dumps(smap))
-    run = torchrun(4, str(bad_map), str(model), "--train", "--check")
+    run = ranks(4, str(bad_map), str(model), "--train", "--check")
     assert run.returncode != 0, (name, run.stdout)
     assert "check: collectives differ from the plan's prediction FAILED" in run.stdout, run.stdout
 
@@ -370,7 +368,7 @@ def test_version_1_map_runs_propagation_and_says_so(
     smap.pop("solution")
     old = tmp_path / "old.json"
     old.write_text(json.dumps(smap))
-    run = torchrun(4, str(old), str(model), "--train", "--check")
+    run = ranks(4, str(old), str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "names no solution, so this launch runs DTensor's own propagation" in run.stdout
     assert "running DTensor propagation (not the plan)" in run.stdout
@@ -448,10 +446,10 @@ def test_mixed_precision_plan_keeps_fp32_master_weights(tmp_path: Path) -> None:
             pieces *= n if p.startswith("S") else 1
         local += 4 * (shape[0] * (shape[1] if len(shape) > 1 else 1)) // pieces
     report = tmp_path / "report.json"
-    run = torchrun(4, str(plan), str(model), "--train", "--steps", "2", "--json", str(report))
+    run = ranks(4, str(plan), str(model), "--train", "--steps", "2", "--json", str(report))
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert json.loads(report.read_text())["local_parameter_bytes"][0] == local
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
 
@@ -468,7 +466,7 @@ def test_cnn_with_batch_norm_trains_like_one_device(tmp_path: Path, mesh: str, a
     text = CNN.replace("C,", "32,").replace("BATCH", "64").replace("SIDE", "16")
     model = write_model(tmp_path, text.replace("n=4", "n=2"), "cnn")
     plan = solve(model, tmp_path, mesh, "--algo", algo)
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     why = [ln for ln in run.stderr.splitlines() if re.search(r"Error|terminate|what\(\)", ln)]
     assert run.returncode == 0, run.stdout + "\n".join(why[:20]) + run.stderr[-2000:]
     assert_runs_the_plan(run.stdout)

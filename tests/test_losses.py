@@ -301,12 +301,12 @@ def _solve_and_check_on_4_ranks(model, out) -> None:
     """``autoshard solve MODEL --mesh 2x2``, then its plan on 4 gloo ranks with
     ``--train --check``: collectives as planned; loss, every gradient and every parameter
     after AdamW within 1e-6 of one device's."""
-    from helpers import assert_checked, autoshard_cli, torchrun
+    from helpers import assert_checked, autoshard_cli, ranks
 
     solved = autoshard_cli("solve", str(model), "--mesh", "2x2", "--out", str(out), "-q")
     assert solved.returncode == 0, solved.stderr[-3000:]
     plan = next(p for p in solved.stdout.split() if p.endswith(".json"))
-    run = torchrun(4, plan, str(model), "--train", "--check")
+    run = ranks(4, plan, str(model), "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "check: collectives equal the plan's prediction ok" in run.stdout
     assert_checked(run.stdout, 1e-6, grads=1e-6, params=1e-6)

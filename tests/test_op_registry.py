@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, autoshard_cli, torchrun
+from helpers import ROOT, autoshard_cli, ranks
 from test_launch_plan import LOWERED_OK, STEP2_OK, assert_runs_the_plan
 from torch.distributed.tensor import Replicate, Shard
 
@@ -114,7 +114,7 @@ def test_the_custom_op_launches_on_4_gloo_ranks_as_planned(tmp_path: Path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout)["in_op_collectives"]["toy.center.default"]["nodes"] == 2
     plan = next(tmp_path.glob("*.json"))
-    run = torchrun(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2")
+    run = ranks(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
     assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout

@@ -24,6 +24,7 @@ from helpers import (
     TORCHRUN_TIMEOUT_S,
     assert_checked,
     rank_env,
+    ranks,
     torchrun,
     write_gpt2_short,
     write_model,
@@ -402,7 +403,7 @@ def test_forward_through_autoshard_launch_matches_one_device(plan_pp2: Path, blo
 def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
     """1F1B over 4 micro-batches, 2 AdamW steps: step 1's output, gradients and parameters
     equal the single-device run up to float32 rounding of the smaller matmuls."""
-    run = torchrun(2, str(plan_pp2), str(blocks), "--train", "--steps", "2", "--check")
+    run = ranks(2, str(plan_pp2), str(blocks), "--train", "--steps", "2", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert_checked(out, 1e-6, grads=1e-6, params=1e-6)
@@ -415,7 +416,7 @@ def test_training_steps_match_one_device(plan_pp2: Path, blocks: Path) -> None:
 def test_three_stages_gpipe_train_matches_one_device(blocks: Path, tmp_path: Path) -> None:
     """pp=3 with 2 micro-batches (fewer than the stages): ScheduleGPipe, a middle stage."""
     plan = _stages(blocks, tmp_path, "3", 3, 2)
-    run = torchrun(3, str(plan), str(blocks), "--train", "--check")
+    run = ranks(3, str(plan), str(blocks), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "micro-batches: 2 of 4 (global batch 8), schedule ScheduleGPipe" in out
@@ -427,7 +428,7 @@ def test_pp_by_tp_forward_matches_one_device(plan_2x2: Path, blocks: Path) -> No
     """4 gloo ranks, mesh 2x2, pp=2: each stage's 2 ranks hold its weights sharded per
     the plan (DTensors on the tp dim), the pipeline sends full activations between
     ranks 0-2 and 1-3."""
-    run = torchrun(4, str(plan_2x2), str(blocks), "--check")
+    run = ranks(4, str(plan_2x2), str(blocks), "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "stage plan pp=2 on mesh 2x2 (dp, tp), 4 ranks" in out
@@ -442,7 +443,7 @@ def test_pp_by_tp_forward_matches_one_device(plan_2x2: Path, blocks: Path) -> No
 def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> None:
     """The same plan, 2 AdamW steps of 1F1B over 4 micro-batches: step 1's gradients
     (sharded ones gathered with full_tensor) and parameters equal one device's."""
-    run = torchrun(4, str(plan_2x2), str(blocks), "--train", "--steps", "2", "--check")
+    run = ranks(4, str(plan_2x2), str(blocks), "--train", "--steps", "2", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert_checked(out, 1e-6, grads=1e-6, params=1e-6)
@@ -452,7 +453,7 @@ def test_pp_by_tp_training_matches_one_device(plan_2x2: Path, blocks: Path) -> N
 @pytest.mark.slow  # starts torchrun
 def test_check_beyond_tolerance_exits_1_on_every_rank(plan_pp2: Path, blocks: Path) -> None:
     """A planted fault (one gradient x 1.01 on the stage that holds it) fails the check."""
-    run = torchrun(
+    run = ranks(
         2,
         str(plan_pp2),
         str(blocks),
@@ -492,7 +493,7 @@ def test_gpt2_two_layers_trains_like_one_device(
     model = _gpt2_short(tmp_path)
     plan = _stages(model, tmp_path, "2", 2, 2)
     assert load_stage_plan(plan).split_points == ["transformer.h.1"]
-    run = torchrun(2, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    run = ranks(2, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "gradients summed across them): transformer.wte.weight" in out
@@ -513,7 +514,7 @@ def test_llama_with_grouped_query_attention_trains_on_2x2_like_one_device(
     model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
     plan = _stages(model, tmp_path, "2x2", 2, 2, "--mode", "train")
     assert load_stage_plan(plan).split_points == ["model.layers.1"]
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert_checked(out, 1e-12, grads=1e-12, params=1e-12)
@@ -539,7 +540,7 @@ def test_mixtral_experts_train_on_2x2_like_one_device(tmp_path: Path) -> None:
         if ".experts." in name
     }
     assert experts and any("S(" in str(p) for p in experts.values()), experts
-    run = torchrun(4, str(plan), str(model), "--train", "--check")
+    run = ranks(4, str(plan), str(model), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert_checked(out, 1e-12, grads=1e-12, params=1e-12)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from helpers import (
     MIXTRAL_SMALL,
     ROOT,
     autoshard_cli,
-    rank_env,
+    ranks,
     write_model,
 )
 
@@ -272,13 +270,10 @@ def _run_on_8_ranks(
         cli = autoshard_cli(*args)
         assert cli.returncode == 0, cli.stderr
     report_file = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8"]
-    cmd += [str(ROOT / "tests" / "apply_rank.py"), str(smap), str(model), str(report_file)]
-    cmd += [str(p) for p in exported]
+    args = [str(ROOT / "tests" / "apply_rank.py"), str(smap), str(model), str(report_file)]
     # HF's grouped_mm experts take no float64: Mixtral runs in float32, to float32's error
     dtype = "float32" if name == "mixtral" else "float64"
-    env = {**rank_env(), "APPLY_RANK_DTYPE": dtype}
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = ranks(8, *args, *[str(p) for p in exported], APPLY_RANK_DTYPE=dtype)
     assert run.returncode == 0, run.stderr[-6000:]
     report = json.loads(report_file.read_text())
     # float32: AdamW divides by sqrt(v), so a near-zero gradient's rounding moves its step
