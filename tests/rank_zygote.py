@@ -70,11 +70,15 @@ def _rank(argv: list[str], env: dict[str, str], cwd: str, out: int, err: int) ->
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
+    except SystemExit as exc:  # what the interpreter does with it at the top level
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
-    except BaseException:
+            code = 1
+    except BaseException:  # noqa: BLE001 - reported, as the interpreter would: the
+        # traceback on stderr and exit code 1. Left to propagate, it would unwind into
+        # the parent's request loop in this forked child.
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
@@ -108,7 +112,8 @@ def run(request: dict) -> dict:
             pids[pid] = rank
         deadline = time.monotonic() + float(request["timeout"])
         codes: dict[int, int] = {}
-        failed = timed_out = False
+        first_failed: int | None = None
+        timed_out = False
         while len(codes) < nproc:
             if time.monotonic() > deadline:
                 timed_out = True
@@ -118,8 +123,8 @@ def run(request: dict) -> dict:
                 time.sleep(0.05)
                 continue
             codes[pids[pid]] = os.waitstatus_to_exitcode(status)
-            if codes[pids[pid]] != 0 and not failed:
-                failed = True  # torchrun's agent stops the other workers
+            if codes[pids[pid]] != 0 and first_failed is None:
+                first_failed = pids[pid]  # torchrun's agent stops the other workers
                 for other, r in pids.items():
                     if r not in codes:
                         _signal(other, signal.SIGTERM)
@@ -127,16 +132,14 @@ def run(request: dict) -> dict:
             if rank not in codes:
                 _signal(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+        if first_failed is not None:
+            err.seek(0, os.SEEK_END)
+            line = f"\nrank {first_failed} failed first, exit code {codes[first_failed]}\n"
+            err.write(line.encode())
         out.seek(0)
         err.seek(0)
-        rc = 1 if failed or timed_out or any(codes.values()) else 0
-        if failed:
-            first = min(r for r, c in codes.items() if c != 0)
-            err.seek(0, os.SEEK_END)
-            err.write(f"\nrank {first} failed with exit code {codes[first]}\n".encode())
-            err.seek(0)
         return {
-            "rc": rc,
+            "rc": 1 if first_failed is not None or timed_out else 0,
             "stdout": out.read().decode(errors="replace"),
             "stderr": err.read().decode(errors="replace"),
             "timed_out": timed_out,
