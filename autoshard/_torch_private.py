@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._functorch._aot_autograd import descriptors as d
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -344,6 +343,10 @@ def export_joint(stack, module: torch.nn.Module, inputs: tuple) -> Any:
     ``aot_export_joint_with_descriptors`` (private in torch 2.13). ``stack`` is a
     ``contextlib.ExitStack`` the caller closes once it is done with the graph.
     """
+    # imported here: it imports torch._dynamo (about 2 s), which planning from a
+    # traced graph, --help and show never need
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
     return aot_export_joint_with_descriptors(stack, module, inputs)
 
 
