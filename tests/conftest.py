@@ -69,7 +69,8 @@ def pytest_collection_modifyitems(config, items):
 # file may read any variable), ``sys.path`` and the config's mode, tie, cast and view
 # merging. Those are the key; each caller gets its own deep copy (0.06 s for GPT-2), so
 # a test that edits its graph leaves the next one's alone. A test that monkeypatches
-# anything but the environment traces afresh: a patch may change what the tracer does.
+# anything but the environment traces afresh (a patch may change what the tracer does),
+# and so does a fixture, whose patches this cannot see.
 
 _TRACES: dict = {}
 _CURRENT: dict = {}
@@ -78,8 +79,12 @@ _HARMLESS_PATCHES = ("helpers", "subprocess")
 
 
 def _patched_beyond_environment() -> bool:
+    """Whether the running test may have patched what the tracer reads: outside a test's
+    call (a fixture's setup, which may patch by other means) it is assumed so."""
     item = _CURRENT.get("item")
-    mp = getattr(item, "funcargs", {}).get("monkeypatch") if item is not None else None
+    if item is None:
+        return True
+    mp = item.funcargs.get("monkeypatch")
     if mp is None:
         return False
     import os
