@@ -90,12 +90,16 @@ def fake_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> I
             dist.destroy_process_group()
 
 
-def checkpoint_block(block: torch.nn.Module) -> torch.nn.Module:
+def checkpoint_block(block: torch.nn.Module, context_fn=None) -> torch.nn.Module:  # noqa: ANN001
     """``block`` wrapped to recompute its forward in the backward (non-reentrant
     ``torch.utils.checkpoint``), as torchtitan's activation checkpointing wraps a block:
     ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, whose wrapper keeps
-    its parameters' names (``named_parameters`` and ``state_dict`` strip its prefix)."""
-    return checkpoint_wrapper(block)
+    its parameters' names (``named_parameters`` and ``state_dict`` strip its prefix).
+    ``context_fn``: a selective policy's contexts
+    (:func:`autoshard.trace.selective.context_fn`); ``None`` recomputes everything."""
+    if context_fn is None:
+        return checkpoint_wrapper(block)
+    return checkpoint_wrapper(block, context_fn=context_fn)
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:

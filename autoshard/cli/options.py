@@ -174,14 +174,17 @@ def step_options() -> list:
         ),
         click.option(
             "--activation-checkpointing",
-            type=click.Choice(["auto", "none", "full"]),
+            type=click.Choice(["auto", "none", "full", "selective"]),
             default="auto",
             show_default=True,
             help="Recompute repeated blocks (transformer layers) in the backward pass instead "
             "of keeping their activations, as torch.utils.checkpoint around each block does. "
-            "auto: the ILP decides how many blocks recompute, only where memory needs it "
-            "(each costs one more forward pass of the block, its collectives included); "
-            "none: keep every activation; full: every block recomputes. Training only.",
+            "auto: the ILP decides per block, only where memory needs it: keep, recompute "
+            "in full (one more forward pass of the block, its collectives included) or "
+            "selectively; none: keep every activation; full: every block recomputes its "
+            "forward; selective: every block keeps its attention and every other matmul "
+            "output and recomputes the rest (torchtitan's op-level selective AC). Training "
+            "only.",
         ),
     ]
 

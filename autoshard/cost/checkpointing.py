@@ -1,39 +1,54 @@
-"""Activation checkpointing as a decision of the plan: which repeated blocks recompute.
+"""Activation checkpointing as a decision of the plan: which repeated blocks recompute,
+and how much of them.
 
-A block that recomputes (``torch.utils.checkpoint`` around it, as torchtitan's full
-activation checkpointing does per transformer block) keeps only its input from the
-forward pass to the backward pass; its backward first runs its forward again. In the
-step's terms (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016):
+Two policies, as torchtitan runs them per transformer block:
 
-* time: one more forward pass of the block, its compute and every resharding its
-  forward ops read (a tensor-parallel all-reduce, an FSDP all-gather of its weights),
-  priced exactly as in the forward pass under the same plan;
+* **full**: ``torch.utils.checkpoint`` around the block. It keeps only its input from the
+  forward pass to the backward pass; its backward first runs its whole forward again.
+* **selective** (op-level, :mod:`autoshard.trace.selective`): the block keeps the outputs
+  of its attention kernels and of every other ``aten.mm``, and recomputes the rest of its
+  forward in the backward pass.
+
+In the step's terms (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016;
+Korthikanti et al., 2022, for the selective policy):
+
+* time: the recomputed ops of the block's forward pass run once more, their compute and
+  every resharding they read (a tensor-parallel all-reduce, an FSDP all-gather of their
+  weights), priced exactly as in the forward pass under the same plan;
 * memory: the activations the block saves for its backward, except its input (what it
-  reads from outside the block), are not live between its forward and its backward.
-  While the block's own backward runs they are live again, recomputed.
+  reads from outside the block) and, under the selective policy, the outputs it keeps,
+  are not live between its forward and its backward. While the block's own backward
+  runs they are live again, recomputed.
+
+Every-other-layer checkpointing (torchtitan's selective "layer" option) is the full
+policy on half of the blocks: the counts below already express it.
 
 A traced block standing for ``m`` identical real blocks (:func:`autoshard.trace.tracer.
-reduce_depth`) chooses how many of them, ``k`` in ``0..m``, recompute: the liveness
-(:class:`autoshard.cost.liveness.Liveness`) counts its saved activations ``m`` times at every
-point where they are live. Between the block's forward and its backward, recomputing
-``k`` blocks frees ``k`` copies; inside its own forward or backward (where one copy is
-being computed or recomputed) ``max(k - 1, 0)`` copies. A traced block standing for one
-block frees its copy between its forward and its backward only.
+reduce_depth`) chooses how many of them recompute under each policy, ``k_full + k_sel <=
+m``: the liveness (:class:`autoshard.cost.liveness.Liveness`) counts its saved activations
+``m`` times at every point where they are live. Between the block's forward and its
+backward, a policy recomputing ``k`` blocks frees ``k`` copies of what it frees; inside its
+own forward or backward (where one copy is being computed or recomputed) ``max(k - 1, 0)``
+copies per policy. A traced block standing for one block frees its copy between its
+forward and its backward only. The real blocks that recompute are the first ``k_full``
+(full) and the next ``k_sel`` (selective).
 
-The ILP (:mod:`autoshard.solver.ilp`) decides ``k`` with binary digits ``k = sum_b 2^b
-beta_b`` and linearises the products with the plan exactly (at integral points):
+The ILP (:mod:`autoshard.solver.ilp`) decides each ``k`` with binary digits ``k = sum_b
+2^b beta_b`` and linearises the products with the plan exactly (at integral points):
 
 * time: ``w_b >= 2^b (R(x, y) - R_max (1 - beta_b))``, ``w_b >= 0``, the objective adding
-  ``sum_b w_b``, ``R`` one copy's forward seconds and ``R_max`` its largest value;
-* memory: per representative ``r`` of a saved activation and strategy ``i``,
+  ``sum_b w_b``, ``R`` one copy's recomputed seconds under the policy and ``R_max`` its
+  largest value;
+* memory: per representative ``r`` of a freed activation and strategy ``i``,
   ``0 <= z_ri <= m x_ri`` with ``sum_i z_ri = k`` (so ``z = k x``), and for ``m > 1``
   ``g_ri >= x_ri + gamma - 1``, ``g >= 0``, ``gamma >= beta_b`` (so ``g = [k >= 1] x``); a
   budget row subtracts ``sum_i bytes_ji z_ri`` (between) or ``sum_i bytes_ji (z_ri -
-  g_ri)`` (inside) for every saved activation ``j`` live at its point.
+  g_ri)`` (inside) for every freed activation ``j`` live at its point.
 
-What is left out, and errs on the side of more memory: the recomputed forward's
-collectives are not hidden under compute, and the one block recomputed at a time is
-counted at every point of its forward as well.
+What is left out, and errs on the side of more memory and time: the recomputed forward's
+collectives are not hidden under compute; the one block recomputed at a time is counted
+at every point of its forward as well (once per policy that recomputes some block); a
+resharding shared by a kept op and a recomputed op is paid again in full.
 """
 
 from __future__ import annotations
@@ -45,10 +60,16 @@ import scipy.sparse as sp
 
 from autoshard.cost.liveness import activation_sizes, last_uses, liveness, local_bytes
 from autoshard.strategies.sharing import shared_seconds
+from autoshard.trace.selective import recomputed_ops, saved_ops
 
-MODES = ("auto", "none", "full")
-"""``--activation-checkpointing``: ``auto`` (the ILP decides per block), ``none`` (no
-block recomputes), ``full`` (every repeated block recomputes)."""
+MODES = ("auto", "none", "full", "selective")
+"""``--activation-checkpointing``: ``auto`` (the ILP decides per block: none, full or
+selective), ``none`` (no block recomputes), ``full`` (every repeated block recomputes its
+whole forward), ``selective`` (every repeated block recomputes all but its attention and
+every other matmul, :mod:`autoshard.trace.selective`)."""
+
+POLICIES = ("full", "selective")
+"""How a block recomputes (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -56,15 +77,25 @@ class CheckpointBlock:
     """One traced repeated block that may recompute.
 
     ``layer``: its layer index (the first real block it stands for); ``real``: the real
-    blocks it stands for (``k`` of them recompute: the first ``k``); ``forward``: its
-    forward op nodes that have strategies; ``saved``: indices (into the liveness nodes) of
-    the activations recomputing frees.
+    blocks it stands for (``k`` of them recompute: the first ``k``, after those the full
+    policy takes); ``forward``: the forward op nodes with strategies the policy recomputes;
+    ``saved``: indices (into the liveness nodes) of the activations recomputing frees;
+    ``policy``: ``"full"`` or ``"selective"`` (:data:`POLICIES`); ``kept``: under the
+    selective policy, indices of the outputs it keeps for its recomputation that its
+    backward would not otherwise hold (they stay live from forward to backward).
     """
 
     layer: int
     real: tuple[int, ...]
     forward: tuple[str, ...]
     saved: tuple[int, ...]
+    policy: str = "full"
+    kept: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """The block's key in a plan's counts: ``(layer, policy)``."""
+        return (self.layer, self.policy)
 
     @property
     def copies(self) -> int:
@@ -81,15 +112,27 @@ class Checkpointing:
     (module docstring).
 
     Attributes:
-        blocks: one per traced repeated block with activations to free.
+        blocks: per traced repeated block with activations to free, one per policy of
+            ``policies`` that frees some (the full policy's first).
         between: ``(points, liveness nodes)`` sparse 0/1: a freed activation live at a
             point between its block's forward and backward (``k`` copies freed there).
         inside: the same at points inside its block's forward or backward, for blocks
             standing for more than one (``max(k - 1, 0)`` copies freed there).
-        fixed: ``True`` when every block recomputes (``--activation-checkpointing full``).
+        held: ``(points, liveness nodes)`` sparse 0/1: a kept output (``CheckpointBlock.
+            kept``) at a point between its block's forward and backward or, for blocks
+            standing for more than one, inside them (``k`` copies held there).
+        fixed: the policy every block recomputes under (``--activation-checkpointing
+            full`` / ``selective``), or ``None`` when the plan decides.
     """
 
-    def __init__(self, sg, fixed: bool = False) -> None:  # noqa: ANN001 - a StrategyGraph
+    def __init__(
+        self,
+        sg,  # noqa: ANN001 - a StrategyGraph
+        fixed: str | None = None,
+        policies: tuple[str, ...] = POLICIES,
+    ) -> None:
+        if fixed is not None and fixed not in POLICIES:
+            raise ValueError(f"fixed must be one of {POLICIES} or None, got {fixed!r}")
         graph = sg.graph
         self.fixed = fixed
         live = liveness(graph)
@@ -97,16 +140,19 @@ class Checkpointing:
         last = last_uses(graph)
         users = graph.users()
         stands_for = graph.depth.stands_for if graph.depth is not None else None
-        fwd_end, bwd_start = {}, {}
+        fwd_start, fwd_end, bwd_start, bwd_end = {}, {}, {}, {}
         for n, info in graph.nodes.items():
             if info.kind != "op" or info.layer is None:
                 continue
             t, p = info.layer, order[n]
             if info.backward:
                 bwd_start.setdefault(t, p)
+                bwd_end[t] = p
             else:
+                fwd_start.setdefault(t, p)
                 fwd_end[t] = p
         index = {n: j for j, n in enumerate(live.nodes)}
+        rerun, keeps = recomputed_ops(graph), saved_ops(graph)
 
         def read_outside(n: str, layer: int) -> bool:
             """Whether an op outside ``layer`` reads ``n``, directly or through views."""
@@ -119,7 +165,7 @@ class Checkpointing:
             return False
 
         blocks = []
-        for t in sorted(fwd_end):
+        for ordinal, t in enumerate(sorted(fwd_end)):
             if t not in bwd_start:
                 continue
             forward = tuple(
@@ -127,16 +173,27 @@ class Checkpointing:
                 for n, info in graph.nodes.items()
                 if info.kind == "op" and info.layer == t and not info.backward and n in sg.nodes
             )
-            saved = tuple(
-                index[n]
+            freed = [
+                n
                 for n in forward
                 if n in index and last.get(n, -1) >= bwd_start[t] and not read_outside(n, t)
-            )
-            if not saved:
-                continue
-            ordinal = sorted(fwd_end).index(t)
-            real = stands_for[ordinal] if stands_for is not None else (t,)
-            blocks.append(CheckpointBlock(t, tuple(real), forward, saved))
+            ]
+            real = tuple(stands_for[ordinal] if stands_for is not None else (t,))
+            for policy in policies:
+                recomputes = (lambda n: True) if policy == "full" else rerun.__contains__
+                saved = tuple(index[n] for n in freed if recomputes(n))
+                ops = tuple(n for n in forward if recomputes(n))
+                if not saved or (policy == "selective" and ops == forward):
+                    continue  # frees nothing, or is the full policy under another name
+                kept = tuple(
+                    index[n]
+                    for n in forward
+                    if policy == "selective"
+                    and n in keeps
+                    and n in index
+                    and last.get(n, -1) < bwd_start[t]
+                )
+                blocks.append(CheckpointBlock(t, real, ops, saved, policy, kept))
         self.blocks = blocks
         at = live.positions
         rows_b, cols_b, rows_i, cols_i = [], [], [], []
@@ -158,79 +215,125 @@ class Checkpointing:
             if not rows:
                 return sp.csr_matrix(shape)
             r, c = np.concatenate(rows), np.concatenate(cols)
-            return sp.csr_matrix((np.ones(len(r)), (r, c)), shape=shape)
+            m = sp.csr_matrix((np.ones(len(r)), (r, c)), shape=shape)
+            m.data[:] = 1.0  # an activation two policies free is one entry
+            return m
 
         self.between = matrix(rows_b, cols_b)
         self.inside = matrix(rows_i, cols_i)
+        rows_h, cols_h = [], []
+        for b in blocks:
+            t = b.layer
+            span = (at > fwd_end[t]) & (at < bwd_start[t])
+            if b.copies > 1:  # the other copies' kept outputs, inside its passes too
+                span |= (at >= fwd_start[t]) & (at <= bwd_end[t])
+            pts = np.flatnonzero(span)
+            for j in b.kept:
+                rows_h.append(pts)
+                cols_h.append(np.full(len(pts), j))
+        self.held = matrix(rows_h, cols_h)
 
-    def full(self) -> dict[int, int]:
-        """Every block recomputes: layer -> its copies."""
-        return {b.layer: b.copies for b in self.blocks}
+    def of_policy(self, policy: str) -> dict[int, int]:
+        """Every block recomputes under ``policy``: its key -> its copies (the other
+        policy's blocks 0)."""
+        return {b.key: b.copies if b.policy == policy else 0 for b in self.blocks}
 
-    def counts(self, recompute: dict[int, int] | None) -> dict[int, int]:
-        """``recompute`` with every block present (0 where absent); ``full`` when fixed."""
-        if self.fixed:
-            return self.full()
+    def full(self) -> dict[tuple[int, str], int]:
+        """Every block recomputes its whole forward."""
+        return self.of_policy("full")
+
+    def counts(self, recompute: dict | None) -> dict[tuple[int, str], int]:
+        """``recompute`` (block key -> count) with every block present (0 where absent);
+        every block under the fixed policy when there is one."""
+        if self.fixed is not None:
+            return self.of_policy(self.fixed)
         given = recompute or {}
-        return {b.layer: int(given.get(b.layer, 0)) for b in self.blocks}
+        return {b.key: int(given.get(b.key, 0)) for b in self.blocks}
 
     def forward_seconds(self, sg, block: CheckpointBlock, choice: dict[str, int]) -> float:  # noqa: ANN001
-        """Seconds of one real copy of ``block``'s forward pass under ``choice``: its ops'
-        compute and what they communicate themselves, and the reshardings they read
-        (:attr:`autoshard.strategies.graph.Edge.forward_uses` of every edge's real reads)."""
+        """Seconds of one real copy of what ``block`` recomputes under ``choice``: its
+        recomputed ops' compute and what they communicate themselves, and the reshardings
+        they read (:attr:`autoshard.strategies.graph.Edge.forward_uses`, or
+        ``selective_uses`` under the selective policy, of every edge's real reads)."""
         graph = sg.graph
+        selective = block.policy == "selective"
         total = 0.0
         for n in block.forward:
             ns = sg.nodes[n]
             k = ns.choice[choice[ns.rep]]
             total += float(ns.compute_s[k]) / graph.mult(n) + ns.strategies[k].own_s
         for e in sg.edges:
-            uses = e.forward_uses.get(block.layer, 0)
+            uses = (e.selective_uses if selective else e.forward_uses).get(block.layer, 0)
             if uses:
                 cost = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
                 total += cost * uses / e.uses
-        return total + shared_seconds(sg, choice, block.layer)
+        return total + shared_seconds(sg, choice, block.layer, selective)
 
-    def seconds(self, sg, choice: dict[str, int], recompute: dict[int, int] | None) -> float:  # noqa: ANN001
+    def seconds(self, sg, choice: dict[str, int], recompute: dict | None) -> float:  # noqa: ANN001
         """Seconds the recomputation adds to the step: ``sum_k k * forward_seconds``."""
         counts = self.counts(recompute)
         return sum(
-            counts[b.layer] * self.forward_seconds(sg, b, choice)
+            counts[b.key] * self.forward_seconds(sg, b, choice)
             for b in self.blocks
-            if counts[b.layer]
+            if counts[b.key]
         )
 
-    def freed(self, sg, node_strategy: dict, recompute: dict[int, int] | None) -> np.ndarray:  # noqa: ANN001
+    def freed(self, sg, node_strategy: dict, recompute: dict | None) -> np.ndarray:  # noqa: ANN001
         """Bytes one device frees at each liveness point under a plan (its strategy per
         node) when the blocks ``recompute`` names recompute."""
         one_copy = activation_sizes(sg, node_strategy, sg.mesh_shape, scaled=False)
         counts = self.counts(recompute)
         k_between = np.zeros(len(one_copy))
         k_inside = np.zeros(len(one_copy))
+        k_held = np.zeros(len(one_copy))
         for b in self.blocks:
-            k = counts[b.layer]
+            k = counts[b.key]
             idx = np.array(b.saved)
-            k_between[idx] = k
-            k_inside[idx] = max(k - 1, 0)
-        return self.between @ (one_copy * k_between) + self.inside @ (one_copy * k_inside)
+            k_between[idx] += k
+            k_inside[idx] += max(k - 1, 0)
+            k_held[list(b.kept)] += k
+        return (
+            self.between @ (one_copy * k_between)
+            + self.inside @ (one_copy * k_inside)
+            - self.held @ (one_copy * k_held)
+        )
 
-    def saved_bytes(self, sg, node_strategy: dict, recompute: dict[int, int] | None) -> float:  # noqa: ANN001
+    def saved_bytes(self, sg, node_strategy: dict, recompute: dict | None) -> float:  # noqa: ANN001
         """Bytes one device does not keep from forward to backward because the blocks
         ``recompute`` names recompute."""
         one_copy = activation_sizes(sg, node_strategy, sg.mesh_shape, scaled=False)
         counts = self.counts(recompute)
-        return sum(counts[b.layer] * float(one_copy[list(b.saved)].sum()) for b in self.blocks)
+        return sum(
+            counts[b.key] * float(one_copy[list(b.saved)].sum() - one_copy[list(b.kept)].sum())
+            for b in self.blocks
+        )
 
-    def counts_of_blocks(self, real: list[int]) -> dict[int, int]:
-        """The counts that recompute the real blocks ``real`` (a solution's
-        ``recomputed_blocks``): per traced block, how many of those it stands for."""
-        wanted = set(real)
-        return {b.layer: len(wanted.intersection(b.real)) for b in self.blocks}
+    def counts_of_blocks(self, real: list[int], selective: list[int] = ()) -> dict:
+        """The counts that recompute the real blocks ``real`` in full and ``selective``
+        under the selective policy (a solution's ``recomputed_blocks`` and
+        ``selective_blocks``): per block, how many of those it stands for."""
+        wanted = {"full": set(real), "selective": set(selective)}
+        return {b.key: len(wanted[b.policy].intersection(b.real)) for b in self.blocks}
 
-    def recomputed_blocks(self, recompute: dict[int, int] | None) -> list[int]:
-        """The real block indices that recompute (the first ``k`` of each traced block's)."""
+    def _real(self, recompute: dict | None, policy: str) -> list[int]:
         counts = self.counts(recompute)
-        return sorted(i for b in self.blocks for i in b.real[: counts[b.layer]])
+        out = []
+        for b in self.blocks:
+            if b.policy != policy:
+                continue
+            first = counts.get((b.layer, "full"), 0) if policy == "selective" else 0
+            out.extend(b.real[first : first + counts[b.key]])
+        return sorted(out)
+
+    def recomputed_blocks(self, recompute: dict | None) -> list[int]:
+        """The real block indices that recompute in full (the first ``k`` of each traced
+        block's)."""
+        return self._real(recompute, "full")
+
+    def selective_blocks(self, recompute: dict | None) -> list[int]:
+        """The real block indices that recompute under the selective policy (after those
+        that recompute in full)."""
+        return self._real(recompute, "selective")
 
 
 def node_bytes(sg, j: int, strategy: int) -> float:  # noqa: ANN001
@@ -255,7 +358,8 @@ class Columns:
     representative of a freed activation, one per strategy) and, for a block standing for
     more than one, ``gamma`` and ``g`` (like ``z``). ``credit``: ``(liveness nodes, n)``
     bytes of one copy of each freed activation over its ``z`` columns; ``credit_g`` the
-    same over its ``g`` columns.
+    same over its ``g`` columns; ``credit_h`` the bytes of each kept output
+    (``CheckpointBlock.kept``) over its ``z`` columns.
     """
 
     def __init__(self, sg, ck: Checkpointing) -> None:  # noqa: ANN001 - a StrategyGraph
@@ -265,14 +369,16 @@ class Columns:
         self.beta, self.w, self.z, self.gamma, self.g = [], [], [], [], []
         self.sizes: dict[str, int] = {}
         rows, cols, vals, g_rows, g_cols, g_vals = [], [], [], [], [], []
+        h_rows, h_cols, h_vals = [], [], []
         for b in ck.blocks:
             self.beta.append(pos)
             self.w.append(pos + b.bits)
             pos += 2 * b.bits
             reps = list(dict.fromkeys(sg.nodes[live.nodes[j]].rep for j in b.saved))
-            self.sizes.update({r: len(sg.nodes[r].strategies) for r in reps})
+            held = [sg.nodes[live.nodes[j]].rep for j in b.kept]
+            self.sizes.update({r: len(sg.nodes[r].strategies) for r in reps + held})
             z = {}
-            for r in reps:
+            for r in dict.fromkeys(reps + held):
                 z[r] = pos
                 pos += len(sg.nodes[r].strategies)
             self.z.append(z)
@@ -297,24 +403,32 @@ class Columns:
                         g_rows.append(j)
                         g_cols.append(g[r] + i)
                         g_vals.append(v)
+            for j in b.kept:
+                r = sg.nodes[live.nodes[j]].rep
+                for i in range(len(sg.nodes[r].strategies)):
+                    h_rows.append(j)
+                    h_cols.append(z[r] + i)
+                    h_vals.append(node_bytes(sg, j, i))
         self.n = pos
         shape = (len(live.nodes), pos)
         self.credit = sp.csr_matrix((vals, (rows, cols)), shape=shape)
         self.credit_g = sp.csr_matrix((g_vals, (g_rows, g_cols)), shape=shape)
+        self.credit_h = sp.csr_matrix((h_vals, (h_rows, h_cols)), shape=shape)
 
     def memory_rows(self, points) -> np.ndarray:  # noqa: ANN001 - point indices
-        """The budget rows' part over these columns: bytes freed, negative,
-        ``(len(points), n)``."""
+        """The budget rows' part over these columns: bytes freed, negative (kept outputs
+        held, positive), ``(len(points), n)``."""
         pts = list(points)
         between, inside = self.ck.between[pts], self.ck.inside[pts]
-        return (-((between + inside) @ self.credit) + inside @ self.credit_g).toarray()
+        rows = -((between + inside) @ self.credit) + inside @ self.credit_g
+        return (rows + self.ck.held[pts] @ self.credit_h).toarray()
 
     def values(self, choice: dict[str, int], recompute: dict[int, int] | None) -> np.ndarray:
         """The columns' values for a plan and its counts (``w`` left 0: the ILP sets it)."""
         v = np.zeros(self.n)
         counts = self.ck.counts(recompute)
         for bi, b in enumerate(self.ck.blocks):
-            k = counts[b.layer]
+            k = counts[b.key]
             for d in range(b.bits):
                 v[self.beta[bi] + d] = (k >> d) & 1
             for r, start in self.z[bi].items():
@@ -332,10 +446,10 @@ class Columns:
             mask[self.beta[bi] : self.beta[bi] + b.bits] = True
         return mask
 
-    def counts(self, v: np.ndarray) -> dict[int, int]:
-        """Blocks that recompute, per traced block, from the columns' values."""
+    def counts(self, v: np.ndarray) -> dict[tuple[int, str], int]:
+        """Blocks that recompute, per block key, from the columns' values."""
         return {
-            b.layer: sum(int(round(v[self.beta[bi] + d])) << d for d in range(b.bits))
+            b.key: sum(int(round(v[self.beta[bi] + d])) << d for d in range(b.bits))
             for bi, b in enumerate(self.ck.blocks)
         }
 

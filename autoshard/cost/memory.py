@@ -132,7 +132,7 @@ def memory_by_kind(
     sg: StrategyGraph,
     choice: dict[str, int],
     model: MemoryModel,
-    recompute: dict[int, int] | None = None,
+    recompute: dict | None = None,
 ) -> dict:
     """Bytes per device by kind (parameters, gradients, optimizer state, saved
     activations: those the recomputed blocks free are not saved)."""
@@ -212,11 +212,9 @@ class LiveMemory:
             return act
         return np.hstack([act, cols.memory_rows(points)])
 
-    def per_point(
-        self, choice: dict[str, int], recompute: dict[int, int] | None = None
-    ) -> np.ndarray:
+    def per_point(self, choice: dict[str, int], recompute: dict | None = None) -> np.ndarray:
         """Bytes per device at every point under ``choice`` (a strategy per representative)
-        and ``recompute`` (layer -> real blocks that recompute)."""
+        and ``recompute`` ((layer, policy) -> real blocks that recompute)."""
         x = np.zeros(self.bytes.shape[1])
         for r, c in choice.items():
             x[self.offsets[r] + c] = 1.0

@@ -13,14 +13,12 @@ from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.sharing import shared_seconds
 
 
-def evaluate(
-    sg: StrategyGraph, choice: dict[str, int], recompute: dict[int, int] | None = None
-) -> float:
+def evaluate(sg: StrategyGraph, choice: dict[str, int], recompute: dict | None = None) -> float:
     """The objective (s) of a given choice, as the ILP counts it: compute (with the
     optimizer step) plus resharding (a tensor moved once per wanted placement for the
     readers that share it, :mod:`autoshard.strategies.sharing`), less the communication
     hidden under compute (:func:`autoshard.cost.overlap.hidden_seconds`), plus the
-    forward passes of the blocks ``recompute`` names (layer -> how many real blocks;
+    forward passes of the blocks ``recompute`` names ((layer, policy) -> how many real blocks;
     :meth:`autoshard.cost.checkpointing.Checkpointing.seconds`)."""
     total = sum(float(sg.rep_cost(r)[choice[r]]) for r in sg.reps)
     for e in sg.edges:

@@ -33,6 +33,7 @@ from autoshard.plan.styles import (
     styles_mesh,
     styles_mesh_groups,
 )
+from autoshard.trace.selective import context_fn as sac
 
 _LAYOUTS = {"Replicate()": Replicate()}
 
@@ -151,10 +152,11 @@ def apply(
             styles[fqn] = ColwiseParallel(**kw) if style == COLWISE else RowwiseParallel(**kw)
         parallelize_module(model, mesh[names[sp.tp_dim]], styles)
     by_param = {id(p): n for n, p in model.named_parameters()}  # before any wrapper
-    for fqn in sp.recompute:  # torchtitan's order: tensor parallelism, checkpointing, FSDP
+    # torchtitan's order: tensor parallelism, checkpointing, FSDP
+    for fqn, policy in [*((f, None) for f in sp.recompute), *((f, sac) for f in sp.selective)]:
         parent, _, child = fqn.rpartition(".")
         model.get_submodule(parent).register_module(
-            child, checkpoint_block(model.get_submodule(fqn))
+            child, checkpoint_block(model.get_submodule(fqn), policy)
         )
     if sp.dp_mode is not None:
         dp_names = dp_mesh_names(sp, smap.mesh_shape, names)

@@ -57,6 +57,7 @@ from autoshard.launch.lowered import PHASE, local_shard
 from autoshard.strategies.registry import KernelContext
 from autoshard.strategies.rules import OpRule, op_rule
 from autoshard.strategies.strategy import Strategy
+from autoshard.trace.selective import recomputed_ops
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
 Placements = tuple[Placement, ...]
@@ -111,6 +112,9 @@ class GraphProgram:
     # real repeated blocks whose forward reruns before their backward (activation
     # checkpointing, autoshard.cost.checkpointing): their activations are not kept
     recompute: frozenset[int] = frozenset()
+    # real repeated blocks that rerun only the ops selective checkpointing recomputes
+    # (autoshard.trace.selective); the outputs it keeps stay from forward to backward
+    selective: frozenset[int] = frozenset()
 
 
 def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
@@ -173,10 +177,12 @@ def program_from_solution(
     if missing or changed or extra:
         raise _mismatch(missing, extra, changed)
     sinks, grad_of = _output_sinks(graph, sol_nodes, alias, reduced, nodes)
-    recompute = frozenset(
-        int(b) for b in (solution.get("predicted") or {}).get("recomputed_blocks") or ()
+    predicted = solution.get("predicted") or {}
+    recompute = frozenset(int(b) for b in predicted.get("recomputed_blocks") or ())
+    selective = frozenset(int(b) for b in predicted.get("selective_blocks") or ())
+    return GraphProgram(
+        graph, nodes, sinks, grad_of, mesh, recompute=recompute, selective=selective
     )
-    return GraphProgram(graph, nodes, sinks, grad_of, mesh, recompute=recompute)
 
 
 def _node_plans(
@@ -718,14 +724,16 @@ def _last_shared_readers(program: GraphProgram) -> dict[torch.fx.Node, list[torc
 
 
 def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, dict, set, dict]:
-    """For the blocks ``program.recompute`` names: the node before which each block's
-    forward values that nothing outside it reads are dropped (the one after its last
-    forward node), the node before which its forward reruns (its first backward node) with
-    the nodes to rerun, the nodes read from its backward on (kept after a rerun), and what a
-    rerun reads from outside its block -> the latest first backward node that rereads it
-    (it must live until then)."""
-    if not program.recompute:
+    """For the blocks ``program.recompute`` and ``program.selective`` name: the node before
+    which each block's forward values that nothing outside it reads are dropped (the one
+    after its last forward node), the node before which its forward reruns (its first
+    backward node) with the nodes to rerun, the nodes read from its backward on (kept after
+    a rerun), and what a rerun reads from outside its block -> the latest first backward
+    node that rereads it (it must live until then). A selective block keeps the outputs
+    :func:`autoshard.trace.selective.recomputed_ops` leaves out, and reruns the rest."""
+    if not program.recompute and not program.selective:
         return {}, {}, set(), {}
+    rerun = recomputed_ops(program.graph) if program.selective else frozenset()
     infos = program.graph.nodes
     order = list(graph.nodes)
     layer_of = {n: infos[n.name].layer if n.name in infos else None for n in order}
@@ -734,11 +742,14 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
     rerun_at: dict = {}
     needed: set = set()
     reread: dict = {}
-    for b in sorted(program.recompute):
+    for b in sorted(program.recompute | program.selective):
         forward = [
             n
             for n in order
-            if n.op == "call_function" and layer_of[n] == b and not infos[n.name].backward
+            if n.op == "call_function"
+            and layer_of[n] == b
+            and not infos[n.name].backward
+            and (b in program.recompute or n.name in rerun)
         ]
         backward = [
             n

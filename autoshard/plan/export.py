@@ -105,8 +105,9 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
 
 
 def predicted(plan: Plan) -> dict[str, Any]:
-    """The plan's predictions as plain numbers (seconds, bytes, collective counts)."""
-    return {
+    """The plan's predictions as plain numbers (seconds, bytes, collective counts);
+    ``selective_blocks`` only when some block recomputes under the selective policy."""
+    out = {
         "step_time_s": float(plan.step_time_s),
         "compute_s": float(plan.compute_s),
         "optimizer_s": float(plan.optimizer_s),
@@ -120,6 +121,14 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "flops": float(plan.step_flops),
         "mfu": float(plan.mfu),
     }
+    return {**out, **_selective(plan)}
+
+
+def _selective(plan: Plan) -> dict[str, list[int]]:
+    """``{"selective_blocks": [...]}`` when some block recomputes selectively, else ``{}``
+    (maps and solutions without it read as before)."""
+    blocks = plan.selective_blocks
+    return {"selective_blocks": [int(b) for b in blocks]} if blocks else {}
 
 
 def collective_steps(plan: Plan) -> list[dict[str, Any]]:
@@ -157,6 +166,7 @@ def sharding_map_dict(
             "mfu": float(plan.mfu),
             "collective_steps": collective_steps(plan),
             "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
+            **_selective(plan),
         },
     }
     if device is not None:

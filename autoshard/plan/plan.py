@@ -59,10 +59,12 @@ class Plan:
     # of collective_steps, those an op issues itself (the experts' all-to-all exchange), not
     # a resharding of its inputs: they run as planned on every backend
     own_steps: Counter = field(default_factory=Counter)
-    # activation checkpointing (autoshard.cost.checkpointing): per traced block's layer the
-    # real blocks that recompute, the real block indices, and the seconds they add
-    recompute: dict[int, int] = field(default_factory=dict)
+    # activation checkpointing (autoshard.cost.checkpointing): per traced block and policy
+    # the real blocks that recompute, the real block indices, and the seconds they add
+    recompute: dict[tuple[int, str], int] = field(default_factory=dict)
     recomputed_blocks: list[int] = field(default_factory=list)
+    # real blocks that recompute under the selective policy (autoshard.trace.selective)
+    selective_blocks: list[int] = field(default_factory=list)
     recompute_s: float = 0.0
 
     @property
@@ -141,9 +143,9 @@ def build_plan(
     steps: Counter = Counter()
     own_steps: Counter = Counter()  # of steps, those ops issue themselves
     # the reshardings a recomputed block's forward reads run again before its backward
-    ck = sg.checkpointing
-    reruns = ck.counts(recompute) if ck is not None and ck.blocks else {}
-    moved: set[tuple] = set()  # (share key, placement): reads that share one resharding
+    reruns = _reruns(sg, recompute)
+    again: dict[tuple, int] = {}  # a shared resharding: reruns of its most rerun reader
+    moved: dict[tuple, list] = {}  # (share key, placement): reads that share one resharding
     for producer, consumer, k, t in tensor_uses(sg):
         p = node_strategy[producer].outputs[0]
         q = node_strategy[consumer].inputs[k]
@@ -151,9 +153,10 @@ def build_plan(
             continue
         key = shared_read(sg, producer, consumer)
         if key is not None:
+            again[(key, q)] = max(again.get((key, q), 0), reruns.get(consumer, 0))
             if (key, q) in moved:
                 continue
-            moved.add((key, q))
+            moved[(key, q)] = []
         m = graph.mult(consumer)
         item = moved_itemsize(sg, consumer, t)
         for step in comm_model(mesh).redistribute_steps(
@@ -162,9 +165,14 @@ def build_plan(
             comm[step.kind] += m * step.seconds
             collectives[step.kind] += m
             steps[(phase_of(sg, consumer), step.kind, step.mesh_dim)] += m
-            info = graph.nodes.get(consumer)
-            if reruns.get(info.layer if info is not None and not info.backward else None):
-                steps[("recompute", step.kind, step.mesh_dim)] += reruns[info.layer]
+            if key is not None:
+                moved[(key, q)].append((step.kind, step.mesh_dim))
+            elif reruns.get(consumer):
+                steps[("recompute", step.kind, step.mesh_dim)] += reruns[consumer]
+    for shared, kinds in moved.items():
+        for kind, dim in kinds:
+            if again[shared]:
+                steps[("recompute", kind, dim)] += again[shared]
     # what ops communicate themselves (the experts' token exchange) is in their cost
     own = 0.0
     cm = comm_model(mesh)
@@ -181,9 +189,9 @@ def build_plan(
             collectives[kind] += m
             steps[(phase, kind, dim)] += m
             own_steps[(phase, kind, dim)] += m
-            if reruns.get(info.layer if not info.backward else None):
-                steps[("recompute", kind, dim)] += reruns[info.layer]
-                own_steps[("recompute", kind, dim)] += reruns[info.layer]
+            if reruns.get(n):
+                steps[("recompute", kind, dim)] += reruns[n]
+                own_steps[("recompute", kind, dim)] += reruns[n]
     compute -= own
     hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
 
@@ -235,6 +243,21 @@ def _placed_leaves(
     return parameters, inputs, param_bytes
 
 
+def _reruns(sg: StrategyGraph, recompute: dict | None) -> dict[str, int]:
+    """Per forward op node, how many times a recomputation runs it again (the real blocks
+    of its traced block that recompute under a policy that recomputes it)."""
+    ck = sg.checkpointing
+    if ck is None or not ck.blocks:
+        return {}
+    counts = ck.counts(recompute)
+    out: dict[str, int] = {}
+    for b in ck.blocks:
+        if counts[b.key]:
+            for n in b.forward:
+                out[n] = out.get(n, 0) + counts[b.key]
+    return out
+
+
 def _recomputation(sg: StrategyGraph, choice: dict[str, int], recompute) -> dict:
     """The :class:`Plan` fields of activation checkpointing (empty without it)."""
     ck = sg.checkpointing
@@ -243,6 +266,7 @@ def _recomputation(sg: StrategyGraph, choice: dict[str, int], recompute) -> dict
     return {
         "recompute": ck.counts(recompute),
         "recomputed_blocks": ck.recomputed_blocks(recompute),
+        "selective_blocks": ck.selective_blocks(recompute),
         "recompute_s": ck.seconds(sg, choice, recompute),
     }
 

@@ -255,10 +255,7 @@ def cost_table(plan: Plan) -> Table:
     if plan.optimizer_s:
         table.add_row("optimizer step (AdamW)", format_seconds(plan.optimizer_s), "", "", "")
     if plan.recompute_s:
-        n = len(plan.recomputed_blocks)
-        table.add_row(
-            f"recompute ({n} blocks' forward)", format_seconds(plan.recompute_s), "", "", ""
-        )
+        table.add_row(_recompute_label(plan), format_seconds(plan.recompute_s), "", "", "")
     exposed = plan.exposed_s
     for kind, c in COLLECTIVES.items():
         if kind in plan.comm_s or plan.collectives.get(kind):
@@ -313,15 +310,35 @@ def checkpointing_line(plan: Plan, mode: str = "auto") -> str | None:
     ck = plan.sg.checkpointing
     if ck is None or not ck.blocks:
         return None
-    total = sum(len(b.real) for b in ck.blocks)
+    total = len({i for b in ck.blocks for i in b.real})
     blocks = plan.recomputed_blocks
-    if not blocks:
+    selective = list(plan.selective_blocks)
+    if not blocks and not selective:
         why = "the plan fits without" if mode == "auto" else "--activation-checkpointing none"
         return f"activation checkpointing: no block recomputes ({why})"
+    parts = []
+    if blocks:
+        parts.append(f"{len(blocks)} of {total} blocks recompute in full ({_ranges(blocks)})")
+    if selective:
+        parts.append(
+            f"{len(selective)} of {total} selectively, keeping attention and every other "
+            f"matmul ({_ranges(selective)})"
+        )
     return (
-        f"activation checkpointing ({mode}): {len(blocks)} of {total} blocks recompute "
-        f"({_ranges(blocks)}), +{format_seconds(plan.recompute_s)} per step"
+        f"activation checkpointing ({mode}): {'; '.join(parts)}, "
+        f"+{format_seconds(plan.recompute_s)} per step"
     )
+
+
+def _recompute_label(plan: Plan) -> str:
+    """The breakdown's row title of the recomputation: how many blocks, which policy."""
+    full = len(plan.recomputed_blocks)
+    selective = len(plan.selective_blocks)
+    if not selective:
+        return f"recompute ({full} blocks' forward)"
+    if not full:
+        return f"recompute ({selective} blocks, selective)"
+    return f"recompute ({full} blocks' forward, {selective} selective)"
 
 
 def _ranges(xs: list[int]) -> str:
@@ -625,6 +642,7 @@ def report_dict(
             "activation_checkpointing": {
                 "mode": cfg.activation_checkpointing,
                 "recomputed_blocks": list(plan.recomputed_blocks),
+                "selective_blocks": list(plan.selective_blocks),
             },
             "step_flops": plan.step_flops,
             "mfu": plan.mfu,

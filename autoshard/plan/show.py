@@ -279,7 +279,7 @@ def _predicted_table(predicted: Mapping[str, Any], dim_names: Sequence[str]) -> 
     for key, value in predicted.items():
         if key == "collective_steps" and isinstance(value, list):
             text = _collective_steps_text(value, dim_names)
-        elif key == "recomputed_blocks" and isinstance(value, list):
+        elif key in ("recomputed_blocks", "selective_blocks") and isinstance(value, list):
             text = format_ranges(int(b) for b in value) if value else "none"
         elif key == "mfu" and _is_number(value):
             text = f"{value:.1%}"
@@ -301,6 +301,7 @@ _PREDICTED_LABELS = {
     "optimizer_s": "optimizer step",
     "recompute_s": "recompute",
     "recomputed_blocks": "recomputed blocks",
+    "selective_blocks": "selectively recomputed blocks",
     "comm_s": "communication",
     "hidden_s": "hidden under compute",
     "collectives": "collectives",

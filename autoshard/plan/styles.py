@@ -71,6 +71,9 @@ class StylePlan:
         recompute: the blocks (FQNs) the plan recomputes in the backward (the map's
             ``predicted.recomputed_blocks``), wrapped in ``checkpoint_wrapper`` as
             torchtitan's activation checkpointing wraps its blocks.
+        selective: the blocks (FQNs) the plan recomputes selectively (the map's
+            ``predicted.selective_blocks``), wrapped with torchtitan's op-level policy
+            (:func:`autoshard.trace.selective.context_fn`).
     """
 
     tp_dim: int | None
@@ -85,6 +88,7 @@ class StylePlan:
     blocks: list[str] = field(default_factory=list)  # the repeated blocks' FQNs, in order
     container: str | None = None  # the module whose children are exactly the blocks
     recompute: list[str] = field(default_factory=list)  # blocks checkpointed, in order
+    selective: list[str] = field(default_factory=list)  # blocks checkpointed selectively
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
@@ -247,13 +251,15 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
     sp.blocks = sorted(find_block_prefixes(model), key=natural_key)
     sp.container = _block_container(model)
     recomputed = smap.predicted.get("recomputed_blocks") or []
+    selective = smap.predicted.get("selective_blocks") or []
     block_of = {i: fqn for fqn, i in find_block_prefixes(model).items()}  # by its number
-    if any(b not in block_of for b in recomputed):
+    if any(b not in block_of for b in [*recomputed, *selective]):
         raise AutoshardError(
-            f"{smap.source} recomputes blocks {recomputed} but the model's blocks are "
-            f"numbered {sorted(block_of)}: solve again for this model"
+            f"{smap.source} recomputes blocks {sorted([*recomputed, *selective])} but the "
+            f"model's blocks are numbered {sorted(block_of)}: solve again for this model"
         )
     sp.recompute = [block_of[b] for b in sorted(recomputed)]
+    sp.selective = [block_of[b] for b in sorted(selective)]
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
@@ -426,16 +432,27 @@ def _checkpoint_lines(sp: StylePlan) -> list[str]:
     """Activation checkpointing of the blocks the plan recomputes, before FSDP (torchtitan's
     order: tensor parallelism, checkpointing, FSDP): each block replaced in its parent by
     ``checkpoint_wrapper(block)``, whose parameters keep their names."""
-    if not sp.recompute:
+    if not sp.recompute and not sp.selective:
         return []
     comment = "  # recompute each in the backward (torchtitan's activation checkpointing)"
+    lines = []
+    if sp.selective:
+        lines += [
+            f"    for name in ({''.join(f'{b!r}, ' for b in sp.selective).rstrip()}):"
+            "  # op-level selective AC: keep attention and every other mm",
+            "        parent, _, child = name.rpartition('.')",
+            "        block = checkpoint_wrapper(model.get_submodule(name), context_fn=sac_context)",
+            "        model.get_submodule(parent).register_module(child, block)",
+        ]
+    if not sp.recompute:
+        return lines
     if sp.container is not None and sp.recompute == sp.blocks:
         return [
             f"    blocks = model.get_submodule({sp.container!r})",
             f"    for name, block in list(blocks.named_children()):{comment}",
             "        blocks.register_module(name, checkpoint_wrapper(block))",
         ]
-    return [
+    return lines + [
         f"    for name in ({''.join(f'{b!r}, ' for b in sp.recompute).rstrip()}):{comment}",
         "        parent, _, child = name.rpartition('.')",
         "        block = checkpoint_wrapper(model.get_submodule(name))",
@@ -555,7 +572,12 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
                 "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
                 "checkpoint_wrapper"
             ]
-            if sp.recompute
+            if sp.recompute or sp.selective
+            else []
+        ),
+        *(
+            ["from autoshard.trace.selective import context_fn as sac_context"]
+            if sp.selective
             else []
         ),
         "from torch.distributed.device_mesh import init_device_mesh",

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import scipy.sparse as sp
 
-from autoshard.cost.checkpointing import Columns, columns
+from autoshard.cost.checkpointing import POLICIES, Columns, columns
 from autoshard.cost.liveness import local_bytes
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
@@ -209,8 +209,9 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
             per_block = ns.compute_s / sg.graph.mult(n) + ns.comm_s  # a rerun's exchange too
             x[start : start + len(ns.choice)] += per_block[ns.choice]
         y = np.zeros(len(r))
+        selective = b.policy == "selective"
         for i, e in enumerate(sg.edges):
-            uses = e.forward_uses.get(b.layer, 0)
+            uses = (e.selective_uses if selective else e.forward_uses).get(b.layer, 0)
             if uses:
                 start = edge_offsets[i]
                 y[start : start + len(keeps[i])] += r[start : start + len(keeps[i])] * uses / e.uses
@@ -218,11 +219,12 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
             xy = np.zeros(n_x + len(r))
             for j, share in enumerate(sg.shares):
                 for p in share.parts:
-                    if p.layer != b.layer or not p.forward:
+                    if p.layer != b.layer or not p.forward or (selective and not p.selective):
                         continue
                     xy[shares.first + j] += p.seconds / p.mult
+                    refunds = p.selective if selective else p.refunds
                     for idx, back, ind in zip(
-                        shares.indicators[j], p.refunds, share.indicators, strict=True
+                        shares.indicators[j], refunds, share.indicators, strict=True
                     ):
                         if rerun_refunded(ind):
                             xy[idx] -= back / p.mult
@@ -578,15 +580,18 @@ def _add_recompute(prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, c
         lower.append([lo])
         upper.append([hi])
 
+    per_layer: dict[int, list[dict[int, float]]] = {}
     for bi, b in enumerate(cols.ck.blocks):
         beta = ck0 + cols.beta[bi] + np.arange(b.bits)
         w = ck0 + cols.w[bi] + np.arange(b.bits)
         integer[beta] = boolean
         col_upper[beta] = 1.0
-        if cols.ck.fixed:  # every block recomputes
+        if cols.ck.fixed is not None:  # every block recomputes under the fixed policy
+            k = b.copies if b.policy == cols.ck.fixed else 0
             for d in range(b.bits):
-                col_lower[beta[d]] = col_upper[beta[d]] = float((b.copies >> d) & 1)
+                col_lower[beta[d]] = col_upper[beta[d]] = float((k >> d) & 1)
         weights = {int(beta[d]): float(2**d) for d in range(b.bits)}
+        per_layer.setdefault(b.layer, []).append(weights)
         if 2**b.bits - 1 > b.copies:  # k <= copies
             add(sparse_row(weights), -np.inf, float(b.copies))
         # w_d - 2^d S (rx.x + ry.y) - 2^d S R_max beta_d >= -2^d S R_max
@@ -617,7 +622,7 @@ def _add_recompute(prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, c
             entries = {int(j): 1.0 for j in zs}
             entries.update({j: -v for j, v in weights.items()})
             add(sparse_row(entries), 0.0, 0.0)
-            if gamma is not None:  # g - x - gamma >= -1
+            if gamma is not None and r in cols.g[bi]:  # g - x - gamma >= -1
                 gs = ck0 + cols.g[bi][r] + np.arange(size)
                 g = sp.csr_matrix((np.ones(size), (np.arange(size), gs)), shape=(size, n))
                 xg = sp.csr_matrix((-np.ones(size), (np.arange(size), xs)), shape=(size, n))
@@ -627,6 +632,15 @@ def _add_recompute(prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, c
                 blocks.append(g + xg + gm)
                 lower.append(np.full(size, -1.0))
                 upper.append(np.full(size, np.inf))
+
+    copies = {b.layer: b.copies for b in cols.ck.blocks}
+    for layer, parts in per_layer.items():  # k_full + k_selective <= copies
+        if len(parts) > 1:
+            add(
+                sparse_row({j: v for p in parts for j, v in p.items()}),
+                -np.inf,
+                float(copies[layer]),
+            )
 
 
 def _start(
@@ -757,7 +771,8 @@ def _best_start(
     best: ILPResult | None = None
     ck = sg.checkpointing if columns(sg) is not None else None
     # a start keeps every activation, or (when that does not fit) recomputes every block
-    counts = [None] if ck is None or ck.fixed else [{}, ck.full()]
+    # under one policy
+    counts = [None] if ck is None or ck.fixed else [{}, *map(ck.of_policy, POLICIES)]
     tries = [(n, c, k) for (n, c), k in itertools.product(starts.items(), counts)]
     tries += [(n, starts[n], k) for n, k in (start_counts or {}).items() if n in starts]
     for name, choice, recompute in tries:

@@ -964,9 +964,11 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     )
     seconds["preload"] = time.perf_counter() - t
     # the blocks the solution recomputes, matched to this graph's traced blocks
-    recomputed = (solution.get("predicted") or {}).get("recomputed_blocks") or []
+    predicted = solution.get("predicted") or {}
+    recomputed = predicted.get("recomputed_blocks") or []
+    selective = predicted.get("selective_blocks") or []
     ck = sg.checkpointing
-    recompute = ck.counts_of_blocks(recomputed) if ck is not None and ck.blocks else None
+    recompute = ck.counts_of_blocks(recomputed, selective) if ck is not None and ck.blocks else None
     ilp = ILPResult(
         choice=pre.choice,
         recompute=recompute or {},

@@ -107,6 +107,8 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
                 overlap=e.overlap,
                 hide=e.hide,
                 uses=e.uses,
+                forward_uses=e.forward_uses,
+                selective_uses=e.selective_uses,
             )
         )
 

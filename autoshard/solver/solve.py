@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
-from autoshard.cost.checkpointing import Checkpointing
+from autoshard.cost.checkpointing import POLICIES, Checkpointing
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
 from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
@@ -319,7 +319,8 @@ def strategies(
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"
     if config.mode == "train" and config.activation_checkpointing != "none":
-        sg.checkpointing = Checkpointing(sg, fixed=config.activation_checkpointing == "full")
+        mode = config.activation_checkpointing
+        sg.checkpointing = Checkpointing(sg, fixed=mode if mode in POLICIES else None)
     return sg
 
 
@@ -421,7 +422,7 @@ def solve_within_memory(
             no plan fits), or no plan fits after :data:`MEMORY_ROUNDS` solves.
     """
     ck = sg.checkpointing
-    if ck is not None and ck.blocks and not ck.fixed:
+    if ck is not None and ck.blocks and ck.fixed is None:
         # auto: recomputing only costs time, so it can only help where memory binds. Solve
         # without the decision first (its columns, thousands on a large mesh, enlarge the
         # search for nothing where memory does not bind); when that plan is within

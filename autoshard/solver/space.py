@@ -240,6 +240,7 @@ def search_space(
         tp_placements, tp_error = _megatron_placements(config, sg)
     ck = sg.checkpointing
     modes = [False] if ck is None or not ck.blocks else [True] if ck.fixed else [False, True]
+    # a layout that recomputes does so as --activation-checkpointing says (auto: in full)
     points: list[SpacePoint] = []
     for i, layout in enumerate(todo):
         if progress:
@@ -319,7 +320,8 @@ def _price(  # noqa: PLR0913
     except AutoshardError as exc:
         point.error = str(exc)
         return
-    recompute = sg.checkpointing.full() if point.checkpointing else None
+    ck = sg.checkpointing
+    recompute = ck.of_policy(ck.fixed or "full") if point.checkpointing else None
     plan = finish_plan(config, sg, found.choice, f"torchtitan {point.name}", recompute)
     back = _styles_of_plan(model, plan, names)
     moved = [k for k, v in inputs.items() if tuple(plan.inputs.get(k, v)) != tuple(v)]

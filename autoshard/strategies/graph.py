@@ -49,6 +49,7 @@ from autoshard.strategies.rules import op_rule
 from autoshard.strategies.sharing import build_shares, share_key
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.ops import is_view
+from autoshard.trace.selective import recomputed_ops
 from autoshard.trace.tracer import TensorInfo, TracedGraph
 
 aten = torch.ops.aten
@@ -111,6 +112,9 @@ class Edge:
     # recomputed block reads again: autoshard.cost.checkpointing)
     uses: float = 1.0
     forward_uses: dict[int, int] = field(default_factory=dict)
+    # of ``forward_uses``, the reads by ops that selective checkpointing recomputes
+    # (autoshard.trace.selective): what a block under that policy reads again
+    selective_uses: dict[int, int] = field(default_factory=dict)
 
     def hide_share(self, window: int) -> float:
         """The share of ``cost`` that may hide under ``window``: its reads there over all
@@ -810,6 +814,7 @@ def _build_edges(
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
     window = schedule(graph).window
+    rerun = recomputed_ops(graph)
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
@@ -855,6 +860,9 @@ def _build_edges(
             hide={} if h is None else {h: float(m)},
             uses=float(m),
             forward_uses={} if forward_layer is None else {forward_layer: 1},
+            selective_uses={forward_layer: 1}
+            if forward_layer is not None and dst_name in rerun
+            else {},
         )
 
     raw = [edge(*c) for c in consumers if c[2] not in free]
@@ -862,7 +870,7 @@ def _build_edges(
     if not share_reads:
         return merged, extra, []
     keys = [share_key(graph, e.consumer, e.producer, e.overlap) for e in raw]
-    return merged, extra, build_shares(raw, where, keys, graph)
+    return merged, extra, build_shares(raw, where, keys, graph, rerun)
 
 
 def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray]]:
@@ -906,7 +914,11 @@ def merge_edges_indexed(
         where.append(position.setdefault(key, len(position)))
         if kept is None:
             merged[key] = replace(
-                e, members=list(e.members), forward_uses=dict(e.forward_uses), hide=dict(e.hide)
+                e,
+                members=list(e.members),
+                forward_uses=dict(e.forward_uses),
+                selective_uses=dict(e.selective_uses),
+                hide=dict(e.hide),
             )
         else:
             kept.cost = kept.cost + e.cost
@@ -916,4 +928,6 @@ def merge_edges_indexed(
             kept.uses += e.uses
             for layer, n in e.forward_uses.items():
                 kept.forward_uses[layer] = kept.forward_uses.get(layer, 0) + n
+            for layer, n in e.selective_uses.items():
+                kept.selective_uses[layer] = kept.selective_uses.get(layer, 0) + n
     return list(merged.values()), extra, where

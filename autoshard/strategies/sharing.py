@@ -50,7 +50,10 @@ class SharePart:
     ``refunds``: per indicator (in :attr:`SharedResharding.indicators` order), the seconds
     the edges charge for its reads; ``layer``/``forward``: the readers' block and phase (a
     recomputed block's forward reads again, :mod:`autoshard.cost.checkpointing`);
-    ``mult``: how many real copies of the reads ``seconds`` counts.
+    ``mult``: how many real copies of the reads ``seconds`` counts; ``selective``: the
+    part of ``refunds`` charged for reads by ops that selective checkpointing recomputes
+    (:mod:`autoshard.trace.selective`; empty when none is), what a block under that
+    policy reads again.
     """
 
     seconds: float
@@ -58,6 +61,7 @@ class SharePart:
     layer: int | None
     forward: bool
     mult: int
+    selective: tuple[float, ...] = ()
 
 
 @dataclass
@@ -103,12 +107,20 @@ def active(sg, share: SharedResharding, choice: Mapping[str, int]) -> list[bool]
     return out
 
 
-def shared_seconds(sg, choice: Mapping[str, int], layer: int | None = None) -> float:  # noqa: ANN001
+def shared_seconds(
+    sg,  # noqa: ANN001 - a StrategyGraph
+    choice: Mapping[str, int],
+    layer: int | None = None,
+    selective: bool = False,
+) -> float:
     """What sharing changes in the edges' price under ``choice`` (s): each shared
     resharding some reader reads is paid once (<= 0 over the step). With ``layer``, one
     real copy of that block's forward reads only (a recomputed block's rerun, whose price
     counts the reads of its edges, not those folded into a variable's own cost: only the
-    edges' reads are given back there, :func:`rerun_refunded`)."""
+    edges' reads are given back there, :func:`rerun_refunded`); with ``selective`` too,
+    only the parts some op that selective checkpointing recomputes reads (their
+    resharding runs again once; it errs high when the share is on through a saved op's
+    read only)."""
     total = 0.0
     for share in sg.shares:
         on = active(sg, share, choice)
@@ -117,10 +129,13 @@ def shared_seconds(sg, choice: Mapping[str, int], layer: int | None = None) -> f
         for p in share.parts:
             if layer is not None and (p.layer != layer or not p.forward):
                 continue
+            if selective and not p.selective:
+                continue
             div = p.mult if layer is not None else 1
+            refunds = p.selective if selective else p.refunds
             taken = sum(
                 r
-                for r, o, ind in zip(p.refunds, on, share.indicators, strict=True)
+                for r, o, ind in zip(refunds, on, share.indicators, strict=True)
                 if o and (layer is None or rerun_refunded(ind))
             )
             total += (p.seconds - taken) / div
@@ -133,16 +148,23 @@ def rerun_refunded(ind: Indicator) -> bool:
     return ind[0] == "y"
 
 
-def build_shares(raw: list, where: list[int | None], keys: list[tuple | None], graph) -> list:  # noqa: ANN001
+def build_shares(
+    raw: list,
+    where: list[int | None],
+    keys: list[tuple | None],
+    graph,  # noqa: ANN001 - a TracedGraph
+    rerun: frozenset[str] = frozenset(),
+) -> list:
     """The shared reshardings of a graph's reads.
 
     ``raw``: one :class:`~autoshard.strategies.graph.Edge` per tensor read (before
     merging; its cost already times the reader's multiplicity), ``graph``: the traced
     graph, ``where``: the merged edge each went into (``None``: folded into its
     variable's own cost, both ends on one variable), ``keys``: each read's
-    :func:`share_key`. Per key and (produced, wanted) pair read by two or more reads at a
-    finite, nonzero price, one :class:`SharePart`; parts with the same indicators (the
-    same reads of tied layers) share one :class:`SharedResharding`.
+    :func:`share_key`, ``rerun``: the ops selective checkpointing recomputes. Per key and
+    (produced, wanted) pair read by two or more reads at a finite, nonzero price, one
+    :class:`SharePart`; parts with the same indicators (the same reads of tied layers)
+    share one :class:`SharedResharding`.
     """
     groups: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
@@ -160,6 +182,7 @@ def build_shares(raw: list, where: list[int | None], keys: list[tuple | None], g
         for a in range(n_src):
             for pairs in wanted.values():
                 inds: dict[Indicator, float] = {}
+                again: dict[Indicator, float] = {}
                 prices = []
                 for i, b in pairs:
                     price = float(raw[i].cost[a, b])
@@ -169,6 +192,8 @@ def build_shares(raw: list, where: list[int | None], keys: list[tuple | None], g
                     if ind is None:
                         continue
                     inds[ind] = inds.get(ind, 0.0) + price
+                    if raw[i].consumer in rerun:
+                        again[ind] = again.get(ind, 0.0) + price
                     prices.append(price)
                 if len(prices) < 2:
                     continue
@@ -182,6 +207,7 @@ def build_shares(raw: list, where: list[int | None], keys: list[tuple | None], g
                         layer=key[2],
                         forward=not key[1],
                         mult=graph.mult(reader),
+                        selective=tuple(again.get(i, 0.0) for i in order) if again else (),
                     )
                 )
     return list(shares.values())

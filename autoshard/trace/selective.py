@@ -1,0 +1,121 @@
+"""Op-level selective activation checkpointing: which forward ops of a block keep their
+output when the block recomputes the rest.
+
+The policy is torchtitan's "op" selective activation checkpointing
+(``torchtitan/distributed/activation_checkpoint.py``, ``_get_custom_policy``; also
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+2022, which keeps the expensive matmuls and recomputes the cheap element-wise ops): in
+one block's forward pass, in execution order,
+
+* every scaled-dot-product attention kernel's output is saved;
+* of the ``aten.mm`` calls, the 1st, 3rd, 5th, ... are saved and the 2nd, 4th, ... are
+  recomputed ("save every other matmul": half the matmul outputs' memory);
+* every other op is recomputed in the backward pass (``PREFER_RECOMPUTE``), up to the
+  last op of the block whose output the backward reads: ``torch.utils.checkpoint``'s
+  non-reentrant recomputation, which selective checkpointing requires, stops there (its
+  "early stop", on by default). The ops after it (a block's last projection and residual
+  add, whose outputs nothing in the backward reads) do not run again.
+
+``aten.addmm`` (a linear layer with a bias, GPT-2's ``Conv1D``) is not on torchtitan's
+list, so it is recomputed, as torchtitan would.
+
+The same rule decides what the planner prices (:mod:`autoshard.cost.checkpointing`), what
+the launcher's interpreter keeps (:mod:`autoshard.launch.graph_run`) and the policy the
+real module runs under (:func:`autoshard._torch_private.checkpoint_block`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+_SDPA_PREFIX = "_scaled_dot_product"
+
+
+def is_saved_kind(target: Any) -> str | None:
+    """``"mm"`` for ``aten.mm`` (saved every other call), ``"attention"`` for an SDPA
+    forward kernel (always saved), ``None`` for an op the policy recomputes."""
+    if target is aten.mm.default:
+        return "mm"
+    name = getattr(getattr(target, "overloadpacket", target), "__name__", "")
+    if name.startswith(_SDPA_PREFIX) and not name.endswith("_backward"):
+        return "attention"
+    return None
+
+
+def saves(kind: str | None, mm_calls: int) -> bool:
+    """Whether the policy saves an op of ``kind`` (:func:`is_saved_kind`) whose call is the
+    ``mm_calls``-th ``aten.mm`` of its block so far (counting itself, from 1)."""
+    if kind == "attention":
+        return True
+    return kind == "mm" and mm_calls % 2 == 1
+
+
+def saved_in_order(targets: Iterable[Any]) -> list[bool]:
+    """Per op of one block's forward pass, in execution order: whether its output is
+    saved (module docstring)."""
+    out, mm_calls = [], 0
+    for t in targets:
+        kind = is_saved_kind(t)
+        mm_calls += kind == "mm"
+        out.append(saves(kind, mm_calls))
+    return out
+
+
+def saved_ops(graph) -> frozenset[str]:  # noqa: ANN001 - a TracedGraph
+    """The forward op nodes of the repeated blocks whose outputs the policy keeps
+    (:func:`saved_in_order`, counted per block in graph order)."""
+    out = set()
+    for names in _forward_by_layer(graph).values():
+        flags = saved_in_order(graph.nodes[n].target for n in names)
+        out.update(n for n, kept in zip(names, flags, strict=True) if kept)
+    return frozenset(out)
+
+
+def _forward_by_layer(graph) -> dict[int, list[str]]:  # noqa: ANN001 - a TracedGraph
+    by_layer: dict[int, list[str]] = {}
+    for n, info in graph.nodes.items():
+        if info.kind == "op" and info.layer is not None and not info.backward:
+            by_layer.setdefault(info.layer, []).append(n)
+    return by_layer
+
+
+def recomputed_ops(graph) -> frozenset[str]:  # noqa: ANN001 - a TracedGraph
+    """The forward op nodes of the repeated blocks (``layer`` set) that a block under
+    selective checkpointing recomputes: all but those :func:`saved_in_order` keeps,
+    counted per block in graph order, up to the block's last forward op a backward op
+    reads (module docstring)."""
+    users = graph.users()
+    out = set()
+    for names in _forward_by_layer(graph).values():
+        flags = saved_in_order(graph.nodes[n].target for n in names)
+        read = [any(graph.nodes[u].backward for u in users.get(n, ())) for n in names]
+        end = max((i for i, r in enumerate(read) if r), default=-1)
+        out.update(n for n, kept in zip(names[: end + 1], flags, strict=False) if not kept)
+    return frozenset(out)
+
+
+def context_fn() -> tuple:
+    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` (and of
+    ``checkpoint_wrapper``) that runs a block under this policy: a fresh count of
+    ``aten.mm`` calls per forward pass and per recomputation, as torchtitan's does."""
+    from torch.utils.checkpoint import (  # noqa: PLC0415 - only where a block is wrapped
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
+
+    calls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001, ANN002, ANN003
+        kind = is_saved_kind(op)
+        mode = "recompute" if ctx.is_recompute else "forward"
+        calls[mode] += kind == "mm"
+        if saves(kind, calls[mode]):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
