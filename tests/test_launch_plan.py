@@ -152,6 +152,28 @@ def test_recomputed_blocks_rerun_their_forward_as_predicted(tmp_path: Path) -> N
     assert_runs_the_plan(run.stdout)
 
 
+def test_selectively_recomputed_blocks_rerun_what_the_policy_recomputes(tmp_path: Path) -> None:
+    """Selective activation checkpointing at launch: the 2-layer Llama's Megatron plan,
+    every block under torchtitan's op-level policy, on 2x2 (4 gloo ranks). Each block
+    keeps its attention and every other matmul and reruns the rest before its backward,
+    up to the last op its own backward reads: the last block's MLP all-reduce feeds its
+    residual add, which nothing in its backward reads, so it does not run again (3
+    all-reduces rerun, not the 4 of full recomputation), as the plan predicted; the step
+    still matches one device."""
+    model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
+    plan = solve(
+        model, tmp_path, "2x2", "--algo", "megatron", "--activation-checkpointing", "selective"
+    )
+    predicted = json.loads(plan.read_text())["predicted"]
+    assert predicted["selective_blocks"] == [0, 1] and predicted["recomputed_blocks"] == []
+    run = ranks(4, str(plan), str(model), "--train", "--check", "--steps", "2")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout
+    again = [r for r in observed_rows(run.stdout) if r[0] == "recompute"]
+    assert again == [("recompute", "all_reduce", "tp", 3, 3)], run.stdout
+    assert_runs_the_plan(run.stdout)
+
+
 LLAMA_MHA = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -743,14 +743,12 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
     needed: set = set()
     reread: dict = {}
     for b in sorted(program.recompute | program.selective):
-        forward = [
+        whole = [
             n
             for n in order
-            if n.op == "call_function"
-            and layer_of[n] == b
-            and not infos[n.name].backward
-            and (b in program.recompute or n.name in rerun)
+            if n.op == "call_function" and layer_of[n] == b and not infos[n.name].backward
         ]
+        forward = [n for n in whole if b in program.recompute or n.name in rerun]
         backward = [
             n
             for n in order
@@ -762,7 +760,7 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
         outside_read = {
             n for n in forward if any(u not in inside and layer_of[u] != b for u in n.users)
         }
-        after = order[order.index(forward[-1]) + 1]
+        after = order[order.index(whole[-1]) + 1]  # the block's forward is over
         drop_at.setdefault(after, []).extend(n for n in forward if n not in outside_read)
         rerun_at[backward[0]] = forward
         for a in {a for f in forward for a in f.all_input_nodes if a not in inside}:

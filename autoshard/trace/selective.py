@@ -11,7 +11,7 @@ one block's forward pass, in execution order,
 * of the ``aten.mm`` calls, the 1st, 3rd, 5th, ... are saved and the 2nd, 4th, ... are
   recomputed ("save every other matmul": half the matmul outputs' memory);
 * every other op is recomputed in the backward pass (``PREFER_RECOMPUTE``), up to the
-  last op of the block whose output the backward reads: ``torch.utils.checkpoint``'s
+  last op of the block whose output the block's backward reads: ``torch.utils.checkpoint``'s
   non-reentrant recomputation, which selective checkpointing requires, stops there (its
   "early stop", on by default). The ops after it (a block's last projection and residual
   add, whose outputs nothing in the backward reads) do not run again.
@@ -87,13 +87,17 @@ def _forward_by_layer(graph) -> dict[int, list[str]]:  # noqa: ANN001 - a Traced
 def recomputed_ops(graph) -> frozenset[str]:  # noqa: ANN001 - a TracedGraph
     """The forward op nodes of the repeated blocks (``layer`` set) that a block under
     selective checkpointing recomputes: all but those :func:`saved_in_order` keeps,
-    counted per block in graph order, up to the block's last forward op a backward op
-    reads (module docstring)."""
+    counted per block in graph order, up to the block's last forward op its own backward
+    reads (module docstring; what another block's backward reads, such as the block's
+    output, that block keeps as its input)."""
     users = graph.users()
     out = set()
-    for names in _forward_by_layer(graph).values():
+    for layer, names in _forward_by_layer(graph).items():
         flags = saved_in_order(graph.nodes[n].target for n in names)
-        read = [any(graph.nodes[u].backward for u in users.get(n, ())) for n in names]
+        read = [
+            any(graph.nodes[u].backward and graph.nodes[u].layer == layer for u in users[n])
+            for n in names
+        ]
         end = max((i for i, r in enumerate(read) if r), default=-1)
         out.update(n for n, kept in zip(names[: end + 1], flags, strict=False) if not kept)
     return frozenset(out)
