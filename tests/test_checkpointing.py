@@ -22,6 +22,7 @@ from helpers import ROOT, write_model
 from autoshard.cost.liveness import activation_sizes, chosen_strategies, liveness
 from autoshard.cost.memory import LiveMemory
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.errors import MemoryBudgetError
 from autoshard.solver.solve import SolveConfig, finish_plan, plan_model, strategies, trace
 
@@ -98,7 +99,7 @@ def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):
     graph = trace(cfg)
     sg = strategies(cfg, graph)
     ck = sg.checkpointing
-    assert [b.real for b in ck.blocks] == [(0,), (1,), (2,)]
+    assert [b.real for b in ck.blocks if b.policy == "full"] == [(0,), (1,), (2,)]
     choice = {r: 0 for r in sg.reps}
     keep = finish_plan(cfg, sg, choice, "keep", {})
     full = finish_plan(cfg, sg, choice, "full", ck.full())
@@ -112,10 +113,11 @@ def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):
     assert full.activation_bytes < keep.activation_bytes
     assert full.recomputed_blocks == [0, 1, 2]
     # the time: three more forward passes of a block, each its two matmuls and the rest
-    one = ck.forward_seconds(sg, ck.blocks[1], choice)
+    full_blocks = [b for b in ck.blocks if b.policy == "full"]
+    one = ck.forward_seconds(sg, full_blocks[1], choice)
     assert full.recompute_s == pytest.approx(3 * one)
     assert full.step_time_s - keep.step_time_s == pytest.approx(3 * one)
-    fc = [n for n in ck.blocks[1].forward if "addmm" in str(graph.nodes[n].target)]
+    fc = [n for n in full_blocks[1].forward if "addmm" in str(graph.nodes[n].target)]
     assert len(fc) == 2
     roofline = sum(float(sg.nodes[n].compute_s[0]) for n in fc)
     assert roofline < one  # the matmuls and, besides, the ReLU and the residual add
@@ -125,28 +127,39 @@ def test_a_budget_forces_checkpointing_on_some_blocks_and_not_others(tmp_path):
     """Eight blocks, traced as 0, 1, a middle block standing for 2-6, and 7. With a budget
     2.5 ReLU outputs under what keeping everything peaks at, three blocks must recompute
     (each frees one ReLU output at the peak, the start of the backward), and no more: each
-    costs a forward pass. The ILP's counts are the cheapest of every count that fits."""
+    costs time. The ILP's counts are the cheapest of every count pair that fits."""
     cfg = SolveConfig(model_path=_stack(tmp_path, 8), mesh=MeshSpec.from_options("1"))
     keep = plan_model(replace(cfg, activation_checkpointing="none")).plan
     budget = keep.memory_bytes - 2.5 * B * H * 4
     with pytest.raises(MemoryBudgetError):
         plan_model(replace(cfg, activation_checkpointing="none", memory_budget=budget))
+    result = plan_model(replace(cfg, activation_checkpointing="full", memory_budget=budget))
+    assert len(result.plan.recomputed_blocks) == 8  # every block, as asked
     result = plan_model(replace(cfg, memory_budget=budget))
     plan = result.plan
-    assert len(plan.recomputed_blocks) == 3
+    # selective recomputation frees the same ReLU output and skips fc2 (nothing in the
+    # backward reads its output): cheaper than full, so every recomputing block takes it
+    assert len(plan.selective_blocks) == 3 and plan.recomputed_blocks == []
     assert plan.memory_bytes <= budget
     assert plan.step_time_s > keep.step_time_s
-    # every count of the four traced blocks: the cheapest that fits is the ILP's
+    # every count pair of the four traced blocks: the cheapest that fits is the ILP's
     sg = result.sg
     ck = sg.checkpointing
-    assert [len(b.real) for b in ck.blocks] == [1, 1, 5, 1]
+    sizes = {b.layer: len(b.real) for b in ck.blocks}
+    assert list(sizes.values()) == [1, 1, 5, 1]
+    pairs = [[(f, k - f) for k in range(m + 1) for f in range(k + 1)] for m in sizes.values()]
+    live, choice = LiveMemory(sg, cfg.memory_model()), result.ilp.choice
     best = None
-    for ks in itertools.product(*[range(len(b.real) + 1) for b in ck.blocks]):
-        counts = {b.layer: k for b, k in zip(ck.blocks, ks, strict=True)}
-        p = finish_plan(cfg, sg, result.ilp.choice, "try", counts)
-        if p.memory_bytes <= budget and (best is None or p.step_time_s < best - 1e-12):
-            best = p.step_time_s
-    assert plan.step_time_s == pytest.approx(best, rel=1e-9)
+    for ks in itertools.product(*pairs):
+        counts = {}
+        for layer, (f, sel) in zip(sizes, ks, strict=True):
+            counts[(layer, "full")], counts[(layer, "selective")] = f, sel
+        if live.per_point(choice, counts).max() > budget * (1 + 1e-9):
+            continue
+        step = evaluate(sg, choice, counts)
+        if best is None or step < best - 1e-12:
+            best = step
+    assert evaluate(sg, choice, result.ilp.recompute) == pytest.approx(best, rel=1e-9)
 
 
 def test_full_recomputes_every_block_and_none_keeps_them(tmp_path):

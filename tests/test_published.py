@@ -14,14 +14,13 @@ What is held:
   over tokens per second and GPU, or the paper's FLOPs over its FLOP/s);
 - each row priced by ``autoshard compare --plans PLAN`` at the device's datasheet: the
   prediction is within 20% of the measured step for the rows listed in ``WITHIN``, and
-  outside it for every other row (selective AC aside), with the cause docs/validation.md
-  names: a change that brings such a row within 20% fails here until it is moved to
-  ``WITHIN``;
+  outside it for every other row, with the cause docs/validation.md names: a change that
+  brings such a row within 20% fails here until it is moved to ``WITHIN``;
 - the H100 rows priced again with the rates an H100 achieved (``--device h100-measured``),
   held the same way (``WITHIN_MEASURED``);
-- rows run with torchtitan's *selective* activation checkpointing cannot be priced as run
-  (autoshard prices none or full: issue 28, item 5); they are priced both ways, and the
-  measured step must be slower than the price without recomputation (nothing is free);
+- rows run with torchtitan's *selective* activation checkpointing are priced with it
+  (``--activation-checkpointing selective``: op-level, keep attention and every other
+  matmul);
 - docs/validation.md shows every row as priced now.
 
 The prices are computed in the test process from the command's own options (one trace per
@@ -87,7 +86,7 @@ class Run:
     mesh: str
     plan: str
     device: str
-    checkpointing: str  # none, full, or selective (priced both ways)
+    checkpointing: str  # none, full, or selective (torchtitan's op-level policy)
     per_gpu_rate: float
     tokens: float = 0.0
     flops: float = 0.0
@@ -325,10 +324,11 @@ RUNS = [
 ]
 BY_ID = {r.id: r for r in RUNS}
 
-# rows whose datasheet price is within 20% of the measured step now; every other row
-# (selective AC aside) is a strict expected failure, its cause in docs/validation.md
+# rows whose datasheet price is within 20% of the measured step now; every other row is a
+# strict expected failure, its cause in docs/validation.md
 WITHIN = frozenset(
     {
+        "torchtitan-llama3-8b-64xa100",
         "torchtitan-llama3-70b-64xa100",
         "torchtitan-llama2-70b-64xa100",
         "torchtitan-llama3.1-405b-128xh100",
@@ -376,7 +376,7 @@ def _price(run_id: str, checkpointing: str, device: str | None) -> dict:
 
 
 def _modes(run: Run) -> tuple[str, ...]:
-    return ("none", "full") if run.checkpointing == "selective" else (run.checkpointing,)
+    return (run.checkpointing,)
 
 
 def test_every_row_is_its_source_s_throughput_worked_to_seconds():
@@ -399,14 +399,8 @@ def test_every_row_is_its_source_s_throughput_worked_to_seconds():
 def _held(run: Run, device: str | None, within: frozenset[str]) -> None:
     """The run's price at ``device`` against its measured step: within 20% for the rows of
     ``within``, outside it for the others (a change that brings one within fails here until
-    the row moves to ``within``: the strict expected failure this was). With selective AC,
-    which autoshard does not price (issue 28, item 5), the price without recomputation is
-    under the measured step (nothing is free)."""
-    predicted = {m: price(run, m, device)["step_time_s"] for m in _modes(run)}
-    if run.checkpointing == "selective":
-        assert predicted["none"] < run.measured_s, (run.id, device, predicted)
-        return
-    (step,) = predicted.values()
+    the row moves to ``within``: the strict expected failure this was)."""
+    step = price(run, run.checkpointing, device)["step_time_s"]
     inside = step == pytest.approx(run.measured_s, rel=BAR)
     expected = "within" if run.id in within else "outside (docs/validation.md says why)"
     assert inside == (run.id in within), (

@@ -120,12 +120,11 @@ def build_plan(
     choice: dict[str, int],
     mesh: MeshSpec,
     name: str = "ilp",
-    recompute: dict[int, int] | None = None,
+    recompute: dict | None = None,
 ) -> Plan:
     """Expand a choice per representative into a full :class:`Plan` with its costs.
-
-    ``recompute``: per traced block's layer, how many real blocks recompute (activation
-    checkpointing, :mod:`autoshard.cost.checkpointing`; ``sg`` must have the decision).
+    ``recompute``: per (traced block's layer, policy), how many real blocks recompute
+    (:mod:`autoshard.cost.checkpointing`; ``sg`` must have the decision).
 
     Raises:
         KeyError: when ``choice`` lacks a representative of ``sg``.
