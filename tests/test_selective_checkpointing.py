@@ -228,3 +228,34 @@ def test_mode_selective_recomputes_every_block_selectively(tmp_path):
     assert plan.selective_blocks == [0, 1, 2] and plan.recomputed_blocks == []
     full = plan_model(replace(cfg, activation_checkpointing="full")).plan
     assert 0 < plan.recompute_s < full.recompute_s
+
+
+def test_the_launch_policy_runs_in_pytorch_with_the_plain_gradients():
+    """``autoshard.apply``'s wrapper (``checkpoint_block`` with the policy's
+    ``context_fn``) on one gated block, in eager PyTorch: torch's selective checkpointing
+    accepts the policy (its recomputation finds every op it kept) and the gradients are
+    the plain block's. (FlopCounterMode around a wrapped module's backward trips torch's
+    own check that the recomputation replays the forward: its module tracker adds ops.)"""
+    from autoshard._torch_private import checkpoint_block
+    from autoshard.trace.selective import context_fn
+
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = torch.nn.Linear(D, H, bias=False)
+            self.fc3 = torch.nn.Linear(D, H, bias=False)
+            self.fc2 = torch.nn.Linear(H, D, bias=False)
+
+        def forward(self, x):  # noqa: ANN001
+            return x + self.fc2(torch.relu(self.fc1(x)) * self.fc3(x))
+
+    plain = Block()
+    wrapped = checkpoint_block(Block(), context_fn)
+    wrapped.load_state_dict(plain.state_dict())
+    x = torch.randn(B, D)
+    for m in (plain, wrapped):
+        m(x).square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)

@@ -53,6 +53,7 @@ resharding shared by a kept op and a recomputed op is paid again in full.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,6 +233,14 @@ class Checkpointing:
                 rows_h.append(pts)
                 cols_h.append(np.full(len(pts), j))
         self.held = matrix(rows_h, cols_h)
+
+    def only(self, policy: str) -> Checkpointing:
+        """The same decision with only ``policy``'s blocks (a copy; the liveness matrices
+        are shared: another policy's blocks free a subset of the full policy's)."""
+        out = copy.copy(self)
+        out.__dict__.pop("_columns", None)
+        out.blocks = [b for b in self.blocks if b.policy == policy]
+        return out
 
     def of_policy(self, policy: str) -> dict[int, int]:
         """Every block recomputes under ``policy``: its key -> its copies (the other

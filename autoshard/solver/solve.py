@@ -439,9 +439,32 @@ def solve_within_memory(
                 return first
             starts = {**starts, NO_RECOMPUTE_START: first.choice}
         config = replace(config, solver=config.solver.after(time.perf_counter() - t0))
-        result = _solve_rows(sg, config, starts)
+        result = _full_then_selective(sg, config, starts)
         return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
     return _solve_rows(sg, config, starts)
+
+
+FULL_RECOMPUTE_START = "ILP recomputing in full only"
+
+
+def _full_then_selective(
+    sg: StrategyGraph, config: SolveConfig, starts: dict[str, dict[str, int]]
+) -> ILPResult:
+    """The checkpointing decision with the full policy alone, then (when the graph has
+    selective blocks too) with both, from that plan. For one plan, recomputing in full
+    frees what selective recomputation frees and more, and holds nothing: when no plan
+    fits with the full policy, none fits with both, and the error (its least memory) is
+    the full policy's, without the larger program. The cheaper of the two plans is
+    returned (the second search may stop within its gap above the first)."""
+    ck = sg.checkpointing
+    full = ck.only("full")
+    if len(full.blocks) == len(ck.blocks):
+        return _solve_rows(sg, config, starts)
+    t0 = time.perf_counter()
+    first = _solve_rows(replace(sg, checkpointing=full), config, starts)
+    config = replace(config, solver=config.solver.after(time.perf_counter() - t0))
+    both = _solve_rows(sg, config, {**starts, FULL_RECOMPUTE_START: first.choice})
+    return both if both.objective_s <= first.objective_s else first
 
 
 def _solve_rows(
