@@ -78,7 +78,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -142,8 +142,7 @@ class BaselineResult:
         """Statistics as plain builtins (for the solution file and reports)."""
         d: dict[str, Any] = {}
         if self.ilp is not None:
-            d = asdict(self.ilp)
-            d.pop("choice")
+            d = self.ilp.stats()
         else:
             d = {"status": "propagated", "gap": None, "solve_seconds": self.seconds}
         d.update(

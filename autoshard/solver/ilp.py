@@ -98,8 +98,9 @@ class ILPResult:
     start: str | None = None  # the hand-written plan the search started from
     start_objective_s: float | None = None  # its objective (s)
     memory_rounds: int = 1  # solves, each adding budget rows a plan overflowed
-    # real blocks that recompute, per traced block's layer (autoshard.cost.checkpointing)
-    recompute: dict[int, int] = field(default_factory=dict)
+    # real blocks that recompute, per (traced block's layer, policy)
+    # (autoshard.cost.checkpointing)
+    recompute: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def stats(self) -> dict:
         """Everything but the choice, as a dict, with ``algo`` ``"ilp"`` (the statistics
@@ -107,6 +108,8 @@ class ILPResult:
         out = asdict(self)
         out.pop("choice")
         out["algo"] = "ilp"
+        # (layer, policy) -> count, as text keys a solution file can hold: "3:selective"
+        out["recompute"] = {f"{k[0]}:{k[1]}": v for k, v in self.recompute.items()}
         return out
 
 

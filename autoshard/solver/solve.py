@@ -12,7 +12,7 @@ import functools
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -249,8 +249,8 @@ class SolveResult:
 
     def solver_stats(self) -> dict[str, Any]:
         """Solver statistics as plain builtins (for the solution file and the report)."""
-        d = asdict(self.ilp)
-        d.pop("choice")
+        d = self.ilp.stats()
+        d.pop("algo")
         return d
 
 
