@@ -428,3 +428,31 @@ def build_model():
 def example_inputs():
     return (torch.randint(0, 256, (8, 16)),)
 """
+
+
+def block_stack(block: str, n: int, b: int, d: int) -> str:
+    """A model file: ``n`` copies of the ``Block`` class that ``block`` defines (source,
+    with ``torch`` and ``nn`` imported) applied in turn to an input of shape ``(b, d)``;
+    the stack's ``layers`` are its repeated blocks."""
+    return f"""
+import torch
+from torch import nn
+
+{block.strip()}
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range({n})])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+def build_model():
+    return Stack()
+
+def example_inputs():
+    return (torch.randn({b}, {d}),)
+"""

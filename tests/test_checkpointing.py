@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, write_model
+from helpers import ROOT, block_stack, write_model
 
 from autoshard.cost.liveness import activation_sizes, chosen_strategies, liveness
 from autoshard.cost.memory import LiveMemory
@@ -29,9 +29,6 @@ from autoshard.solver.solve import SolveConfig, finish_plan, plan_model, strateg
 B, D, H = 512, 64, 1024  # the ReLU's output (512 x 1024 fp32, 2 MiB) dominates a block
 
 STACK = """
-import torch
-from torch import nn
-
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -40,27 +37,11 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.fc2(torch.relu(self.fc1(x)))
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range({n})])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-def build_model():
-    return Stack()
-
-def example_inputs():
-    return (torch.randn({b}, {d}),)
 """
 
 
 def _stack(tmp_path, n: int):
-    return write_model(tmp_path, STACK.format(b=B, d=D, h=H, n=n), f"stack{n}")
+    return write_model(tmp_path, block_stack(STACK.format(d=D, h=H), n, B, D), f"stack{n}")
 
 
 def _saved_bytes(n: int, checkpoint: bool) -> int:

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import write_model
+from helpers import block_stack, write_model
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import (
@@ -37,9 +37,6 @@ from autoshard.trace.selective import saved_in_order
 B, D, H = 512, 64, 1024
 
 GATED = """
-import torch
-from torch import nn
-
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -49,27 +46,11 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.fc2(torch.relu(self.fc1(x)) * self.fc3(x))
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range({n})])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-def build_model():
-    return Stack()
-
-def example_inputs():
-    return (torch.randn({b}, {d}),)
 """
 
 
 def _gated(tmp_path, n: int):
-    return write_model(tmp_path, GATED.format(b=B, d=D, h=H, n=n), f"gated{n}")
+    return write_model(tmp_path, block_stack(GATED.format(d=D, h=H), n, B, D), f"gated{n}")
 
 
 class _Outputs(TorchFunctionMode):
