@@ -466,6 +466,24 @@ def all_to_all_uneven(x: torch.Tensor, out_splits: list[int], in_splits: list[in
     return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
+def ring_shift(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """Each tensor sent to the next rank of ``group`` (in its rank order, the last to the
+    first) and the previous rank's received in its place, all in one batch of
+    point-to-point ops, through torch's functional collectives
+    (``_c10d_functional.batch_p2p_ops``, which the launcher's collective log sees and a
+    lowered step records); waited on before it returns. Peers are ranks in ``group``."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    sends = [t.contiguous() for t in tensors]
+    recvs = [torch.empty_like(t) for t in sends]
+    ops = ["isend"] * len(sends) + ["irecv"] * len(recvs)
+    peers = [(me + 1) % n] * len(sends) + [(me - 1) % n] * len(recvs)
+    out = fc.batch_p2p_ops_inplace(ops, peers, [0] * len(ops), sends + recvs, group.group_name)
+    return [fc.wait_tensor(t) for t in out[len(sends) :]]
+
+
 def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     """The sum of ``x`` over ``group``'s ranks, through torch's functional collectives (as
     :func:`all_to_all_uneven`: DTensor's, seen by the launcher's collective log and recorded

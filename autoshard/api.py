@@ -112,7 +112,9 @@ class PlanOptions:
         share_reshardings: reads of one tensor in one phase and block that want the same
             placement pay one resharding (``--share-reshardings``; docs/cost-model.md).
         context_parallel: attention may also be sharded by sequence
-            (``--context-parallel``; :mod:`autoshard.strategies.attention`).
+            (``--context-parallel``; :mod:`autoshard.strategies.attention`): ``True``
+            (its keys and values all-gathered or passed around a ring, whichever the
+            search finds faster), ``"all-gather"`` or ``"ring"`` (that exchange only).
         profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
             links and device replace the datasheet's (``mesh`` must then be the shape it
             was measured on, given as a string, and ``device`` is not read). A profile of
@@ -131,7 +133,7 @@ class PlanOptions:
     name: str | None = None
     profile: str | Path | None = None
     share_reshardings: bool = False
-    context_parallel: bool = False
+    context_parallel: bool | str = False
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:

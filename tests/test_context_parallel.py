@@ -55,7 +55,7 @@ def test_one_long_sequence_is_split_by_sequence_and_many_short_ones_by_batch(mon
     4 and 4 reduce-scatters in the backward over the 2 layers. Eight sequences of 2,048:
     the batch splits 8 ways with nothing to exchange, and no attention is split by
     sequence."""
-    long = _solve(monkeypatch, 1, 32768, context_parallel=True)
+    long = _solve(monkeypatch, 1, 32768, context_parallel="all-gather")
     one = _ring(8, 1 * 4 * 32768 * 64 * 2)
     assert in_op_summary(long.plan) == {
         FORWARD: {
@@ -63,18 +63,20 @@ def test_one_long_sequence_is_split_by_sequence_and_many_short_ones_by_batch(mon
             "modes": {"d0: S2": 2},
             "collectives": {"all_gather": 4},
             "seconds": pytest.approx(4 * one, rel=1e-12),
+            "exposed_seconds": pytest.approx(4 * one, rel=1e-12),
         },
         BACKWARD: {
             "nodes": 2,
             "modes": {"d0: S2": 2},
             "collectives": {"all_gather": 4, "reduce_scatter": 4},
             "seconds": pytest.approx(8 * one, rel=1e-12),
+            "exposed_seconds": pytest.approx(8 * one, rel=1e-12),
         },
     }
     without = _solve(monkeypatch, 1, 32768)
     assert in_op_summary(without.plan) == {}
     assert long.plan.step_time_s < without.plan.step_time_s
-    short = _solve(monkeypatch, 8, 2048, context_parallel=True)
+    short = _solve(monkeypatch, 8, 2048, context_parallel=True)  # either exchange
     assert in_op_summary(short.plan) == {}
 
 
@@ -107,19 +109,34 @@ def test_the_sequence_split_is_offered_only_when_asked_and_only_without_a_mask()
 
 
 @pytest.mark.slow
-def test_a_context_parallel_plan_launches_on_4_gloo_ranks_like_one_device(tmp_path: Path):
+@pytest.mark.parametrize(
+    "exchange, mode, counts",
+    [
+        ("all-gather", "S2", {"all_gather": 4}),  # keys and values, 2 layers
+        ("ring", "S2r", {"send_recv": 6}),  # 3 passes a layer, 2 layers
+    ],
+)
+def test_a_context_parallel_plan_launches_on_4_gloo_ranks_like_one_device(
+    tmp_path: Path, exchange: str, mode: str, counts: dict
+):
     """One sequence of 512 tokens, one head, 4 ranks, links of 10 ns: the sequence split is
-    the only way to spread attention, and the plan takes it. Each rank attends its 128
-    queries to the gathered keys under a causal mask offset by its block; the gradients of
-    the keys and values are reduce-scattered. Collectives seen equal the plan's per phase,
-    kind and mesh dim (the in-op ones among them), the lowered step records them, and loss,
+    the only way to spread attention, and the plan takes it. All-gather: each rank attends
+    its 128 queries to the gathered keys under a causal mask offset by its block; the
+    gradients of the keys and values are reduce-scattered. Ring: each rank attends its
+    queries to the key/value blocks passed to it (skipping later ranks' blocks), and the
+    blocks' gradients travel home around the ring. Collectives seen equal the plan's per
+    phase, kind and mesh dim (the in-op ones among them: send/recvs in the collective log,
+    which CommDebugMode does not count), the lowered step records them, and loss,
     gradients and parameters equal one device's in float64."""
     env = {"AUTOSHARD_SEQ": "512", "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
     args = ["solve", str(MODEL), "--mesh", "4", "--intra-node-latency", "10ns"]
-    out = autoshard_cli(*args, "--context-parallel", "--out", str(tmp_path), "--json", **env)
+    out = autoshard_cli(
+        *args, "--context-parallel", exchange, "--out", str(tmp_path), "--json", **env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     in_op = json.loads(out.stdout)["in_op_collectives"]
-    assert in_op[FORWARD]["modes"] == {"d0: S2": 2}, in_op
+    assert in_op[FORWARD]["modes"] == {f"d0: {mode}": 2}, in_op
+    assert in_op[FORWARD]["collectives"] == counts, in_op
     plan = next(tmp_path.glob("*.json"))
     run = ranks(4, str(plan), str(MODEL), "--train", "--check", "--steps", "2", **env)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -153,3 +170,76 @@ def test_a_sequence_split_is_priced_as_the_masked_kernel_it_runs():
         ("attention_forward", 4 * 2 * 4 * 64 * 64 * 8),
         ("matmul", 4 * 2 * 4 * 16 * 64 * 8),
     ]
+
+
+def test_a_ring_is_priced_block_by_block_its_passes_hidden_under_the_blocks_by_hand():
+    """4 devices, causal attention over 64 tokens ([2, 4, 64, 8] fp32), links of 0.5 us
+    and 8.192 GB/s, compute at 32.768 GFLOP/s. A device's block of 16 queries against 16
+    keys is ``4 B H 16 16 D`` FLOPs forward (``FlopCounterMode``'s formula for the
+    shapes), 2 us; the last device computes its own block (half of it masked, 1 us),
+    then 3 whole ones: 7 us. Each pass sends a device's key and value blocks (8 KiB): 1.5
+    us. Forward: 3 passes, each under a block (1, 2, 2 us): 1 + 1.5 + 1.5 hidden, 0.5
+    exposed. Backward (``sdpa_backward_flop_count`` for the block, 2.5x the forward's): 3
+    key/value passes and 4 gradient passes; block t hides the key/value pass for block
+    t + 1 and the gradients of block t - 1; the last gradients' pass is exposed."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    rule = op_rule(FLASH_FORWARD)
+    back = op_rule(FLASH_BACKWARD)
+    q = TensorInfo((2, 4, 64, 8), torch.float32)
+    lse = TensorInfo((2, 4, 64), torch.float32)
+    fwd = type("Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}})()
+    bwd = type(
+        "Node", (), {"target": FLASH_BACKWARD, "args": (None,) * 7 + (True,), "kwargs": {}}
+    )()
+    rate = 32.768e9
+
+    def compute_time(flops, nbytes, dtype, kind, per=None):
+        assert kind == "matmul"  # masked or blockwise: never the calibrated causal rate
+        return flops / rate
+
+    feature = frozenset({"context_parallel_ring"})
+    (ring,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (4,), feature) if s.collectives]
+    kv = 2 * (2 * 4 * 64 * 8 * 4.0)  # key and value, whole in the sequence
+    assert ring.collectives == (("send_recv", 0, kv),) * 3
+    assert rule.modes(fwd, [q] * 3, [q, lse], ring, (4,)) == ("S2r",)
+    info = type("Info", (), {"args": [q] * 3, "results": [q, lse]})()
+    c = 4 * 2 * 4 * 16 * 16 * 8 / rate
+    assert c == pytest.approx(2e-6, rel=1e-12)
+    assert rule.compute_cost(fwd, info, ring, (4,), compute_time) == pytest.approx(3.5 * c)
+    alpha, bw = 0.5e-6, 8.192e9
+    m = alpha + kv / 4 / bw
+    assert m == pytest.approx(1.5e-6, rel=1e-12)
+    hidden = rule.hidden(fwd, info, ring, (4,), compute_time, [m] * 3)
+    assert hidden == pytest.approx(1e-6 + 1.5e-6 + 1.5e-6, rel=1e-12)
+
+    six = [q, q, q, q, q, lse]  # grad_out, query, key, value, out, logsumexp
+    (ring_b,) = [s for s in back.generate(bwd, six, [q, q, q], (4,), feature) if s.collectives]
+    assert ring_b.collectives == (("send_recv", 0, kv),) * 7
+    info_b = type("Info", (), {"args": six, "results": [q, q, q]})()
+    block = (2, 4, 16, 8)
+    cb = sdpa_backward_flop_count(block, block, block, block) / rate
+    assert cb == pytest.approx(2.5 * c, rel=1e-12)
+    assert back.compute_cost(bwd, info_b, ring_b, (4,), compute_time) == pytest.approx(3.5 * cb)
+    flying = [m, 2 * m, 2 * m, m]  # the last gradients' pass (the 7th) is not among them
+    blocks = [cb / 2, cb, cb, cb]
+    assert back.hidden(bwd, info_b, ring_b, (4,), compute_time, [m] * 7) == pytest.approx(
+        sum(min(f, b) for f, b in zip(flying, blocks)), rel=1e-12
+    )
+
+
+@pytest.mark.slow
+def test_the_ring_is_taken_for_one_long_sequence_and_hides_its_passes(monkeypatch):
+    """The long sequence of the test above with either exchange allowed: the search takes
+    the ring (it skips the blocks a causal mask hides and passes blocks under them), 7
+    passes a layer forward and 15 backward on 8 devices, most of their seconds hidden, and
+    a step faster than the all-gather's plan."""
+    ring = _solve(monkeypatch, 1, 32768, context_parallel=True)
+    summary = in_op_summary(ring.plan)
+    assert summary[FORWARD]["modes"] == {"d0: S2r": 2}
+    assert summary[FORWARD]["collectives"] == {"send_recv": 14}
+    assert summary[BACKWARD]["collectives"] == {"send_recv": 30}
+    for e in summary.values():
+        assert 0 < e["exposed_seconds"] < 0.5 * e["seconds"]
+    gathered = _solve(monkeypatch, 1, 32768, context_parallel="all-gather")
+    assert ring.plan.step_time_s < gathered.plan.step_time_s

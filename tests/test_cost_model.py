@@ -193,7 +193,8 @@ def test_the_collective_table_prices_each_kind_as_nccl_tests_formulas_by_hand():
     model prices; each kind on 8 devices, 1 GiB, 5 us, 100 GB/s against NCCL tests'
     PERFORMANCE.md formulas written out here: an all-gather and a reduce-scatter move
     (n-1)/n of the tensor in n-1 steps, an all-reduce twice that, an all-to-all (n-1)/n
-    of each device's 1/n."""
+    of each device's 1/n; a send/recv (one step of a ring: ring attention's pass) each
+    device's 1/n to its neighbour, once."""
     n, alpha, bw, b = 8, 5e-6, 100e9, float(2**30)
     cm = comm_model(MeshSpec((n,), ("d0",), (bw,), (alpha,)))
     hand = {
@@ -201,6 +202,7 @@ def test_the_collective_table_prices_each_kind_as_nccl_tests_formulas_by_hand():
         "reduce_scatter": 7 * alpha + 7 / 8 * b / bw,
         "all_reduce": 14 * alpha + 14 / 8 * b / bw,
         "all_to_all": 7 * alpha + 7 / 64 * b / bw,
+        "send_recv": alpha + 1 / 8 * b / bw,
     }
     assert set(COLLECTIVES) == set(hand)
     for kind, seconds in hand.items():

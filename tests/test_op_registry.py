@@ -93,6 +93,7 @@ def test_the_in_op_all_reduce_is_planned_priced_and_reported(center):
             "modes": {"d0: S0": 2},
             "collectives": {"all_reduce": 2},
             "seconds": pytest.approx(2 * one, rel=1e-12),
+            "exposed_seconds": pytest.approx(2 * one, rel=1e-12),  # nothing hides it
         }
     }
     assert dict(plan.own_steps) == {

@@ -105,6 +105,14 @@ def _collective(kind: str, nbytes: int, n: int, group, device: torch.device) -> 
         return lambda: dist.reduce_scatter_single(piece, full, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
+    if kind == "send_recv":  # one step of a ring: the 1/n share to the next rank
+        back = torch.empty(numel // n, device=device)
+        me, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
+        ops = [
+            dist.P2POp(dist.isend, piece, ranks[(me + 1) % n], group),
+            dist.P2POp(dist.irecv, back, ranks[(me - 1) % n], group),
+        ]
+        return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)]
     out = torch.empty(numel // n, device=device)
     local = torch.ones(numel // n, device=device)
     return lambda: dist.all_to_all_single(out, local, group=group)

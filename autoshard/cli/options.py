@@ -271,11 +271,17 @@ def plan_options(f):
         ),
         click.option(
             "--context-parallel",
-            is_flag=True,
+            type=click.Choice(["both", "all-gather", "ring"]),
+            is_flag=False,
+            flag_value="both",
+            default=None,
             help="Attention may also be sharded by sequence on a mesh dim (context "
-            "parallelism: each device attends its queries to the keys and values gathered "
-            "from the dim, as torchtitan's all-gather CP does; not for attention with a mask); "
-            "by default by batch or heads only (docs/cost-model.md).",
+            "parallelism; not for attention with a mask): each device attends its queries to "
+            "the dim's keys and values, all-gathered (torchtitan's all-gather CP) or passed "
+            "block by block around a ring, hidden under the blocks' attention (ring "
+            "attention). Alone: the search takes whichever is faster; 'all-gather' or "
+            "'ring': that one only. By default attention splits by batch or heads only "
+            "(docs/cost-model.md).",
         ),
         click.option(
             "--no-tie",
@@ -368,7 +374,9 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         bucket_bytes=opts["bucket_bytes"],
         overlap=not opts["no_overlap"],
         share_reshardings=opts["share_reshardings"],
-        context_parallel=opts["context_parallel"],
+        context_parallel={None: False, "both": True}.get(
+            opts["context_parallel"], opts["context_parallel"]
+        ),
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
     )
 

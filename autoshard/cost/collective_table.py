@@ -12,7 +12,7 @@ from typing import Literal
 
 from autoshard.errors import AutoshardError
 
-CollectiveKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
+CollectiveKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv"]
 
 
 @dataclass(frozen=True)
@@ -24,15 +24,21 @@ class Collective:
     Its time on ``n`` devices of a ring, for a tensor of ``B`` bytes in full, with latency
     ``alpha`` per step and bandwidth ``bw`` per device::
 
-        rounds * (n - 1) * (alpha + B / (n**spread * bw))
+        rounds * steps * (alpha + B / (n**spread * bw)),   steps = n - 1 (a ring's)
 
     ``rounds``: passes around the ring (an all-reduce is a reduce-scatter then an
     all-gather: 2); ``spread``: 1 when each step moves ``1/n`` of the tensor, 2 for an
     all-to-all (each device sends each peer ``1/n`` of its ``1/n``). Source: NCCL tests,
-    PERFORMANCE.md (AllGather, ReduceScatter, AllReduce bus bandwidth). ``title``: how
-    reports name it; ``functional_ops``: the ``_c10d_functional`` ops (and their coalesced
-    forms) that run it, as DTensor issues them; ``dtensor_ops``: DTensor's own ``_dtensor``
-    ops that run it (its all-to-all between two shardings of one mesh dim, on CUDA).
+    PERFORMANCE.md (AllGather, ReduceScatter, AllReduce bus bandwidth). ``one_step``: one
+    step only (``steps = 1``): a send/recv, each device sending its ``1/n`` of the tensor
+    to its ring neighbour while it receives its other neighbour's, both links at once
+    (ring attention's pass of a key/value block: Liu et al., "Ring Attention with
+    Blockwise Transformers", 2023). ``title``: how reports name it; ``functional_ops``:
+    the ``_c10d_functional`` ops (and their coalesced forms) that run it, as DTensor
+    issues them; ``dtensor_ops``: DTensor's own ``_dtensor`` ops that run it (its
+    all-to-all between two shardings of one mesh dim, on CUDA); ``comm_debug``: whether
+    ``CommDebugMode`` counts it (it does not count point-to-point ops; the launcher's
+    collective log does).
     """
 
     kind: CollectiveKind
@@ -41,17 +47,23 @@ class Collective:
     spread: int
     functional_ops: tuple[str, ...]
     dtensor_ops: tuple[str, ...] = ()
+    one_step: bool = False
+    comm_debug: bool = True
+
+    def steps(self, n: int) -> int:
+        """Steps on ``n`` devices (``n - 1`` around a ring, or one)."""
+        return min(1, n - 1) if self.one_step else n - 1
 
     def coefficients(self, n: int) -> tuple[float, float]:
         """``(a, b)`` of ``t = a alpha + b B / bw`` on ``n`` devices (the formula above)."""
-        return float(self.rounds * (n - 1)), self.rounds * (n - 1) / n**self.spread
+        k = self.rounds * self.steps(n)
+        return float(k), k / n**self.spread
 
     def seconds(self, n: int, alpha: float, bandwidth: float, nbytes: float) -> float:
         """The formula above (0 on one device)."""
         if n == 1:
             return 0.0
-        ring = (n - 1) * (alpha + nbytes / (n**self.spread * bandwidth))
-        return self.rounds * ring
+        return self.rounds * self.steps(n) * (alpha + nbytes / (n**self.spread * bandwidth))
 
 
 COLLECTIVES: dict[str, Collective] = {
@@ -74,6 +86,9 @@ COLLECTIVES: dict[str, Collective] = {
         ),
         Collective(
             "all_to_all", "all-to-all", 1, 2, ("all_to_all_single",), ("shard_dim_alltoall",)
+        ),
+        Collective(
+            "send_recv", "send/recv", 1, 1, ("batch_p2p_ops",), one_step=True, comm_debug=False
         ),
     )
 }

@@ -83,6 +83,9 @@ class NodePlan:
     # the inputs (indices into ``inputs``) that share their resharding with the other
     # reads of the same tensor, phase and block (autoshard.strategies.sharing)
     shared: frozenset[int] = frozenset()
+    # an op rule's choice per mesh dim, where the solution names it (an op that
+    # communicates itself: placements alone may not tell its choices apart)
+    modes: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -233,6 +236,7 @@ def _node_plans(
             fallback=bool(entry.get("fallback")),
             phase=phase,
             shared=frozenset(int(k) for k in entry.get("shared") or ()),
+            modes=tuple(entry["modes"]) if entry.get("modes") else None,
         )
     return nodes, missing, changed
 
@@ -633,7 +637,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         """An op with a kernel of its own (:attr:`autoshard.strategies.registry.OpRule.kernel`:
         the fused attention and experts ops, a model's custom ops) on this rank's shards,
         told the mode its strategy gives each mesh dim; the results placed as planned."""
-        modes = self._modes.get(n.name)
+        modes = plan.modes or self._modes.get(n.name)
         if modes is None:  # the plan fixes them: worked out once, not every step
             info = self.program.graph.nodes[n.name]
             strategy = Strategy(tuple(plan.outputs), tuple(plan.inputs))

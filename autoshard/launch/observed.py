@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from autoshard.cost.collective_table import COLLECTIVES
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import say
@@ -226,7 +227,8 @@ def report_observed(
         )
     totals: Counter = Counter()
     for (_, kind, _), n in seen.items():
-        totals[kind] += n
+        if kind not in COLLECTIVES or COLLECTIVES[kind].comm_debug:  # not send/recv
+            totals[kind] += n
     debug = Counter(result.comm_debug)
     agree = all(r["seen"] == r["predicted"] for r in rows)
     consistent = +totals == +debug

@@ -34,6 +34,22 @@ WALL_CLOCK_KEYS = ("build_seconds", "solve_seconds")
 """Solver statistics measured by the clock, which a written solution leaves out."""
 
 
+def _modes(plan: Plan, name: str, s: Any) -> list[str] | None:
+    """The op rule's choice per mesh dim of node ``name`` under strategy ``s`` when its op
+    communicates itself, else None."""
+    if not s.collectives:
+        return None
+    from autoshard.strategies.rules import op_rule
+
+    info = plan.sg.graph.nodes[name]
+    rule = op_rule(info.target)
+    if rule is None or rule.per_dim is None:
+        return None
+    node = plan.sg.graph.graph_module.graph.find_nodes(op="call_function", target=info.target)
+    fx = next(n for n in node if n.name == name)
+    return list(rule.modes(fx, info.args, info.results, s, plan.mesh.shape))
+
+
 def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]) -> dict[str, Any]:
     """The solution as plain builtins and placements (see docs/formats.md).
 
@@ -42,7 +58,10 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
     computes for itself (masks, position ids, factory ops) are marked ``"free": True``
     and carry no placements; ``"shared": [k, ...]`` lists the inputs whose resharding is
     shared with the other reads of the same tensor, phase and block
-    (:mod:`autoshard.strategies.sharing`; the launcher moves it once). ``solver`` keeps
+    (:mod:`autoshard.strategies.sharing`; the launcher moves it once); ``"modes"``: for an
+    op that communicates itself (an op rule's collectives), its rule's choice per mesh dim,
+    which placements alone may not tell (attention's all-gather and ring context
+    parallelism place alike; the launch runs the named one). ``solver`` keeps
     what the search found, not how long it took (:data:`WALL_CLOCK_KEYS` are left out):
     the same input writes the same bytes, however busy the machine (issue 29); the report
     prints the seconds.
@@ -78,6 +97,9 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
             ]
             if shared:  # reads that share one resharding (autoshard.strategies.sharing)
                 entry["shared"] = shared
+            modes = _modes(plan, name, s)
+            if modes is not None:
+                entry["modes"] = modes
         else:
             entry["free"] = True
         ns = plan.sg.nodes.get(name)

@@ -173,26 +173,12 @@ def build_plan(
             if again[shared]:
                 steps[("recompute", kind, dim)] += again[shared]
     # what ops communicate themselves (the experts' token exchange) is in their cost
-    own = 0.0
-    cm = comm_model(mesh)
-    for n, s in node_strategy.items():
-        info = graph.nodes.get(n)
-        if info is None or not s.collectives:
-            continue
-        m = graph.mult(n)
-        phase = "backward" if info.backward else "forward"
-        for kind, dim, nbytes in s.collectives:
-            seconds = cm.collective(kind, nbytes, dim)
-            own += m * seconds
-            comm[kind] += m * seconds
-            collectives[kind] += m
-            steps[(phase, kind, dim)] += m
-            own_steps[(phase, kind, dim)] += m
-            if reruns.get(n):
-                steps[("recompute", kind, dim)] += reruns[n]
-                own_steps[("recompute", kind, dim)] += reruns[n]
+    counts = (comm, collectives, steps, own_steps)
+    own, in_op_hidden = _in_op_collectives(graph, node_strategy, mesh, reruns, counts)
     compute -= own
     hidden = _hidden_by_kind(sg, choice, mesh) if sg.overlap else {}
+    for kind, seconds in in_op_hidden.items():
+        hidden[kind] = hidden.get(kind, 0.0) + seconds
 
     parameters, inputs, param_bytes = _placed_leaves(graph, node_strategy, mesh)
     return Plan(
@@ -215,6 +201,43 @@ def build_plan(
         own_steps=own_steps,
         **_recomputation(sg, choice, recompute),
     )
+
+
+def _in_op_collectives(
+    graph: TracedGraph,
+    node_strategy: dict[str, Strategy],
+    mesh: MeshSpec,
+    reruns: dict[str, int],
+    counts: tuple[dict, Counter, Counter, Counter],
+) -> tuple[float, dict[str, float]]:
+    """Add what ops communicate themselves (an op rule's collectives) to ``counts``
+    (seconds and calls by kind, steps by (phase, kind, mesh dim), the op-issued steps);
+    returns the seconds the ops' costs hold for them (:attr:`Strategy.own_s`, what their
+    compute leaves exposed) and, per kind, the seconds their compute hides (a ring's
+    passes), split over the kinds in proportion to their seconds."""
+    comm, collectives, steps, own_steps = counts
+    own, hidden = 0.0, defaultdict(float)
+    cm = comm_model(mesh)
+    for n, s in node_strategy.items():
+        info = graph.nodes.get(n)
+        if info is None or not s.collectives:
+            continue
+        m = graph.mult(n)
+        phase = "backward" if info.backward else "forward"
+        seconds = [cm.collective(kind, nbytes, dim) for kind, dim, nbytes in s.collectives]
+        own += m * s.own_s
+        covered = sum(seconds) - s.own_s
+        for (kind, dim, _), t in zip(s.collectives, seconds, strict=True):
+            comm[kind] += m * t
+            if covered > 0:
+                hidden[kind] += m * covered * t / sum(seconds)
+            collectives[kind] += m
+            steps[(phase, kind, dim)] += m
+            own_steps[(phase, kind, dim)] += m
+            if reruns.get(n):
+                steps[("recompute", kind, dim)] += reruns[n]
+                own_steps[("recompute", kind, dim)] += reruns[n]
+    return own, dict(hidden)
 
 
 def _placed_leaves(

@@ -518,7 +518,8 @@ def in_op_summary(plan: Plan) -> dict[str, dict]:
     :mod:`autoshard.strategies.registry`: the experts' token exchange, a model's own op's),
     by op: the real nodes (``nodes``), the mode of each mesh dim their strategies choose
     (``modes``: ``"d0: S0"``-style text -> real nodes), the collectives by kind per step
-    (``collectives``) and their seconds per step (``seconds``)."""
+    (``collectives``), their seconds per step (``seconds``) and of those the seconds the
+    ops' own compute does not hide (``exposed_seconds``: all but a ring's)."""
     from autoshard.cost.collectives import comm_model
     from autoshard.strategies.rules import op_rule
 
@@ -534,11 +535,17 @@ def in_op_summary(plan: Plan) -> dict[str, dict]:
         m = graph.mult(n)
         entry = out.setdefault(
             str(info.target),
-            {"nodes": 0, "modes": Counter(), "collectives": Counter(), "seconds": 0.0},
+            {
+                "nodes": 0,
+                "modes": Counter(),
+                "collectives": Counter(),
+                "seconds": 0.0,
+                "exposed_seconds": 0.0,
+            },
         )
         entry["nodes"] += m
         if rule is not None and rule.per_dim is not None:
-            modes = rule.modes(fx_nodes[n], info.args, info.results, s)
+            modes = rule.modes(fx_nodes[n], info.args, info.results, s, plan.mesh.shape)
             text = ", ".join(
                 f"{d}: {mode}" for d, mode in zip(plan.mesh.dim_names, modes, strict=True)
             )
@@ -546,6 +553,7 @@ def in_op_summary(plan: Plan) -> dict[str, dict]:
         for kind, dim, nbytes in s.collectives:
             entry["collectives"][kind] += m
             entry["seconds"] += m * comm.collective(kind, nbytes, dim)
+        entry["exposed_seconds"] += m * s.own_s
     return {
         op: {**e, "modes": dict(e["modes"]), "collectives": dict(e["collectives"])}
         for op, e in sorted(out.items())
@@ -570,7 +578,11 @@ def in_op_line(
             for kind, k in sorted(e["collectives"].items())
         )
         where = f" ({modes})" if modes else ""
-        parts.append(f"{op} x{e['nodes']}{where}: {kinds}, {format_seconds(e['seconds'])} per step")
+        hidden = e["seconds"] - e["exposed_seconds"]
+        under = f" ({format_seconds(hidden)} hidden under the op)" if hidden > 1e-15 else ""
+        parts.append(
+            f"{op} x{e['nodes']}{where}: {kinds}, {format_seconds(e['seconds'])} per step{under}"
+        )
     return "collectives inside ops: " + "; ".join(parts)
 
 

@@ -55,6 +55,12 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 """``--precision``: the dtype the step computes in (``model``: the model's own dtype)."""
 
 
+CONTEXT_PARALLEL = {"all-gather": "context_parallel", "ring": "context_parallel_ring"}
+"""``--context-parallel``'s exchanges -> the attention choice's feature
+(:mod:`autoshard.strategies.attention`: ``S2`` gathers the keys and values, ``S2r`` passes
+them around a ring)."""
+
+
 @dataclass(frozen=True)
 class SolveConfig:
     """What to plan and how.
@@ -87,8 +93,10 @@ class SolveConfig:
     # resharding (autoshard.strategies.sharing); off: each read pays its own
     share_reshardings: bool = False
     # attention may also be sharded by sequence (context parallelism,
-    # autoshard.strategies.attention); off: by batch or heads only
-    context_parallel: bool = False
+    # autoshard.strategies.attention): True (the keys and values all-gathered or passed
+    # around a ring, whichever is faster), "all-gather" or "ring" (that one only); off (False):
+    # by batch or heads only
+    context_parallel: bool | str = False
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpointing: str = "auto"
@@ -117,6 +125,11 @@ class SolveConfig:
                 "--activation-checkpointing (activation_checkpointing) must be one of "
                 f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}"
             )
+        if self.context_parallel not in (False, True) + tuple(CONTEXT_PARALLEL):
+            raise AutoshardError(
+                "--context-parallel (context_parallel) must be one of "
+                f"{', '.join(CONTEXT_PARALLEL)} (or true: both), got {self.context_parallel!r}"
+            )
         if self.mode not in ("train", "infer"):
             raise AutoshardError(f"--mode (mode) must be train or infer, got {self.mode!r}")
         if not self.bucket_bytes >= 0:
@@ -133,6 +146,15 @@ class SolveConfig:
                     f"--{what}-placement ({what}_placement) must be 'free' or 'replicate', "
                     f"got {value!r}"
                 )
+
+    def features(self) -> frozenset[str]:
+        """The op rules' optional choices the search offers
+        (:attr:`autoshard.strategies.registry.DimChoice.feature`)."""
+        if self.context_parallel is True:
+            return frozenset(CONTEXT_PARALLEL.values())
+        if self.context_parallel:
+            return frozenset({CONTEXT_PARALLEL[self.context_parallel]})
+        return frozenset()
 
     def budget(self) -> float:
         """Memory budget per device (bytes): ``memory_budget`` or the device's capacity."""
@@ -314,7 +336,7 @@ def strategies(
         reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
         collective_cost=comm_model(config.mesh).collective,
         share_reads=config.share_reshardings,
-        features=frozenset({"context_parallel"}) if config.context_parallel else frozenset(),
+        features=config.features(),
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

@@ -74,6 +74,9 @@ def _cost(node: Any, info: Any, s: Any, mesh_shape: Any, compute_time: Any) -> f
     attention does twice the causal kernel's work for the same count, so it is priced as a
     matmul of its FLOPs; so is a sequence split, whose kernel runs masked (its block of
     queries against every key, the causal mask explicit)."""
+    if _ring_of(s):
+        n, c, causal = _block_seconds(node, info, s, mesh_shape, compute_time)
+        return c * (n - 0.5 if causal else n)
     whole = _gathered(node.target, s)
     if whole is not s or not _causal_unmasked(node):
         return roofline(node, info, whole, mesh_shape, compute_time)
@@ -91,11 +94,15 @@ def _cost(node: Any, info: Any, s: Any, mesh_shape: Any, compute_time: Any) -> f
     )
 
 
+def _causal(node: Any) -> bool:
+    """The node's ``is_causal``."""
+    i = 7 if node.target is FLASH_BACKWARD else 4
+    return bool(node.args[i] if len(node.args) > i else node.kwargs.get("is_causal", False))
+
+
 def _causal_unmasked(node: Any) -> bool:
     """``is_causal`` and no ``attn_mask``: what calibrate times."""
-    i = 7 if node.target is FLASH_BACKWARD else 4
-    causal = node.args[i] if len(node.args) > i else node.kwargs.get("is_causal", False)
-    return bool(causal) and node.kwargs.get("attn_mask") is None
+    return _causal(node) and node.kwargs.get("attn_mask") is None
 
 
 def _heads_shardable(query: Any, key: Any) -> bool:
@@ -141,8 +148,13 @@ def _dtensor_rule(op: Any) -> Any:
     return rule
 
 
+RING = "S2r"
+"""The choice of ring context parallelism (the sequence split, the keys and values passed
+around the dim's ring block by block); ``"S2"`` gathers them whole."""
+
+
 def _seq_dims(modes: Sequence[str]) -> list[int]:
-    return [d for d, m in enumerate(modes) if m == "S2"]
+    return [d for d, m in enumerate(modes) if m in ("S2", RING)]
 
 
 def _one_sequence_dim(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> bool:
@@ -171,11 +183,16 @@ def _gathered(target: Any, s: Strategy) -> Strategy:
 
 
 def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> tuple:
-    """Context parallelism's key/value exchange on its ``S2`` dim: ``(kind, mesh dim,
-    bytes of the whole group)``. The forward all-gathers the keys and the values; the
-    backward gathers them again (the forward saved its shards) and reduce-scatters their
-    gradients, each the local ``[B_l, H_l, S, D]`` (``B_l``, ``H_l``: split by the other
-    dims)."""
+    """Context parallelism's key/value exchange on its sequence dim: ``(kind, mesh dim,
+    bytes of the whole group)``, each tensor the local ``[B_l, H_l, S, D]`` (``B_l``,
+    ``H_l``: split by the other dims).
+
+    ``S2`` (all-gather): the forward all-gathers the keys and the values; the backward
+    gathers them again (the forward saved its shards) and reduce-scatters their gradients.
+    ``S2r`` (ring, on ``n`` devices): the forward passes the key/value block to the next
+    device ``n - 1`` times (one send/recv of both); the backward passes it ``n - 1`` times
+    again and the block's key/value gradients, which travel with it collecting each
+    device's part, ``n`` times (the last pass brings them home), in that order."""
     seq = _seq_dims(modes)
     if not seq:
         return ()
@@ -188,10 +205,50 @@ def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> 
             if m in ("S0", "S1") and t.shape[int(m[1])] > 1:  # as _follow splits it
                 local[int(m[1])] //= n
         out.append(float(math.prod(local) * t.itemsize))
+    if modes[d] == RING:
+        n = mesh_shape[d]
+        passes = (("send_recv", d, sum(out)),) * (n - 1)
+        if node.target is FLASH_BACKWARD:
+            return passes + (("send_recv", d, sum(out)),) * n
+        return passes
     gathers = tuple(("all_gather", d, b) for b in out)
     if node.target is FLASH_BACKWARD:
         return gathers + tuple(("reduce_scatter", d, b) for b in out)
     return gathers
+
+
+def _ring_of(s: Strategy) -> bool:
+    return any(kind == "send_recv" for kind, _, _ in s.collectives)
+
+
+def _block_seconds(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: Any):
+    """``(n, c, causal)`` of a ring strategy: the devices on its sequence dim, the
+    roofline seconds of one block (a device's queries against one device's keys: the
+    gathered kernel's over ``n``), and whether the attention is causal."""
+    q_at = 1 if node.target is FLASH_BACKWARD else 0
+    (d,) = [d for d, p in enumerate(s.inputs[q_at]) if p == _S2]
+    n = mesh_shape[d]
+    whole = roofline(node, info, _gathered(node.target, s), mesh_shape, compute_time)
+    return n, whole / n, _causal(node)
+
+
+def _hidden(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: Any, seconds):
+    """Of a ring's passes (``seconds``, in :func:`_exchanges`' order), those the device
+    that computes most hides under its blocks, each pass under the block computed while it
+    flies (the blocks of a causal ring below the diagonal are skipped, so the last device
+    of the dim computes most: its own block, half of it masked, first, then ``n - 1``
+    whole ones). Forward: pass ``t`` (``t < n - 1``) flies during block ``t``. Backward:
+    during block ``t``, the key/value pass for block ``t + 1`` and the gradients of block
+    ``t - 1``; the last gradients' pass waits for the last block, exposed."""
+    if not _ring_of(s):
+        return 0.0
+    n, c, causal = _block_seconds(node, info, s, mesh_shape, compute_time)
+    blocks = [c / 2 if causal else c] + [c] * (n - 1)
+    if node.target is not FLASH_BACKWARD:
+        return sum(min(seconds[t], blocks[t]) for t in range(n - 1))
+    kv, grads = seconds[: n - 1], seconds[n - 1 :]
+    flying = [(kv[t] if t < n - 1 else 0.0) + (grads[t - 1] if t else 0.0) for t in range(n)]
+    return sum(min(f, b) for f, b in zip(flying, blocks, strict=True))
 
 
 def _causal_mask(q: torch.Tensor, keys: int, rank: int) -> torch.Tensor:
@@ -204,15 +261,73 @@ def _causal_mask(q: torch.Tensor, keys: int, rank: int) -> torch.Tensor:
     return mask.masked_fill(pos_k > pos_q, float("-inf"))
 
 
+def _merge(out: Any, lse: Any, o: torch.Tensor, lse_o: torch.Tensor) -> tuple:
+    """Two attentions of the same queries over disjoint keys, as one (each output weighted
+    by its share of the exponentials' sum: the log-sum-exp's online update, Milakov and
+    Gimelshein 2018; FlashAttention's)."""
+    wide = torch.promote_types(o.dtype, torch.float32)  # bf16 merged in fp32, fp64 in fp64
+    o, lse_o = o.to(wide), lse_o.to(wide)
+    if out is None:
+        return o, lse_o
+    both = torch.logaddexp(lse, lse_o)
+    out = out * torch.exp(lse - both).unsqueeze(-1) + o * torch.exp(lse_o - both).unsqueeze(-1)
+    return out, both
+
+
+def _ring_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext, d: int) -> Any:
+    """Ring attention on mesh dim ``d`` (Liu et al. 2023): the rank keeps its queries and
+    passes the key/value block it holds to the next rank ``n - 1`` times, attending its
+    queries to each block it holds (its own first: causal within it; under a causal mask
+    the blocks of later ranks are skipped, their keys all in its queries' future). The
+    forward merges the blocks' outputs by their log-sum-exps; the backward runs the fused
+    backward per block with the whole output and log-sum-exp (FlashAttention's, which is
+    the block's part of the gradient), and each block's key/value gradients travel with
+    it, every rank adding its part, until a last pass brings them home."""
+    backward = target is FLASH_BACKWARD
+    q_at, causal_at = (1, 7) if backward else (0, 4)
+    causal = bool(args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False))
+    n, rank = ctx.size(d), ctx.rank(d)
+    q, kv = args[q_at], [args[q_at + 1], args[q_at + 2]]
+    scale = kwargs.get("scale")
+    out = lse = grads = None
+    grad_q = torch.zeros_like(q) if backward else None
+    for t in range(n):
+        j = (rank - t) % n  # whose block this rank holds at step t
+        if not (causal and j > rank):
+            if backward:
+                g = target(
+                    args[0], q, *kv, args[4], args[5], 0.0, causal and j == rank, scale=scale
+                )
+                grad_q = grad_q + g[0]
+                part = [g[1], g[2]]
+            else:
+                o, lse_o = target(q, *kv, 0.0, causal and j == rank, scale=scale)
+                out, lse = _merge(out, lse, o, lse_o)
+                lse_dtype = lse_o.dtype
+        elif backward:
+            part = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]
+        if t < n - 1:
+            kv = ctx.shift(kv, d)
+        if backward:
+            grads = part if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
+            grads = ctx.shift(grads, d)
+    if backward:
+        return grad_q, grads[0], grads[1]
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
 def _kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
-    """On each rank's shards. Batch and heads need no communication; on a sequence (``S2``)
-    dim the rank gathers the keys and values of the dim, attends its queries to them
-    (the causal mask offset by its block's place), and in the backward reduce-scatters
-    their gradients back to the shards."""
+    """On each rank's shards. Batch and heads need no communication; on a sequence dim
+    the rank either gathers the keys and values of the dim (``S2``), attends its queries
+    to them (the causal mask offset by its block's place), and in the backward
+    reduce-scatters their gradients back to the shards; or passes them around the ring
+    (``S2r``, :func:`_ring_kernel`)."""
     seq = _seq_dims(ctx.modes)
     if not seq:
         return target(*args, **kwargs)
     (d,) = seq
+    if ctx.modes[d] == RING:
+        return _ring_kernel(target, list(args), kwargs, ctx, d)
     rank = ctx.rank(d)  # the gather's order and the shard's place on the dim
     backward = target is FLASH_BACKWARD
     q_at, causal_at = (1, 7) if backward else (0, 4)
@@ -240,13 +355,15 @@ def _register(op: Any) -> None:
         allow=_one_sequence_dim,
         collectives=_exchanges,
         compute_cost=_cost,
+        hidden=_hidden,
         kernel=_kernel,
         dtensor_rule=_dtensor_rule(op),
         dtensor_cache_keys=("attn_mask",),
     )
     def choices(node: Any, args: list, results: list) -> list[DimChoice]:
         """``R``, ``S0`` (batch), ``S1`` (heads), and with context parallelism ``S2``
-        (sequence; not with an attention mask): the query/key/value-like arguments (and
+        (sequence, keys and values all-gathered) and ``S2r`` (sequence, ring; both not
+        with an attention mask): the query/key/value-like arguments (and
         grad_out, out, logsumexp in the backward) lead; an attention mask, when given, is
         the last tensor argument."""
         n_bhs = 6 if node.target is FLASH_BACKWARD else 3
@@ -257,6 +374,7 @@ def _register(op: Any) -> None:
         if len(args) == n_bhs:
             outs = tuple(None if r is None else _S2 for r in results)
             out.append(DimChoice("S2", (_S2,) * n_bhs, outs, feature="context_parallel"))
+            out.append(DimChoice(RING, (_S2,) * n_bhs, outs, feature="context_parallel_ring"))
         return out
 
 

@@ -503,7 +503,7 @@ class _Builder:
             used_fallback = strategies is None
             if used_fallback:
                 strategies = _replicate_fallback(len(info.args), info.results, self.ndim)
-            strategies = [self.priced(s) for s in strategies]
+            strategies = [self.priced(s, node, info, own) for s in strategies]
             self.cache[key] = (strategies, used_fallback)
         else:
             self.hits += 1
@@ -525,15 +525,19 @@ class _Builder:
                 name, strategies, compute, name, np.arange(len(strategies)), used_fallback
             )
 
-    def priced(self, s: Strategy) -> Strategy:
+    def priced(self, s: Strategy, node: Any = None, info: Any = None, rule: Any = None) -> Strategy:
         """``s`` with :attr:`Strategy.own_s` set: the seconds of what its op communicates
-        itself (build_plan counts them as communication, not compute)."""
+        itself and does not hide under its own compute (the rule's ``hidden``; build_plan
+        counts them as communication, not compute)."""
         if not s.collectives:
             return s
         if self.collective_cost is None:
             raise ValueError("an op communicates itself, so collective_cost is required")
-        own = sum(self.collective_cost(kind, nbytes, dim) for kind, dim, nbytes in s.collectives)
-        return replace(s, own_s=float(own))
+        seconds = [self.collective_cost(kind, nbytes, dim) for kind, dim, nbytes in s.collectives]
+        hidden = 0.0
+        if rule is not None and rule.hidden is not None:
+            hidden = rule.hidden(node, info, s, self.mesh_shape, self.compute_time, seconds)
+        return replace(s, own_s=float(sum(seconds) - hidden))
 
     def follow(self, name, info, strategies, compute, used_fallback) -> bool:
         """A follow node: one tensor input, and each placement its producer may give maps

@@ -78,8 +78,9 @@ class KernelContext:
     """What a launch kernel knows of where it runs: the mode (:attr:`DimChoice.name`) the
     plan chose on each mesh dim, and the mesh (a ``DeviceMesh``) whose dims' process groups
     its collectives use. Collectives go through :meth:`all_reduce`, :meth:`all_gather`,
-    :meth:`reduce_scatter` and :meth:`all_to_all`, torch's functional collectives, which
-    the launcher's collective log counts per mesh dim and a lowered step records."""
+    :meth:`reduce_scatter`, :meth:`all_to_all` and :meth:`shift`, torch's functional
+    collectives, which the launcher's collective log counts per mesh dim and a lowered step
+    records."""
 
     modes: tuple[str, ...]
     mesh: Any
@@ -123,6 +124,11 @@ class KernelContext:
         ``tensor_dim``."""
         return tp.reduce_scatter_dim(x, tensor_dim, self.group(dim))
 
+    def shift(self, tensors: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
+        """Each of ``tensors`` passed one step around mesh dim ``dim``'s ring: sent to the
+        next rank of the dim, the previous rank's received in its place (one send/recv)."""
+        return tp.ring_shift(tensors, self.group(dim))
+
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dim: int
     ) -> torch.Tensor:
@@ -157,6 +163,10 @@ class OpRule:
             group, as :meth:`~autoshard.cost.collectives.CommModel.collective` takes them).
         compute_cost: ``(node, info, strategy, mesh_shape, compute_time) -> seconds`` on
             one device; default :func:`roofline`.
+        hidden: ``(node, info, strategy, mesh_shape, compute_time, seconds) -> seconds``:
+            of its collectives' seconds (``seconds``, one per entry of the strategy's
+            ``collectives``), those its own compute hides (a ring passing each block while
+            it computes on the one it has); default none.
         kernel: the launch kernel (:data:`Kernel`) for ``per_dim`` rules, or ``None``: the
             op runs under DTensor's dispatch (a rule DTensor has, mended).
         lowerable: whether a step holding the op can be recorded once and replayed
@@ -174,6 +184,7 @@ class OpRule:
     allow: Callable[..., bool] | None = None
     collectives: Callable[..., tuple[tuple[str, int, float], ...]] | None = None
     compute_cost: Callable[..., float] | None = None
+    hidden: Callable[..., float] | None = None
     kernel: Kernel | None = None
     lowerable: bool = True
     dtensor_rule: Callable[..., Any] | None = None
@@ -227,21 +238,25 @@ class OpRule:
             out.append(Strategy(outs, ins, tuple(own)))
         return out
 
-    def modes(self, node: Any, args: list, results: list, s: Strategy) -> tuple[str, ...]:
-        """The choice (:attr:`DimChoice.name`) strategy ``s`` makes on each mesh dim. Two
-        choices that place every tensor alike (attention's batch split where the batch is
-        1) are one: the first is named, as the strategy builder keeps the first of equal
+    def modes(
+        self, node: Any, args: list, results: list, s: Strategy, mesh_shape: Any = None
+    ) -> tuple[str, ...]:
+        """The choice (:attr:`DimChoice.name`) strategy ``s`` makes on each mesh dim.
+        Choices that place every tensor alike are told apart by the collectives they run
+        (attention's all-gather and ring context parallelism), given ``mesh_shape``;
+        those that run the same ones too (attention's batch split where the batch is 1)
+        are one: the first is named, as the strategy builder keeps the first of equal
         strategies.
 
         Raises:
             ValueError: ``s`` is no product of this rule's choices (a plan made for
                 another rule).
         """
-        choices: dict[tuple, str] = {}
+        choices: dict[tuple, list[str]] = {}
         for c in self.per_dim(node, args, results):
-            choices.setdefault((c.inputs, c.outputs), c.name)
+            choices.setdefault((c.inputs, c.outputs), []).append(c.name)
         placed = s.inputs or tuple(p for p in s.outputs if p is not None)
-        out = []
+        names = []
         for d in range(len(placed[0]) if placed else 0):
             ins = tuple(p[d] for p in s.inputs)
             outs = tuple(None if p is None else p[d] for p in s.outputs)
@@ -251,8 +266,14 @@ class OpRule:
                     f"{node.target}: mesh dim {d} places inputs {ins} and outputs {outs}, "
                     "which none of its rule's choices does"
                 )
-            out.append(found)
-        return tuple(out)
+            names.append(found)
+        if mesh_shape is not None and self.collectives is not None:
+            for modes in itertools.product(*names):
+                if self.allow is not None and not self.allow(node, args, modes, mesh_shape):
+                    continue
+                if tuple(self.collectives(node, args, modes, mesh_shape)) == s.collectives:
+                    return modes
+        return tuple(n[0] for n in names)
 
 
 _RULES: dict[Any, OpRule] = {}
