@@ -224,7 +224,7 @@ def test_a_ring_is_priced_block_by_block_its_passes_hidden_under_the_blocks_by_h
     flying = [m, 2 * m, 2 * m, m]  # the last gradients' pass (the 7th) is not among them
     blocks = [cb / 2, cb, cb, cb]
     assert back.hidden(bwd, info_b, ring_b, (4,), compute_time, [m] * 7) == pytest.approx(
-        sum(min(f, b) for f, b in zip(flying, blocks)), rel=1e-12
+        sum(min(f, b) for f, b in zip(flying, blocks, strict=True)), rel=1e-12
     )
 
 
