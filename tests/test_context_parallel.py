@@ -243,3 +243,23 @@ def test_the_ring_is_taken_for_one_long_sequence_and_hides_its_passes(monkeypatc
         assert 0 < e["exposed_seconds"] < 0.5 * e["seconds"]
     gathered = _solve(monkeypatch, 1, 32768, context_parallel="all-gather")
     assert ring.plan.step_time_s < gathered.plan.step_time_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exchange, mode", [("all-gather", "S2"), ("ring", "S2r")])
+def test_a_preloaded_solution_keeps_its_exchange(tmp_path: Path, exchange: str, mode: str):
+    """The two exchanges place every tensor alike; the solution names the one it took
+    (``"modes"``), and a solve preloaded from it under ``--context-parallel`` (both
+    offered) keeps it, at the same predicted step."""
+    env = {"AUTOSHARD_SEQ": "512", "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
+    args = ["solve", str(MODEL), "--mesh", "4", "--intra-node-latency", "10ns", "--json"]
+    first = autoshard_cli(*args, "--context-parallel", exchange, "--out", str(tmp_path), **env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    solution = next(tmp_path.glob("*.pkl"))
+    again = autoshard_cli(
+        *args, "--context-parallel", "--preload", str(solution), "--out", str(tmp_path / "b"), **env
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    before, after = json.loads(first.stdout), json.loads(again.stdout)
+    assert after["in_op_collectives"][FORWARD]["modes"] == {f"d0: {mode}": 2}
+    assert after["time_s"]["step"] == pytest.approx(before["time_s"]["step"], rel=1e-12)

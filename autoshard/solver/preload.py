@@ -59,6 +59,7 @@ from autoshard.solver.options import SolverOptions
 from autoshard.solver.restriction import Restriction, restrict, unrestrict_choice
 from autoshard.solver.solve import SolveResult, finish_plan, peak_rss_bytes, strategies, trace
 from autoshard.strategies.graph import Strategy, StrategyGraph
+from autoshard.strategies.rules import op_rule
 from autoshard.trace.tracer import NodeInfo, TracedGraph, path_within_block
 
 Placements = tuple[Placement, ...]
@@ -401,7 +402,39 @@ def _stored_strategy(
         for k in range(n_out)
     )
     inputs = tuple(tuple(args[f"data_in_{k}"]) for k in range(n_in))
-    return sname, Strategy(outputs, inputs)
+    return sname, Strategy(outputs, inputs, _stored_collectives(node, sg, entry))
+
+
+def _stored_collectives(node: str, sg: StrategyGraph, entry: Mapping[str, Any]) -> tuple:
+    """What the op of ``node`` communicates itself under the rule choices the entry names
+    (``"modes"``, written for such ops: choices that place alike, as attention's
+    all-gather and ring context parallelism, differ there), or ``()``."""
+    modes = entry.get("modes")
+    info = sg.graph.nodes[node]
+    rule = op_rule(info.target) if modes else None
+    if rule is None or rule.collectives is None:
+        return ()
+    fx = next(n for n in sg.graph.graph_module.graph.nodes if n.name == node)
+    return tuple(rule.collectives(fx, info.args, tuple(modes), tuple(sg.mesh_shape)))
+
+
+def _same(candidate: Strategy, stored: Strategy) -> bool:
+    """Whether a strategy of the graph is the stored one: the same placements and, where
+    the solution names them, the same in-op collectives (priced seconds aside)."""
+    return (
+        candidate.outputs == stored.outputs
+        and candidate.inputs == stored.inputs
+        and (not stored.collectives or candidate.collectives == stored.collectives)
+    )
+
+
+def _index(strategies: list[Strategy], stored: Strategy) -> int:
+    """The first of ``strategies`` that is ``stored`` (:func:`_same`).
+
+    Raises:
+        StopIteration: none is.
+    """
+    return next(i for i, c in enumerate(strategies) if _same(c, stored))
 
 
 # ------------------------------------------------------------------------------------
@@ -414,7 +447,7 @@ def _fitting(sg: StrategyGraph, rep: str, given: Mapping[str, Strategy]) -> list
     return [
         i
         for i in range(len(sg.nodes[rep].strategies))
-        if all(sg.nodes[m].strategies[sg.nodes[m].choice[i]] == s for m, s in given.items())
+        if all(_same(sg.nodes[m].strategies[sg.nodes[m].choice[i]], s) for m, s in given.items())
     ]
 
 
@@ -566,8 +599,8 @@ def _choose_stored(
         if rep in stored:
             sname, s = stored[rep]
             try:
-                choice[rep] = ns.strategies.index(s)
-            except ValueError:
+                choice[rep] = _index(ns.strategies, s)
+            except StopIteration:
                 problems.add(
                     "placements that are not a strategy of their node",
                     f"{sname!r}: {_fmt_strategy(s)} is not one of the "
@@ -675,7 +708,7 @@ def _check_agreement(
     """Returns nothing: adds to ``problems`` each stored node that ``choice`` contradicts."""
     for name, (sname, s) in stored.items():
         got = _node_strategy(sg, name, choice)
-        if got != s:
+        if not _same(got, s):
             rep = sg.nodes[name].rep
             problems.add(
                 "merged nodes that disagree with their representative",
