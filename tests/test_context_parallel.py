@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autoshard
 from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, DEFAULT_INTRA_NODE_LATENCY
 from autoshard.model.model_file import instantiate, load_model_file
-from autoshard.plan.report import in_op_summary
+from autoshard.plan.report import in_op_line, in_op_summary
 from autoshard.strategies.rules import op_rule
 from autoshard.trace.attention import FLASH_BACKWARD, FLASH_FORWARD
 from autoshard.trace.tracer import TensorInfo
@@ -241,6 +241,9 @@ def test_the_ring_is_taken_for_one_long_sequence_and_hides_its_passes(monkeypatc
     assert summary[BACKWARD]["collectives"] == {"send_recv": 30}
     for e in summary.values():
         assert 0 < e["exposed_seconds"] < 0.5 * e["seconds"]
+    line = in_op_line(ring.plan)
+    assert "14 send/recvs (7 an op)" in line and "30 send/recvs (15 an op)" in line, line
+    assert line.count("hidden under the op") == 2, line
     gathered = _solve(monkeypatch, 1, 32768, context_parallel="all-gather")
     assert ring.plan.step_time_s < gathered.plan.step_time_s
 

@@ -563,8 +563,8 @@ def in_op_summary(plan: Plan) -> dict[str, dict]:
 def in_op_line(
     plan: Plan | None, summary: dict | None = None, skip: Iterable[str] = ()
 ) -> str | None:
-    """``collectives inside ops: OP xN (d0: S0): K all-reduces, T per step; ...`` or None
-    when no op communicates itself; ``skip``: ops a line of their own reports (the
+    """``collectives inside ops: OP xN (d0: S0): K all-reduces (K/N an op), T per step
+    (H hidden under the op); ...`` or None when no op communicates itself; ``skip``: ops a line of their own reports (the
     experts', :func:`experts_line`)."""
     summary = in_op_summary(plan) if summary is None else summary
     summary = {op: e for op, e in summary.items() if op not in set(skip)}
@@ -573,8 +573,10 @@ def in_op_line(
     parts = []
     for op, e in summary.items():
         modes = "; ".join(f"{text} x{k}" for text, k in e["modes"].items())
+        each = e["nodes"] > 1 and all(k % e["nodes"] == 0 for k in e["collectives"].values())
         kinds = ", ".join(
             f"{k} {COLLECTIVES[kind].title}{'s' if k != 1 else ''}"
+            + (f" ({k // e['nodes']} an op)" if each else "")
             for kind, k in sorted(e["collectives"].items())
         )
         where = f" ({modes})" if modes else ""
