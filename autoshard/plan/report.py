@@ -564,8 +564,8 @@ def in_op_line(
     plan: Plan | None, summary: dict | None = None, skip: Iterable[str] = ()
 ) -> str | None:
     """``collectives inside ops: OP xN (d0: S0): K all-reduces (K/N an op), T per step
-    (H hidden under the op); ...`` or None when no op communicates itself; ``skip``: ops a line of their own reports (the
-    experts', :func:`experts_line`)."""
+    (H hidden under the op); ...`` or None when no op communicates itself; ``skip``: ops
+    a line of their own reports (the experts', :func:`experts_line`)."""
     summary = in_op_summary(plan) if summary is None else summary
     summary = {op: e for op, e in summary.items() if op not in set(skip)}
     if not summary:
