@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import write_mlp
+from helpers import block_stack, write_mlp
 
 import autoshard
 from autoshard.cli.main import main
@@ -28,6 +28,9 @@ from autoshard.cost.mesh import (
     node_shapes,
 )
 from autoshard.errors import AutoshardError
+from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.pipeline.search import pipeline_rows, stage_file
+from autoshard.pipeline.stage_plan import load_stage_plan
 from autoshard.solver.meshes import search_meshes
 from autoshard.solver.solve import SolveConfig, plan_model
 
@@ -195,9 +198,9 @@ def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_p
     run = _cli("solve", str(model), *args, "--out", str(tmp_path / "out"))
     assert run.exit_code == 0, run.output
     rows = {
-        line.split("│")[1].strip(): line.split("│")[2].strip()
+        line.split("│")[1].strip(): line.split("│")[3].strip()  # mesh, pp, links
         for line in run.output.splitlines()
-        if line.count("│") >= 3
+        if line.count("│") >= 4
     }
     assert rows["2x2"] == "network x node" and rows["4"] == "network", rows
 
@@ -240,3 +243,70 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
     # the cap is the search's: the same shape solved on its own (solve --mesh) is planned
     alone = plan_model(replace(config, mesh=meshes[(2, 2)]), graph=graph)
     assert alone.ilp.num_variables == sizes[(2, 2)] > cap
+
+
+_BLOCK = """
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2048, 2048)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+"""
+
+
+@pytest.mark.slow
+def test_pipeline_depths_rank_beside_the_shapes_each_as_stages_plans_it(tmp_path: Path):
+    """``--gpus 4 --gpus-per-node 2 --pp 2,4`` on 4 blocks: pp=2 splits the 2x2 mesh's
+    leading (across-node) dim, 2 blocks a stage on a 1x2 submesh; pp=4 the whole 2x2,
+    one GPU a stage. Each pipeline row's step is the one ``autoshard.stages`` finds on
+    that mesh alone, the rows are fastest first, and the one-mesh rows are the search's
+    own (the best without stages is what solve writes)."""
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 4, 64, 2048))
+    out = tmp_path / "out"
+    args = ["solve", str(model), "--gpus", "4", "--gpus-per-node", "2", "--pp", "2,4"]
+    run = _cli(*args, "--json", "-q", "--out", str(out))
+    assert run.exit_code == 0, run.output
+    doc = json.loads(run.stdout)
+    rows = {(tuple(r["mesh"]), r["pp"]): r for r in doc["meshes"]}
+    assert set(rows) == {((4,), 1), ((2, 2), 1), ((2, 2), 2), ((2, 2), 4)}
+    loaded = instantiate(load_model_file(model), device="meta")
+    for pp in (2, 4):
+        alone = autoshard.stages(
+            loaded.module, loaded.inputs, MeshSpec.on_nodes((2, 2), 2), pp=pp, microbatches=8
+        )
+        assert rows[((2, 2), pp)]["step_time_s"] == pytest.approx(
+            alone.stage_plan.step_time_s, rel=1e-12
+        )
+    steps = [r["step_time_s"] for r in doc["meshes"]]
+    assert steps == sorted(steps)
+    best_one_mesh = min(r["step_time_s"] for (_, pp), r in rows.items() if pp == 1)
+    assert doc["time_s"]["step"] == pytest.approx(best_one_mesh, rel=1e-12)
+
+
+def test_a_pipeline_row_writes_the_stage_plan_stages_writes(tmp_path: Path):
+    """The file a fastest pipeline row writes reads back as ``autoshard stages``' own:
+    the same split and step."""
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 4, 64, 2048))
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    (row,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2)
+    assert row.mesh.shape == (2, 2) and row.pp == 2 and row.planned
+    path = tmp_path / "stack_2x2_pp2.stages.json"
+    stage_file(row, path)
+    back = load_stage_plan(path)
+    assert list(row.stages.stage_plan.balance) == [2, 2]
+    assert [len(st.module_paths) for st in back.stages] == [2, 2]
+    assert back.mesh_shape == (2, 2) and back.pp == 2
+    assert back.step_time_s == pytest.approx(row.step_time_s, rel=1e-12)
+
+
+def test_pp_without_gpus_or_below_2_is_one_line(tmp_path: Path):
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    run = _cli("solve", str(model), "--mesh", "4", "--pp", "2")
+    assert run.exit_code != 0 and "--pp tries pipeline depths beside the mesh shapes" in run.output
+    run = _cli("solve", str(model), "--gpus", "4", "--pp", "1,2")
+    assert run.exit_code != 0 and "give pipeline depths of 2 or more" in run.output

@@ -45,6 +45,24 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     help="With --gpus: devices per node. Mesh dims inside a node get --intra-node-bw, "
     "dims across nodes --inter-node-bw.",
 )
+@click.option(
+    "--pp",
+    "pp_depths",
+    default=None,
+    metavar="DEPTHS",
+    help="With --gpus: also try these pipeline depths, e.g. 2,4: for each, the layers split "
+    "into that many stages over the leading dim of a mesh shape (across nodes first), each "
+    "stage planned on its submesh (as autoshard stages runs it, a 1F1B schedule), ranked "
+    "with the shapes. When a pipeline is fastest, its stage plan is written beside the "
+    "best plan without stages.",
+)
+@click.option(
+    "--microbatches",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="With --pp: micro-batches per step (the example batch split along dim 0).",
+)
 @plan_options
 @click.option(
     "--out",
@@ -109,6 +127,8 @@ def solve_command(
     html_path,
     gpus,
     gpus_per_node,
+    pp_depths,
+    microbatches,
     **opts,
 ) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
@@ -128,6 +148,7 @@ def solve_command(
       autoshard solve examples/gpt2.py --mesh 2x4 --preload solutions/gpt2_2x4.pkl --out /tmp/p
       autoshard solve examples/gpt2.py --mesh 2x4 --json > report.json
       autoshard solve examples/mlp.py --gpus 16 --gpus-per-node 8
+      autoshard solve examples/gpt2.py --gpus 16 --pp 2,4
       autoshard solve examples/llama.py --mesh 2x4 --space torchtitan
     """
     # heavy (torch, HiGHS): only once the command runs
@@ -143,6 +164,7 @@ def solve_command(
         raise AutoshardError(
             f"--space {space} searches its own plans; drop {given} (or --space {space})"
         )
+    depths = _depths(pp_depths, gpus)
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
     if meshes:  # the files are named after the best mesh once it is known
@@ -150,11 +172,18 @@ def solve_command(
             from autoshard.solver.meshes import search_meshes  # heavy, as above
 
             search = search_meshes(config, meshes, progress, gpus_per_node, space)
+            if depths:
+                from autoshard.pipeline.search import pipeline_rows  # heavy, as above
+
+                extra = pipeline_rows(config, meshes, depths, microbatches, gpus_per_node, progress)
+                search = search.with_rows(extra)
         result = search.best.result
         config = result.config
         _print_meshes(Console(stderr=as_json, quiet=quiet), search, gpus, gpus_per_node)
         suffix = "" if space == "free" else space
         stem = output_stem(Path(model_file).resolve().stem, config.mesh.shape, suffix)
+        if search.fastest.stages is not None:
+            _write_stages(search.fastest, model_file, out_dir, console)
         return _write_and_report(result, out_dir, stem, [], console, html_path, as_json, quiet)
     mesh = config.mesh
     # the model is named after its file: the output names are known before any work
@@ -251,18 +280,55 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
     return meshes
 
 
+def _depths(text: str | None, gpus: int | None) -> list[int]:
+    """``--pp 2,4`` as a list (empty without it).
+
+    Raises:
+        AutoshardError: --pp without --gpus, or a depth that is not an integer of 2 or more.
+    """
+    if text is None:
+        return []
+    if gpus is None:
+        raise AutoshardError(
+            "--pp tries pipeline depths beside the mesh shapes of --gpus: add --gpus N "
+            "(for one mesh, use autoshard stages --pp)"
+        )
+    try:
+        depths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        depths = []
+    if not depths or any(d < 2 for d in depths):
+        raise AutoshardError(f"--pp {text!r}: give pipeline depths of 2 or more, e.g. 2,4")
+    return list(dict.fromkeys(depths))
+
+
+def _write_stages(row, model_file, out_dir: Path, console: Console) -> None:  # noqa: ANN001
+    """Write the fastest row's stage plan (a pipeline's) as ``autoshard stages`` does."""
+    from autoshard.pipeline.search import stage_file
+    from autoshard.plan.export import output_stem
+
+    stem = output_stem(Path(model_file).resolve().stem, row.mesh.shape, "")
+    path = Path(out_dir) / f"{stem}_pp{row.pp}.stages.json"
+    stage_file(row, path)
+    console.print(
+        f"fastest: {'x'.join(map(str, row.mesh.shape))} with pp={row.pp}: wrote its stage plan "
+        f"{path} (autoshard stages --pp {row.pp} writes the same); the plan without stages "
+        "follows"
+    )
+
+
 def _mesh_row(row, gpus_per_node: int) -> dict:  # noqa: ANN001 - a solver.meshes.MeshRow
     """One row of ``--gpus`` in the JSON report (seconds, bytes; ``None`` without a plan)."""
     from autoshard.cost.mesh import inside_node
 
-    plan = row.result.plan if row.result is not None else None
     return {
         "mesh": list(row.mesh.shape),
+        "pp": row.pp,
         "inside_node": inside_node(row.mesh.shape, gpus_per_node),
         "bandwidth_Bps": list(row.mesh.bandwidth),
-        "step_time_s": float(plan.step_time_s) if plan else None,
-        "mfu": float(plan.mfu) if plan else None,
-        "memory_bytes": float(plan.memory_bytes) if plan else None,
+        "step_time_s": float(row.step_time_s) if row.planned else None,
+        "mfu": float(row.mfu) if row.planned else None,
+        "memory_bytes": float(row.memory_bytes) if row.planned else None,
         "error": row.error,
     }
 
@@ -275,28 +341,31 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
     from autoshard.units import format_bytes, format_seconds
 
     table = Table(title=f"mesh shapes of {gpus} GPUs, {gpus_per_node} per node (fastest first)")
-    for col in ("mesh", "links", "step", "MFU", "memory/device", "solve"):
+    for col in ("mesh", "pp", "links", "step", "MFU", "memory/device", "solve"):
         table.add_column(col, justify="left" if col in ("mesh", "links") else "right")
     for row in search.rows:
         mesh = "x".join(map(str, row.mesh.shape))
         inside = inside_node(row.mesh.shape, gpus_per_node)
         links = " x ".join("node" if x else "network" for x in inside)
-        if row.result is None:
-            table.add_row(mesh, links, "no plan", "", "", "", style="dim")
+        if not row.planned:
+            table.add_row(mesh, str(row.pp), links, "no plan", "", "", "", style="dim")
             continue
-        plan = row.result.plan
         table.add_row(
             mesh,
+            str(row.pp),
             links,
-            format_seconds(plan.step_time_s),
-            f"{100 * plan.mfu:.1f}%",
-            format_bytes(plan.memory_bytes),
+            format_seconds(row.step_time_s),
+            f"{100 * row.mfu:.1f}%",
+            format_bytes(row.memory_bytes),
             f"{row.solve_seconds:.1f} s",
         )
     console.print(table)
     for row in search.rows:
-        if row.result is None:
-            console.print(f"note: {'x'.join(map(str, row.mesh.shape))} has no plan: {row.error}")
+        if not row.planned:
+            pp = f" with pp={row.pp}" if row.pp > 1 else ""
+            console.print(
+                f"note: {'x'.join(map(str, row.mesh.shape))}{pp} has no plan: {row.error}"
+            )
     console.print(
         f"best: {'x'.join(map(str, search.best.mesh.shape))} (one trace, "
         f"{search.trace_seconds:.1f} s, for all {len(search.rows)} shapes)"

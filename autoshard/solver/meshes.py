@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
@@ -30,20 +31,51 @@ Progress = Callable[[str, int, int], None]
 @dataclass
 class MeshRow:
     """One candidate mesh: its plan (``result``), or why it has none (``error``: no plan
-    fits the memory budget, the ILP found none)."""
+    fits the memory budget, the ILP found none). A pipeline row (``pp`` > 1) holds a stage
+    plan instead (``stages``: an :class:`autoshard.pipeline.pricing.StagesResult`, the
+    layers split into ``pp`` stages over the mesh's leading dims), with its own
+    ``seconds`` and MFU (``pipeline_mfu``)."""
 
     mesh: MeshSpec
     result: SolveResult | None = None
     error: str | None = None
+    pp: int = 1
+    stages: Any = None
+    seconds: float = math.nan
+    pipeline_mfu: float = 0.0
+
+    @property
+    def planned(self) -> bool:
+        """Whether the row has a plan (intra-op or pipeline)."""
+        return self.result is not None or self.stages is not None
 
     @property
     def step_time_s(self) -> float:
         """The plan's predicted step (s); ``inf`` without a plan."""
+        if self.stages is not None:
+            return float(self.stages.stage_plan.step_time_s)
         return self.result.plan.step_time_s if self.result is not None else math.inf
 
     @property
+    def memory_bytes(self) -> float:
+        """Per device: the plan's, or the fullest stage's."""
+        if self.stages is not None:
+            return float(max(self.stages.stage_plan.stage_memory_bytes))
+        return self.result.plan.memory_bytes if self.result is not None else math.nan
+
+    @property
+    def mfu(self) -> float:
+        """The plan's model FLOPs utilisation (:attr:`Plan.mfu`)."""
+        if self.stages is not None:
+            return self.pipeline_mfu
+        return self.result.plan.mfu if self.result is not None else 0.0
+
+    @property
     def solve_seconds(self) -> float:
-        """Strategies, hand plans and the ILP for this mesh (the shared trace excluded)."""
+        """Strategies, hand plans and the ILP for this mesh (the shared trace excluded);
+        a pipeline row: its trace and every stage ILP."""
+        if self.stages is not None:
+            return self.seconds
         if self.result is None:
             return math.nan
         s = self.result.seconds
@@ -61,8 +93,29 @@ class MeshSearch:
 
     @property
     def best(self) -> MeshRow:
-        """The fastest mesh (:func:`search_meshes` guarantees one has a plan)."""
+        """The fastest mesh planned without pipeline stages, the plan ``solve`` writes
+        (:func:`search_meshes` guarantees one has a plan)."""
+        return next(r for r in self.rows if r.result is not None)
+
+    @property
+    def fastest(self) -> MeshRow:
+        """The fastest row, a pipeline's included."""
         return self.rows[0]
+
+    def with_rows(self, extra: Sequence[MeshRow]) -> MeshSearch:
+        """The search with ``extra`` rows (pipeline rows) ranked among its own."""
+        search = MeshSearch(_ranked([*self.rows, *extra]), self.trace_seconds, self.gpus_per_node)
+        search.best.result.meshes = search
+        return search
+
+
+def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
+    """Fastest first (ties: fewer mesh dims, then no pipeline, then the order tried); rows
+    without a plan last, in the order tried."""
+    planned = sorted(
+        (r for r in rows if r.planned), key=lambda r: (r.step_time_s, len(r.mesh.shape), r.pp)
+    )
+    return planned + [r for r in rows if not r.planned]
 
 
 def search_meshes(
@@ -115,10 +168,6 @@ def search_meshes(
         reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: {r.error}" for r in rows)
         raise AutoshardError(f"no mesh shape has a plan ({reasons})")
     # ties (mirror-image shapes) go to the fewer dims, then to the order tried
-    ranked = sorted(
-        (r for r in rows if r.result is not None),
-        key=lambda r: (r.step_time_s, len(r.mesh.shape)),
-    )
-    search = MeshSearch(ranked + [r for r in rows if r.result is None], trace_s, gpus_per_node)
+    search = MeshSearch(_ranked(rows), trace_s, gpus_per_node)
     search.best.result.meshes = search
     return search
