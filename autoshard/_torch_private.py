@@ -469,19 +469,36 @@ def all_to_all_uneven(x: torch.Tensor, out_splits: list[int], in_splits: list[in
 def ring_shift(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
     """Each tensor sent to the next rank of ``group`` (in its rank order, the last to the
     first) and the previous rank's received in its place, all in one batch of
-    point-to-point ops, through torch's functional collectives
-    (``_c10d_functional.batch_p2p_ops``, which the launcher's collective log sees and a
-    lowered step records); waited on before it returns. Peers are ranks in ``group``."""
+    point-to-point ops (:func:`p2p_exchange`); waited on before it returns."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as fc
 
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    sends = [t.contiguous() for t in tensors]
-    recvs = [torch.empty_like(t) for t in sends]
-    ops = ["isend"] * len(sends) + ["irecv"] * len(recvs)
-    peers = [(me + 1) % n] * len(sends) + [(me - 1) % n] * len(recvs)
-    out = fc.batch_p2p_ops_inplace(ops, peers, [0] * len(ops), sends + recvs, group.group_name)
-    return [fc.wait_tensor(t) for t in out[len(sends) :]]
+    sends = [(t, (me + 1) % n, 0) for t in tensors]
+    recvs = [(t, (me - 1) % n, 0) for t in tensors]
+    return p2p_exchange(sends, recvs, group)
+
+
+def p2p_exchange(
+    sends: list[tuple[torch.Tensor, int, int]],
+    recvs: list[tuple[torch.Tensor, int, int]],
+    group: Any,
+) -> list[torch.Tensor]:
+    """One batch of point-to-point ops on ``group``: each ``(tensor, peer, tag)`` of
+    ``sends`` sent to ``peer``, and for each ``(like, peer, tag)`` of ``recvs`` a tensor
+    shaped as ``like`` received from ``peer`` (returned in that order). Peers are ranks in
+    ``group``; messages between two ranks match in order (and by tag where the backend
+    keys on it). Through torch's functional collectives
+    (``_c10d_functional.batch_p2p_ops``, which the launcher's collective log sees and a
+    lowered step records); waited on before it returns."""
+    import torch.distributed._functional_collectives as fc
+
+    out_t = [t.contiguous() for t, _, _ in sends]
+    in_t = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t, _, _ in recvs]
+    ops = ["isend"] * len(out_t) + ["irecv"] * len(in_t)
+    peers = [p for _, p, _ in sends] + [p for _, p, _ in recvs]
+    tags = [g for _, _, g in sends] + [g for _, _, g in recvs]
+    out = fc.batch_p2p_ops_inplace(ops, peers, tags, out_t + in_t, group.group_name)
+    return [fc.wait_tensor(t) for t in out[len(out_t) :]]
 
 
 def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -113,8 +113,9 @@ class PlanOptions:
             placement pay one resharding (``--share-reshardings``; docs/cost-model.md).
         context_parallel: attention may also be sharded by sequence
             (``--context-parallel``; :mod:`autoshard.strategies.attention`): ``True``
-            (its keys and values all-gathered or passed around a ring, whichever the
-            search finds faster), ``"all-gather"`` or ``"ring"`` (that exchange only).
+            (its keys and values all-gathered or passed around a ring, plain or in the
+            zig-zag layout, whichever the search finds fastest), ``"all-gather"``,
+            ``"ring"`` or ``"zigzag"`` (that exchange only).
         profile: a profile from ``autoshard calibrate`` (docs/calibrate.md): its measured
             links and device replace the datasheet's (``mesh`` must then be the shape it
             was measured on, given as a string, and ``device`` is not read). A profile of

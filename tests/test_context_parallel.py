@@ -110,25 +110,29 @@ def test_the_sequence_split_is_offered_only_when_asked_and_only_without_a_mask()
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "exchange, mode, counts",
+    "exchange, mode, counts, seq",
     [
-        ("all-gather", "S2", {"all_gather": 4}),  # keys and values, 2 layers
-        ("ring", "S2r", {"send_recv": 6}),  # 3 passes a layer, 2 layers
+        ("all-gather", "S2", {"all_gather": 4}, 512),  # keys and values, 2 layers
+        ("ring", "S2r", {"send_recv": 6}, 512),  # 3 passes a layer, 2 layers
+        ("zigzag", "S2z", {"send_recv": 10}, 2048),  # moved in, 3 passes, moved back
     ],
 )
 def test_a_context_parallel_plan_launches_on_4_gloo_ranks_like_one_device(
-    tmp_path: Path, exchange: str, mode: str, counts: dict
+    tmp_path: Path, exchange: str, mode: str, counts: dict, seq: int
 ):
-    """One sequence of 512 tokens, one head, 4 ranks, links of 10 ns: the sequence split is
-    the only way to spread attention, and the plan takes it. All-gather: each rank attends
-    its 128 queries to the gathered keys under a causal mask offset by its block; the
+    """One sequence of 512 tokens (2048 for the zig-zag, whose moves in and out pay
+    back only where attention is a larger share of the step), one head, 4 ranks, links of
+    10 ns: the sequence split is the only way to spread attention, and the plan takes
+    it. All-gather: each rank attends its queries to the gathered keys under a causal mask
+    offset by its block; the
     gradients of the keys and values are reduce-scattered. Ring: each rank attends its
     queries to the key/value blocks passed to it (skipping later ranks' blocks), and the
-    blocks' gradients travel home around the ring. Collectives seen equal the plan's per
+    blocks' gradients travel home around the ring. Zig-zag: the ring on chunks ``j`` and
+    ``7 - j`` of 8, moved there and back in the op. Collectives seen equal the plan's per
     phase, kind and mesh dim (the in-op ones among them: send/recvs in the collective log,
     which CommDebugMode does not count), the lowered step records them, and loss,
     gradients and parameters equal one device's in float64."""
-    env = {"AUTOSHARD_SEQ": "512", "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
+    env = {"AUTOSHARD_SEQ": str(seq), "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
     args = ["solve", str(MODEL), "--mesh", "4", "--intra-node-latency", "10ns"]
     out = autoshard_cli(
         *args, "--context-parallel", exchange, "--out", str(tmp_path), "--json", **env
@@ -228,13 +232,88 @@ def test_a_ring_is_priced_block_by_block_its_passes_hidden_under_the_blocks_by_h
     )
 
 
+def test_a_zigzag_ring_is_priced_half_a_block_a_step_its_moves_exposed_by_hand():
+    """The shapes, links and rate of the test above, the zig-zag layout: every device
+    holds chunks ``j`` and ``7 - j`` of 8, so each step it computes half a block (two of
+    its four chunk pairs, or the diagonal's halves and one pair): 4 steps of 1 us
+    forward, against the plain ring's 7 us. Around the ring's passes, one send/recv moves
+    the query, key and value half-blocks into the layout (12 KiB a device: 2 us) and one
+    moves the output and log-sum-exp back (4.5 KiB: 1.0625 us), neither hidden. Backward:
+    in go the output's gradient, query, key, value, output and log-sum-exp, back the three
+    gradients; each of its 4 steps is half a backward block. Offered only for causal
+    attention over ``2n`` equal chunks."""
+    rule = op_rule(FLASH_FORWARD)
+    back = op_rule(FLASH_BACKWARD)
+    q = TensorInfo((2, 4, 64, 8), torch.float32)
+    lse = TensorInfo((2, 4, 64), torch.float32)
+    fwd = type("Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}})()
+    bwd = type(
+        "Node", (), {"target": FLASH_BACKWARD, "args": (None,) * 7 + (True,), "kwargs": {}}
+    )()
+    rate = 32.768e9
+
+    def compute_time(flops, nbytes, dtype, kind, per=None):
+        assert kind == "matmul"
+        return flops / rate
+
+    feature = frozenset({"context_parallel_zigzag"})
+    (zz,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (4,), feature) if s.collectives]
+    kv = 2 * (2 * 4 * 64 * 8 * 4.0)
+    qkv, out_lse = 3 * 2 * 4 * 64 * 8 * 4.0, 2 * 4 * 64 * 8 * 4.0 + 2 * 4 * 64 * 4.0
+    assert zz.collectives == (
+        ("send_recv", 0, qkv),
+        *(("send_recv", 0, kv),) * 3,
+        ("send_recv", 0, out_lse),
+    )
+    assert rule.modes(fwd, [q] * 3, [q, lse], zz, (4,)) == ("S2z",)
+    info = type("Info", (), {"args": [q] * 3, "results": [q, lse]})()
+    c = 4 * 2 * 4 * 16 * 16 * 8 / rate  # one device's queries against one device's keys
+    assert rule.compute_cost(fwd, info, zz, (4,), compute_time) == pytest.approx(2 * c)
+    alpha, bw = 0.5e-6, 8.192e9
+    m = alpha + kv / 4 / bw
+    moves = [alpha + qkv / 4 / bw, alpha + out_lse / 4 / bw]
+    assert moves == pytest.approx([2e-6, 1.0625e-6], rel=1e-12)
+    seconds = [moves[0], m, m, m, moves[1]]
+    assert rule.hidden(fwd, info, zz, (4,), compute_time, seconds) == pytest.approx(3e-6)
+
+    six = [q, q, q, q, q, lse]
+    (zz_b,) = [s for s in back.generate(bwd, six, [q, q, q], (4,), feature) if s.collectives]
+    assert zz_b.collectives == (
+        ("send_recv", 0, 5 * 2 * 4 * 64 * 8 * 4.0 + 2 * 4 * 64 * 4.0),
+        *(("send_recv", 0, kv),) * 7,
+        ("send_recv", 0, qkv),
+    )
+    info_b = type("Info", (), {"args": six, "results": [q, q, q]})()
+    cb = 2.5 * c  # sdpa_backward_flop_count of a block, 2.5x the forward's
+    assert back.compute_cost(bwd, info_b, zz_b, (4,), compute_time) == pytest.approx(2 * cb)
+    flying = [m, 2 * m, 2 * m, m]  # as the plain ring's: key/values t + 1, gradients t - 1
+    hidden = sum(min(f, cb / 2) for f in flying)
+    big = [1.0, *[m] * 7, 1.0]  # the moves in and out hide under nothing
+    assert back.hidden(bwd, info_b, zz_b, (4,), compute_time, big) == pytest.approx(hidden)
+
+    full = type(
+        "Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (False,), "kwargs": {}}
+    )()
+    assert not [s for s in rule.generate(full, [q] * 3, [q, lse], (4,), feature) if s.collectives]
+    odd = TensorInfo((2, 4, 36, 8), torch.float32)  # 36 tokens: 4 blocks, not 8 chunks
+    odd_lse = TensorInfo((2, 4, 36), torch.float32)
+    assert not [
+        s for s in rule.generate(fwd, [odd] * 3, [odd, odd_lse], (4,), feature) if s.collectives
+    ]
+
+
 @pytest.mark.slow
 def test_the_ring_is_taken_for_one_long_sequence_and_hides_its_passes(monkeypatch):
-    """The long sequence of the test above with either exchange allowed: the search takes
-    the ring (it skips the blocks a causal mask hides and passes blocks under them), 7
-    passes a layer forward and 15 backward on 8 devices, most of their seconds hidden, and
-    a step faster than the all-gather's plan."""
-    ring = _solve(monkeypatch, 1, 32768, context_parallel=True)
+    """The long sequence of the test above: with the ring offered, the search takes it (it
+    skips the blocks a causal mask hides and passes blocks under them), 7 passes a layer
+    forward and 15 backward on 8 devices, most of their seconds hidden, and a step faster
+    than the all-gather's plan. The zig-zag ring, whose devices share the causal work
+    evenly, makes a faster step still, though its moves in and out are exposed; with every
+    exchange offered the search takes it at least for the backward (2.5 times the
+    forward's work, so the balance saves most there: 17 send/recvs an op), for a step no
+    slower than either ring alone (forward and backward may choose apart: both place
+    every tensor alike)."""
+    ring = _solve(monkeypatch, 1, 32768, context_parallel="ring")
     summary = in_op_summary(ring.plan)
     assert summary[FORWARD]["modes"] == {"d0: S2r": 2}
     assert summary[FORWARD]["collectives"] == {"send_recv": 14}
@@ -246,15 +325,29 @@ def test_the_ring_is_taken_for_one_long_sequence_and_hides_its_passes(monkeypatc
     assert line.count("hidden under the op") == 2, line
     gathered = _solve(monkeypatch, 1, 32768, context_parallel="all-gather")
     assert ring.plan.step_time_s < gathered.plan.step_time_s
+    zigzag = _solve(monkeypatch, 1, 32768, context_parallel="zigzag")
+    summary = in_op_summary(zigzag.plan)
+    assert summary[FORWARD]["modes"] == {"d0: S2z": 2}
+    assert summary[FORWARD]["collectives"] == {"send_recv": 18}
+    assert summary[BACKWARD]["collectives"] == {"send_recv": 34}
+    assert zigzag.plan.step_time_s < ring.plan.step_time_s
+    best = _solve(monkeypatch, 1, 32768, context_parallel=True)
+    assert in_op_summary(best.plan)[BACKWARD]["modes"] == {"d0: S2z": 2}
+    assert best.plan.step_time_s <= zigzag.plan.step_time_s * (1 + 1e-9)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange, mode", [("all-gather", "S2"), ("ring", "S2r")])
-def test_a_preloaded_solution_keeps_its_exchange(tmp_path: Path, exchange: str, mode: str):
+@pytest.mark.parametrize(
+    "exchange, mode, seq",
+    [("all-gather", "S2", 512), ("ring", "S2r", 512), ("zigzag", "S2z", 2048)],
+)
+def test_a_preloaded_solution_keeps_its_exchange(
+    tmp_path: Path, exchange: str, mode: str, seq: int
+):
     """The two exchanges place every tensor alike; the solution names the one it took
     (``"modes"``), and a solve preloaded from it under ``--context-parallel`` (both
     offered) keeps it, at the same predicted step."""
-    env = {"AUTOSHARD_SEQ": "512", "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
+    env = {"AUTOSHARD_SEQ": str(seq), "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
     args = ["solve", str(MODEL), "--mesh", "4", "--intra-node-latency", "10ns", "--json"]
     first = autoshard_cli(*args, "--context-parallel", exchange, "--out", str(tmp_path), **env)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -271,17 +271,18 @@ def plan_options(f):
         ),
         click.option(
             "--context-parallel",
-            type=click.Choice(["both", "all-gather", "ring"]),
+            type=click.Choice(["all", "all-gather", "ring", "zigzag"]),
             is_flag=False,
-            flag_value="both",
+            flag_value="all",
             default=None,
             help="Attention may also be sharded by sequence on a mesh dim (context "
             "parallelism; not for attention with a mask): each device attends its queries to "
             "the dim's keys and values, all-gathered (torchtitan's all-gather CP) or passed "
             "block by block around a ring, hidden under the blocks' attention (ring "
-            "attention). Alone: the search takes whichever is faster; 'all-gather' or "
-            "'ring': that one only. By default attention splits by batch or heads only "
-            "(docs/cost-model.md).",
+            "attention), plain or in the zig-zag layout that gives every device the same "
+            "share of a causal mask's work. Alone: the search takes whichever is fastest; "
+            "'all-gather', 'ring' or 'zigzag': that one only. By default attention splits by "
+            "batch or heads only (docs/cost-model.md).",
         ),
         click.option(
             "--no-tie",
@@ -374,7 +375,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         bucket_bytes=opts["bucket_bytes"],
         overlap=not opts["no_overlap"],
         share_reshardings=opts["share_reshardings"],
-        context_parallel={None: False, "both": True}.get(
+        context_parallel={None: False, "all": True}.get(
             opts["context_parallel"], opts["context_parallel"]
         ),
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),

@@ -55,10 +55,15 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 """``--precision``: the dtype the step computes in (``model``: the model's own dtype)."""
 
 
-CONTEXT_PARALLEL = {"all-gather": "context_parallel", "ring": "context_parallel_ring"}
+CONTEXT_PARALLEL = {
+    "all-gather": "context_parallel",
+    "ring": "context_parallel_ring",
+    "zigzag": "context_parallel_zigzag",
+}
 """``--context-parallel``'s exchanges -> the attention choice's feature
 (:mod:`autoshard.strategies.attention`: ``S2`` gathers the keys and values, ``S2r`` passes
-them around a ring)."""
+them around a ring, ``S2z`` around a ring in the zig-zag layout, balanced under a causal
+mask)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ class SolveConfig:
         if self.context_parallel not in (False, True) + tuple(CONTEXT_PARALLEL):
             raise AutoshardError(
                 "--context-parallel (context_parallel) must be one of "
-                f"{', '.join(CONTEXT_PARALLEL)} (or true: both), got {self.context_parallel!r}"
+                f"{', '.join(CONTEXT_PARALLEL)} (or true: all), got {self.context_parallel!r}"
             )
         if self.mode not in ("train", "infer"):
             raise AutoshardError(f"--mode (mode) must be train or infer, got {self.mode!r}")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from autoshard.errors import AutoshardError
 from autoshard.strategies.registry import (
     DimChoice,
     KernelContext,
@@ -74,9 +75,9 @@ def _cost(node: Any, info: Any, s: Any, mesh_shape: Any, compute_time: Any) -> f
     attention does twice the causal kernel's work for the same count, so it is priced as a
     matmul of its FLOPs; so is a sequence split, whose kernel runs masked (its block of
     queries against every key, the causal mask explicit)."""
-    if _ring_of(s):
-        n, c, causal = _block_seconds(node, info, s, mesh_shape, compute_time)
-        return c * (n - 0.5 if causal else n)
+    blocks = _blocks(node, info, s, mesh_shape, compute_time)
+    if blocks is not None:
+        return sum(blocks)
     whole = _gathered(node.target, s)
     if whole is not s or not _causal_unmasked(node):
         return roofline(node, info, whole, mesh_shape, compute_time)
@@ -152,15 +153,33 @@ RING = "S2r"
 """The choice of ring context parallelism (the sequence split, the keys and values passed
 around the dim's ring block by block); ``"S2"`` gathers them whole."""
 
+ZIGZAG = "S2z"
+"""The ring with the causal load balanced (the zig-zag or head-tail split of Llama 3's and
+torchtitan's context parallelism, Brandon et al.'s striped attention in its chunked form):
+the sequence cut in ``2n`` chunks, device ``j`` of the dim holding chunks ``j`` and
+``2n - 1 - j``, so that under a causal mask every device computes the same share of every
+block. The op receives and returns the plain split (device ``j`` holding chunks ``2j`` and
+``2j + 1``), so the kernel moves its operands' half-blocks into the zig-zag layout first
+and its results back after (one send/recv batch each)."""
+
+_SEQUENCE = ("S2", RING, ZIGZAG)
+
 
 def _seq_dims(modes: Sequence[str]) -> list[int]:
-    return [d for d, m in enumerate(modes) if m in ("S2", RING)]
+    return [d for d, m in enumerate(modes) if m in _SEQUENCE]
 
 
 def _one_sequence_dim(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> bool:
-    """At most one mesh dim shards the sequence, and one of more than one device."""
+    """At most one mesh dim shards the sequence, and one of more than one device; the
+    zig-zag split only under a causal mask (it balances nothing else) and a sequence of
+    ``2n`` equal chunks."""
     seq = _seq_dims(modes)
-    return len(seq) <= 1 and all(mesh_shape[d] > 1 for d in seq)
+    if len(seq) > 1 or any(mesh_shape[d] <= 1 for d in seq):
+        return False
+    if seq and modes[seq[0]] == ZIGZAG:
+        q = args[1 if node.target is FLASH_BACKWARD else 0]
+        return _causal(node) and q.shape[2] % (2 * mesh_shape[seq[0]]) == 0
+    return True
 
 
 def _gathered(target: Any, s: Strategy) -> Strategy:
@@ -182,6 +201,16 @@ def _gathered(target: Any, s: Strategy) -> Strategy:
     return Strategy(outs, ins, s.collectives, s.own_s)
 
 
+def _local_bytes(t: TensorInfo, modes: Sequence[str], mesh_shape: Any) -> float:
+    """Bytes of ``t`` (``[B, H, S(, D)]``, ``S`` whole) split by the batch and head choices
+    of ``modes`` (as :func:`_follow` splits it)."""
+    local = list(t.shape)
+    for m, n in zip(modes, mesh_shape, strict=True):
+        if m in ("S0", "S1") and t.shape[int(m[1])] > 1:
+            local[int(m[1])] //= n
+    return float(math.prod(local) * t.itemsize)
+
+
 def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> tuple:
     """Context parallelism's key/value exchange on its sequence dim: ``(kind, mesh dim,
     bytes of the whole group)``, each tensor the local ``[B_l, H_l, S, D]`` (``B_l``,
@@ -192,58 +221,88 @@ def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> 
     ``S2r`` (ring, on ``n`` devices): the forward passes the key/value block to the next
     device ``n - 1`` times (one send/recv of both); the backward passes it ``n - 1`` times
     again and the block's key/value gradients, which travel with it collecting each
-    device's part, ``n`` times (the last pass brings them home), in that order."""
+    device's part, ``n`` times (the last pass brings them home), in that order. ``S2z``
+    (zig-zag ring): the ring's passes between one send/recv that moves the operands into
+    the zig-zag layout (forward: query, key, value; backward: those, the output's
+    gradient, the output and the log-sum-exp) and one that moves the results back
+    (forward: output and log-sum-exp; backward: the three gradients), each priced as a
+    device sending its whole local block (the busiest device sends both halves)."""
     seq = _seq_dims(modes)
     if not seq:
         return ()
     (d,) = seq
-    q_at = 1 if node.target is FLASH_BACKWARD else 0
-    out = []
-    for t in (args[q_at + 1], args[q_at + 2]):  # key, value
-        local = list(t.shape)
-        for m, n in zip(modes, mesh_shape, strict=True):
-            if m in ("S0", "S1") and t.shape[int(m[1])] > 1:  # as _follow splits it
-                local[int(m[1])] //= n
-        out.append(float(math.prod(local) * t.itemsize))
+    backward = node.target is FLASH_BACKWARD
+    q_at = 1 if backward else 0
+    kv = [_local_bytes(t, modes, mesh_shape) for t in (args[q_at + 1], args[q_at + 2])]
+    if modes[d] == "S2":
+        gathers = tuple(("all_gather", d, b) for b in kv)
+        if backward:
+            return gathers + tuple(("reduce_scatter", d, b) for b in kv)
+        return gathers
+    n = mesh_shape[d]
+    passes = (("send_recv", d, sum(kv)),) * (n - 1 + (n if backward else 0))
     if modes[d] == RING:
-        n = mesh_shape[d]
-        passes = (("send_recv", d, sum(out)),) * (n - 1)
-        if node.target is FLASH_BACKWARD:
-            return passes + (("send_recv", d, sum(out)),) * n
         return passes
-    gathers = tuple(("all_gather", d, b) for b in out)
-    if node.target is FLASH_BACKWARD:
-        return gathers + tuple(("reduce_scatter", d, b) for b in out)
-    return gathers
+    q = args[q_at]
+    if backward:  # in: grad_out, query, key, value, out, logsumexp; out: three gradients
+        into, back = args, args[1:4]
+    else:
+        lse = TensorInfo(q.shape[:3], torch.promote_types(q.dtype, torch.float32))
+        into, back = args, (q, lse)
+    moved = [sum(_local_bytes(t, modes, mesh_shape) for t in ts) for ts in (into, back)]
+    return (("send_recv", d, moved[0]),) + passes + (("send_recv", d, moved[1]),)
 
 
-def _ring_of(s: Strategy) -> bool:
-    return any(kind == "send_recv" for kind, _, _ in s.collectives)
+def _layout(node: Any, s: Strategy, mesh_shape: Any) -> str | None:
+    """``RING`` or ``ZIGZAG`` for a strategy that passes blocks around a ring (told apart
+    by their count of send/recvs, :func:`_exchanges`), else ``None``."""
+    passes = sum(kind == "send_recv" for kind, _, _ in s.collectives)
+    if not passes:
+        return None
+    n, _ = _sequence_dim(node, s, mesh_shape)
+    ring = 2 * n - 1 if node.target is FLASH_BACKWARD else n - 1
+    return RING if passes == ring else ZIGZAG
 
 
-def _block_seconds(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: Any):
-    """``(n, c, causal)`` of a ring strategy: the devices on its sequence dim, the
-    roofline seconds of one block (a device's queries against one device's keys: the
-    gathered kernel's over ``n``), and whether the attention is causal."""
+def _sequence_dim(node: Any, s: Strategy, mesh_shape: Any) -> tuple[int, int]:
+    """``(devices, mesh dim)`` of the strategy's sequence split."""
     q_at = 1 if node.target is FLASH_BACKWARD else 0
     (d,) = [d for d, p in enumerate(s.inputs[q_at]) if p == _S2]
-    n = mesh_shape[d]
-    whole = roofline(node, info, _gathered(node.target, s), mesh_shape, compute_time)
-    return n, whole / n, _causal(node)
+    return mesh_shape[d], d
+
+
+def _blocks(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: Any):
+    """The seconds of each step of a ring strategy on the device that computes most (the
+    gathered kernel's roofline over ``n``: a device's queries against one device's keys,
+    ``c``, per step), or ``None`` for no ring. The plain ring under a causal mask skips
+    the blocks of later devices, so its last device computes most: its own block (half
+    of it masked), then ``n - 1`` whole ones. The zig-zag split gives every device half a
+    block every step (of its two query chunks against the two key chunks it holds, two
+    pairs are in the past, or the diagonal's two halves and one whole pair)."""
+    layout = _layout(node, s, mesh_shape)
+    if layout is None:
+        return None
+    n, _ = _sequence_dim(node, s, mesh_shape)
+    c = roofline(node, info, _gathered(node.target, s), mesh_shape, compute_time) / n
+    if layout == ZIGZAG:
+        return [c / 2] * n
+    return [c / 2 if _causal(node) else c] + [c] * (n - 1)
 
 
 def _hidden(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: Any, seconds):
     """Of a ring's passes (``seconds``, in :func:`_exchanges`' order), those the device
-    that computes most hides under its blocks, each pass under the block computed while it
-    flies (the blocks of a causal ring below the diagonal are skipped, so the last device
-    of the dim computes most: its own block, half of it masked, first, then ``n - 1``
-    whole ones). Forward: pass ``t`` (``t < n - 1``) flies during block ``t``. Backward:
-    during block ``t``, the key/value pass for block ``t + 1`` and the gradients of block
-    ``t - 1``; the last gradients' pass waits for the last block, exposed."""
-    if not _ring_of(s):
+    that computes most hides under its blocks (:func:`_blocks`), each pass under the block
+    computed while it flies. Forward: pass ``t`` (``t < n - 1``) flies during block ``t``.
+    Backward: during block ``t``, the key/value pass for block ``t + 1`` and the gradients
+    of block ``t - 1``; the last gradients' pass waits for the last block, exposed. The
+    zig-zag's moves into its layout and back wait for the operands and the results:
+    exposed."""
+    blocks = _blocks(node, info, s, mesh_shape, compute_time)
+    if blocks is None:
         return 0.0
-    n, c, causal = _block_seconds(node, info, s, mesh_shape, compute_time)
-    blocks = [c / 2 if causal else c] + [c] * (n - 1)
+    n = len(blocks)
+    if _layout(node, s, mesh_shape) == ZIGZAG:
+        seconds = seconds[1:-1]
     if node.target is not FLASH_BACKWARD:
         return sum(min(seconds[t], blocks[t]) for t in range(n - 1))
     kv, grads = seconds[: n - 1], seconds[n - 1 :]
@@ -316,6 +375,97 @@ def _ring_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext, d: i
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
+def _plain(rank: int, n: int) -> tuple[int, int]:
+    """The two chunks (of ``2n``) a device holds under the plain sequence split."""
+    return 2 * rank, 2 * rank + 1
+
+
+def _zigzag(rank: int, n: int) -> tuple[int, int]:
+    """The two chunks (of ``2n``) a device holds in the zig-zag layout."""
+    return rank, 2 * n - 1 - rank
+
+
+def _move_chunks(tensors: list, ctx: KernelContext, d: int, before: Any, after: Any) -> list:
+    """``tensors`` (sequence on dim 2, two chunks of ``2n`` each, in ``before``'s layout)
+    in ``after``'s, in one send/recv batch on mesh dim ``d``: each chunk another device
+    holds next is sent to it, the ones this device holds next received from their
+    holders (tagged by tensor and chunk; between two devices both sides list them in
+    chunk order, as both layouts hold their chunks in increasing order)."""
+    n, me = ctx.size(d), ctx.rank(d)
+    held = {c: (r, i) for r in range(n) for i, c in enumerate(before(r, n))}
+    going = {c: r for r in range(n) for c in after(r, n)}
+    halves = [[h.contiguous() for h in t.chunk(2, dim=2)] for t in tensors]
+    sends, recvs, got = [], [], {}
+    for k, parts in enumerate(halves):
+        for i, c in enumerate(before(me, n)):
+            if going[c] != me:
+                sends.append((parts[i], going[c], k * 2 * n + c))
+        for c in after(me, n):
+            if held[c][0] != me:
+                got[k, c] = len(recvs)
+                recvs.append((parts[0], held[c][0], k * 2 * n + c))
+    received = ctx.exchange(sends, recvs, d)
+    return [
+        torch.cat(
+            [received[got[k, c]] if (k, c) in got else halves[k][held[c][1]] for c in after(me, n)],
+            dim=2,
+        )
+        for k in range(len(tensors))
+    ]
+
+
+def _zigzag_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext, d: int) -> Any:
+    """The ring of :func:`_ring_kernel` in the zig-zag layout (:data:`ZIGZAG`): the
+    operands moved into it, each step every pair of a query chunk and a key chunk not in
+    its future attended (the diagonal's two pairs causal), the results moved back.
+
+    Raises:
+        AutoshardError: the attention is not causal (the rule offers the split only
+            under a causal mask).
+    """
+    backward = target is FLASH_BACKWARD
+    causal_at = 7 if backward else 4
+    if not (args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)):
+        raise AutoshardError("the zig-zag sequence split runs causal attention only")
+    n, rank = ctx.size(d), ctx.rank(d)
+    scale = kwargs.get("scale")
+    ops = _move_chunks(list(args[:6] if backward else args[:3]), ctx, d, _plain, _zigzag)
+    chunks = [[h.contiguous() for h in t.chunk(2, dim=2)] for t in ops]
+    kv = ops[2:4] if backward else ops[1:3]
+    mine = _zigzag(rank, n)
+    acc: list = [None, None]  # per query chunk: (output, lse), or its gradient
+    grads = None
+    for t in range(n):
+        keys = _zigzag((rank - t) % n, n)
+        ks, vs = ([h.contiguous() for h in x.chunk(2, dim=2)] for x in kv)
+        part = [[torch.zeros_like(h) for h in ks], [torch.zeros_like(h) for h in vs]]
+        for a, qa in enumerate(mine):
+            for b, kb in enumerate(keys):
+                if kb > qa:
+                    continue
+                if backward:
+                    g_o, q, _, _, o, lse = (c[a] for c in chunks)
+                    g = target(g_o, q, ks[b], vs[b], o, lse, 0.0, kb == qa, scale=scale)
+                    acc[a] = g[0] if acc[a] is None else acc[a] + g[0]
+                    part[0][b], part[1][b] = part[0][b] + g[1], part[1][b] + g[2]
+                else:
+                    o, lse = target(chunks[0][a], ks[b], vs[b], 0.0, kb == qa, scale=scale)
+                    acc[a] = _merge(*(acc[a] or (None, None)), o, lse)
+                    lse_dtype = lse.dtype
+        if t < n - 1:
+            kv = ctx.shift(kv, d)
+        if backward:
+            step = [torch.cat(p, dim=2) for p in part]
+            grads = step if grads is None else [x + y for x, y in zip(grads, step, strict=True)]
+            grads = ctx.shift(grads, d)
+    if backward:
+        results = [torch.cat(acc, dim=2), *grads]
+    else:
+        out = torch.cat([o for o, _ in acc], dim=2).to(args[0].dtype)
+        results = [out, torch.cat([lse for _, lse in acc], dim=2).to(lse_dtype)]
+    return tuple(_move_chunks(results, ctx, d, _zigzag, _plain))
+
+
 def _kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
     """On each rank's shards. Batch and heads need no communication; on a sequence dim
     the rank either gathers the keys and values of the dim (``S2``), attends its queries
@@ -328,6 +478,8 @@ def _kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
     (d,) = seq
     if ctx.modes[d] == RING:
         return _ring_kernel(target, list(args), kwargs, ctx, d)
+    if ctx.modes[d] == ZIGZAG:
+        return _zigzag_kernel(target, list(args), kwargs, ctx, d)
     rank = ctx.rank(d)  # the gather's order and the shard's place on the dim
     backward = target is FLASH_BACKWARD
     q_at, causal_at = (1, 7) if backward else (0, 4)
@@ -362,8 +514,9 @@ def _register(op: Any) -> None:
     )
     def choices(node: Any, args: list, results: list) -> list[DimChoice]:
         """``R``, ``S0`` (batch), ``S1`` (heads), and with context parallelism ``S2``
-        (sequence, keys and values all-gathered) and ``S2r`` (sequence, ring; both not
-        with an attention mask): the query/key/value-like arguments (and
+        (sequence, keys and values all-gathered), ``S2r`` (sequence, ring) and ``S2z``
+        (sequence, zig-zag ring; all three not with an attention mask): the
+        query/key/value-like arguments (and
         grad_out, out, logsumexp in the backward) lead; an attention mask, when given, is
         the last tensor argument."""
         n_bhs = 6 if node.target is FLASH_BACKWARD else 3
@@ -375,6 +528,8 @@ def _register(op: Any) -> None:
             outs = tuple(None if r is None else _S2 for r in results)
             out.append(DimChoice("S2", (_S2,) * n_bhs, outs, feature="context_parallel"))
             out.append(DimChoice(RING, (_S2,) * n_bhs, outs, feature="context_parallel_ring"))
+            zigzag = DimChoice(ZIGZAG, (_S2,) * n_bhs, outs, feature="context_parallel_zigzag")
+            out.append(zigzag)
         return out
 
 

@@ -78,9 +78,9 @@ class KernelContext:
     """What a launch kernel knows of where it runs: the mode (:attr:`DimChoice.name`) the
     plan chose on each mesh dim, and the mesh (a ``DeviceMesh``) whose dims' process groups
     its collectives use. Collectives go through :meth:`all_reduce`, :meth:`all_gather`,
-    :meth:`reduce_scatter`, :meth:`all_to_all` and :meth:`shift`, torch's functional
-    collectives, which the launcher's collective log counts per mesh dim and a lowered step
-    records."""
+    :meth:`reduce_scatter`, :meth:`all_to_all`, :meth:`shift` and :meth:`exchange`,
+    torch's functional collectives, which the launcher's collective log counts per mesh dim
+    and a lowered step records."""
 
     modes: tuple[str, ...]
     mesh: Any
@@ -128,6 +128,17 @@ class KernelContext:
         """Each of ``tensors`` passed one step around mesh dim ``dim``'s ring: sent to the
         next rank of the dim, the previous rank's received in its place (one send/recv)."""
         return tp.ring_shift(tensors, self.group(dim))
+
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int, int]],
+        recvs: list[tuple[torch.Tensor, int, int]],
+        dim: int,
+    ) -> list[torch.Tensor]:
+        """One send/recv batch on mesh dim ``dim``: each ``(tensor, peer, tag)`` of
+        ``sends`` to rank ``peer`` of the dim, and one tensor shaped as ``like`` from each
+        ``(like, peer, tag)`` of ``recvs``, returned in their order."""
+        return tp.p2p_exchange(sends, recvs, self.group(dim))
 
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dim: int
