@@ -23,6 +23,7 @@ not listed in ``__all__`` are internal and may change.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.launch.apply import Applied, apply
 from autoshard.model.model_file import loaded_from_module
 from autoshard.pipeline.pricing import StagesResult, layer_map, plan_pipeline
+from autoshard.pipeline.search import pipeline_rows
 from autoshard.plan.export import write_outputs
 from autoshard.plan.formats import load_sharding_map, load_solution
 from autoshard.plan.plan import Plan
@@ -161,6 +163,8 @@ def solve(
     *,
     gpus: int | None = None,
     gpus_per_node: int = 8,
+    pp: Sequence[int] = (),
+    microbatches: int = 8,
     space: str = "free",
     options: PlanOptions | None = None,
     **keywords: Any,
@@ -183,6 +187,13 @@ def solve(
             fastest; ``result.meshes`` ranks them all (``.rows``: mesh, plan or error).
         gpus_per_node: with ``gpus``: devices per node (a dim inside a node gets the
             intra-node links, one across nodes the inter-node links).
+        pp: with ``gpus``: pipeline depths (each 2 or more) ranked beside the mesh
+            shapes (``--pp 2,4``; :mod:`autoshard.pipeline.search`): each the stage
+            plan :func:`stages` finds over the leading dims of a shape, a 1F1B schedule
+            of ``microbatches``. The returned plan stays the fastest without stages;
+            ``result.meshes.fastest`` is the fastest row, and a pipeline's row holds
+            its stage plan (``.stages.stage_plan``; ``.pp`` its depth).
+        microbatches: with ``pp``: micro-batches per step (they must divide the batch).
         space: ``"free"`` (the ILP over every DTensor strategy) or ``"torchtitan"`` (the
             fastest plan FSDP2 and ``parallelize_module`` express, which
             :func:`autoshard.apply` and ``autoshard export`` run as planned;
@@ -197,8 +208,8 @@ def solve(
 
     Raises:
         AutoshardError: bad inputs, an untraceable model, no plan within the budget, both
-            ``mesh`` and ``gpus`` (or ``gpus`` with a profile of several devices), an
-            unknown space.
+            ``mesh`` and ``gpus`` (or ``gpus`` with a profile of several devices),
+            ``pp`` without ``gpus`` or with a depth below 2, an unknown space.
         TypeError: an unknown keyword.
     """
     opts = _options("solve", options, keywords)
@@ -206,11 +217,20 @@ def solve(
     if gpus is not None and (mesh is not None or links_profile):
         given = "mesh" if mesh is not None else "profile"
         raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
+    if pp and gpus is None:
+        raise AutoshardError(
+            "pp= tries pipeline depths beside the mesh shapes of gpus=: give gpus= (for "
+            "one mesh, use autoshard.stages)"
+        )
     config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
     if gpus is not None:
         shapes = node_shapes(gpus, gpus_per_node)
         meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
         search = search_meshes(config, meshes, gpus_per_node=gpus_per_node, space=space)
+        if pp:
+            depths = list(dict.fromkeys(pp))
+            rows = pipeline_rows(config, meshes, depths, microbatches, gpus_per_node)
+            search = search.with_rows(rows)
         return search.best.result
     return plan_space(config, space)
 

@@ -190,6 +190,29 @@ def test_the_python_api_takes_a_gpu_count(tmp_path: Path):
         autoshard.solve(model, torch.randn(64, 256), "2x2", gpus=4)
 
 
+def test_the_python_api_ranks_pipeline_depths_as_stages_plans_them(tmp_path: Path):
+    """``gpus=4, gpus_per_node=2, pp=(2,)`` on 4 blocks: a pp=2 row over the 2x2 mesh's
+    leading dim, its step the one ``autoshard.stages`` finds on that mesh alone; the
+    returned plan is the fastest without stages, as ``solve --gpus --pp`` writes it."""
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 4, 64, 2048))
+    loaded = instantiate(load_model_file(model), device="meta")
+    result = autoshard.solve(loaded.module, loaded.inputs, gpus=4, gpus_per_node=2, pp=(2,))
+    rows = {(r.mesh.shape, r.pp): r for r in result.meshes.rows}
+    assert set(rows) == {((4,), 1), ((2, 2), 1), ((2, 2), 2)}
+    alone = autoshard.stages(
+        loaded.module, loaded.inputs, MeshSpec.on_nodes((2, 2), 2), pp=2, microbatches=8
+    )
+    piped = rows[(2, 2), 2]
+    assert piped.stages.stage_plan.step_time_s == pytest.approx(
+        alone.stage_plan.step_time_s, rel=1e-12
+    )
+    assert result.meshes.fastest.step_time_s == min(r.step_time_s for r in rows.values())
+    assert result.plan.step_time_s == min(r.step_time_s for r in rows.values() if r.pp == 1)
+    with pytest.raises(AutoshardError, match="give gpus="):
+        autoshard.solve(loaded.module, loaded.inputs, "2x2", pp=(2,))
+
+
 def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_path: Path):
     """With the network given more bandwidth than NVLink, dim 0 of 2x2 still crosses the
     two nodes of 2: the table says where a dim lies, not which link is faster."""
