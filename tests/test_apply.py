@@ -46,7 +46,10 @@ def _module(path: Path) -> torch.nn.Module:
         return load_model_file(path).module.build_model()
 
 
-@pytest.mark.parametrize(("algo", "dp_mode"), [("megatron", "ddp"), ("fsdp_tp", "fsdp")])
+@pytest.mark.parametrize(
+    ("algo", "dp_mode"),
+    [pytest.param("megatron", "ddp", marks=pytest.mark.slow), ("fsdp_tp", "fsdp")],
+)
 def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, dp_mode):
     """The Megatron-shaped plans of a 2-layer Llama, read back as styles: exactly
     torchtitan's tensor-parallel plan, DDP (megatron) or FSDP2 (fsdp_tp) on dp, per block."""
@@ -110,6 +113,7 @@ LLAMA_GQA_TIED = LLAMA.replace(
 )
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_and_tied_embeddings_keep_torchtitans_styles(tmp_path: Path):
     """A Llama with half as many key/value heads (k/v projections narrower than o_proj's
     input) and its LM head tied to the embedding, Megatron on 2x2: k/v are still column-
@@ -257,6 +261,7 @@ def test_export_writes_the_styles_and_prices_them_with_the_plans_cost_model(tmp_
     assert "(+0.0%:" in line, line
 
 
+@pytest.mark.slow
 def test_styles_on_a_tensor_parallel_dim_with_no_styled_module_compute_replicated_there(
     tmp_path: Path,
 ):

@@ -39,6 +39,7 @@ def _flash_nodes(graph, target):
     return [i for i in graph.nodes.values() if i.kind == "op" and i.target is target]
 
 
+@pytest.mark.slow
 def test_the_default_attention_traces_to_one_fused_op_per_layer(tmp_path):
     cfg = SolveConfig(
         model_path=write_model(tmp_path, GPT2_DEFAULT, "g"), mesh=MeshSpec.from_options("2")
@@ -74,6 +75,7 @@ def test_flops_are_what_flop_counter_mode_counts_for_the_cuda_flash_kernel(tmp_p
     assert graph.step_flops == sum(i.counted_flops for i in graph.nodes.values())
 
 
+@pytest.mark.slow
 def test_no_s_by_s_tensor_is_kept_for_the_backward_pass(tmp_path):
     """Flash keeps the output and the log-sum-exp ``[B, H, S]``; eager attention keeps the
     ``[B, H, S, S]`` probabilities (and the scores) per layer. (Both read the ``[B, 1, S, S]``
@@ -105,6 +107,7 @@ def test_attention_is_sharded_by_batch_or_heads_with_no_communication(tmp_path):
     assert str(FLASH_FORWARD) not in sg.fallback_ops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "text",
     [
@@ -123,6 +126,7 @@ def test_models_with_default_attention_plan_without_fallback(tmp_path, text):
     assert result.plan.step_time_s > 0
 
 
+@pytest.mark.slow
 def test_grouped_query_key_value_views_keep_the_batch_shard_on_8_devices(tmp_path):
     """Issue 28: Llama's key/value projection (B, S, 2 heads x 32) viewed as (B, S, 2, 32).
     On 8 devices its S(2) candidate cannot be split into 2 heads, and DTensor's strict view
@@ -234,6 +238,7 @@ def test_the_causal_mask_is_traced_as_eager_runs_it(tmp_path, text):
     assert square == []
 
 
+@pytest.mark.slow
 def test_given_position_ids_the_packed_sequence_check_is_traced_not_assumed(tmp_path):
     """Position ids the model is given may pack several sequences in a row: masking_utils
     cannot read them while tracing, so the mask it builds stays in the graph."""

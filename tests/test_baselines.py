@@ -138,7 +138,7 @@ CASES = [
     pytest.param("gpt2_tiny", "2x2", "train", marks=pytest.mark.slow),  # 7 s
     ("llama_tiny", "4", "infer"),
     ("llama_tiny", "2x2", "infer"),
-    ("llama_tiny", "4", "train"),
+    pytest.param("llama_tiny", "4", "train", marks=pytest.mark.slow),  # 6 s
 ]
 
 

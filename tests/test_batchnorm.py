@@ -95,6 +95,7 @@ def test_a_training_step_normalises_with_the_batch_statistics(tmp_path) -> None:
     assert "aten.sum.dim_IntList" in ops and "aten.rsqrt.default" in ops
 
 
+@pytest.mark.slow
 def test_data_parallel_cnn_splits_its_compute_and_moves_only_statistics_forward(tmp_path):
     """8 devices, batch 64 of 128 channels at 56 x 56: DDP's compute is an eighth of one
     device's (every op on activations is batch-split); in the forward pass the only

@@ -104,6 +104,7 @@ def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):
     assert roofline < one  # the matmuls and, besides, the ReLU and the residual add
 
 
+@pytest.mark.slow
 def test_a_budget_forces_checkpointing_on_some_blocks_and_not_others(tmp_path):
     """Eight blocks, traced as 0, 1, a middle block standing for 2-6, and 7. With a budget
     2.5 ReLU outputs under what keeping everything peaks at, three blocks must recompute
@@ -154,6 +155,7 @@ def test_full_recomputes_every_block_and_none_keeps_them(tmp_path):
     assert auto.step_time_s == pytest.approx(none.step_time_s, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_traced_middle_block_keeps_as_much_at_the_turn_as_the_blocks_it_stands_for(
     monkeypatch,
 ):

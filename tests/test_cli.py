@@ -62,6 +62,7 @@ def test_help_teaches():
         assert word in result.output
 
 
+@pytest.mark.slow
 def test_solve_gpt2_two_layers_end_to_end(tmp_path, monkeypatch):
     """The real CLI path on HuggingFace GPT-2 with 2 layers: files written, every
     parameter (tied ones under each name) in the map, one placement per mesh dim."""
@@ -222,6 +223,7 @@ def test_an_unwritable_out_is_refused_before_any_work(tmp_path):
     assert result.output.startswith("error: cannot write to --out"), result.output
 
 
+@pytest.mark.slow
 def test_option_errors_are_one_line_like_every_other_error():
     """click's own usage errors (a missing or bad option) in autoshard's one-line form."""
     import subprocess
@@ -290,6 +292,7 @@ def test_parameter_names_wrap_instead_of_being_cut_on_a_narrow_terminal(tmp_path
     assert "…" not in out.output  # rich's ellipsis: a cut name
 
 
+@pytest.mark.slow
 def test_an_untraceable_model_is_one_line_naming_the_users_line(tmp_path):
     """Data-dependent control flow: torch prints its graph twice and a warning (about 28
     lines) before raising; autoshard says one line that points at the user's `if`."""
@@ -430,6 +433,7 @@ def test_the_users_line_is_found_under_a_folder_named_autoshard(tmp_path):
     assert _library_file(__import__("json").__file__)
 
 
+@pytest.mark.slow
 def test_a_solve_prints_no_third_party_banner(tmp_path):
     """highspy 1.16 prints "Running HiGHS ..." from C++ when a solver is made; a plain
     solve's terminal shows autoshard's report only (issue 13, item 5)."""
@@ -444,6 +448,7 @@ def test_a_solve_prints_no_third_party_banner(tmp_path):
     assert "Running HiGHS" not in text and "Copyright" not in text, text
 
 
+@pytest.mark.slow
 def test_solve_json_prints_the_report_as_json_on_stdout(tmp_path):
     """`solve --json`: stdout is one JSON document (the readable report on stderr) whose
     numbers are the solution file's: step time, placements, memory kinds summing to the
@@ -487,6 +492,7 @@ def test_solve_json_prints_the_report_as_json_on_stdout(tmp_path):
     assert json.loads(quiet.stdout)["time_s"]["step"] == report["time_s"]["step"]
 
 
+@pytest.mark.slow
 def test_a_shape_error_in_the_model_is_one_line(tmp_path):
     """A matmul of mismatched shapes: torch's fake kernel logs its 20-line traceback at
     ERROR level before the export raises; only autoshard's one line reaches the terminal."""

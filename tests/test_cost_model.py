@@ -82,8 +82,8 @@ def _flop_counter_reference(path: Path) -> int:
     "example",
     [
         "mlp.py",
-        "gpt2.py",
-        "bert.py",
+        pytest.param("gpt2.py", marks=pytest.mark.slow),
+        pytest.param("bert.py", marks=pytest.mark.slow),
         pytest.param("llama.py", marks=pytest.mark.slow),
         pytest.param("llama70b.py", marks=pytest.mark.slow),
     ],
@@ -320,6 +320,7 @@ def test_hidden_seconds_are_the_optimum_of_the_overlap_lp(mlp_ddp):
     assert mlp_ddp.plan.hidden_total_s == pytest.approx(hidden, rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.slow
 def test_windows_of_a_reduced_depth_weigh_the_copies_they_stand_for(gpt2_baselines):
     """GPT-2's 12 blocks traced as 0, 1, 2 (for 2-10) and 11: each real copy hides under
     one real copy of its neighbour, so block 1's backward (one copy) hides the nine middle

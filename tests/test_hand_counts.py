@@ -86,6 +86,7 @@ def _counts(plan) -> dict[tuple[str, str], int]:
     return {(phase, kind): n for (phase, kind, _dim), n in plan.collective_steps.items()}
 
 
+@pytest.mark.slow
 def test_ddp_all_reduces_every_gradient_once(model_path, sizes):
     plan = _plan(model_path, "ddp")
     psi = sum(sizes.values())
@@ -119,6 +120,7 @@ def test_megatron_all_reduces_twice_per_layer_in_the_forward(model_path):
     assert _counts(_plan(model_path, "megatron"))[("forward", "all_reduce")] == 2 * 2
 
 
+@pytest.mark.slow
 def test_megatron_all_reduces_twice_per_layer_in_the_backward_and_nothing_else(model_path):
     """The backward outside the tensor-parallel regions is replicated on the TP dim as its
     forward is, so each region's partial input gradient is all-reduced once, where it

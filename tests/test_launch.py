@@ -147,6 +147,7 @@ def test_materialised_llama_has_the_inv_freq_of_a_cpu_build(tmp_path: Path) -> N
     assert torch.equal(m(x).logits, direct(x).logits)
 
 
+@pytest.mark.slow
 def test_materialise_is_deterministic_and_keeps_ties(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AUTOSHARD_LAYERS", "1")
     mf = load_model_file(GPT2)
@@ -170,6 +171,7 @@ def test_materialise_is_deterministic_and_keeps_ties(monkeypatch: pytest.MonkeyP
     assert torch.equal(ids, b.loaded.inputs[0])
 
 
+@pytest.mark.slow
 def test_a_placed_init_holds_one_unit_in_full_and_keeps_the_reference_values(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

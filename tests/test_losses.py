@@ -84,6 +84,7 @@ def _flops_of_a_real_step(path) -> int:
     return counter.get_total_flops()
 
 
+@pytest.mark.slow
 def test_hf_s_own_loss_in_a_wrapper_traces_the_whole_step(tmp_path):
     """A Llama (grouped-query attention) wrapped to train on HF's own loss
     (``labels=input_ids``): the wrapped model's KV cache is off while tracing (it failed on
@@ -334,6 +335,7 @@ def loss_fn(output, input_ids):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_text", ["4", "2x2"])
 def test_the_cross_entropy_gradient_follows_the_batch_shard(tmp_path, mesh_text):
     """Issue 28, item 2: with torchtitan's cross-entropy loss, ``nll_loss_backward`` had

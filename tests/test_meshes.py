@@ -309,6 +309,7 @@ def test_pipeline_depths_rank_beside_the_shapes_each_as_stages_plans_it(tmp_path
     assert doc["time_s"]["step"] == pytest.approx(best_one_mesh, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_pipeline_row_writes_the_stage_plan_stages_writes(tmp_path: Path):
     """The file a fastest pipeline row writes reads back as ``autoshard stages``' own:
     the same split and step."""

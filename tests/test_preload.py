@@ -75,6 +75,7 @@ def _stored_with_placements(sg, solution, pred):
 # -- same model -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_same_model_gives_the_solved_choice_and_objective(solved):
     result, _, solution = solved
     sg = result.sg
@@ -89,6 +90,7 @@ def test_same_model_gives_the_solved_choice_and_objective(solved):
     assert plan.inputs == solution["inputs"]
 
 
+@pytest.mark.slow
 def test_plan_preloaded_traces_and_reports_the_stored_plan(solved, monkeypatch):
     result, pkl, solution = solved
     monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
@@ -106,6 +108,7 @@ def test_plan_preloaded_traces_and_reports_the_stored_plan(solved, monkeypatch):
 # -- more and fewer layers --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_four_layers_fill_blocks_2_and_3_from_an_identical_block(solved, sg4):
     _, _, solution = solved
     pre = choice_from_solution(sg4, solution, MESH)

@@ -139,6 +139,7 @@ def test_the_rule_keeps_odd_matmuls_and_attention():
     assert saved_in_order(targets) == [True, False, False, True, True, False, False]
 
 
+@pytest.mark.slow
 def test_selective_frees_and_holds_what_pytorch_does(tmp_path):
     """Three blocks, no depth reduction. The bytes the selective policy takes off the
     saved activations equal what PyTorch's selective checkpointing takes off what it holds
@@ -175,6 +176,7 @@ def test_selective_frees_and_holds_what_pytorch_does(tmp_path):
     assert keep.step_time_s < selective.step_time_s < full.step_time_s
 
 
+@pytest.mark.slow
 def test_the_ilp_picks_selective_where_it_fits_for_less_time(tmp_path):
     """Four blocks (traced 0, 1, a block standing for 2, and 3, or as the trace reduces
     them). A budget that one block's selective recomputation meets: the ILP recomputes one

@@ -199,6 +199,7 @@ def test_the_plan_s_price_counts_a_shared_resharding_once(llama_tp):
     assert plan.step_time_s == pytest.approx(shared, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_recomputed_block_gathers_its_inputs_once_again(tmp_path):
     """Full activation checkpointing: each block's rerun gathers the attention's and the
     MLP's input once more (2 per layer, priced in ``recompute_s``), not once per

@@ -30,6 +30,7 @@ def knapsack(n: int = 120, rows: int = 5, seed: int = 0) -> MILP:
     )
 
 
+@pytest.mark.slow
 def test_the_listener_sees_the_incumbent_bound_and_gap_that_highs_ends_with():
     milp = knapsack()
     quiet = run(milp, time_limit=60.0, seconds_per_unit=1e-6)
@@ -93,6 +94,7 @@ def test_on_a_terminal_the_solve_phase_shows_the_incumbent_as_it_improves():
         progress("solve", 1, 1)
 
 
+@pytest.mark.slow
 def test_an_autoshard_plan_is_the_same_whether_or_not_a_listener_is_told():
     """Two Megatron MLP blocks on 2x2, planned by the Python API with and without a
     listener: the listener is told (the MIP branches), and the choice, the objective and
@@ -122,6 +124,7 @@ def test_an_autoshard_plan_is_the_same_whether_or_not_a_listener_is_told():
     assert heard.plan.parameters == quiet.plan.parameters
 
 
+@pytest.mark.slow
 def test_a_work_limit_stops_the_mip_on_the_same_point_every_run():
     """HiGHS's limit checks counted (the work limit): a stopped MIP ends on the same
     incumbent, bound and count of nodes on every run; without a limit it is optimal, at
@@ -174,6 +177,7 @@ def test_a_stop_that_is_no_limit_of_ours_is_stopped_not_blamed_on_a_limit(monkey
     assert stopped.status == "stopped"
 
 
+@pytest.mark.slow
 def test_a_tally_splits_highs_runs_into_lps_and_mips_and_nests():
     """What the bench prints as HiGHS's LP and branch-and-bound share: every run inside the
     block, each counted once on its side, its nodes and iterations as HiGHS reported them;

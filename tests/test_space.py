@@ -105,6 +105,7 @@ def _torch_placements(model: torch.nn.Module, groups, ndim: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_point_exports_as_planned_and_torch_places_it_so(tmp_path: Path, name: str):
     """Every point of the space with a plan, on 2x4: read back as styles it has no
@@ -186,6 +187,7 @@ def test_the_budget_picks_the_fastest_point_that_fits(tmp_path: Path):
     assert best3.plan.step_time_s > made[0].plan.step_time_s  # one more forward per block
 
 
+@pytest.mark.slow
 def test_solve_and_export_on_the_cli(tmp_path: Path):
     """`solve --space torchtitan` writes `<model>_2x4_torchtitan.*`, prints every point, and
     `export` of it prints no note and prices the styles at the plan's own step; `--space`
@@ -209,6 +211,7 @@ def test_solve_and_export_on_the_cli(tmp_path: Path):
     assert bad.exit_code != 0 and "drop --algo" in bad.output
 
 
+@pytest.mark.slow
 def test_a_checkpointed_point_exports_its_checkpointing(tmp_path: Path):
     """Under ``--activation-checkpointing full`` the chosen point recomputes every block:
     its map says so, the exported function wraps each block in ``checkpoint_wrapper``
@@ -241,6 +244,7 @@ def test_a_checkpointed_point_exports_its_checkpointing(tmp_path: Path):
     assert got == {k: tuple(v) for k, v in best.plan.parameters.items()}
 
 
+@pytest.mark.slow
 def test_a_data_parallel_dim_the_batch_does_not_split_over_has_no_point(tmp_path: Path):
     """A batch of 8 on a 4x4 mesh: data parallelism over both dims would split it 16 ways,
     so those layouts have no plan and say why (the styles would read the unsplit dim as
@@ -322,6 +326,7 @@ def test_the_tensor_parallel_point_trains_like_one_device_on_8_gloo_ranks(tmp_pa
     assert q_placed == ["S(1)", "S(0)"], q_placed
 
 
+@pytest.mark.slow
 def test_a_gpu_count_searches_the_space_on_every_mesh_shape(tmp_path: Path):
     """`--gpus 8 --gpus-per-node 4 --space torchtitan`: every node-respecting shape gets
     the space's search, the fastest is the minimum of the rows, and each plan lists its

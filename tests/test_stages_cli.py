@@ -141,6 +141,7 @@ def test_bad_degree_is_one_line_error(blocks_file, tmp_path, args, message):
     assert not list(tmp_path.glob("*.stages.json"))
 
 
+@pytest.mark.slow
 def test_auto_picks_the_fastest_degree(blocks_file, tmp_path):
     result = _run(blocks_file, "--mesh", "2x2", "--pp", "auto", "--out", tmp_path)
     assert result.exit_code == 0, result.output
@@ -213,6 +214,7 @@ def test_chosen_split_is_no_slower_than_the_even_one(blocks_graph):
     assert sum(data["balance"]) == 8
 
 
+@pytest.mark.slow
 def test_model_without_blocks_is_clustered(tmp_path):
     path = tmp_path / "plain.py"
     path.write_text(PLAIN)
@@ -272,6 +274,7 @@ def test_heavy_block_gets_a_stage_of_its_own(tmp_path):
     assert data["stages"][0]["split_points"] == ["blocks.2"]
 
 
+@pytest.mark.slow
 def test_stage_memory_budget_shards_the_stage(blocks_file, tmp_path):
     """Training on 2x2, pp = 2: a stage of 4 blocks keeps 4 x 16 B per weight element
     (parameter, gradient, two AdamW moments: 4 MiB replicated) plus the activations of

@@ -69,6 +69,7 @@ def test_single_dim_detection():
     assert not tp.is_single_dim(aten.view.default)
 
 
+@pytest.mark.slow
 def test_rules_run_unpriced_enumerate_what_the_priced_rules_do(tmp_path, monkeypatch):
     """DTensor's rules run with torch's own pricing skipped (``_unpriced``): a 2-layer
     Llama's training graph on 2x2 gets the same strategies, costs and edges as with the

@@ -296,12 +296,21 @@ def inputs_line(plan: Plan, shapes: dict[str, tuple] | None = None) -> str:
 
 
 def flops_line(plan: Plan) -> str:
-    """The step's FLOPs and the MFU they imply, one line."""
-    return (
+    """The step's FLOPs and the MFU they imply, one line; an MFU over 100% says why it can
+    be (FlopCounterMode counts a causal attention's whole ``S x S`` product, as PaLM's MFU
+    does, while FlashAttention and the rings of context parallelism skip the masked
+    blocks: at long sequences the step does much less than the count)."""
+    line = (
         f"step: {plan.step_flops:.3g} FLOPs (matmul-like, as FlopCounterMode counts them); "
         f"MFU {plan.mfu:.1%} of {plan.peak_flops / 1e12:.4g} TFLOP/s x {plan.mesh.num_devices} "
         "devices"
     )
+    if plan.mfu > 1:
+        line += (
+            " (over 100%: the count has each causal attention's whole S x S product, and "
+            "the kernels skip its masked half)"
+        )
+    return line
 
 
 def checkpointing_line(plan: Plan, mode: str = "auto") -> str | None:
