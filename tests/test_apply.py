@@ -48,7 +48,10 @@ def _module(path: Path) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     ("algo", "dp_mode"),
-    [pytest.param("megatron", "ddp", marks=pytest.mark.slow), ("fsdp_tp", "fsdp")],
+    [
+        pytest.param("megatron", "ddp", marks=pytest.mark.slow),
+        pytest.param("fsdp_tp", "fsdp", marks=pytest.mark.slow),
+    ],
 )
 def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, dp_mode):
     """The Megatron-shaped plans of a 2-layer Llama, read back as styles: exactly
@@ -135,6 +138,7 @@ def test_applied_gqa_llama_with_a_tied_head_trains_like_one_device(tmp_path: Pat
     assert report["loss"] < 1e-12 and report["grads"] < 1e-10 and report["params"] < 1e-10
 
 
+@pytest.mark.slow
 def test_styles_that_would_split_a_head_are_refused(tmp_path: Path):
     """Two key/value heads over 4 tensor-parallel devices: half a head each, which the
     model's own reshape by head_dim cannot take (DTensor's graph-level launch can)."""

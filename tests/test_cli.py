@@ -282,6 +282,7 @@ def test_the_report_says_how_much_of_the_batch_each_device_loads(tmp_path):
     assert "inputs: x (64, 1024) R·R (each device loads the whole global tensor)" in out.output
 
 
+@pytest.mark.slow
 def test_parameter_names_wrap_instead_of_being_cut_on_a_narrow_terminal(tmp_path):
     """At 60 columns Llama's `<block>.self_attn.q_proj.weight` used to end in an ellipsis."""
     args = ["solve", str(ROOT / "examples" / "llama.py"), "--mesh", "2x4", "--mode", "infer"]

@@ -96,6 +96,7 @@ def test_hf_s_own_loss_in_a_wrapper_traces_the_whole_step(tmp_path):
     assert graph.step_flops == pytest.approx(_flops_of_a_real_step(path), rel=0.02)
 
 
+@pytest.mark.slow
 def test_a_shifted_cross_entropy_loss_traces_the_whole_backward(tmp_path):
     path = tmp_path / "gpt2_ce.py"
     path.write_text(GPT2_CE)
@@ -174,6 +175,7 @@ def example_inputs():
 """
 
 
+@pytest.mark.slow
 def test_dict_inputs_bind_by_keyword_and_train_on_hf_s_loss(tmp_path):
     """Issue 30: ``example_inputs()`` returns a dict; the inputs are named by its keys (the
     names of the sharding map), ``labels`` given as the very tensor ``input_ids`` is made its

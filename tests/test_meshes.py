@@ -190,6 +190,7 @@ def test_the_python_api_takes_a_gpu_count(tmp_path: Path):
         autoshard.solve(model, torch.randn(64, 256), "2x2", gpus=4)
 
 
+@pytest.mark.slow
 def test_the_python_api_ranks_pipeline_depths_as_stages_plans_them(tmp_path: Path):
     """``gpus=4, gpus_per_node=2, pp=(2,)`` on 4 blocks: a pp=2 row over the 2x2 mesh's
     leading dim, its step the one ``autoshard.stages`` finds on that mesh alone; the

@@ -7,6 +7,7 @@ import io
 import re
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 from rich.console import Console
 

@@ -1,5 +1,6 @@
 """The one module with PyTorch's private DTensor APIs, tested directly (torch 2.13)."""
 
+import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
