@@ -486,19 +486,58 @@ def p2p_exchange(
     """One batch of point-to-point ops on ``group``: each ``(tensor, peer, tag)`` of
     ``sends`` sent to ``peer``, and for each ``(like, peer, tag)`` of ``recvs`` a tensor
     shaped as ``like`` received from ``peer`` (returned in that order). Peers are ranks in
-    ``group``; messages between two ranks match in order (and by tag where the backend
-    keys on it). Through torch's functional collectives
-    (``_c10d_functional.batch_p2p_ops``, which the launcher's collective log sees and a
-    lowered step records); waited on before it returns."""
-    import torch.distributed._functional_collectives as fc
+    ``group``; messages between two ranks match in order and by tag. Every send and
+    receive is waited on before it returns.
 
-    out_t = [t.contiguous() for t, _, _ in sends]
-    in_t = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t, _, _ in recvs]
-    ops = ["isend"] * len(out_t) + ["irecv"] * len(in_t)
-    peers = [p for _, p, _ in sends] + [p for _, p, _ in recvs]
-    tags = [g for _, _, g in sends] + [g for _, _, g in recvs]
-    out = fc.batch_p2p_ops_inplace(ops, peers, tags, out_t + in_t, group.group_name)
-    return [fc.wait_tensor(t) for t in out[len(out_t) :]]
+    One op, ``autoshard::p2p_exchange`` (:func:`_p2p_exchange_op`), which the launcher's
+    collective log counts and a lowered step records as one node. Not torch's
+    ``_c10d_functional.batch_p2p_ops``: in torch 2.13 each call of it leaves a work
+    registered, and with it its buffers, until the process ends, however its outputs are
+    waited on (``torch._C._distributed_c10d._get_work_registry_size()`` grows by one a
+    call): a ring would keep every key/value block it ever passed."""
+    return torch.ops.autoshard.p2p_exchange(
+        [t.contiguous() for t, _, _ in sends],
+        [p for _, p, _ in sends],
+        [g for _, _, g in sends],
+        [t for t, _, _ in recvs],
+        [p for _, p, _ in recvs],
+        [g for _, _, g in recvs],
+        group.group_name,
+    )
+
+
+@torch.library.custom_op("autoshard::p2p_exchange", mutates_args=())
+def _p2p_exchange_op(
+    sends: list[torch.Tensor],
+    send_peers: list[int],
+    send_tags: list[int],
+    likes: list[torch.Tensor],
+    recv_peers: list[int],
+    recv_tags: list[int],
+    group_name: str,
+) -> list[torch.Tensor]:
+    """:func:`p2p_exchange`'s op: ``torch.distributed.batch_isend_irecv`` on the group
+    named ``group_name`` (peers are its ranks), every work waited on."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in likes]
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group, g)
+        for t, p, g in zip(sends, send_peers, send_tags, strict=True)
+    ] + [
+        dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group, g)
+        for t, p, g in zip(received, recv_peers, recv_tags, strict=True)
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return received
+
+
+@_p2p_exchange_op.register_fake
+def _(sends, send_peers, send_tags, likes, recv_peers, recv_tags, group_name):  # noqa: ANN001
+    return [torch.empty_like(t) for t in likes]
 
 
 def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -359,3 +359,36 @@ def test_a_preloaded_solution_keeps_its_exchange(
     before, after = json.loads(first.stdout), json.loads(again.stdout)
     assert after["in_op_collectives"][FORWARD]["modes"] == {f"d0: {mode}": 2}
     assert after["time_s"]["step"] == pytest.approx(before["time_s"]["step"], rel=1e-12)
+
+
+_REGISTRY_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch._C._distributed_c10d import _get_work_registry_size
+from autoshard.strategies.registry import KernelContext
+
+dist.init_process_group("gloo")
+n, me = dist.get_world_size(), dist.get_rank()
+ctx = KernelContext(("S2r",), init_device_mesh("cpu", (n,)))
+x = [torch.full((1024,), float(me)), torch.ones(1024)]
+for _ in range(40):
+    x = ctx.shift(x, 0)
+    got = ctx.exchange([(x[0], (me + 1) % n, 7)], [(x[0], (me - 1) % n, 7)], 0)
+assert x[0][0].item() == me and got[0][0].item() == (me - 1) % n, (x[0][0], got[0][0])
+left = _get_work_registry_size()
+assert left == 0, f"rank {me}: {left} collective works left registered"
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_passing_blocks_around_the_ring_holds_no_buffer_once_waited(tmp_path: Path):
+    """40 ring passes and 40 tagged exchanges on 2 gloo ranks (what a ring attention
+    does per layer and step): each arrives from the right rank, and torch's registry of
+    unwaited collective work is empty after them. With torch's
+    ``_c10d_functional.batch_p2p_ops`` it held one entry per call, with its buffers,
+    until the process ended (80 here; every key/value block a training run passes)."""
+    script = tmp_path / "ring_registry.py"
+    script.write_text(_REGISTRY_SCRIPT)
+    run = ranks(2, str(script))
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]

@@ -35,7 +35,9 @@ class Collective:
     (ring attention's pass of a key/value block: Liu et al., "Ring Attention with
     Blockwise Transformers", 2023). ``title``: how reports name it; ``functional_ops``:
     the ``_c10d_functional`` ops (and their coalesced forms) that run it, as DTensor
-    issues them; ``dtensor_ops``: DTensor's own ``_dtensor`` ops that run it (its
+    issues them (and ``autoshard::p2p_exchange``, the send/recv batch autoshard's kernels
+    issue: :func:`autoshard._torch_private.p2p_exchange`); ``dtensor_ops``: DTensor's
+    own ``_dtensor`` ops that run it (its
     all-to-all between two shardings of one mesh dim, on CUDA); ``comm_debug``: whether
     ``CommDebugMode`` counts it (it does not count point-to-point ops; the launcher's
     collective log does).
@@ -88,7 +90,13 @@ COLLECTIVES: dict[str, Collective] = {
             "all_to_all", "all-to-all", 1, 2, ("all_to_all_single",), ("shard_dim_alltoall",)
         ),
         Collective(
-            "send_recv", "send/recv", 1, 1, ("batch_p2p_ops",), one_step=True, comm_debug=False
+            "send_recv",
+            "send/recv",
+            1,
+            1,
+            ("batch_p2p_ops", "p2p_exchange"),
+            one_step=True,
+            comm_debug=False,
         ),
     )
 }

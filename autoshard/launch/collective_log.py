@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from autoshard._torch_private import TorchDispatchMode
 from autoshard.cost.collective_table import LAUNCH_OPS
 
-_NAMESPACES = ("_c10d_functional", "_dtensor")
+_NAMESPACES = ("_c10d_functional", "_dtensor", "autoshard")  # autoshard::p2p_exchange
 
 
 def collective_kind(op: Any) -> str | None:
