@@ -278,11 +278,11 @@ def plan_options(f):
             help="Attention may also be sharded by sequence on a mesh dim (context "
             "parallelism; not for attention with a mask): each device attends its queries to "
             "the dim's keys and values, all-gathered (torchtitan's all-gather CP) or passed "
-            "block by block around a ring, hidden under the blocks' attention (ring "
-            "attention), plain or in the zig-zag layout that gives every device the same "
-            "share of a causal mask's work. Alone: the search takes whichever is fastest; "
-            "'all-gather', 'ring' or 'zigzag': that one only. By default attention splits by "
-            "batch or heads only (docs/cost-model.md).",
+            "block by block around a ring (ring attention; each pass waits for the block "
+            "before it, none is priced as hidden), plain or in the zig-zag layout that "
+            "gives every device the same share of a causal mask's work. Alone: the search "
+            "takes whichever is fastest; 'all-gather', 'ring' or 'zigzag': that one only. By "
+            "default attention splits by batch or heads only (docs/cost-model.md).",
         ),
         click.option(
             "--no-tie",

@@ -289,27 +289,6 @@ def _blocks(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: An
     return [c / 2 if _causal(node) else c] + [c] * (n - 1)
 
 
-def _hidden(node: Any, info: Any, s: Strategy, mesh_shape: Any, compute_time: Any, seconds):
-    """Of a ring's passes (``seconds``, in :func:`_exchanges`' order), those the device
-    that computes most hides under its blocks (:func:`_blocks`), each pass under the block
-    computed while it flies. Forward: pass ``t`` (``t < n - 1``) flies during block ``t``.
-    Backward: during block ``t``, the key/value pass for block ``t + 1`` and the gradients
-    of block ``t - 1``; the last gradients' pass waits for the last block, exposed. The
-    zig-zag's moves into its layout and back wait for the operands and the results:
-    exposed."""
-    blocks = _blocks(node, info, s, mesh_shape, compute_time)
-    if blocks is None:
-        return 0.0
-    n = len(blocks)
-    if _layout(node, s, mesh_shape) == ZIGZAG:
-        seconds = seconds[1:-1]
-    if node.target is not FLASH_BACKWARD:
-        return sum(min(seconds[t], blocks[t]) for t in range(n - 1))
-    kv, grads = seconds[: n - 1], seconds[n - 1 :]
-    flying = [(kv[t] if t < n - 1 else 0.0) + (grads[t - 1] if t else 0.0) for t in range(n)]
-    return sum(min(f, b) for f, b in zip(flying, blocks, strict=True))
-
-
 def _causal_mask(q: torch.Tensor, keys: int, rank: int) -> torch.Tensor:
     """The additive causal mask ``[S_l, S]`` of the ``rank``-th block of ``S_l`` queries
     against all ``keys``: query ``i`` (global ``rank S_l + i``) sees keys up to itself."""
@@ -507,7 +486,6 @@ def _register(op: Any) -> None:
         allow=_one_sequence_dim,
         collectives=_exchanges,
         compute_cost=_cost,
-        hidden=_hidden,
         kernel=_kernel,
         dtensor_rule=_dtensor_rule(op),
         dtensor_cache_keys=("attn_mask",),
