@@ -222,6 +222,8 @@ def solve(
             "pp= tries pipeline depths beside the mesh shapes of gpus=: give gpus= (for "
             "one mesh, use autoshard.stages)"
         )
+    if any(d < 2 for d in pp):  # before the search, not after it
+        raise AutoshardError(f"pp={tuple(pp)}: each pipeline depth must be >= 2")
     config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
     if gpus is not None:
         shapes = node_shapes(gpus, gpus_per_node)

@@ -212,6 +212,8 @@ def test_the_python_api_ranks_pipeline_depths_as_stages_plans_them(tmp_path: Pat
     assert result.plan.step_time_s == min(r.step_time_s for r in rows.values() if r.pp == 1)
     with pytest.raises(AutoshardError, match="give gpus="):
         autoshard.solve(loaded.module, loaded.inputs, "2x2", pp=(2,))
+    with pytest.raises(AutoshardError, match="must be >= 2"):
+        autoshard.solve(loaded.module, loaded.inputs, gpus=4, gpus_per_node=2, pp=(1, 2))
 
 
 def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_path: Path):

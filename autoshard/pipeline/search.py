@@ -85,14 +85,18 @@ def pipeline_rows(
     none (no mesh splits into that many stages, more stages than layers, no split within
     the memory budget). The stages are traced once for all depths (every layer its own,
     the batch split into ``microbatches``), without activation checkpointing (a stage's
-    budget holds its micro-batches' activations, as ``autoshard stages`` prices it).
+    budget holds its micro-batches' activations, as ``autoshard stages`` prices it) and
+    without context parallelism (a stage runs as DTensor places it, and DTensor's
+    attention rule splits no sequence).
 
     Raises:
         AutoshardError: a depth below 2, or a batch the micro-batches do not divide.
     """
     if any(pp < 2 for pp in depths):
         raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
-    staged = replace(config, tie=False, activation_checkpointing="none")
+    # a stage runs under DTensor's own placement (--mode propagate), whose attention rule
+    # has no sequence split: context parallelism is not offered to the stages' ILPs
+    staged = replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
     t = time.perf_counter()
     graph = trace(staged, microbatches=microbatches)
     layers = layer_map(graph)

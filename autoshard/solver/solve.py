@@ -99,8 +99,8 @@ class SolveConfig:
     share_reshardings: bool = False
     # attention may also be sharded by sequence (context parallelism,
     # autoshard.strategies.attention): True (the keys and values all-gathered or passed
-    # around a ring, whichever is faster), "all-gather" or "ring" (that one only); off (False):
-    # by batch or heads only
+    # around a ring, plain or zig-zag, whichever is fastest), "all-gather", "ring" or
+    # "zigzag" (that one only); off (False): by batch or heads only
     context_parallel: bool | str = False
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
