@@ -216,8 +216,13 @@ def test_every_functional_op_in_the_collective_table_is_one_torch_has():
     log): a name torch does not have would count nothing, silently."""
     for name in FUNCTIONAL_OPS:
         assert hasattr(torch.ops._c10d_functional, name), name
-    for name in set(LAUNCH_OPS) - set(FUNCTIONAL_OPS):  # DTensor's own
+    own = {op for c in COLLECTIVES.values() for op in c.own_ops}
+    for name in set(LAUNCH_OPS) - set(FUNCTIONAL_OPS) - own:  # DTensor's own
         assert hasattr(torch.ops._dtensor, name), name
+    import autoshard._torch_private  # noqa: F401  (defines autoshard::p2p_exchange)
+
+    for name in own:  # autoshard's own
+        assert hasattr(torch.ops.autoshard, name), name
 
 
 def test_commdebugmode_s_count_of_dtensor_s_all_to_all_is_an_all_to_all():

@@ -35,9 +35,10 @@ class Collective:
     (ring attention's pass of a key/value block: Liu et al., "Ring Attention with
     Blockwise Transformers", 2023). ``title``: how reports name it; ``functional_ops``:
     the ``_c10d_functional`` ops (and their coalesced forms) that run it, as DTensor
-    issues them (and ``autoshard::p2p_exchange``, the send/recv batch autoshard's kernels
-    issue: :func:`autoshard._torch_private.p2p_exchange`); ``dtensor_ops``: DTensor's
-    own ``_dtensor`` ops that run it (its
+    issues them; ``own_ops``: autoshard's own ops that run it (``autoshard::p2p_exchange``,
+    the send/recv batch autoshard's kernels issue:
+    :func:`autoshard._torch_private.p2p_exchange`); ``dtensor_ops``: DTensor's own
+    ``_dtensor`` ops that run it (its
     all-to-all between two shardings of one mesh dim, on CUDA); ``comm_debug``: whether
     ``CommDebugMode`` counts it (it does not count point-to-point ops; the launcher's
     collective log does).
@@ -49,6 +50,7 @@ class Collective:
     spread: int
     functional_ops: tuple[str, ...]
     dtensor_ops: tuple[str, ...] = ()
+    own_ops: tuple[str, ...] = ()
     one_step: bool = False
     comm_debug: bool = True
 
@@ -94,7 +96,8 @@ COLLECTIVES: dict[str, Collective] = {
             "send/recv",
             1,
             1,
-            ("batch_p2p_ops", "p2p_exchange"),
+            ("batch_p2p_ops",),
+            own_ops=("p2p_exchange",),
             one_step=True,
             comm_debug=False,
         ),
@@ -113,6 +116,7 @@ FUNCTIONAL_OPS: dict[str, str] = {
 LAUNCH_OPS: dict[str, str] = {
     **FUNCTIONAL_OPS,
     **{op: c.kind for c in COLLECTIVES.values() for op in c.dtensor_ops},
+    **{op: c.kind for c in COLLECTIVES.values() for op in c.own_ops},
 }
 """Every op name a launch's collective counters see (functional collectives and DTensor's
 own) -> the kind sharding maps count it as: both counters (CommDebugMode's and the
