@@ -88,6 +88,7 @@ def _applied_placements(model: torch.nn.Module, dim_names: tuple[str, ...]) -> d
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["megatron", "fsdp_tp"])
 def test_the_exported_loop_places_every_parameter_as_the_styles_say(tmp_path: Path, algo):
     """The exported ``parallelize`` (a loop over the blocks), run by torch itself on a meta

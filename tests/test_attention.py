@@ -214,6 +214,7 @@ def _eager_sdpa_calls(text: str, tmp_path) -> list[tuple[bool, bool]]:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", [GPT2_DEFAULT, LLAMA_SMALL], ids=["gpt2", "llama"])
 def test_the_causal_mask_is_traced_as_eager_runs_it(tmp_path, text):
     """Run eagerly, HuggingFace builds no mask for a batch without padding: SDPA gets

@@ -393,6 +393,7 @@ def test_compare_table_and_budget(model_files):
     assert not any(p["fits"] for p in by.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ddp", "fsdp"])
 def test_data_parallel_activations_follow_the_batch_shard(model_files, algo):
     """DDP and FSDP run every activation on a device's own shard of the batch, the loss's

@@ -86,6 +86,7 @@ def test_traced_batch_norm_computes_what_torch_computes(train: bool) -> None:
     assert "forward" not in bn.__dict__  # the module is as it was
 
 
+@pytest.mark.slow
 def test_a_training_step_normalises_with_the_batch_statistics(tmp_path) -> None:
     """No eval-mode batch-norm op in the joint graph: the step reads the batch's
     statistics (per-channel sums), not the running ones."""
@@ -122,6 +123,7 @@ def test_data_parallel_cnn_splits_its_compute_and_moves_only_statistics_forward(
     assert ddp.inputs["x"][0].is_shard(0)
 
 
+@pytest.mark.slow
 def test_data_parallel_cnn_is_priced_as_ddp_with_synchronised_batch_norm(tmp_path):
     """DDP of a CNN, by hand (ring formulas of autoshard.cost.collectives worked here):
     8 devices at 450 GB/s and 5 us per ring step, 4 blocks of two BatchNorms. The only

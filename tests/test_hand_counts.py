@@ -98,6 +98,7 @@ def test_ddp_all_reduces_every_gradient_once(model_path, sizes):
     assert plan.comm_s["all_reduce"] == pytest.approx(ring + LOSS_ALL_REDUCE, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_in_the_forward_and_again_in_the_backward_and_reduce_scatters(
     model_path, sizes
 ):
