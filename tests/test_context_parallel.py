@@ -377,3 +377,19 @@ def test_passing_blocks_around_the_ring_holds_no_buffer_once_waited(tmp_path: Pa
     script.write_text(_REGISTRY_SCRIPT)
     run = ranks(2, str(script))
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
+def test_on_two_devices_each_zigzag_move_sends_half_a_block():
+    """On 2 devices the plain split holds chunks (0, 1) and (2, 3), the zig-zag (0, 3) and
+    (1, 2): each device keeps one half and sends the other, so a move costs half the
+    local block (on 4 devices device 1 sends both of its chunks 2 and 3: the whole)."""
+    rule = op_rule(FLASH_FORWARD)
+    q = TensorInfo((2, 4, 64, 8), torch.float32)
+    lse = TensorInfo((2, 4, 64), torch.float32)
+    fwd = type("Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}})()
+    feature = frozenset({"context_parallel_zigzag"})
+    (zz,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (2,), feature) if s.collectives]
+    qkv = 3 * 2 * 4 * 64 * 8 * 4.0
+    assert zz.collectives[0] == ("send_recv", 0, qkv / 2)
+    (zz4,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (4,), feature) if s.collectives]
+    assert zz4.collectives[0] == ("send_recv", 0, qkv)

@@ -225,8 +225,9 @@ def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> 
     (zig-zag ring): the ring's passes between one send/recv that moves the operands into
     the zig-zag layout (forward: query, key, value; backward: those, the output's
     gradient, the output and the log-sum-exp) and one that moves the results back
-    (forward: output and log-sum-exp; backward: the three gradients), each priced as a
-    device sending its whole local block (the busiest device sends both halves)."""
+    (forward: output and log-sum-exp; backward: the three gradients), each priced as the
+    halves of its local block the busiest device sends (both from ``n = 3`` on, one at
+    ``n = 2``)."""
     seq = _seq_dims(modes)
     if not seq:
         return ()
@@ -249,7 +250,11 @@ def _exchanges(node: Any, args: list, modes: Sequence[str], mesh_shape: Any) -> 
     else:
         lse = TensorInfo(q.shape[:3], torch.promote_types(q.dtype, torch.float32))
         into, back = args, (q, lse)
-    moved = [sum(_local_bytes(t, modes, mesh_shape) for t in ts) for ts in (into, back)]
+    leaving = max(  # halves the busiest device sends (2 from n = 3 on; 1 at n = 2)
+        sum(c not in _zigzag(r, n) for c in _plain(r, n)) for r in range(n)
+    )
+    share = leaving / 2
+    moved = [share * sum(_local_bytes(t, modes, mesh_shape) for t in ts) for ts in (into, back)]
     return (("send_recv", d, moved[0]),) + passes + (("send_recv", d, moved[1]),)
 
 
