@@ -20,6 +20,7 @@ from test_launch_plan import LOWERED_OK, STEP2_OK, assert_runs_the_plan
 from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
+from autoshard.cost.collective_table import collective
 from autoshard.cost.mesh import DEFAULT_INTRA_NODE_BW, DEFAULT_INTRA_NODE_LATENCY
 from autoshard.model.model_file import instantiate, load_model_file
 from autoshard.plan.report import in_op_line, in_op_summary
@@ -44,6 +45,24 @@ def _ring(n: int, nbytes: float) -> float:
     """One ring all-gather or reduce-scatter of ``nbytes`` (the whole) on ``n`` devices."""
     alpha, bw = DEFAULT_INTRA_NODE_LATENCY, DEFAULT_INTRA_NODE_BW
     return (n - 1) * (alpha + nbytes / (n * bw))
+
+
+Q = TensorInfo((2, 4, 64, 8), torch.float32)  # [B, H, S, D] of the pricing tests
+LSE = TensorInfo((2, 4, 64), torch.float32)
+RATE = 32.768e9  # FLOP/s: a 16 x 16 block of Q's shapes forward is 2 us
+
+
+def _node(target, causal: bool = True):
+    """A stand-in for a traced attention node: ``is_causal`` where the op has it."""
+    at = 7 if target is FLASH_BACKWARD else 4
+    return type("Node", (), {"target": target, "args": (None,) * at + (causal,), "kwargs": {}})()
+
+
+def _matmul_rate(flops, nbytes, dtype, kind, per=None):
+    """``compute_time`` at :data:`RATE`; a split sequence's kernel is blockwise or masked,
+    never priced at the calibrated causal rate."""
+    assert kind == "matmul"
+    return flops / RATE
 
 
 @pytest.mark.slow
@@ -187,20 +206,9 @@ def test_a_ring_is_priced_block_by_block_its_passes_exposed_by_hand():
     for each pass before the next block (no rule ``hidden``)."""
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
-    rule = op_rule(FLASH_FORWARD)
-    back = op_rule(FLASH_BACKWARD)
-    q = TensorInfo((2, 4, 64, 8), torch.float32)
-    lse = TensorInfo((2, 4, 64), torch.float32)
-    fwd = type("Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}})()
-    bwd = type(
-        "Node", (), {"target": FLASH_BACKWARD, "args": (None,) * 7 + (True,), "kwargs": {}}
-    )()
-    rate = 32.768e9
-
-    def compute_time(flops, nbytes, dtype, kind, per=None):
-        assert kind == "matmul"  # masked or blockwise: never the calibrated causal rate
-        return flops / rate
-
+    rule, back = op_rule(FLASH_FORWARD), op_rule(FLASH_BACKWARD)
+    q, lse, rate, compute_time = Q, LSE, RATE, _matmul_rate
+    fwd, bwd = _node(FLASH_FORWARD), _node(FLASH_BACKWARD)
     feature = frozenset({"context_parallel_ring"})
     (ring,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (4,), feature) if s.collectives]
     kv = 2 * (2 * 4 * 64 * 8 * 4.0)  # key and value, whole in the sequence
@@ -232,20 +240,9 @@ def test_a_zigzag_ring_is_priced_half_a_block_a_step_by_hand():
     in go the output's gradient, query, key, value, output and log-sum-exp, back the three
     gradients; each of its 4 steps is half a backward block. Offered only for causal
     attention over ``2n`` equal chunks."""
-    rule = op_rule(FLASH_FORWARD)
-    back = op_rule(FLASH_BACKWARD)
-    q = TensorInfo((2, 4, 64, 8), torch.float32)
-    lse = TensorInfo((2, 4, 64), torch.float32)
-    fwd = type("Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}})()
-    bwd = type(
-        "Node", (), {"target": FLASH_BACKWARD, "args": (None,) * 7 + (True,), "kwargs": {}}
-    )()
-    rate = 32.768e9
-
-    def compute_time(flops, nbytes, dtype, kind, per=None):
-        assert kind == "matmul"
-        return flops / rate
-
+    rule, back = op_rule(FLASH_FORWARD), op_rule(FLASH_BACKWARD)
+    q, lse, rate, compute_time = Q, LSE, RATE, _matmul_rate
+    fwd, bwd = _node(FLASH_FORWARD), _node(FLASH_BACKWARD)
     feature = frozenset({"context_parallel_zigzag"})
     (zz,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (4,), feature) if s.collectives]
     kv = 2 * (2 * 4 * 64 * 8 * 4.0)
@@ -259,11 +256,9 @@ def test_a_zigzag_ring_is_priced_half_a_block_a_step_by_hand():
     info = type("Info", (), {"args": [q] * 3, "results": [q, lse]})()
     c = 4 * 2 * 4 * 16 * 16 * 8 / rate  # one device's queries against one device's keys
     assert rule.compute_cost(fwd, info, zz, (4,), compute_time) == pytest.approx(2 * c)
-    alpha, bw = 0.5e-6, 8.192e9
-    m = alpha + kv / 4 / bw
-    moves = [alpha + qkv / 4 / bw, alpha + out_lse / 4 / bw]
-    assert moves == pytest.approx([2e-6, 1.0625e-6], rel=1e-12)
-    assert m == pytest.approx(1.5e-6, rel=1e-12)
+    send_recv = collective("send_recv")  # the table's row prices each entry
+    priced = [send_recv.seconds(4, 0.5e-6, 8.192e9, b) for _, _, b in zz.collectives]
+    assert priced == pytest.approx([2e-6, 1.5e-6, 1.5e-6, 1.5e-6, 1.0625e-6], rel=1e-12)
 
     six = [q, q, q, q, q, lse]
     (zz_b,) = [s for s in back.generate(bwd, six, [q, q, q], (4,), feature) if s.collectives]
@@ -276,9 +271,7 @@ def test_a_zigzag_ring_is_priced_half_a_block_a_step_by_hand():
     cb = 2.5 * c  # sdpa_backward_flop_count of a block, 2.5x the forward's
     assert back.compute_cost(bwd, info_b, zz_b, (4,), compute_time) == pytest.approx(2 * cb)
 
-    full = type(
-        "Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (False,), "kwargs": {}}
-    )()
+    full = _node(FLASH_FORWARD, causal=False)
     assert not [s for s in rule.generate(full, [q] * 3, [q, lse], (4,), feature) if s.collectives]
     odd = TensorInfo((2, 4, 36, 8), torch.float32)  # 36 tokens: 4 blocks, not 8 chunks
     odd_lse = TensorInfo((2, 4, 36), torch.float32)
@@ -383,10 +376,7 @@ def test_on_two_devices_each_zigzag_move_sends_half_a_block():
     """On 2 devices the plain split holds chunks (0, 1) and (2, 3), the zig-zag (0, 3) and
     (1, 2): each device keeps one half and sends the other, so a move costs half the
     local block (on 4 devices device 1 sends both of its chunks 2 and 3: the whole)."""
-    rule = op_rule(FLASH_FORWARD)
-    q = TensorInfo((2, 4, 64, 8), torch.float32)
-    lse = TensorInfo((2, 4, 64), torch.float32)
-    fwd = type("Node", (), {"target": FLASH_FORWARD, "args": (None,) * 4 + (True,), "kwargs": {}})()
+    rule, q, lse, fwd = op_rule(FLASH_FORWARD), Q, LSE, _node(FLASH_FORWARD)
     feature = frozenset({"context_parallel_zigzag"})
     (zz,) = [s for s in rule.generate(fwd, [q] * 3, [q, lse], (2,), feature) if s.collectives]
     qkv = 3 * 2 * 4 * 64 * 8 * 4.0
