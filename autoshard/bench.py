@@ -190,6 +190,7 @@ def run_case(name: str) -> dict:
         "ilp_rows": result.ilp.num_constraints,
         # HiGHS's own time: its LP relaxations, and branch and bound (relax-and-fix and the
         # full MIP, each with its root LP); the rest of "solve s" is autoshard's
+        "compile_s": round(result.highs.compile_seconds, 3),
         "highs_lp_s": round(result.highs.lp_seconds, 3),
         "highs_bnb_s": round(result.highs.mip_seconds, 3),
         "bnb_nodes": result.highs.nodes,
@@ -306,6 +307,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         ("strategies", "strategies"),
         ("ILP variables", "ilp_variables"),
         ("ILP rows", "ilp_rows"),
+        ("cvxpy compile s", "compile_s"),
         ("HiGHS LP s", "highs_lp_s"),
         ("HiGHS B&B s", "highs_bnb_s"),
         ("B&B nodes", "bnb_nodes"),

@@ -63,6 +63,53 @@ def test_ilp_optimum_equals_brute_force(seed):
     assert evaluate(sg, result.choice) == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_program_is_the_program_cvxpy_solves(seed):
+    """The ILP is stated in cvxpy and compiled to matrices for HiGHS (autoshard.solver.cvx).
+    cvxpy's own solve of the same statement (its HiGHS interface, its own mapping of the
+    columns back) reaches the optimum HiGHS reaches on the compiled matrices, and the
+    compiled matrices' plan is the brute-force optimum. With the least-memory objective
+    (only the last family's column priced), cvxpy orders its columns otherwise than the
+    families: the peak column the compiled program reports is cvxpy's."""
+    import cvxpy as cp
+
+    from autoshard.solver.cvx import compile_program
+    from autoshard.solver.highs import run
+    from autoshard.solver.ilp import SCALE, _statement, build_problem
+
+    sg = _random_graph(seed)
+    prob = build_problem(sg)
+    rng = np.random.default_rng(seed)
+    per_strategy = rng.uniform(1, 9, prob.n_x)  # bytes of each strategy, one budget row
+    for statement in (_statement(prob), _statement(prob, peak=per_strategy)):
+        layout, c, constraints = statement
+        stated = cp.Problem(cp.Minimize(layout.times(c)), constraints)
+        stated.solve(solver=cp.HIGHS, mip_rel_gap=0.0)
+        found = run(compile_program(layout, c, constraints), mip_rel_gap=0.0)
+        assert stated.status == "optimal" and found.status == "optimal"
+        assert found.objective == pytest.approx(stated.value, rel=1e-9, abs=1e-9)
+        last = list(layout.variables.values())[-1]
+        assert found.x[-last.size :] == pytest.approx(last.value, rel=1e-9, abs=1e-9)
+    best_choice, best = brute_force(sg)
+    found = run(compile_program(*_statement(prob)), mip_rel_gap=0.0)
+    assert found.objective / SCALE == pytest.approx(best, rel=1e-9, abs=1e-9)
+    least = min(
+        sum(per_strategy[prob.offsets[r] + i] for r, i in choice.items())
+        for choice in _all_choices(sg)
+        if math.isfinite(evaluate(sg, choice))  # no impossible resharding
+    )
+    assert found_peak(prob, per_strategy) == pytest.approx(least, rel=1e-9)
+
+
+def found_peak(prob, per_strategy) -> float:
+    from autoshard.solver.cvx import compile_program
+    from autoshard.solver.highs import run
+    from autoshard.solver.ilp import _statement
+
+    found = run(compile_program(*_statement(prob, peak=per_strategy)), mip_rel_gap=0.0)
+    return float(found.x[-1])
+
+
 def test_impossible_pairs_are_never_chosen():
     """Two nodes, the cheap strategies can only be joined through an impossible resharding."""
     a = NodeStrategies("a", [Strategy((), ())] * 2, np.array([0.0, 10.0]), "a", np.arange(2))

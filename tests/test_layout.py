@@ -227,7 +227,7 @@ def test_the_command_line_loads_without_torch_highspy_or_the_pipeline():
     """``autoshard --help`` must answer at once: importing the CLI loads no heavy library."""
     code = (
         "import sys, autoshard.cli.main\n"
-        "heavy = [m for m in ('torch', 'highspy', 'scipy', 'numpy', 'transformers') "
+        "heavy = [m for m in ('torch', 'highspy', 'cvxpy', 'scipy', 'numpy', 'transformers') "
         "if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

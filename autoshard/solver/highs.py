@@ -1,9 +1,8 @@
 """A mixed-integer linear program handed to HiGHS (highspy) as matrices.
 
-The sharding ILP is built vectorised as sparse matrices (:mod:`autoshard.solver.ilp`); this
-module passes them to HiGHS unchanged, the way cvxpy's HiGHS interface does, without
-cvxpy's modelling layer in between (its import alone took 1.3 s of every solve on a
-2-core machine, and it cannot pass a user's start). What it adds: a start (a feasible
+The sharding ILP is stated in cvxpy and compiled by it (:mod:`autoshard.solver.cvx`); this
+module passes the compiled matrices to HiGHS unchanged, the way cvxpy's HiGHS interface
+does, adding what cvxpy's ``solve`` cannot pass: a start (a feasible
 point, possibly partial, through ``Highs.setSolution``: HiGHS completes the continuous
 columns), a fixed seed and one thread so that a solve is the same on every run, and a
 status in a few words.
@@ -42,7 +41,16 @@ import scipy.sparse as sp
 
 from autoshard import interrupt
 
-__all__ = ["HighsRun", "HighsWork", "MILP", "SolverProgress", "listening", "run", "tallying"]
+__all__ = [
+    "HighsRun",
+    "HighsWork",
+    "MILP",
+    "SolverProgress",
+    "count_compile",
+    "listening",
+    "run",
+    "tallying",
+]
 
 _STATUS = {
     "kOptimal": "optimal",
@@ -180,15 +188,19 @@ def listening(callback: Callable[[SolverProgress], None]) -> Iterator[None]:
 @dataclass
 class HighsWork:
     """What every :func:`run` inside a :func:`tallying` block did, split into LPs (the
-    relaxations) and MIPs (branch and bound, each with its own root LP).
+    relaxations) and MIPs (branch and bound, each with its own root LP), and the programs
+    cvxpy compiled for them (:func:`count_compile`).
 
-    ``lp_seconds`` and ``mip_seconds`` are wall-clock (for a benchmark's table, never for
-    a result); ``nodes`` (branch-and-bound nodes) and ``iterations`` (simplex iterations
-    of LPs and MIPs alike) count what HiGHS did, the same on every run.
+    ``lp_seconds``, ``mip_seconds`` and ``compile_seconds`` are wall-clock (for a
+    benchmark's table, never for a result); ``nodes`` (branch-and-bound nodes) and
+    ``iterations`` (simplex iterations of LPs and MIPs alike) count what
+    HiGHS did, the same on every run.
     """
 
     lp_runs: int = 0
     lp_seconds: float = 0.0
+    compile_runs: int = 0  # programs cvxpy compiled (autoshard.solver.cvx)
+    compile_seconds: float = 0.0
     mip_runs: int = 0
     mip_seconds: float = 0.0
     nodes: int = 0
@@ -214,6 +226,15 @@ def tallying() -> Iterator[HighsWork]:
         if outer is not None:
             for name, value in vars(work).items():
                 setattr(outer, name, getattr(outer, name) + value)
+
+
+def count_compile(seconds: float) -> None:
+    """Adds one cvxpy compile of ``seconds`` to the enclosing :func:`tallying` block, if
+    any (:func:`autoshard.solver.cvx.compile_program`)."""
+    tally = _tally.get()
+    if tally is not None:
+        tally.compile_runs += 1
+        tally.compile_seconds += seconds
 
 
 class _WorkLimit:

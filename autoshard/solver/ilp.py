@@ -57,6 +57,7 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import overlappable, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.solver.cvx import Layout, compile_program
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
@@ -435,24 +436,40 @@ def _milp(
     boolean: bool = True,
     memory: tuple[np.ndarray, float] | None = None,
     fixed: np.ndarray | None = None,
-    memory_objective: np.ndarray | None = None,
+    peak: np.ndarray | None = None,
 ) -> MILP:
+    """:func:`_statement`'s program, compiled by cvxpy for HiGHS."""
+    return compile_program(*_statement(prob, boolean, memory, fixed, peak))
+
+
+def _statement(
+    prob: _Problem,
+    boolean: bool = True,
+    memory: tuple[np.ndarray, float] | None = None,
+    fixed: np.ndarray | None = None,
+    peak: np.ndarray | None = None,
+) -> tuple[Layout, np.ndarray, list]:
     """The program over columns ``[x; y; z]`` [``_node_blocks``, ``_edge_rows``,
-    ``_overlap_rows``], then the checkpointing decision's; ``x`` is the first ``prob.n_x``.
+    ``_overlap_rows``], then the checkpointing decision's, stated in cvxpy
+    (:mod:`autoshard.solver.cvx`): its columns' families, objective ``(layout.n,)`` and
+    constraints. ``x`` is the first ``prob.n_x`` columns.
 
     ``boolean=False`` is the LP relaxation (``0 <= x <= 1``); ``memory`` adds the budget
-    row; ``fixed`` pins those entries of ``x`` to 1; ``memory_objective`` minimises bytes
-    instead of time. The time objective is in microseconds: HiGHS's absolute tolerances
-    (1e-6) would otherwise stop it a whole objective away from the optimum.
+    rows; ``fixed`` pins those entries of ``x`` to 1; ``peak`` (budget rows over ``x``
+    and the checkpointing columns, scaled) minimises their largest value ``t`` (one more
+    column, last) instead of time. The time objective is in microseconds: HiGHS's
+    absolute tolerances (1e-6) would otherwise stop it a whole objective away from the
+    optimum.
 
-    Rows: ``A [x; y] = b``; ``m . x <= budget``; with overlap, per saving ``k`` (an
-    overlappable edge's part hidden in one window) ``z_k <= SCALE comm_k . y``, and per
-    window ``w`` one stream: ``sum_{k in w} a_k z_k <= SCALE C_w . x``
-    (:mod:`autoshard.cost.overlap`). The objective subtracts ``sum z``.
+    Rows: ``A [x; y] = b`` (one strategy per node, each edge's transport sums);
+    ``M [x; ck] <= budget``; with overlap, per saving ``k`` (an overlappable edge's part
+    hidden in one window) ``z_k <= SCALE comm_k . y``, and per window ``w`` one stream:
+    ``sum_{k in w} a_k z_k <= SCALE C_w . x`` (:mod:`autoshard.cost.overlap`); the
+    checkpointing decision's rows (:func:`_add_recompute`); the shared reshardings'
+    ``m_j - indicator >= 0``. The objective subtracts ``sum z`` and the shares' refunds.
     """
     n_x, n_y = prob.n_x, prob.n_y
-    ov = prob.savings
-    rc = prob.recompute
+    ov, rc, sh = prob.savings, prob.recompute, prob.shares
     ck0 = _recompute_offset(prob)  # the first checkpointing column
     n = ck0 + (rc.cols.n if rc is not None else 0)
     col_lower = np.zeros(n)
@@ -461,90 +478,59 @@ def _milp(
     integer[:n_x] = boolean
     if fixed is not None and len(fixed):
         col_lower[np.asarray(fixed)] = 1.0
-    blocks = [sp.hstack([prob.A, sp.csr_matrix((prob.A.shape[0], n - n_x - n_y))])]
-    lower, upper = [prob.b], [prob.b]
-    if memory is not None:
-        blocks.append(_memory_block(prob, memory[0], n))
-        rows = _memory_matrix(memory[0])
-        lower.append(np.full(len(rows), -np.inf))
-        upper.append(np.full(len(rows), float(memory[1])))
-    if rc is not None:
-        _add_recompute(
-            prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, col_upper, integer
-        )
-    c = np.zeros(n)
-    if memory_objective is not None:
-        c[:n_x] = memory_objective
-    else:
-        c[:n_x] = SCALE * prob.c
-        c[n_x : n_x + n_y] = SCALE * prob.r
-        if rc is not None:
-            for bi, b in enumerate(rc.cols.ck.blocks):
-                c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
-    if ov is not None:
-        _add_overlap(prob, ov, ck0, n, memory_objective is None, blocks, lower, upper, c)
-    sh = prob.shares
-    if sh is not None:  # m_j - indicator >= 0; the reads' refund off a time objective
+    if sh is not None:
         col_upper[sh.first : n_x + n_y] = 1.0
-        blocks.append(sp.hstack([sh.rows, sp.csr_matrix((sh.rows.shape[0], n - n_x - n_y))]))
-        lower.append(np.zeros(sh.rows.shape[0]))
-        upper.append(np.full(sh.rows.shape[0], np.inf))
-        if memory_objective is None:
-            c[: n_x + n_y] -= SCALE * sh.refund
-    return MILP(
-        c=c,
-        A=sp.vstack(blocks, format="csc"),
-        row_lower=np.concatenate([np.asarray(v, dtype=float) for v in lower]),
-        row_upper=np.concatenate([np.asarray(v, dtype=float) for v in upper]),
-        col_lower=col_lower,
-        col_upper=col_upper,
-        integer=integer,
-    )
+    ck_rows: tuple[list, list, list] = ([], [], [])
+    if rc is not None:
+        _add_recompute(prob, rc, ck0, n, boolean, *ck_rows, col_lower, col_upper, integer)
+    spans = [("x", 0, n_x), ("y", n_x, n_x + n_y), ("z", n_x + n_y, ck0), ("checkpointing", ck0, n)]
+    families = [
+        (k, hi - lo, col_lower[lo:hi], col_upper[lo:hi], integer[lo:hi]) for k, lo, hi in spans
+    ]
+    if peak is not None:
+        families.append(("peak", 1, 0.0, np.inf, False))
+    cols = Layout(families)
+    constraints = cols.rows(_widened(prob.A, cols.n), prob.b, prob.b)
+    if memory is not None:
+        budget = np.full(len(_memory_matrix(memory[0])), float(memory[1]))
+        constraints += cols.rows(
+            _widened(_memory_block(prob, memory[0], n), cols.n), -np.inf, budget
+        )
+    if ck_rows[0]:
+        ck_matrix = _widened(sp.vstack(ck_rows[0]), cols.n)
+        constraints += cols.rows(ck_matrix, *map(np.concatenate, ck_rows[1:]))
+    if ov is not None:
+        z = cols["z"]
+        saved = sp.csr_matrix(
+            (ov.weight, (ov.window, np.arange(len(ov.weight)))),
+            shape=(ov.compute.shape[0], len(ov.weight)),
+        )
+        constraints += [
+            z <= SCALE * ov.comm @ cols["y"],
+            saved @ z <= SCALE * ov.compute @ cols["x"],
+        ]
+    if sh is not None:
+        constraints += cols.rows(_widened(sh.rows, cols.n), 0.0, np.inf)
+    c = np.zeros(cols.n)
+    if peak is not None:
+        rows = sp.hstack([_memory_block(prob, peak, n), -np.ones((len(_memory_matrix(peak)), 1))])
+        constraints += cols.rows(rows, -np.inf, np.zeros(rows.shape[0]))
+        c[-1] = 1.0
+        return cols, c, constraints
+    c[:n_x] = SCALE * prob.c
+    c[n_x : n_x + n_y] = SCALE * prob.r
+    c[n_x + n_y : ck0] = -1.0  # the hidden seconds z
+    if rc is not None:
+        for bi, b in enumerate(rc.cols.ck.blocks):
+            c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
+    if sh is not None:  # the reads' refund
+        c[: n_x + n_y] -= SCALE * sh.refund
+    return cols, c, constraints
 
 
-def _add_overlap(
-    prob: _Problem,
-    ov: _OverlapRows,
-    ck0: int,
-    n: int,
-    time_objective: bool,
-    blocks: list,
-    lower: list,
-    upper: list,
-    c: np.ndarray,
-) -> None:
-    """The overlap savings' rows and columns of :func:`_milp` (its docstring gives them),
-    added in place: ``z`` (one per saving, subtracted from a time objective)."""
-    n_x, n_y = prob.n_x, prob.n_y
-    k = len(ov.weight)
-    z0 = n_x + n_y
-    if time_objective:
-        c[z0 : z0 + k] = -1.0
-    # z_k - SCALE comm_k . y <= 0
-    blocks.append(
-        sp.hstack(
-            [
-                sp.csr_matrix((k, n_x)),
-                -SCALE * ov.comm,
-                sp.identity(k, format="csr"),
-                sp.csr_matrix((k, n - ck0)),
-            ],
-            format="csr",
-        )
-    )
-    lower.append(np.full(k, -np.inf))
-    upper.append(np.zeros(k))
-    # per window: sum_k a_k z_k - SCALE compute_w . x <= 0
-    n_w = ov.compute.shape[0]
-    saved = sp.csr_matrix((ov.weight, (ov.window, np.arange(k))), shape=(n_w, k))
-    blocks.append(
-        sp.hstack(
-            [-SCALE * ov.compute, sp.csr_matrix((n_w, n_y)), saved, sp.csr_matrix((n_w, n - ck0))],
-            format="csr",
-        )
-    )
-    lower.append(np.full(n_w, -np.inf))
-    upper.append(np.zeros(n_w))
+def _widened(matrix: sp.spmatrix, width: int) -> sp.csr_matrix:
+    """``matrix`` with zero columns appended up to ``width``."""
+    return sp.hstack([matrix, sp.csr_matrix((matrix.shape[0], width - matrix.shape[1]))], "csr")
 
 
 def _memory_block(prob: _Problem, m: np.ndarray, n: int) -> sp.csr_matrix:
@@ -1157,23 +1143,13 @@ def _fixed_mip(
 
 def _least_memory(prob: _Problem, m: np.ndarray, options: SolverOptions) -> float:
     """The least peak ``max_k M_k . x`` over every plan: the same ILP with one more column
-    ``t >= M_k . x`` for every budget row, and ``t`` as the objective."""
+    ``t >= M_k . x`` for every budget row, and ``t`` as the objective (:func:`_milp`'s
+    ``peak``)."""
     rows = _memory_matrix(m)
-    base = _milp(prob, memory_objective=np.zeros(prob.n_x))
-    n = base.num_cols
     # in units of the largest coefficient: bytes (1e9 and more, of both signs with
     # recomputation) left HiGHS's presolve calling the program infeasible
     unit = max(float(np.abs(rows).max()) if rows.size else 1.0, 1.0)
-    extra = sp.hstack([_memory_block(prob, rows, n) / unit, -np.ones((len(rows), 1))])
-    milp = MILP(
-        c=np.concatenate([np.zeros(n), [1.0]]),
-        A=sp.vstack([sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], 1))]), extra], "csc"),
-        row_lower=np.concatenate([base.row_lower, np.full(len(rows), -np.inf)]),
-        row_upper=np.concatenate([base.row_upper, np.zeros(len(rows))]),
-        col_lower=np.concatenate([base.col_lower, [0.0]]),
-        col_upper=np.concatenate([base.col_upper, [np.inf]]),
-        integer=np.concatenate([base.integer, [False]]),
-    )
+    milp = _milp(prob, peak=rows / unit)
     found = run(milp, options.time_limit_s, work_limit=options.work_limit)
     # a search stopped before its proof knows only that no plan goes below its bound
     least = found.objective if found.status == "optimal" else found.bound
