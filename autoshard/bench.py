@@ -307,7 +307,7 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         ("strategies", "strategies"),
         ("ILP variables", "ilp_variables"),
         ("ILP rows", "ilp_rows"),
-        ("cvxpy compile s", "compile_s"),
+        ("cvxpy s", "compile_s"),
         ("HiGHS LP s", "highs_lp_s"),
         ("HiGHS B&B s", "highs_bnb_s"),
         ("B&B nodes", "bnb_nodes"),

@@ -17,14 +17,13 @@ load it (1.3 s on a 2-core machine).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
-from autoshard.solver.highs import MILP, count_compile
+from autoshard.solver.highs import MILP
 
 __all__ = ["Layout", "compile_program"]
 
@@ -114,8 +113,7 @@ def compile_program(layout: Layout, objective: np.ndarray, constraints: list) ->
     """Minimise ``objective . [every family]`` subject to ``constraints``: compiled by
     cvxpy for HiGHS, as a :class:`~autoshard.solver.highs.MILP` over the layout's columns
     in the layout's order (cvxpy's own order is by variable; its column offsets map it
-    back). ``objective``: ``(layout.n,)``. The compile's seconds join the enclosing
-    :func:`autoshard.solver.highs.tallying` block's.
+    back). ``objective``: ``(layout.n,)``.
 
     Raises:
         ValueError: cvxpy compiled a program of other columns than the layout's (a
@@ -123,7 +121,6 @@ def compile_program(layout: Layout, objective: np.ndarray, constraints: list) ->
     """
     import cvxpy as cp
 
-    began = time.perf_counter()
     goal = cp.Minimize(layout.times(np.asarray(objective, dtype=float)))
     data, _, inverse = cp.Problem(goal, constraints).get_problem_data(cp.HIGHS)
     offsets = next(i.var_offsets for i in reversed(inverse) if hasattr(i, "var_offsets"))
@@ -150,5 +147,4 @@ def compile_program(layout: Layout, objective: np.ndarray, constraints: list) ->
         col_upper=np.full(layout.n, np.inf) if upper is None else np.asarray(upper)[order],
         integer=integral[order],
     )
-    count_compile(time.perf_counter() - began)
     return milp

@@ -199,7 +199,7 @@ class HighsWork:
 
     lp_runs: int = 0
     lp_seconds: float = 0.0
-    compile_runs: int = 0  # programs cvxpy compiled (autoshard.solver.cvx)
+    compile_runs: int = 0  # programs stated in cvxpy and compiled (autoshard.solver.cvx)
     compile_seconds: float = 0.0
     mip_runs: int = 0
     mip_seconds: float = 0.0
@@ -229,8 +229,8 @@ def tallying() -> Iterator[HighsWork]:
 
 
 def count_compile(seconds: float) -> None:
-    """Adds one cvxpy compile of ``seconds`` to the enclosing :func:`tallying` block, if
-    any (:func:`autoshard.solver.cvx.compile_program`)."""
+    """Adds one program stated in cvxpy and compiled, in ``seconds``, to the enclosing
+    :func:`tallying` block, if any (:func:`autoshard.solver.ilp._milp`)."""
     tally = _tally.get()
     if tally is not None:
         tally.compile_runs += 1

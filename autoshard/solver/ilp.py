@@ -58,7 +58,7 @@ from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import overlappable, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.solver.cvx import Layout, compile_program
-from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, run
+from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, count_compile, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import schedule
@@ -438,8 +438,13 @@ def _milp(
     fixed: np.ndarray | None = None,
     peak: np.ndarray | None = None,
 ) -> MILP:
-    """:func:`_statement`'s program, compiled by cvxpy for HiGHS."""
-    return compile_program(*_statement(prob, boolean, memory, fixed, peak))
+    """:func:`_statement`'s program, compiled by cvxpy for HiGHS. The seconds of both (and
+    of cvxpy's import, the first time) join the enclosing
+    :func:`~autoshard.solver.highs.tallying` block's ``compile_seconds``."""
+    began = time.perf_counter()
+    milp = compile_program(*_statement(prob, boolean, memory, fixed, peak))
+    count_compile(time.perf_counter() - began)
+    return milp
 
 
 def _statement(
