@@ -28,6 +28,11 @@ def _run(*args, env=None):
         (["solve", "examples/mlp.py", "--mesh", "0x4"], "0x4"),
         (["solve", "examples/mlp.py", "--mesh", "4", "--mesh-dim-names", "a,b"], "a"),
         (["solve", "examples/mlp.py", "--mesh", "4", "--time-limit", "0"], "time-limit"),
+        # the flag alone before the model file: click reads the file as its kind
+        (
+            ["solve", "--context-parallel", "examples/mlp.py", "--mesh", "4"],
+            "give the flag after the model file",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch):

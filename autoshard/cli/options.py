@@ -38,6 +38,23 @@ if TYPE_CHECKING:
     from autoshard.solver.solve import SolveConfig
 
 
+class ContextParallelType(click.Choice):
+    """``--context-parallel``'s kinds; a model file given as its value (the flag alone
+    right before the file: click reads the file as the flag's value) gets an error that
+    says where to put the flag."""
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 - click's signature
+        if isinstance(value, str) and value not in self.choices and value.endswith(".py"):
+            self.fail(
+                f"{value!r} is a model file, not a kind of context parallelism: give the "
+                "flag after the model file (`autoshard solve model.py --context-parallel`) "
+                f"or with its kind before it (`--context-parallel all {value}`)",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
 def mesh_options(f=None, *, mesh_required: bool = True):
     """The mesh, its links and the device (shared by solve, compare and stages);
     ``@mesh_options(mesh_required=False)`` where another option can stand for ``--mesh``
@@ -271,7 +288,7 @@ def plan_options(f):
         ),
         click.option(
             "--context-parallel",
-            type=click.Choice(["all", "all-gather", "ring", "zigzag"]),
+            type=ContextParallelType(["all", "all-gather", "ring", "zigzag"]),
             is_flag=False,
             flag_value="all",
             default=None,
