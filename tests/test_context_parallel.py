@@ -214,6 +214,8 @@ def test_a_ring_is_priced_block_by_block_its_passes_exposed_by_hand():
     kv = 2 * (2 * 4 * 64 * 8 * 4.0)  # key and value, whole in the sequence
     assert ring.collectives == (("send_recv", 0, kv),) * 3
     assert rule.modes(fwd, [q] * 3, [q, lse], ring, (4,)) == ("S2r",)
+    with pytest.raises(ValueError, match="no choice of its rule on mesh"):
+        rule.modes(fwd, [q] * 3, [q, lse], ring, (2,))  # 3 passes is no ring of 2 devices
     info = type("Info", (), {"args": [q] * 3, "results": [q, lse]})()
     c = 4 * 2 * 4 * 16 * 16 * 8 / rate
     assert c == pytest.approx(2e-6, rel=1e-12)
@@ -324,7 +326,8 @@ def test_a_preloaded_solution_keeps_its_exchange(
 ):
     """The two exchanges place every tensor alike; the solution names the one it took
     (``"modes"``), and a solve preloaded from it under ``--context-parallel`` (both
-    offered) keeps it, at the same predicted step."""
+    offered) keeps it, at the same predicted step. Preloaded without
+    ``--context-parallel``, the error says which flag to give."""
     env = {"AUTOSHARD_SEQ": str(seq), "AUTOSHARD_HEADS": "1", "AUTOSHARD_BATCH": "1"}
     args = ["solve", str(MODEL), "--mesh", "4", "--intra-node-latency", "10ns", "--json"]
     first = autoshard_cli(*args, "--context-parallel", exchange, "--out", str(tmp_path), **env)
@@ -337,6 +340,10 @@ def test_a_preloaded_solution_keeps_its_exchange(
     before, after = json.loads(first.stdout), json.loads(again.stdout)
     assert after["in_op_collectives"][FORWARD]["modes"] == {f"d0: {mode}": 2}
     assert after["time_s"]["step"] == pytest.approx(before["time_s"]["step"], rel=1e-12)
+    if exchange == "ring":  # preloaded where context parallelism is not offered: what to do
+        bare = autoshard_cli(*args, "--preload", str(solution), "--out", str(tmp_path / "c"), **env)
+        assert bare.returncode != 0
+        assert "solve with --context-parallel ring (context_parallel='ring'" in bare.stderr
 
 
 _REGISTRY_SCRIPT = """

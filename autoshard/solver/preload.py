@@ -57,7 +57,14 @@ from autoshard.plan.formats import load_solution
 from autoshard.solver.ilp import ILPResult, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.restriction import Restriction, restrict, unrestrict_choice
-from autoshard.solver.solve import SolveResult, finish_plan, peak_rss_bytes, strategies, trace
+from autoshard.solver.solve import (
+    SolveConfig,
+    SolveResult,
+    finish_plan,
+    peak_rss_bytes,
+    strategies,
+    trace,
+)
 from autoshard.strategies.graph import Strategy, StrategyGraph
 from autoshard.strategies.rules import op_rule
 from autoshard.trace.tracer import NodeInfo, TracedGraph, path_within_block
@@ -992,9 +999,15 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     sg = strategies(dataclasses.replace(config, tie=False), graph, progress)
     seconds["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
-    pre = choice_from_solution(
-        sg, solution, config.mesh, source=str(solution_path), options=config.solver
-    )
+    try:
+        pre = choice_from_solution(
+            sg, solution, config.mesh, source=str(solution_path), options=config.solver
+        )
+    except AutoshardError as exc:  # the same error, with what to do when the offer differs
+        hint = _context_parallel_hint(solution, config)
+        if hint is None:
+            raise
+        raise AutoshardError(f"{exc}\n{hint}") from None
     seconds["preload"] = time.perf_counter() - t
     # the blocks the solution recomputes, matched to this graph's traced blocks
     predicted = solution.get("predicted") or {}
@@ -1017,3 +1030,22 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     plan = finish_plan(config, sg, pre.choice, "preloaded", recompute)
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes()), pre
+
+
+def _context_parallel_hint(solution: Mapping[str, Any], config: SolveConfig) -> str | None:
+    """What to do when ``solution`` was solved with context parallelism this solve does not
+    offer (its attention strategies are then no strategies of this graph); None otherwise."""
+    stored = (solution.get("cost_model") or {}).get("context_parallel") or False
+    if stored is False:
+        return None
+    kind = "all" if stored is True else str(stored)
+    offered = dataclasses.replace(config, context_parallel=True if kind == "all" else kind)
+    offered = offered.features()
+    if offered <= config.features():
+        return None
+    flag = "--context-parallel" if kind == "all" else f"--context-parallel {kind}"
+    api = "True" if kind == "all" else repr(kind)
+    return (
+        f"the solution shards attention by sequence (it was solved with {flag}): solve "
+        f"with {flag} (context_parallel={api} in the Python API) to preload it"
+    )

@@ -260,8 +260,9 @@ class OpRule:
         strategies.
 
         Raises:
-            ValueError: ``s`` is no product of this rule's choices (a plan made for
-                another rule).
+            ValueError: ``s`` is no product of this rule's choices, or (given
+                ``mesh_shape``) none of those products runs ``s``'s collectives (a plan
+                made for another rule or mesh).
         """
         choices: dict[tuple, list[str]] = {}
         for c in self.per_dim(node, args, results):
@@ -284,6 +285,11 @@ class OpRule:
                     continue
                 if tuple(self.collectives(node, args, modes, mesh_shape)) == s.collectives:
                     return modes
+            raise ValueError(
+                f"{node.target}: no choice of its rule on mesh {tuple(mesh_shape)} runs the "
+                f"collectives {s.collectives} of this strategy (a plan made for another "
+                "rule or mesh)"
+            )
         return tuple(n[0] for n in names)
 
 
