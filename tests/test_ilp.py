@@ -101,6 +101,23 @@ def test_the_compiled_program_is_the_program_cvxpy_solves(seed):
     assert found_peak(prob, per_strategy) == pytest.approx(least, rel=1e-9)
 
 
+def test_a_family_cvxpy_would_leave_out_is_an_error_and_an_empty_graph_the_solver_s():
+    """A family of columns that no row reads and the objective does not price is left out
+    by cvxpy's compile, which would shift every column after it: it is refused. A graph
+    with nothing to decide compiles to the empty program, which the search refuses with
+    its own error (as before the cvxpy statement), not a crash."""
+    from autoshard.solver.cvx import Layout, compile_program
+
+    layout = Layout([("a", 2, 0.0, 1.0, True), ("b", 1, 0.0, 1.0, False)])
+    with pytest.raises(ValueError, match=r"no column for the families \['b'\]"):
+        compile_program(
+            layout, np.array([1.0, 2.0, 0.0]), layout.rows(np.ones((1, 3)) * [1, 1, 0], 1, 1)
+        )
+    empty = StrategyGraph(None, (2,), {}, set(), [], Counter(), 0.0)
+    with pytest.raises(AutoshardError, match="the ILP solver failed"):
+        solve(empty)
+
+
 def found_peak(prob, per_strategy) -> float:
     from autoshard.solver.cvx import compile_program
     from autoshard.solver.highs import run

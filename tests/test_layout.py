@@ -237,6 +237,19 @@ def test_the_command_line_loads_without_torch_highspy_or_the_pipeline():
     assert out.stdout.strip() == "", f"importing the CLI loads {out.stdout.strip()}"
 
 
+def test_the_solver_modules_load_cvxpy_only_to_build_a_program():
+    """cvxpy (1.3 s to import) is imported inside autoshard.solver.cvx's functions: loading
+    the solver (as ``show`` and the report do, through the plan) does not load it."""
+    code = (
+        "import sys, autoshard.solver.ilp, autoshard.solver.solve, autoshard.solver.cvx\n"
+        "print('cvxpy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "False"
+
+
 def test_every_command_is_registered():
     from autoshard.cli.main import main
 

@@ -73,6 +73,8 @@ class Layout:
         m = sp.csc_matrix(np.atleast_2d(matrix) if not sp.issparse(matrix) else matrix)
         if m.shape[1] != self.n:
             raise ValueError(f"a matrix of {m.shape[1]} columns over {self.n} columns")
+        if not self.variables:  # no columns at all: the zero it is
+            return 0.0 if np.ndim(matrix) == 1 and not sp.issparse(matrix) else np.zeros(len(m))
         terms = []
         for k, name in enumerate(self.names):
             if name not in self.variables:
@@ -95,6 +97,8 @@ class Layout:
         import cvxpy as cp
 
         m = sp.csr_matrix(matrix)
+        if not self.variables:  # rows over no column constrain nothing a solver can change
+            return []
         lower = np.broadcast_to(np.asarray(lower, dtype=float), (m.shape[0],))
         upper = np.broadcast_to(np.asarray(upper, dtype=float), (m.shape[0],))
         out: list[cp.Constraint] = []
@@ -115,15 +119,24 @@ def compile_program(layout: Layout, objective: np.ndarray, constraints: list) ->
     in the layout's order (cvxpy's own order is by variable; its column offsets map it
     back). ``objective``: ``(layout.n,)``.
 
+    A layout without columns compiles to the empty program (no columns, no rows).
+
     Raises:
-        ValueError: cvxpy compiled a program of other columns than the layout's (a
-            reduction that added or removed variables).
+        ValueError: cvxpy compiled a program of other columns than the layout's: a
+            family that no row reads and the objective does not price (cvxpy leaves it
+            out), or a reduction that added columns.
     """
     import cvxpy as cp
 
+    if not layout.variables:  # nothing to decide: the empty program, for HiGHS to say so
+        empty = np.zeros(0)
+        return MILP(empty, sp.csc_matrix((0, 0)), empty, empty, empty, empty, empty.astype(bool))
     goal = cp.Minimize(layout.times(np.asarray(objective, dtype=float)))
     data, _, inverse = cp.Problem(goal, constraints).get_problem_data(cp.HIGHS)
     offsets = next(i.var_offsets for i in reversed(inverse) if hasattr(i, "var_offsets"))
+    missing = [name for name, v in layout.variables.items() if v.id not in offsets]
+    if missing:  # a family in no row and not priced: cvxpy leaves it out
+        raise ValueError(f"cvxpy compiled no column for the families {missing}")
     order = np.concatenate(
         [offsets[layout[name].id] + np.arange(layout[name].size) for name in layout.variables]
     )

@@ -1,4 +1,6 @@
-"""The sharding ILP: one strategy per node, cheapest total time, built vectorised.
+"""The sharding ILP: one strategy per node, cheapest total time, its parts built vectorised
+as sparse matrices and stated in cvxpy, one variable vector per family of columns
+[``_statement``, :mod:`autoshard.solver.cvx`].
 
 Mathematics (the method that builds each part is named in brackets):
 
@@ -33,7 +35,8 @@ Mathematics (the method that builds each part is named in brackets):
   window (the neighbouring block's forward or backward), by that window's compute: one
   stream (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
 
-Solved by HiGHS, handed the matrices directly (:mod:`autoshard.solver.highs`:
+Compiled by cvxpy (its chain for HiGHS) and solved by HiGHS, handed the compiled matrices
+with a start (:mod:`autoshard.solver.highs`:
 ``mip_rel_gap``, a work limit per MIP and an iteration limit per LP, one thread, a fixed
 seed: the same plan on every run, whatever the machine's load; a wall-clock
 ``time_limit`` only when asked). A hit limit returns the incumbent with its gap; no
