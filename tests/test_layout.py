@@ -237,6 +237,7 @@ def test_the_command_line_loads_without_torch_highspy_or_the_pipeline():
     assert out.stdout.strip() == "", f"importing the CLI loads {out.stdout.strip()}"
 
 
+@pytest.mark.slow  # a fresh interpreter (5 s)
 def test_the_solver_modules_load_cvxpy_only_to_build_a_program():
     """cvxpy (1.3 s to import) is imported inside autoshard.solver.cvx's functions: loading
     the solver (as ``show`` and the report do, through the plan) does not load it."""

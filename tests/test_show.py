@@ -312,6 +312,7 @@ def test_fold_layers_takes_only_decimal_layer_indices():
     assert fold_layers({"w.²": ("R",), "w.3": ("R",)}) == [("w.3", ("R",)), ("w.²", ("R",))]
 
 
+@pytest.mark.slow  # a fresh interpreter (5 s)
 def test_show_never_loads_cvxpy(tmp_path: Path) -> None:
     """The ILP's modelling layer (cvxpy, 1.3 s to import) is loaded only to solve."""
     import subprocess
