@@ -310,21 +310,3 @@ def test_fold_layers_takes_only_decimal_layer_indices():
 
     # "²".isdigit() is True but int("²") fails: such a name is kept as it is
     assert fold_layers({"w.²": ("R",), "w.3": ("R",)}) == [("w.3", ("R",)), ("w.²", ("R",))]
-
-
-@pytest.mark.slow  # a fresh interpreter (5 s)
-def test_show_never_loads_cvxpy(tmp_path: Path) -> None:
-    """The ILP's modelling layer (cvxpy, 1.3 s to import) is loaded only to solve."""
-    import subprocess
-    import sys
-
-    path = tmp_path / "gpt2_2x4.pkl"
-    save_solution(path, solution())
-    code = (
-        "import sys\n"
-        "from autoshard.cli.main import main\n"
-        f"main(['show', {str(path)!r}], standalone_mode=False)\n"
-        "print('cvxpy loaded' if 'cvxpy' in sys.modules else 'no cvxpy')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "no cvxpy"

@@ -441,20 +441,32 @@ def _milp(
     fixed: np.ndarray | None = None,
     peak: np.ndarray | None = None,
 ) -> MILP:
-    """:func:`_statement`'s program, compiled by cvxpy for HiGHS. The seconds of both (and
-    of cvxpy's import, the first time) join the enclosing
+    """:func:`_statement`'s program, compiled by cvxpy for HiGHS once per ``prob``,
+    ``memory`` and ``peak`` (the search's LP relaxation, relax-and-fix and full MIP share
+    it): ``boolean=False`` drops every integrality (the LP relaxation, ``0 <= x <= 1``);
+    ``fixed`` pins those entries of ``x`` to 1. The seconds of each compile (and of
+    cvxpy's import, the first time) join the enclosing
     :func:`~autoshard.solver.highs.tallying` block's ``compile_seconds``."""
-    began = time.perf_counter()
-    milp = compile_program(*_statement(prob, boolean, memory, fixed, peak))
-    count_compile(time.perf_counter() - began)
+    held = prob.__dict__.get("_compiled")
+    if held is not None and held[0] is memory and held[1] is peak:
+        milp = held[2]
+    else:
+        began = time.perf_counter()
+        milp = compile_program(*_statement(prob, memory, peak))
+        count_compile(time.perf_counter() - began)
+        prob.__dict__["_compiled"] = (memory, peak, milp)  # holds both: no reused id
+    if not boolean:
+        milp = replace(milp, integer=np.zeros_like(milp.integer))
+    if fixed is not None and len(fixed):
+        lower = milp.col_lower.copy()
+        lower[np.asarray(fixed)] = 1.0
+        milp = replace(milp, col_lower=lower)
     return milp
 
 
 def _statement(
     prob: _Problem,
-    boolean: bool = True,
     memory: tuple[np.ndarray, float] | None = None,
-    fixed: np.ndarray | None = None,
     peak: np.ndarray | None = None,
 ) -> tuple[Layout, np.ndarray, list]:
     """The program over columns ``[x; y; z]`` [``_node_blocks``, ``_edge_rows``,
@@ -462,8 +474,7 @@ def _statement(
     (:mod:`autoshard.solver.cvx`): its columns' families, objective ``(layout.n,)`` and
     constraints. ``x`` is the first ``prob.n_x`` columns.
 
-    ``boolean=False`` is the LP relaxation (``0 <= x <= 1``); ``memory`` adds the budget
-    rows; ``fixed`` pins those entries of ``x`` to 1; ``peak`` (budget rows over ``x``
+    ``x`` is boolean; ``memory`` adds the budget rows; ``peak`` (budget rows over ``x``
     and the checkpointing columns, scaled) minimises their largest value ``t`` (one more
     column, last) instead of time. The time objective is in microseconds: HiGHS's
     absolute tolerances (1e-6) would otherwise stop it a whole objective away from the
@@ -483,14 +494,12 @@ def _statement(
     col_lower = np.zeros(n)
     col_upper = np.concatenate([np.ones(n_x), np.full(n - n_x, np.inf)])
     integer = np.zeros(n, dtype=bool)
-    integer[:n_x] = boolean
-    if fixed is not None and len(fixed):
-        col_lower[np.asarray(fixed)] = 1.0
+    integer[:n_x] = True
     if sh is not None:
         col_upper[sh.first : n_x + n_y] = 1.0
     ck_rows: tuple[list, list, list] = ([], [], [])
     if rc is not None:
-        _add_recompute(prob, rc, ck0, n, boolean, *ck_rows, col_lower, col_upper, integer)
+        _add_recompute(prob, rc, ck0, n, *ck_rows, col_lower, col_upper, integer)
     spans = [("x", 0, n_x), ("y", n_x, n_x + n_y), ("z", n_x + n_y, ck0), ("checkpointing", ck0, n)]
     families = [
         (k, hi - lo, col_lower[lo:hi], col_upper[lo:hi], integer[lo:hi]) for k, lo, hi in spans
@@ -562,7 +571,7 @@ def _memory_block(prob: _Problem, m: np.ndarray, n: int) -> sp.csr_matrix:
     )
 
 
-def _add_recompute(prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, col_upper, integer):
+def _add_recompute(prob, rc, ck0, n, blocks, lower, upper, col_lower, col_upper, integer):
     """[``_recompute_rows``] the checkpointing decision's columns and rows
     (:mod:`autoshard.cost.checkpointing`, module docstring), added in place."""
     cols = rc.cols
@@ -581,7 +590,7 @@ def _add_recompute(prob, rc, ck0, n, boolean, blocks, lower, upper, col_lower, c
     for bi, b in enumerate(cols.ck.blocks):
         beta = ck0 + cols.beta[bi] + np.arange(b.bits)
         w = ck0 + cols.w[bi] + np.arange(b.bits)
-        integer[beta] = boolean
+        integer[beta] = True
         col_upper[beta] = 1.0
         if cols.ck.fixed is not None:  # every block recomputes under the fixed policy
             k = b.copies if b.policy == cols.ck.fixed else 0
