@@ -265,6 +265,47 @@ def test_bucketed_gradient_pays_its_share_of_the_latency():
     assert big == pytest.approx(comm_model(mesh).all_reduce(100 * b, 0), rel=1e-12)  # a full bucket
 
 
+
+def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
+    """The strategy graph prices an edge as one matrix (``redistribute_costs``: each
+    placement encoded once). On a 2x2x2 mesh of links 25, 100 and 400 GB/s, no latency, a
+    B-byte fp32 (64, 64) tensor:
+
+    - (S0, R, R) -> (R, R, R): one all-gather on dim 0, (2-1)/2 * B / 25 GB/s;
+    - (S0, S0, R) -> (R, R, R): the nested shard is gathered inner dim first (DTensor's
+      order): dim 1 on the B/2 each dim-0 rank holds, 1/2 * B/2 / 100 GB/s, then dim 0;
+    - (P, R, R) -> (R, R, R): a ring all-reduce on dim 0, 2 (2-1)/2 * B / 25 GB/s;
+    - anything -> a Shard of what it holds whole: a local slice, free;
+    - a Shard into Partial: impossible (inf).
+
+    In 64 MiB buckets with 5 us on dim 0, the all-reduce pays B / 64 MiB of its two latency
+    terms; every entry equals the one-pair price."""
+    mesh = MeshSpec((2, 2, 2), ("a", "b", "c"), (25e9, 100e9, 400e9), (0.0, 0.0, 0.0))
+    shape, b = (64, 64), 64 * 64 * 4
+    s0 = Shard(0)
+    srcs = [(s0, R, R), (s0, s0, R), (P, R, R), (R, R, R)]
+    dsts = [(R, R, R), (R, s0, R), (P, R, R)]
+    got = comm_model(mesh).redistribute_costs(srcs, dsts, shape, 4)
+    gather0 = 0.5 * b / 25e9
+    hand = [
+        [gather0, 0.5 * b / 25e9 + 0.0, math.inf],  # (S0,R,R) -> (R,S0,R): gather, slice
+        [0.5 * (b / 2) / 100e9 + gather0, None, math.inf],
+        [b / 25e9, None, 0.0],
+        [0.0, 0.0, 0.0],
+    ]
+    for i, row in enumerate(hand):
+        for j, want in enumerate(row):
+            if want is not None:
+                assert got[i][j] == pytest.approx(want, rel=1e-12), (srcs[i], dsts[j])
+    cm = comm_model(mesh)
+    assert got == [[cm.redistribute_cost(p, q, shape, 4) for q in dsts] for p in srcs]
+
+    slow = MeshSpec((2, 2, 2), ("a", "b", "c"), (25e9, 100e9, 400e9), (5e-6, 0.0, 0.0))
+    bucket = 64 * 2**20
+    grad = comm_model(slow).bucketed_costs([(P, R, R)], [(R, R, R)], shape, 4, bucket)
+    assert grad[0][0] == pytest.approx(2 * 5e-6 * b / bucket + b / 25e9, rel=1e-12)
+    assert grad[0][0] == comm_model(slow).bucketed_cost((P, R, R), (R, R, R), shape, 4, bucket)
+
 # ---- a training plan: optimizer, overlap, MFU ----------------------------------------------
 
 

@@ -111,9 +111,9 @@ class CommModel:
         # The hot path, redistribute_cost, has two memo levels (see its docstring): by the
         # identity of the placement tuples, then by their value.
         self._memo_by_id: dict = {}
-        self._memo_by_value = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(
-            self._redistribute_cost_uncached
-        )
+        self._memo_by_value = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(self._cost_of_codes)
+        self._codes_by_id: dict = {}
+        self._template = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(self._template_uncached)
         self._canonical_sequence = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(
             self._sequence_uncached
         )
@@ -183,26 +183,69 @@ class CommModel:
         edge (10^5 to 10^6 calls). Hashing torch placements is slow (about 0.2 us each), so a
         first memo is keyed by the *identity* of the ``src`` and ``dst`` tuples (it holds
         them, so an id cannot be reused while its entry lives; only hashable, hence
-        immutable, arguments ever enter it) and a second one, an LRU of 2**20 entries, by
-        their value. Reusing the same tuple objects, as strategy lists do, is the fast path.
+        immutable, arguments ever enter it). A miss encodes each tuple once (its codes
+        memoised by identity the same way) and looks the cost up by the codes and the
+        tensor's bytes, an LRU of 2**20 entries; the steps themselves depend on the codes
+        only (:meth:`_template`), never on the shape. Reusing the same tuple objects, as
+        strategy lists do, is the fast path.
 
         Raises:
             AutoshardError: a placement count that differs from the mesh's dims, a placement
                 kind other than Shard/Replicate/Partial, a Shard dim outside the tensor, or a
                 bad itemsize.
         """
-        key = (id(src), id(dst), shape, itemsize)
-        try:
-            hit = self._memo_by_id.get(key)
-            if hit is not None and hit[0] is src and hit[1] is dst:
-                return hit[2]
-            cost = self._memo_by_value(src, dst, shape, itemsize)
-        except TypeError:  # unhashable arguments (lists): compute without memo
+        if type(src) is not tuple or type(dst) is not tuple or not isinstance(shape, tuple):
+            # mutable arguments (lists) never enter a memo
             return self._redistribute_cost_uncached(src, dst, shape, itemsize)
+        key = (id(src), id(dst), shape, itemsize)
+        hit = self._memo_by_id.get(key)
+        if hit is not None and hit[0] is src and hit[1] is dst:
+            return hit[2]
+        total, ndim = self._total_bytes(shape, itemsize)
+        s = self._codes(src, ndim, "source")
+        d = self._codes(dst, ndim, "destination")
+        cost = self._memo_by_value(s, d, ndim, total)
         if len(self._memo_by_id) >= _COST_CACHE_SIZE:
             self._memo_by_id.clear()
         self._memo_by_id[key] = (src, dst, cost)
         return cost
+
+    def redistribute_costs(
+        self,
+        srcs: Sequence[Sequence[Placement]],
+        dsts: Sequence[Sequence[Placement]],
+        shape: Sequence[int],
+        itemsize: int,
+    ) -> list[list[float]]:
+        """:meth:`redistribute_cost` of every pair, a row per source and a column per
+        destination: what an edge of the strategy graph costs (every strategy its producer
+        can give against every one its reader wants). Each placement is encoded once and
+        the shape checked once, where a call per pair would do both per pair.
+
+        Raises:
+            AutoshardError: as :meth:`redistribute_cost`.
+        """
+        total, ndim = self._total_bytes(shape, itemsize)
+        s_codes = [self._encode(p, ndim, "source") for p in srcs]
+        d_codes = [self._encode(q, ndim, "destination") for q in dsts]
+        cost = self._memo_by_value
+        return [[cost(s, d, ndim, total) for d in d_codes] for s in s_codes]
+
+    def bucketed_costs(
+        self,
+        srcs: Sequence[Sequence[Placement]],
+        dsts: Sequence[Sequence[Placement]],
+        shape: Sequence[int],
+        itemsize: int,
+        bucket_bytes: float,
+    ) -> list[list[float]]:
+        """:meth:`bucketed_cost` of every pair, a row per source and a column per
+        destination (as :meth:`redistribute_costs`)."""
+        total, ndim = self._total_bytes(shape, itemsize)
+        s_codes = [self._encode(p, ndim, "source") for p in srcs]
+        d_codes = [self._encode(q, ndim, "destination") for q in dsts]
+        price = self._bucketed_of_codes
+        return [[price(s, d, ndim, total, bucket_bytes) for d in d_codes] for s in s_codes]
 
     def redistribute_steps(
         self,
@@ -272,13 +315,25 @@ class CommModel:
 
         Returns ``math.inf`` when the change is impossible.
         """
-        plan = self._plan(src, dst, shape, itemsize)
+        total, ndim = self._total_bytes(shape, itemsize)
+        s = self._encode(src, ndim, "source")
+        d = self._encode(dst, ndim, "destination")
+        return self._bucketed_of_codes(s, d, ndim, total, bucket_bytes)
+
+    def _bucketed_of_codes(
+        self, s: tuple, d: tuple, ndim: int, total: int, bucket_bytes: float
+    ) -> float:
+        """:meth:`bucketed_cost` of codes ``s`` to ``d`` of an ``ndim``-D tensor of
+        ``total`` bytes."""
+        template = self._template(s, d, ndim)
+        plan = self._replay(template, total)
         if isinstance(plan, str):
             return math.inf
-        return sum(
-            s.seconds
-            for s in self._steps(plan, self.bucket_share(src, dst, shape, itemsize, bucket_bytes))
-        )
+        share = 1.0
+        if bucket_bytes > 0:
+            pieces = min(template[0], self._pieces_of(d))
+            share = min(1.0, total / pieces / bucket_bytes)
+        return sum(step.seconds for step in self._steps(plan, share))
 
     def bucket_share(
         self,
@@ -302,7 +357,9 @@ class CommModel:
 
     def _pieces(self, placements: Sequence[Placement], ndim: int, what: str) -> int:
         """How many pieces ``placements`` cut a tensor into (product of the sharding dims)."""
-        codes = self._encode(placements, ndim, what)
+        return self._pieces_of(self._encode(placements, ndim, what))
+
+    def _pieces_of(self, codes: tuple) -> int:
         return math.prod(
             n
             for n, c in zip(self.mesh.shape, codes, strict=True)
@@ -321,10 +378,47 @@ class CommModel:
         shape: Sequence[int],
         itemsize: int,
     ) -> float:
-        plan = self._plan(src, dst, shape, itemsize)
+        total, ndim = self._total_bytes(shape, itemsize)
+        s = self._encode(src, ndim, "source")
+        d = self._encode(dst, ndim, "destination")
+        return self._cost_of_codes(s, d, ndim, total)
+
+    def _cost_of_codes(self, s: tuple, d: tuple, ndim: int, total: int) -> float:
+        """Seconds of the resharding from codes ``s`` to ``d`` of an ``ndim``-D tensor of
+        ``total`` bytes (``math.inf`` when impossible)."""
+        plan = self._replay(self._template(s, d, ndim), total)
         if isinstance(plan, str):
             return math.inf
         return sum(self._collective(kind, b, i) for kind, i, b in plan)
+
+    def _total_bytes(self, shape: Sequence[int], itemsize: int) -> tuple[int, int]:
+        """``(bytes, ndim)`` of a tensor of global ``shape``, ``itemsize`` bytes each.
+
+        Raises:
+            AutoshardError: a size that is not a whole number, a negative size, or an
+                itemsize below one byte.
+        """
+        shape = _whole_numbers(shape, "tensor shape")
+        (itemsize,) = _whole_numbers((itemsize,), "itemsize")
+        if any(n < 0 for n in shape) or itemsize < 1:
+            raise AutoshardError(
+                f"tensor shape {shape} and itemsize {itemsize}: sizes must be >= 0 and the "
+                "itemsize >= 1 byte"
+            )
+        return math.prod(shape) * itemsize, len(shape)
+
+    def _codes(self, placements: Sequence[Placement], ndim: int, what: str) -> tuple:
+        """:meth:`_encode`, memoised by the identity of the ``placements`` tuple (held, so
+        its id cannot be reused while the entry lives)."""
+        key = (id(placements), ndim)
+        hit = self._codes_by_id.get(key)
+        if hit is not None and hit[0] is placements:
+            return hit[1]
+        codes = self._encode(placements, ndim, what)
+        if len(self._codes_by_id) >= _COST_CACHE_SIZE:
+            self._codes_by_id.clear()
+        self._codes_by_id[key] = (placements, codes)
+        return codes
 
     def _plan(
         self,
@@ -335,15 +429,17 @@ class CommModel:
     ) -> list[tuple[CollectiveKind, int, float]] | str:
         """``(kind, mesh dim, bytes)`` per collective in the order they run (see the module
         docstring), or why the resharding is impossible."""
-        shape = _whole_numbers(shape, "tensor shape")
-        (itemsize,) = _whole_numbers((itemsize,), "itemsize")
-        if any(n < 0 for n in shape) or itemsize < 1:
-            raise AutoshardError(
-                f"tensor shape {shape} and itemsize {itemsize}: sizes must be >= 0 and the "
-                "itemsize >= 1 byte"
-            )
-        s = self._encode(src, len(shape), "source")
-        d = self._encode(dst, len(shape), "destination")
+        total, ndim = self._total_bytes(shape, itemsize)
+        s = self._encode(src, ndim, "source")
+        d = self._encode(dst, ndim, "destination")
+        return self._replay(self._template(s, d, ndim), total)
+
+    def _template_uncached(
+        self, s: tuple, d: tuple, ndim: int
+    ) -> tuple[int, tuple[tuple[str, int, int], ...]] | str:
+        """What the resharding from codes ``s`` to ``d`` does to any tensor of ``ndim``
+        dims: the number of pieces the source cuts it into and the steps as ``(kind, mesh
+        dim, devices on it)``; or why the resharding is impossible."""
         for i, (a, b) in enumerate(zip(s, d, strict=True)):
             if isinstance(b, str) and a != b and a != _R:  # Shard -> Partial, P(op1) -> P(op2)
                 return (
@@ -351,19 +447,20 @@ class CommModel:
                     f"{_show(a)} to {_show(b)}: a Partial placement comes only out of an op "
                     "or from Replicate"
                 )
-        # local bytes: the global bytes over the mesh dims on which the source is sharded
-        local = (
-            math.prod(shape)
-            * itemsize
-            / math.prod(
-                n
-                for n, c in zip(self.mesh.shape, s, strict=True)
-                if not isinstance(c, str) and c >= 0
-            )
-        )
+        pieces = self._pieces_of(s)
+        steps = tuple((kind, i, self.mesh.shape[i]) for kind, i, _ in self._sequence(s, d, ndim))
+        return pieces, steps
+
+    @staticmethod
+    def _replay(template, total: int) -> list[tuple[CollectiveKind, int, float]] | str:
+        """A :meth:`_template` applied to a tensor of ``total`` bytes: ``(kind, mesh dim,
+        bytes)`` per collective (a slice moves nothing), or the template's reason."""
+        if isinstance(template, str):
+            return template
+        pieces, steps = template
+        local = total / pieces  # the bytes one device holds before the first step
         plan: list[tuple[CollectiveKind, int, float]] = []
-        for kind, i, _ in self._sequence(s, d, len(shape)):
-            n = self.mesh.shape[i]
+        for kind, i, n in steps:
             if kind == "slice":
                 local /= n
                 continue

@@ -294,9 +294,7 @@ def _follow_edge(
     wanted = [whole.strategies[c].outputs[0] for c in whole.choice]
     p_list, q_list = list(dict.fromkeys(produced)), list(dict.fromkeys(wanted))
     comm = comm_model(mesh)
-    cost = np.array(
-        [[comm.redistribute_cost(p, q, t.shape, t.itemsize) for q in q_list] for p in p_list]
-    )
+    cost = np.array(comm.redistribute_costs(p_list, q_list, t.shape, t.itemsize), dtype=float)
     return Edge(
         src=a,
         dst=rep,

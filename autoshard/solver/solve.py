@@ -332,12 +332,14 @@ def strategies(
         graph,
         config.mesh.shape,
         compute_time=config.device.compute_time,
-        redistribute_cost=comm_model(config.mesh).redistribute_cost,
+        redistribute_costs=comm_model(config.mesh).redistribute_costs,
         fixed_inputs=rep if config.input_placement == "replicate" else None,
         fixed_outputs=rep if config.output_placement == "replicate" else None,
         tie=config.tie,
         progress=(lambda d, t: progress("strategies", d, t)) if progress else None,
-        bucketed_cost=functools.partial(comm_model(config.mesh).bucketed_cost, bucket_bytes=bucket),
+        bucketed_costs=functools.partial(
+            comm_model(config.mesh).bucketed_costs, bucket_bytes=bucket
+        ),
         reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
         collective_cost=comm_model(config.mesh).collective,
         share_reads=config.share_reshardings,

@@ -229,12 +229,12 @@ def build_strategy_graph(
     graph: TracedGraph,
     mesh_shape: Sequence[int],
     compute_time: Callable[..., float],
-    redistribute_cost: Callable[[Placements, Placements, tuple[int, ...], int], float],
+    redistribute_costs: Callable[..., list[list[float]]],
     fixed_inputs: Placements | None = None,
     fixed_outputs: Placements | None = None,
     tie: bool = True,
     progress: Callable[[int, int], None] | None = None,
-    bucketed_cost: Callable[[Placements, Placements, tuple[int, ...], int], float] | None = None,
+    bucketed_costs: Callable[..., list[list[float]]] | None = None,
     reduce_itemsize: int | None = None,
     collective_cost: Callable[[str, float, int], float] | None = None,
     share_reads: bool = False,
@@ -247,7 +247,9 @@ def build_strategy_graph(
         mesh_shape: devices per mesh dim, e.g. ``(2, 4)``.
         compute_time: ``(flops, bytes, dtype, kind) -> seconds`` on one device
             (roofline; :meth:`~autoshard.cost.devices.DeviceSpec.compute_time`).
-        redistribute_cost: ``(src, dst, global shape, itemsize) -> seconds``.
+        redistribute_costs: ``(srcs, dsts, global shape, itemsize) -> seconds``, a row
+            per source placement and a column per destination
+            (:meth:`~autoshard.cost.collectives.CommModel.redistribute_costs`).
         fixed_inputs: when given, every user input must have these placements
             (e.g. all ``Replicate``); ``None`` lets the ILP choose.
         fixed_outputs: likewise for the model's outputs; ``None`` allows any
@@ -255,9 +257,9 @@ def build_strategy_graph(
         tie: share one variable per node among identical repeated layers
             (:func:`tie_layers`).
         progress: called with (nodes done, nodes total).
-        bucketed_cost: like ``redistribute_cost``, for the collectives that go in buckets:
-            a gradient's reduction and a parameter's gather (:func:`bucketed_use`,
-            :meth:`~autoshard.cost.collectives.CommModel.bucketed_cost`); ``None`` prices
+        bucketed_costs: like ``redistribute_costs``, for the collectives that go in
+            buckets: a gradient's reduction and a parameter's gather (:func:`bucketed_use`,
+            :meth:`~autoshard.cost.collectives.CommModel.bucketed_costs`); ``None`` prices
             them as any resharding.
         reduce_itemsize: bytes per element gradients are reduced in (mixed precision:
             4, fp32), when not their own dtype's.
@@ -295,7 +297,7 @@ def build_strategy_graph(
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
     edges, extra, shares = _build_edges(
-        graph, nodes, free, redistribute_cost, bucketed_cost, reduce_itemsize, share_reads
+        graph, nodes, free, redistribute_costs, bucketed_costs, reduce_itemsize, share_reads
     )
     sg = StrategyGraph(
         graph=graph,
@@ -794,8 +796,8 @@ def _build_edges(
     graph,
     nodes,
     free,
-    redistribute_cost,
-    bucketed_cost=None,
+    redistribute_costs,
+    bucketed_costs=None,
     reduce_itemsize=None,
     share_reads=False,
 ) -> tuple[list[Edge], dict, list]:
@@ -804,7 +806,7 @@ def _build_edges(
     (:func:`autoshard.strategies.sharing.build_shares`): one edge per tensor read, its
     cost matrix over the distinct produced and wanted placements (cached by placements,
     shape and dtype). Edges into a
-    gradient output or out of a parameter are priced by ``bucketed_cost`` when given;
+    gradient output or out of a parameter are priced by ``bucketed_costs`` when given;
     edges into a gradient output move ``reduce_itemsize`` bytes per element when given
     (mixed precision reduces gradients in fp32)."""
     consumers: list[tuple[str, int, str, TensorInfo]] = []
@@ -828,14 +830,14 @@ def _build_edges(
         p_list = list(dict.fromkeys(produced))
         q_list = list(dict.fromkeys(wanted))
         kind = bucketed_use(graph, nodes, src_name, dst_name)
-        bucketed = bool(kind) and bucketed_cost is not None
-        price = bucketed_cost if bucketed else redistribute_cost
+        bucketed = bool(kind) and bucketed_costs is not None
+        price = bucketed_costs if bucketed else redistribute_costs
         # a gradient is reduced in the reduce dtype (mixed precision: fp32)
         item = reduce_itemsize if kind == GRADIENT and reduce_itemsize else t.itemsize
         ckey = (tuple(p_list), tuple(q_list), t.shape, item, bucketed)
         cost = cost_cache.get(ckey)
         if cost is None:
-            cost = np.array([[price(p, q, t.shape, item) for q in q_list] for p in p_list])
+            cost = np.array(price(p_list, q_list, t.shape, item), dtype=float)
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
         cost_m = cost * m if m != 1 else cost
