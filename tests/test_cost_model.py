@@ -265,7 +265,6 @@ def test_bucketed_gradient_pays_its_share_of_the_latency():
     assert big == pytest.approx(comm_model(mesh).all_reduce(100 * b, 0), rel=1e-12)  # a full bucket
 
 
-
 def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
     """The strategy graph prices an edge as one matrix (``redistribute_costs``: each
     placement encoded once). On a 2x2x2 mesh of links 25, 100 and 400 GB/s, no latency, a
@@ -305,6 +304,7 @@ def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
     grad = comm_model(slow).bucketed_costs([(P, R, R)], [(R, R, R)], shape, 4, bucket)
     assert grad[0][0] == pytest.approx(2 * 5e-6 * b / bucket + b / 25e9, rel=1e-12)
     assert grad[0][0] == comm_model(slow).bucketed_cost((P, R, R), (R, R, R), shape, 4, bucket)
+
 
 # ---- a training plan: optimizer, overlap, MFU ----------------------------------------------
 
