@@ -95,8 +95,8 @@ from autoshard.solver.restriction import (
     Restriction,
     all_on,
     gathered,
-    is_p,
     is_r,
+    kind_table,
     pin_placeholder,
     placeholders,
     restrict,
@@ -206,19 +206,20 @@ def _resolve_partials(r: Restriction, sg: StrategyGraph) -> None:
     backward, or reduce-scatters a statistic over channels and gathers it back: no
     data-parallel run does either.
     """
+    ndim = len(sg.mesh_shape)
     for i, e in enumerate(sg.edges):
         info = sg.graph.nodes.get(e.consumer or e.dst)
         if info is None or info.kind == "output":
             continue
         out = info.results[0] if info.results else None
         keeps = out is not None and math.prod(out.shape) <= math.prod(e.tensor.shape)
-
-        def bad(p: Placements, q: Placements, keeps: bool = keeps) -> bool:
-            return any(
-                is_p(a) and not (is_r(b) or (keeps and is_p(b))) for a, b in zip(p, q, strict=True)
-            )
-
-        r.forbid(i, e, bad)
+        # a pair is bad where a mesh dim is Partial in p and q reads it neither replicated
+        # nor (when the output is no larger) as Partial
+        p_partial, _ = kind_table(e.src_placements, ndim)
+        q_partial, q_replicate = kind_table(e.dst_placements, ndim)
+        read_ok = q_replicate | (q_partial & keeps)
+        bad = (p_partial[:, None, :] & ~read_ok[None, :, :]).any(axis=2)
+        r.forbid_mask(i, bad.reshape(e.cost.shape))
 
 
 # --- entry points ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ the hand-written families pin with (:mod:`autoshard.solver.baselines`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +53,10 @@ class Restriction:
         mask = np.array(
             [[bad(p, q) for q in edge.dst_placements] for p in edge.src_placements], dtype=bool
         ).reshape(edge.cost.shape)
+        self.forbid_mask(index, mask)
+
+    def forbid_mask(self, index: int, mask: np.ndarray) -> None:
+        """Forbid the pairs of edge ``index`` where ``mask`` (shaped as its cost) is true."""
         if mask.any():
             self.forbidden[index] = self.forbidden.get(index, np.zeros_like(mask)) | mask
 
@@ -185,6 +189,19 @@ def is_r(p: Placement) -> bool:
 
 def is_p(p: Placement) -> bool:
     return isinstance(p, Partial)
+
+
+def kind_table(placements: Sequence[Placements], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(partial, replicate)``: boolean arrays ``(len(placements), ndim)``, true where
+    placement tuple ``i`` is ``Partial`` (resp. ``Replicate``) on mesh dim ``d``: one
+    ``isinstance`` per placement, where a test per pair of tuples repeats them."""
+    partial = np.zeros((len(placements), ndim), dtype=bool)
+    replicate = np.zeros((len(placements), ndim), dtype=bool)
+    for i, pl in enumerate(placements):
+        for d, a in enumerate(pl):
+            partial[i, d] = is_p(a)
+            replicate[i, d] = is_r(a)
+    return partial, replicate
 
 
 def is_s(p: Placement, dim: int | None = None) -> bool:
