@@ -315,9 +315,7 @@ class CommModel:
 
         Returns ``math.inf`` when the change is impossible.
         """
-        total, ndim = self._total_bytes(shape, itemsize)
-        s = self._encode(src, ndim, "source")
-        d = self._encode(dst, ndim, "destination")
+        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
         return self._bucketed_of_codes(s, d, ndim, total, bucket_bytes)
 
     def _bucketed_of_codes(
@@ -378,9 +376,7 @@ class CommModel:
         shape: Sequence[int],
         itemsize: int,
     ) -> float:
-        total, ndim = self._total_bytes(shape, itemsize)
-        s = self._encode(src, ndim, "source")
-        d = self._encode(dst, ndim, "destination")
+        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
         return self._cost_of_codes(s, d, ndim, total)
 
     def _cost_of_codes(self, s: tuple, d: tuple, ndim: int, total: int) -> float:
@@ -390,6 +386,23 @@ class CommModel:
         if isinstance(plan, str):
             return math.inf
         return sum(self._collective(kind, b, i) for kind, i, b in plan)
+
+    def _encoded(
+        self,
+        src: Sequence[Placement],
+        dst: Sequence[Placement],
+        shape: Sequence[int],
+        itemsize: int,
+    ) -> tuple[tuple, tuple, int, int]:
+        """``(source codes, destination codes, ndim, bytes)`` of one resharding's arguments
+        (:meth:`_total_bytes`, :meth:`_encode`; their errors)."""
+        total, ndim = self._total_bytes(shape, itemsize)
+        return (
+            self._encode(src, ndim, "source"),
+            self._encode(dst, ndim, "destination"),
+            ndim,
+            total,
+        )
 
     def _total_bytes(self, shape: Sequence[int], itemsize: int) -> tuple[int, int]:
         """``(bytes, ndim)`` of a tensor of global ``shape``, ``itemsize`` bytes each.
@@ -429,9 +442,7 @@ class CommModel:
     ) -> list[tuple[CollectiveKind, int, float]] | str:
         """``(kind, mesh dim, bytes)`` per collective in the order they run (see the module
         docstring), or why the resharding is impossible."""
-        total, ndim = self._total_bytes(shape, itemsize)
-        s = self._encode(src, ndim, "source")
-        d = self._encode(dst, ndim, "destination")
+        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
         return self._replay(self._template(s, d, ndim), total)
 
     def _template_uncached(
