@@ -71,7 +71,7 @@ from autoshard.cost.collective_table import COLLECTIVES, CollectiveKind, collect
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 
-# Size of the redistribute_cost cache, in entries (about 200 bytes each).
+# Size of the resharding price cache (by placement codes and bytes), in entries.
 _COST_CACHE_SIZE = 1 << 20
 
 # Size of the step-sequence cache, in entries (placement codes in and out: about 520 bytes
@@ -108,11 +108,9 @@ class CommModel:
 
     def __init__(self, mesh: MeshSpec) -> None:
         self.mesh = mesh
-        # The hot path, redistribute_cost, has two memo levels (see its docstring): by the
-        # identity of the placement tuples, then by their value.
-        self._memo_by_id: dict = {}
-        self._memo_by_value = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(self._cost_of_codes)
-        self._codes_by_id: dict = {}
+        # A resharding's price, memoised by placement codes and bytes; its steps, by codes
+        # alone (see redistribute_cost's docstring).
+        self._cost_of = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(self._cost_of_codes)
         self._template = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(self._template_uncached)
         self._canonical_sequence = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(
             self._sequence_uncached
@@ -179,36 +177,18 @@ class CommModel:
             ``math.inf`` when the change is impossible (``Shard`` into ``Partial``, or
             between two ``Partial`` reduce ops).
 
-        Memoised per mesh, since the ILP builder asks for every pair of strategies of every
-        edge (10^5 to 10^6 calls). Hashing torch placements is slow (about 0.2 us each), so a
-        first memo is keyed by the *identity* of the ``src`` and ``dst`` tuples (it holds
-        them, so an id cannot be reused while its entry lives; only hashable, hence
-        immutable, arguments ever enter it). A miss encodes each tuple once (its codes
-        memoised by identity the same way) and looks the cost up by the codes and the
-        tensor's bytes, an LRU of 2**20 entries; the steps themselves depend on the codes
-        only (:meth:`_template`), never on the shape. Reusing the same tuple objects, as
-        strategy lists do, is the fast path.
+        Memoised per mesh by the placements' codes and the tensor's bytes (an LRU of 2**20
+        entries); the steps themselves depend on the codes only (:meth:`_template`), never
+        on the shape. An edge of the strategy graph asks for every pair of its placements
+        at once (:meth:`redistribute_costs`), encoding each placement once.
 
         Raises:
             AutoshardError: a placement count that differs from the mesh's dims, a placement
                 kind other than Shard/Replicate/Partial, a Shard dim outside the tensor, or a
                 bad itemsize.
         """
-        if type(src) is not tuple or type(dst) is not tuple or not isinstance(shape, tuple):
-            # mutable arguments (lists) never enter a memo
-            return self._redistribute_cost_uncached(src, dst, shape, itemsize)
-        key = (id(src), id(dst), shape, itemsize)
-        hit = self._memo_by_id.get(key)
-        if hit is not None and hit[0] is src and hit[1] is dst:
-            return hit[2]
-        total, ndim = self._total_bytes(shape, itemsize)
-        s = self._codes(src, ndim, "source")
-        d = self._codes(dst, ndim, "destination")
-        cost = self._memo_by_value(s, d, ndim, total)
-        if len(self._memo_by_id) >= _COST_CACHE_SIZE:
-            self._memo_by_id.clear()
-        self._memo_by_id[key] = (src, dst, cost)
-        return cost
+        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
+        return self._cost_of(s, d, ndim, total)
 
     def redistribute_costs(
         self,
@@ -225,11 +205,7 @@ class CommModel:
         Raises:
             AutoshardError: as :meth:`redistribute_cost`.
         """
-        total, ndim = self._total_bytes(shape, itemsize)
-        s_codes = [self._encode(p, ndim, "source") for p in srcs]
-        d_codes = [self._encode(q, ndim, "destination") for q in dsts]
-        cost = self._memo_by_value
-        return [[cost(s, d, ndim, total) for d in d_codes] for s in s_codes]
+        return self._matrix(self._cost_of, srcs, dsts, shape, itemsize)
 
     def bucketed_costs(
         self,
@@ -241,11 +217,16 @@ class CommModel:
     ) -> list[list[float]]:
         """:meth:`bucketed_cost` of every pair, a row per source and a column per
         destination (as :meth:`redistribute_costs`)."""
+        price = functools.partial(self._bucketed_of_codes, bucket_bytes=bucket_bytes)
+        return self._matrix(price, srcs, dsts, shape, itemsize)
+
+    def _matrix(self, price, srcs, dsts, shape: Sequence[int], itemsize: int) -> list[list[float]]:
+        """``price(source codes, destination codes, ndim, bytes)`` of every pair, each
+        placement encoded once."""
         total, ndim = self._total_bytes(shape, itemsize)
         s_codes = [self._encode(p, ndim, "source") for p in srcs]
         d_codes = [self._encode(q, ndim, "destination") for q in dsts]
-        price = self._bucketed_of_codes
-        return [[price(s, d, ndim, total, bucket_bytes) for d in d_codes] for s in s_codes]
+        return [[price(s, d, ndim, total) for d in d_codes] for s in s_codes]
 
     def redistribute_steps(
         self,
@@ -369,16 +350,6 @@ class CommModel:
             CommStep(kind, i, b, self._collective(kind, b, i, latency_share)) for kind, i, b in plan
         ]
 
-    def _redistribute_cost_uncached(
-        self,
-        src: Sequence[Placement],
-        dst: Sequence[Placement],
-        shape: Sequence[int],
-        itemsize: int,
-    ) -> float:
-        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
-        return self._cost_of_codes(s, d, ndim, total)
-
     def _cost_of_codes(self, s: tuple, d: tuple, ndim: int, total: int) -> float:
         """Seconds of the resharding from codes ``s`` to ``d`` of an ``ndim``-D tensor of
         ``total`` bytes (``math.inf`` when impossible)."""
@@ -419,19 +390,6 @@ class CommModel:
                 "itemsize >= 1 byte"
             )
         return math.prod(shape) * itemsize, len(shape)
-
-    def _codes(self, placements: Sequence[Placement], ndim: int, what: str) -> tuple:
-        """:meth:`_encode`, memoised by the identity of the ``placements`` tuple (held, so
-        its id cannot be reused while the entry lives)."""
-        key = (id(placements), ndim)
-        hit = self._codes_by_id.get(key)
-        if hit is not None and hit[0] is placements:
-            return hit[1]
-        codes = self._encode(placements, ndim, what)
-        if len(self._codes_by_id) >= _COST_CACHE_SIZE:
-            self._codes_by_id.clear()
-        self._codes_by_id[key] = (placements, codes)
-        return codes
 
     def _plan(
         self,
