@@ -32,7 +32,7 @@ import torch
 
 from autoshard.calibrate import load_profile
 from autoshard.cost.collectives import CommModel, comm_model
-from autoshard.cost.devices import DEVICES, DeviceSpec, get_device
+from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
 from autoshard.cost.mesh import MeshSpec, node_shapes, parse_mesh_shape
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.launch.apply import Applied, apply
@@ -99,7 +99,8 @@ class PlanOptions:
 
     Attributes:
         mode: ``"train"`` (one step: forward, backward, AdamW) or ``"infer"``.
-        device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...).
+        device: a name from :data:`DEVICES` (``"h100"``, ``"a100"``, ...); default
+            :data:`~autoshard.cost.devices.DEFAULT_DEVICE`, an H100 at the rates one reached.
         memory_budget: bytes per device (default: the device's memory less a margin).
         precision: ``"model"``, ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``.
         time_limit: wall-clock seconds for the ILP search (default: none; the search
@@ -126,7 +127,7 @@ class PlanOptions:
     """
 
     mode: str = "train"
-    device: str = "h100"
+    device: str = DEFAULT_DEVICE
     memory_budget: float | None = None
     precision: str = "model"
     time_limit: float | None = None

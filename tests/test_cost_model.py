@@ -126,7 +126,7 @@ def test_compute_bound_matmul_costs_2mnk_over_peak(tmp_path):
     m = n = k = 8192
     path = tmp_path / "mm.py"
     path.write_text(MM_TEMPLATE.format(m=m, n=n, k=k))
-    config = SolveConfig(path, MeshSpec.from_options("4"), mode="infer")
+    config = SolveConfig(path, MeshSpec.from_options("4"), mode="infer", device=H100)
     sg = strategies(config, trace(config))
     ns = sg.nodes["mm"]
     peak = H100.peak(torch.float32)
@@ -136,6 +136,30 @@ def test_compute_bound_matmul_costs_2mnk_over_peak(tmp_path):
     assert by_inputs[((Shard(0),), (R,))] == pytest.approx(full / 4, rel=1e-12)
     assert by_inputs[((R,), (Shard(1),))] == pytest.approx(full / 4, rel=1e-12)
     assert sg.graph.step_flops == 2 * m * n * k
+
+
+def test_by_default_a_matmul_costs_what_an_h100_took_to_run_it(tmp_path):
+    """With no ``--device`` an 8192^3 fp32 matmul is priced at the 2.87 ms one H100 SXM
+    took for it (tests/data/h100b/profile.json, read raw here: 383 TFLOP/s as TF32), not
+    at the datasheet's 2.22 ms (494.5 TFLOP/s); sharding x's rows 4 ways gives each device
+    a 2048 x 8192 x 8192 matmul, priced at the rate measured for its FLOPs."""
+    import json
+
+    m = n = k = 8192
+    raw = json.loads((Path(__file__).parent / "data/h100b/profile.json").read_text())
+    measured = next(
+        r["seconds"]
+        for r in raw["compute"]["matmuls"]
+        if r["dtype"] == "float32" and (r["m"], r["n"], r["k"]) == (m, n, k)
+    )
+    path = tmp_path / "mm.py"
+    path.write_text(MM_TEMPLATE.format(m=m, n=n, k=k))
+    config = SolveConfig(path, MeshSpec.from_options("4"), mode="infer")
+    ns = strategies(config, trace(config)).nodes["mm"]
+    by_inputs = {s.inputs: c for s, c in zip(ns.strategies, ns.compute_s, strict=True)}
+    assert by_inputs[((R,), (R,))] == pytest.approx(measured, rel=1e-9)
+    assert by_inputs[((R,), (R,))] > 1.25 * 2 * m * n * k / H100.peak(torch.float32)
+    assert by_inputs[((Shard(0),), (R,))] > by_inputs[((R,), (R,))] / 4  # a smaller matmul
 
 
 # ---- collectives in sequence -------------------------------------------------------------
@@ -313,7 +337,7 @@ def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
 def mlp_ddp(tmp_path_factory):
     """A DDP plan of a 2-layer MLP on 4 devices, training, compute-bound shapes."""
     path = write_mlp(tmp_path_factory.mktemp("ddp"), b=8192, d=2048, h=8192)
-    return plan_baseline(SolveConfig(path, MeshSpec.from_options("4")), "ddp")
+    return plan_baseline(SolveConfig(path, MeshSpec.from_options("4"), device=H100), "ddp")
 
 
 def test_adamw_step_is_28_bytes_per_fp32_parameter_element(mlp_ddp):
@@ -529,7 +553,7 @@ def gpt2_baselines():
     from autoshard.solver.baselines import plan_for_algo
     from autoshard.solver.solve import finish_plan
 
-    config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"))
+    config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"), device=H100)
     sg = strategies(config, trace(config))  # one trace for the three plans
     plans = {
         a: plan_for_algo(sg, a, config.mesh, finish=lambda g, c, n: finish_plan(config, g, c, n))[0]

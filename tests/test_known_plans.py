@@ -26,6 +26,7 @@ def _solve(path, mesh, inputs="free", outputs="free"):
             input_placement=inputs,
             output_placement=outputs,
             mode="infer",
+            device=get_device("h100"),  # the hand objectives are the datasheet's roofline
         )
     )
 

@@ -54,7 +54,7 @@ def test_mixed_precision_computes_at_the_bf16_peak(tmp_path):
     path = tmp_path / "mm.py"
     path.write_text(MM_TEMPLATE.format(m=n, k=n, n=n))
     h100 = get_device("h100")
-    cfg = SolveConfig(model_path=path, mesh=MeshSpec.from_options("2"), mode="infer")
+    cfg = SolveConfig(model_path=path, mesh=MeshSpec.from_options("2"), mode="infer", device=h100)
     fp32 = plan_model(cfg).plan
     mixed = plan_model(replace(cfg, precision="bf16-mixed")).plan
     assert fp32.compute_s == pytest.approx(2 * n**3 / 2 / h100.peak(torch.float32), rel=1e-3)

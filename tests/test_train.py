@@ -50,7 +50,9 @@ def test_megatron_in_training_with_the_hand_communication(tmp_path):
     """
     b, d, h, n = 16, 1024, 32768, 4
     mesh = MeshSpec.from_options("4")
-    result = plan_model(SolveConfig(model_path=write_mlp(tmp_path, b, d, h), mesh=mesh))
+    result = plan_model(
+        SolveConfig(model_path=write_mlp(tmp_path, b, d, h), mesh=mesh, device=get_device("h100"))
+    )
     plan = result.plan
     assert plan.parameters["fc1.weight"] == (Shard(0),)
     assert plan.parameters["fc2.weight"] == (Shard(1),)

@@ -112,10 +112,10 @@ def mesh_options(f=None, *, mesh_required: bool = True):
             default=DEFAULT_DEVICE,
             show_default=True,
             type=click.Choice(sorted(DEVICES), case_sensitive=False),
-            help="GPU whose peak FLOP/s and memory bandwidth price compute (roofline): "
-            "the datasheet's peaks, which no GPU reaches; h100-measured and h200-measured "
-            "price at the rates one such GPU reached (matmuls by size, attention, copy; "
-            "docs/validation.md).",
+            help="GPU that prices compute (roofline). h100-measured (the default) and "
+            "h200-measured price at the rates one such GPU reached (matmuls by size, "
+            "attention, copy; docs/validation.md); the plain names (h100, a100, ...) at "
+            "the datasheet's peaks, which no GPU reaches.",
         ),
         click.option(
             "--profile",
