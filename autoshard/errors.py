@@ -16,3 +16,13 @@ class MemoryBudgetError(AutoshardError):
     def __init__(self, message: str, least_bytes: float) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
+
+
+class ProgramTooLargeError(AutoshardError):
+    """The ILP of a plan has more columns than the search was told to solve
+    (``SolverOptions.max_columns``); ``columns`` and ``cap`` are the two counts."""
+
+    def __init__(self, message: str, columns: int, cap: int) -> None:
+        super().__init__(message)
+        self.columns = columns
+        self.cap = cap

@@ -33,6 +33,7 @@ from autoshard.pipeline.search import pipeline_rows, stage_file
 from autoshard.pipeline.stage_plan import load_stage_plan
 from autoshard.solver.meshes import search_meshes
 from autoshard.solver.solve import SolveConfig, plan_model
+from autoshard.solver.space import plan_space
 
 INTRA, INTER = DEFAULT_INTRA_NODE_BW, DEFAULT_INTER_NODE_BW
 
@@ -231,13 +232,15 @@ def test_the_links_column_says_where_each_dim_lies_whatever_the_bandwidths(tmp_p
     assert rows["2x2"] == "network x node" and rows["4"] == "network", rows
 
 
-def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planned(
+def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     tmp_path: Path, monkeypatch
 ):
     """4 GPUs on one node: 2x2's program is many times 4's (each edge pairs up to 5^2
     placements per side against 5). With the cap between the two sizes, the search plans
-    4, and 2x2's row says why it has no plan: its column count, which is the count of the
-    program ``build_problem`` builds, and the links to plan it with on its own."""
+    4 with the ILP, and 2x2 in torchtitan's space: the plan ``--mesh 2x2 --space
+    torchtitan`` finds on its own, ranked among the others. Its row says why: its column
+    count, which is the count of the program ``build_problem`` builds, and the links to
+    plan it with on its own."""
     import autoshard.solver.meshes as searched
     from autoshard.solver.ilp import build_problem, program_columns
     from autoshard.solver.solve import strategies, trace
@@ -258,10 +261,16 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
     monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
     search = search_meshes(config, list(meshes.values()))
     rows = {r.mesh.shape: r for r in search.rows}
-    assert rows[(4,)].result is not None and rows[(2, 2)].result is None
+    assert rows[(4,)].space == "free" and rows[(4,)].note is None
+    assert rows[(4,)].result.ilp.num_variables == sizes[(4,)]
+    assert rows[(2, 2)].space == "torchtitan" and rows[(2, 2)].error is None
+    own = plan_space(replace(config, mesh=meshes[(2, 2)]), "torchtitan", graph=graph)
+    assert rows[(2, 2)].step_time_s == own.plan.step_time_s
+    assert rows[(2, 2)].result.plan.parameters == own.plan.parameters
+    assert [r.step_time_s for r in search.rows] == sorted(r.step_time_s for r in search.rows)
     # the links the search laid 2x2 on: one node, so both dims at NVLink's
     assert meshes[(2, 2)].bandwidth == (INTRA, INTRA)
-    assert rows[(2, 2)].error == (
+    assert rows[(2, 2)].note == (
         f"its ILP has {sizes[(2, 2)]:,} columns, over the {cap:,} this search solves per "
         "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2 with the "
         "links it has here, per dim " + ", ".join(["450 GB/s and 5.00 us"] * 2)
@@ -269,6 +278,42 @@ def test_a_shape_whose_program_is_over_the_cap_is_reported_and_the_others_planne
     # the cap is the search's: the same shape solved on its own (solve --mesh) is planned
     alone = plan_model(replace(config, mesh=meshes[(2, 2)]), graph=graph)
     assert alone.ilp.num_variables == sizes[(2, 2)] > cap
+
+
+def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path: Path, monkeypatch):
+    """``solve --gpus 4``, the cap under 2x2's program: its row names the search that
+    planned it and a note gives the reason; when torchtitan's space has no plan either
+    (planted), the row says both reasons and 4 is still planned."""
+    import autoshard.solver.meshes as searched
+
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
+    args = ["solve", str(model), "--gpus", "4", "--gpus-per-node", "4", "--out", str(tmp_path)]
+    run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
+    assert run.exit_code == 0, run.output
+    cells = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
+        for line in run.output.splitlines()
+        if line.count("│") >= 8
+    }
+    assert cells["4"][-1] == "ILP" and cells["2x2"][-1] == "torchtitan space", cells
+    assert "note: 2x2 is planned in torchtitan's space" in run.output
+    assert "its ILP has" in run.output.split("note: 2x2 is planned", 1)[1]
+
+    real = searched.plan_space
+
+    def refused(config, space, *rest):  # noqa: ANN001, ANN202
+        if space == "torchtitan":
+            raise AutoshardError("planted: no plan in this space")
+        return real(config, space, *rest)
+
+    monkeypatch.setattr(searched, "plan_space", refused)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(4, 4)]
+    rows = {r.mesh.shape: r for r in search_meshes(config, meshes).rows}
+    assert rows[(4,)].result is not None
+    assert rows[(2, 2)].result is None and rows[(2, 2)].error.startswith("its ILP has ")
+    assert rows[(2, 2)].error.endswith("; in torchtitan's space: planted: no plan in this space")
 
 
 _BLOCK = """

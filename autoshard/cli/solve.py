@@ -33,8 +33,8 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     help="In place of --mesh: try every mesh shape of N GPUs that respects the node boundary "
     "(1-3 dims; a dim inside a node or across nodes, never half of each), plan each, print "
     "them ranked and write the fastest. A shape whose ILP has over "
-    f"{MESH_SEARCH_COLUMNS:,} columns (a 3-D mesh, often) is listed unsolved, with its "
-    "column count.",
+    f"{MESH_SEARCH_COLUMNS:,} columns (a 3-D mesh, often) is searched in torchtitan's space "
+    "instead (as --space torchtitan), and its row says so.",
 )
 @click.option(
     "--gpus-per-node",
@@ -330,6 +330,8 @@ def _mesh_row(row, gpus_per_node: int) -> dict:  # noqa: ANN001 - a solver.meshe
         "mfu": float(row.mfu) if row.planned else None,
         "memory_bytes": float(row.memory_bytes) if row.planned else None,
         "error": row.error,
+        "space": row.space,
+        "note": row.note,
     }
 
 
@@ -341,14 +343,14 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
     from autoshard.units import format_bytes, format_seconds
 
     table = Table(title=f"mesh shapes of {gpus} GPUs, {gpus_per_node} per node (fastest first)")
-    for col in ("mesh", "pp", "links", "step", "MFU", "memory/device", "solve"):
-        table.add_column(col, justify="left" if col in ("mesh", "links") else "right")
+    for col in ("mesh", "pp", "links", "step", "MFU", "memory/device", "solve", "search"):
+        table.add_column(col, justify="left" if col in ("mesh", "links", "search") else "right")
     for row in search.rows:
         mesh = "x".join(map(str, row.mesh.shape))
         inside = inside_node(row.mesh.shape, gpus_per_node)
         links = " x ".join("node" if x else "network" for x in inside)
         if not row.planned:
-            table.add_row(mesh, str(row.pp), links, "no plan", "", "", "", style="dim")
+            table.add_row(mesh, str(row.pp), links, "no plan", "", "", "", "", style="dim")
             continue
         table.add_row(
             mesh,
@@ -358,9 +360,15 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
             f"{100 * row.mfu:.1f}%",
             format_bytes(row.memory_bytes),
             f"{row.solve_seconds:.1f} s",
+            "stages" if row.pp > 1 else "ILP" if row.space == "free" else f"{row.space} space",
         )
     console.print(table)
     for row in search.rows:
+        if row.note is not None:
+            console.print(
+                f"note: {'x'.join(map(str, row.mesh.shape))} is planned in {row.space}'s space "
+                f"(what FSDP2 and parallelize_module express, as --space {row.space}): {row.note}"
+            )
         if not row.planned:
             pp = f" with pp={row.pp}" if row.pp > 1 else ""
             console.print(

@@ -59,7 +59,7 @@ from autoshard.cost.liveness import local_bytes
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import overlappable, window_vectors
-from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.errors import AutoshardError, MemoryBudgetError, ProgramTooLargeError
 from autoshard.solver.cvx import Layout, compile_program
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, count_compile, run
 from autoshard.solver.options import SolverOptions
@@ -318,7 +318,7 @@ def check_size(sg: StrategyGraph, options: SolverOptions, mesh: MeshSpec) -> Non
     """Refuses a program over ``options.max_columns`` (:class:`SolverOptions`).
 
     Raises:
-        AutoshardError: naming the count, the cap, and the links to give ``--mesh`` to
+        ProgramTooLargeError: naming the count, the cap, and the links to give ``--mesh`` to
             plan the mesh on its own (a mesh search lays a shape's dims on the cluster's
             links, which ``--mesh``'s default of dim 0 across nodes may not match).
     """
@@ -332,10 +332,12 @@ def check_size(sg: StrategyGraph, options: SolverOptions, mesh: MeshSpec) -> Non
             f"{format_bandwidth(b)} and {format_seconds(a)}"
             for b, a in zip(mesh.bandwidth, mesh.latency, strict=True)
         )
-        raise AutoshardError(
+        raise ProgramTooLargeError(
             f"its ILP has {n:,} columns, over the {cap:,} this search solves per mesh "
             f"(max_columns); to search it anyway, plan it on its own: --mesh {shape} with "
-            f"the links it has here, per dim {links}"
+            f"the links it has here, per dim {links}",
+            n,
+            cap,
         )
 
 

@@ -5,8 +5,12 @@ A user starts from "64 H100s, 8 per node", not from "8x8". :func:`search_meshes`
 the model once (a trace does not depend on the mesh), then for every candidate mesh
 (:func:`autoshard.cost.mesh.node_shapes`, links from :meth:`MeshSpec.on_nodes`) generates
 the strategies and solves the same ILP ``autoshard solve --mesh`` solves, and ranks the
-shapes by predicted step time. Each shape is planned by :func:`plan_model`, the function
-``solve --mesh`` runs, with the links of its place in the cluster (which can differ from
+shapes by predicted step time. A shape whose ILP has more columns than a mesh search
+solves (:data:`~autoshard.solver.options.MESH_SEARCH_COLUMNS`; a 3-D mesh of a large
+model, often) is searched in torchtitan's space instead (``--space torchtitan``: what
+FSDP2 and ``parallelize_module`` express, :mod:`autoshard.solver.space`), so it is still
+ranked with a plan that runs; its row says so and why. Each shape is planned by
+:func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in the cluster (which can differ from
 ``--mesh``'s convention, dim 0 across nodes and the rest inside one: the written files
 record the links each dim was priced with).
 """
@@ -20,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard.cost.mesh import MeshSpec
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
 from autoshard.solver.solve import SolveConfig, SolveResult, trace
 from autoshard.solver.space import plan_space
@@ -34,7 +38,9 @@ class MeshRow:
     fits the memory budget, the ILP found none). A pipeline row (``pp`` > 1) holds a stage
     plan instead (``stages``: an :class:`autoshard.pipeline.pricing.StagesResult`, the
     layers split into ``pp`` stages over the mesh's leading dims), with its own
-    ``seconds`` and MFU (``pipeline_mfu``)."""
+    ``seconds`` and MFU (``pipeline_mfu``). ``space``: the search that planned it
+    (``"free"``, the whole ILP, or ``"torchtitan"``); ``note``: why it is not the one
+    asked for (the free ILP over the column cap), else ``None``."""
 
     mesh: MeshSpec
     result: SolveResult | None = None
@@ -43,6 +49,8 @@ class MeshRow:
     stages: Any = None
     seconds: float = math.nan
     pipeline_mfu: float = 0.0
+    space: str = "free"
+    note: str | None = None
 
     @property
     def planned(self) -> bool:
@@ -109,6 +117,24 @@ class MeshSearch:
         return search
 
 
+def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # noqa: ANN001
+    """``config.mesh``'s row: planned in ``space``, or (the free ILP over the column cap)
+    in torchtitan's space, or why it has no plan."""
+    try:
+        return MeshRow(config.mesh, plan_space(config, space, progress, graph), space=space)
+    except ProgramTooLargeError as exc:
+        if space != "free":
+            return MeshRow(config.mesh, error=str(exc), space=space)
+        why = str(exc)
+    except AutoshardError as exc:  # this shape has no plan: its row says why
+        return MeshRow(config.mesh, error=str(exc), space=space)
+    try:
+        found = plan_space(config, "torchtitan", progress, graph)
+    except AutoshardError as exc:
+        return MeshRow(config.mesh, error=f"{why}; in torchtitan's space: {exc}", space=space)
+    return MeshRow(config.mesh, found, space="torchtitan", note=why)
+
+
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
     """Fastest first (ties: fewer mesh dims, then no pipeline, then the order tried); rows
     without a plan last, in the order tried."""
@@ -151,17 +177,16 @@ def search_meshes(
         def inner(phase: str, done: int, total: int, text: str = text) -> None:
             progress(f"{phase} on {text}", done, total)
 
-        try:
-            result = plan_space(
-                replace(config, mesh=mesh, solver=solver), space, inner if progress else None, graph
+        shaped = replace(config, mesh=mesh, solver=solver)
+        row = _plan_row(shaped, space, inner if progress else None, graph)
+        if row.result is not None:
+            # the shared trace counts in every shape's seconds, as in a solve of that shape
+            seconds = row.result.seconds
+            row.result.seconds = {"trace": trace_s, **seconds}
+            row.result.seconds["total"] = sum(
+                v for k, v in row.result.seconds.items() if k != "total"
             )
-        except AutoshardError as exc:  # this shape has no plan: its row says why
-            rows.append(MeshRow(mesh, error=str(exc)))
-            continue
-        # the shared trace counts in every shape's seconds, as in a solve of that shape
-        result.seconds = {"trace": trace_s, **result.seconds}
-        result.seconds["total"] = sum(v for k, v in result.seconds.items() if k != "total")
-        rows.append(MeshRow(mesh, result))
+        rows.append(row)
     if progress:
         progress("meshes", len(meshes), len(meshes))
     if all(r.result is None for r in rows):
