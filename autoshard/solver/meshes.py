@@ -10,9 +10,9 @@ solves (:data:`~autoshard.solver.options.MESH_SEARCH_COLUMNS`; a 3-D mesh of a l
 model, often) is searched in torchtitan's space instead (``--space torchtitan``: what
 FSDP2 and ``parallelize_module`` express, :mod:`autoshard.solver.space`), so it is still
 ranked with a plan that runs; its row says so and why. Each shape is planned by
-:func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in the cluster (which can differ from
-``--mesh``'s convention, dim 0 across nodes and the rest inside one: the written files
-record the links each dim was priced with).
+:func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in
+the cluster (which can differ from ``--mesh``'s convention, dim 0 across nodes and the
+rest inside one: the written files record the links each dim was priced with).
 """
 
 from __future__ import annotations
