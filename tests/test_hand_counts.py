@@ -20,8 +20,10 @@ papers, with the parameter sizes PyTorch's own module reports:
   ``--share-reshardings``, which pays one all-reduce for the two reads of one gradient).
 
 - **Megatron-SP** (Korthikanti et al., 2022): two all-gathers and two reduce-scatters per
-  layer in the forward (and one all-gather before the head), mirrored in the backward. The
-  forward holds; the backward is a strict expected failure (its cause in the test).
+  layer in the forward (and one all-gather before the head); in the backward one
+  reduce-scatter per region, no weight gradient reduced over TP, and Megatron-LM's
+  all-gathers (each region's input again, each row-parallel output's gradient). The
+  backward's all-gathers are a strict expected failure (its cause in the test).
 
 DDP and FSDP also all-reduce the 0-d loss once in the forward pass (each device's mean over
 its own rows, 4 bytes).
@@ -35,6 +37,7 @@ import pytest
 import torch
 from helpers import write_model
 
+from autoshard.cost.devices import get_device
 from autoshard.cost.mesh import MeshSpec
 from autoshard.model.model_file import instantiate, load_model_file
 from autoshard.solver.solve import SolveConfig, plan_baseline
@@ -78,6 +81,7 @@ def _plan(model_path: Path, algo: str, share_reshardings: bool = False):
         mode="train",
         activation_checkpointing="none",
         share_reshardings=share_reshardings,
+        device=get_device("h100"),  # the datasheet's roofline: no measured curve's quirks
     )
     return plan_baseline(config, algo).plan
 
@@ -150,20 +154,43 @@ def test_megatron_sp_gathers_and_reduce_scatters_twice_per_layer_in_the_forward(
     assert forward == {"all_gather": 2 * 2 + 1, "reduce_scatter": 2 * 2}
 
 
+@pytest.mark.slow
+def test_megatron_sp_backward_reduce_scatters_each_region_once_and_no_weight_gradient(
+    model_path,
+):
+    """Megatron-SP's backward (Korthikanti et al., 2022; Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``): each region's input gradient,
+    partial over TP and summed over the region's column-parallel matmuls, is
+    reduce-scattered once to the norm's sequence shards (the forward all-gather's ``g-bar``):
+    2 per layer, and no all-to-all. Each rank computes its own shard's weight gradient
+    (Shoeybi et al., 2019), so no weight gradient is reduced over TP: the all-reduces are
+    the parameters kept whole on the TP dim, whose gradients sum over the sequence shards:
+    the 2 norms per layer and the final norm (Megatron-LM all-reduces the layernorm
+    gradients under sequence parallelism), the embedding and the LM head, which this plan
+    keeps whole. Before, the backward was left to propagation: 8 all-gathers, 7
+    all-reduces, 14 all-to-alls and 26 reduce-scatters, the weight gradients contracted
+    over the token shards and reduce-scattered over TP."""
+    shared = _counts(_plan(model_path, "megatron_sp", share_reshardings=True))
+    backward = {k: n for (phase, k), n in shared.items() if phase == "backward"}
+    assert backward["reduce_scatter"] == 2 * 2
+    assert backward["all_reduce"] == 2 * 2 + 1 + 1 + 1
+    assert "all_to_all" not in backward
+
+
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="the sequence-parallel backward is left to propagation, and its weight-gradient "
-    "matmuls read the activation before its all-gather (DTensor's autograd saves the "
-    "gathered copy): 8 all-gathers, 7 all-reduces, 14 all-to-alls and 26 reduce-scatters "
-    "(docs/validation.md, the 405B row)",
+    reason="the row-parallel output's gradient is gathered twice per region: transposed "
+    "for the weight gradient and as it is for the input gradient (autoshard's graph reads "
+    "both; Megatron-LM gathers it once): 12 all-gathers where Megatron-LM runs 8",
 )
-def test_megatron_sp_backward_mirrors_its_forward(model_path):
-    """The backward of an all-gather is a reduce-scatter and the other way round: per layer
-    2 of each, and the head's one reduce-scatter (Korthikanti et al., 2022)."""
+def test_megatron_sp_backward_all_gathers_as_megatron_lm_does(model_path):
+    """Megatron-LM's backward all-gathers, per layer: each region's sequence-parallel input
+    again for its weight gradients (the forward's gathered copy is not kept), and each
+    row-parallel output's gradient (the forward reduce-scatter's ``g-bar``): 2 + 2."""
     shared = _counts(_plan(model_path, "megatron_sp", share_reshardings=True))
-    backward = {k: n for (phase, k), n in shared.items() if phase == "backward"}
-    assert backward == {"all_gather": 2 * 2, "reduce_scatter": 2 * 2 + 1}
+    assert shared[("backward", "all_gather")] == (2 + 2) * 2
 
 
 def test_the_tiny_llama_is_what_the_counts_assume(sizes):

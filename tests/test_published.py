@@ -331,7 +331,6 @@ WITHIN = frozenset(
         "torchtitan-llama3-8b-64xa100",
         "torchtitan-llama3-70b-64xa100",
         "torchtitan-llama2-70b-64xa100",
-        "torchtitan-llama3.1-405b-128xh100",
         "megatron-gpt-1.7b-32xa100",
         "megatron-gpt-3.6b-64xa100",
         "megatron-gpt-7.5b-128xa100",

@@ -5,6 +5,7 @@ families are described in :mod:`autoshard.solver.baselines`)."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -312,6 +313,8 @@ def megatron_restriction(
         pin_placeholder(r, sg, rep, shard_dim0(shape, mesh.shape, dp), "inputs")
 
     _pin_tp_params(r, sg, roles, dp, t, fsdp)
+    if sequence_parallel:  # Megatron's backward already keeps these (the hand counts)
+        _pin_tp_weight_gradients(r, sg, _tp_weights(sg, roles), t)
     _pin_outside_ops(r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside)
     if not roles:
         r.notes.append(
@@ -475,6 +478,37 @@ def _pin_tp_params(
         restrict_param_uses(r, sg, used_as_stored)
 
 
+def _tp_weights(sg: StrategyGraph, roles: dict[str, str]) -> set[str]:
+    """The parameters (representatives) that a matmul with a tensor-parallel role reads."""
+    role_reps = {sg.nodes[m].rep for m in roles}
+    return {e.src for e in sg.edges if e.dst in role_reps and node_kind(sg, e.src) == "param"}
+
+
+def _pin_tp_weight_gradients(r: Restriction, sg: StrategyGraph, weights: set[str], t: int) -> None:
+    """Each rank computes the gradient of its own shard of a tensor-parallel weight
+    (Shoeybi et al., 2019, section 3: the weight gradients need no communication over the
+    TP group; Megatron-LM's sequence-parallel linear layers gather their input again in
+    the backward for it): the gradient of a parameter in ``weights`` reaches its sink in
+    the parameter's own placement on mesh dim ``t``, never as a partial sum reduced over
+    it. Left to propagation, the weight-gradient matmuls of a sequence-parallel plan
+    contracted over the token shards and reduce-scattered the sums over TP. A gradient's
+    sink follows its parameter's variable, so the edges into a parameter are its
+    gradient's; propagation does not look ahead along them, so the op that makes the
+    gradient is pinned. Returns None."""
+    for e in sg.edges:
+        if e.dst not in weights or e.src in weights:
+            continue
+        allowed = r.allowed.get(e.dst, range(len(sg.nodes[e.dst].strategies)))
+        wanted = {e.dst_placements[e.dst_groups[j]][t] for j in allowed}
+
+        def makes(i: int, e=e, wanted=wanted) -> bool:
+            return e.src_placements[e.src_groups[i]][t] in wanted
+
+        if not r.allow(sg, e.src, makes, "weight_gradients"):
+            fqn = sg.graph.nodes[e.dst].fqn
+            r.notes.append(f"{fqn}: no op makes its gradient in its own placement on the TP dim")
+
+
 def _pin_outside_backward(
     r: Restriction,
     sg: StrategyGraph,
@@ -482,6 +516,7 @@ def _pin_outside_backward(
     region_reps: set[str],
     backward: set[str],
     t: int,
+    sequence_parallel: bool = False,
 ) -> None:
     """Megatron's backward outside the tensor-parallel regions (Shoeybi et al. 2019, the
     ``f`` operator): the gradient of a replicated tensor is never sharded on the TP dim. A
@@ -490,21 +525,48 @@ def _pin_outside_backward(
     it; every other backward op outside the regions' modules (the residual stream's adds)
     is replicated or partial on the TP dim, so partial gradients add up before their one
     all-reduce. Left to propagation, a reduce-scatter (half an all-reduce's bytes) won each
-    choice and the gradient was gathered again later. Returns None."""
+    choice and the gradient was gathered again later. With ``sequence_parallel``
+    (Megatron-SP) the same ops run on the sequence shards instead: a norm's backward is
+    sharded on the TP dim (partial only where it sums over the tokens: its weight's
+    gradient), the residual stream's ops sharded or partial, so each region's partial input
+    gradient is reduce-scattered once. Returns None."""
     nodes = sg.graph.nodes
     module = {r_: nodes[r_].module_path for r_ in sg.reps if r_ in nodes}
     outside_modules = {module.get(r_) for r_ in outside} - {None}
     inside_modules = {module.get(r_) for r_ in region_reps} - {None}
     # the residual stream's shapes: what the ops outside the regions make
     stream = {tuple(nodes[r_].results[0].shape) for r_ in outside if _first_result(sg, r_)}
+    if sequence_parallel:
+        # Megatron-SP (Korthikanti et al., 2022): a norm's backward runs on the sequence
+        # shards, as its forward; only its weight's gradient (a sum over the tokens) is
+        # partial; the residual stream's adds may sum partial gradients before their one
+        # reduce-scatter
+        def module_test(p, shaped: bool) -> bool:  # noqa: ANN001
+            return is_s(p) or (is_p(p) and not shaped)
+
+        def stream_test(p) -> bool:  # noqa: ANN001
+            return is_s(p) or is_p(p)
+
+        why = "sequence_parallel"
+    else:
+
+        def module_test(p, shaped: bool) -> bool:  # noqa: ANN001
+            return is_r(p)
+
+        def stream_test(p) -> bool:  # noqa: ANN001
+            return not is_s(p)
+
+        why = "replicated_on_tp"
     for rep in sorted(backward):
         path = module.get(rep)
         if node_kind(sg, rep) != "op" or path in inside_modules or not _first_result(sg, rep):
             continue
+        shaped = tuple(nodes[rep].results[0].shape) in stream
         if path in outside_modules:
-            r.allow(sg, rep, all_on(sg, rep, t, is_r), "replicated_on_tp")
-        elif path is None and tuple(nodes[rep].results[0].shape) in stream:
-            r.allow(sg, rep, all_on(sg, rep, t, lambda p: not is_s(p)), "replicated_on_tp")
+            test = functools.partial(module_test, shaped=shaped)
+            r.allow(sg, rep, all_on(sg, rep, t, test), why)
+        elif path is None and shaped:
+            r.allow(sg, rep, all_on(sg, rep, t, stream_test), why)
 
 
 def _first_result(sg: StrategyGraph, rep: str) -> bool:
@@ -553,5 +615,5 @@ def _pin_outside_ops(
             f"{unpinned} ops outside the tensor-parallel regions have no strategy "
             "replicated on the TP dim; left to propagation"
         )
-    if not sequence_parallel and pin_outside:
-        _pin_outside_backward(r, sg, outside, region_reps, backward, t)
+    if pin_outside:
+        _pin_outside_backward(r, sg, outside, region_reps, backward, t, sequence_parallel)
