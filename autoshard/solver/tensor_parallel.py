@@ -295,8 +295,10 @@ def megatron_restriction(
     t = ndim - 1
     dp = range(ndim - 1)
     tp = find_tensor_parallel(sg)
-    # training graphs: the backward pass is not pinned (its matmuls follow the weights'
-    # placements, its activation gradients are placed by propagation)
+    # training graphs: the backward's matmuls get no role (they follow the weights'
+    # placements); the backward outside the regions is pinned as the forward
+    # (_pin_outside_backward) and, with sequence parallelism, the weight gradients too
+    # (_pin_tp_weight_gradients); the rest is placed by propagation
     backward = _backward_reps(sg)
     param_uses = _forward_param_uses(sg, backward)
     # 1. groups whose matmuls have the role's strategy (the shapes divide)
