@@ -168,11 +168,11 @@ def test_a_calibrated_profile_on_four_gloo_ranks_changes_the_plan(tmp_path: Path
     p = load_profile(profile)
     (a0, a1), (bw0, bw1) = (f.latency for f in p.links), (f.bandwidth for f in p.links)
 
-    datasheet = _solve_json(tmp_path)
+    datasheet = _solve_json(tmp_path, "--device", "h100")
     assert datasheet["device"] == "h100"
     assert datasheet["time_s"]["collectives"] == {}
     assert all(ps == ["R", "R"] for ps in datasheet["plan"]["parameters"].values())
-    unsplit = _solve_json(tmp_path, "--algo", "replicate")["time_s"]
+    unsplit = _solve_json(tmp_path, "--device", "h100", "--algo", "replicate")["time_s"]
     assert datasheet["time_s"]["compute"] == pytest.approx(unsplit["compute"])  # whole
 
     measured = _solve_json(tmp_path, "--profile", str(profile))

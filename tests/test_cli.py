@@ -99,7 +99,7 @@ def test_solve_gpt2_two_layers_end_to_end(tmp_path, monkeypatch):
     assert sol["solver"]["status"] in ("optimal", "within_gap")
     assert sol["objective_s"] == pytest.approx(raw["predicted"]["step_time_s"])
     # the map says which device its predictions are for: the launcher prints it
-    assert raw["predicted"]["device"] == sol["cost_model"]["device"]["name"] == "h100"
+    assert raw["predicted"]["device"] == sol["cost_model"]["device"]["name"] == "h100-measured"
 
 
 def test_a_failed_solve_keeps_the_previous_solution(tmp_path, monkeypatch):
