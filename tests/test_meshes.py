@@ -376,6 +376,41 @@ def test_a_pipeline_row_writes_the_stage_plan_stages_writes(tmp_path: Path):
     assert back.step_time_s == pytest.approx(row.step_time_s, rel=1e-12)
 
 
+@pytest.mark.slow
+def test_a_pipeline_depth_counts_its_candidate_stages_as_it_prices_them(tmp_path: Path):
+    """``--pp`` on a deep model prices many candidate stages (one ILP per structurally new
+    one): the search reports each, counted against every stage of every split of the
+    layers, 2 (L - 1) for two stages (here L = 4: 6), from 0 to the total; and a piped
+    run's progress prints the count of a long phase."""
+    import io
+
+    from rich.console import Console
+
+    from autoshard.cli.options import Progress
+
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 4, 64, 2048))
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    seen: list[tuple[str, int, int]] = []
+    (row,) = pipeline_rows(
+        config, meshes, [2], 8, gpus_per_node=2, progress=lambda *a: seen.append(a)
+    )
+    assert row.planned
+    counts = [(done, total) for phase, done, total in seen if phase == "stages of pp=2 on 2x2"]
+    assert counts == [(k, 6) for k in range(7)]
+
+    text = io.StringIO()
+    piped = Progress(Console(file=text, force_terminal=False, width=200))
+    piped.EVERY_S = 0.0
+    for k in range(4):
+        piped("stages of pp=2 on 2x2", k, 3)
+    lines = text.getvalue().splitlines()
+    assert lines[0] == "stages of pp=2 on 2x2 ..."
+    assert lines[1:3] == ["stages of pp=2 on 2x2: 1/3", "stages of pp=2 on 2x2: 2/3"]
+    assert lines[3].startswith("stages of pp=2 on 2x2: done in ")
+
+
 def test_pp_without_gpus_or_below_2_is_one_line(tmp_path: Path):
     model = write_mlp(tmp_path, 64, 256, 1024)
     run = _cli("solve", str(model), "--mesh", "4", "--pp", "2")

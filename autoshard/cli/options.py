@@ -433,6 +433,7 @@ class Progress:
         )
         self.tasks: dict[str, int] = {}
         self.started: dict[str, float] = {}
+        self.counted: dict[str, float] = {}  # when a phase's count was last printed
         self.finished: set[str] = set()
 
     def __enter__(self):
@@ -476,9 +477,13 @@ class Progress:
         interrupt.check()  # a Ctrl-C that landed in a finaliser and was swallowed stops here
         label = self.LABELS.get(phase, phase)
         if self.lines:
+            now = time.perf_counter()
             if phase not in self.started:
-                self.started[phase] = time.perf_counter()
+                self.started[phase] = self.counted[phase] = now
                 self.console.print(f"{label} ...", highlight=False)
+            elif 0 < done < total and now - self.counted[phase] >= self.EVERY_S:
+                self.counted[phase] = now  # a long phase of many steps: its count
+                self.console.print(f"{label}: {done}/{total}", highlight=False)
             if done >= total and phase not in self.finished:
                 self.finished.add(phase)
                 seconds = time.perf_counter() - self.started[phase]

@@ -15,6 +15,7 @@ leaves out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from autoshard.pipeline.stages import (
     pipeline_degrees,
     stage_ranks,
     submesh_shape,
+    usable_stages,
 )
 from autoshard.placements import placements_to_str
 from autoshard.plan.export import output_stem
@@ -262,8 +264,13 @@ def plan_pipeline(
     pp: int,
     microbatches: int,
     memory_budget: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> StagesResult:
     """Price degree ``pp`` (:func:`price_pipeline`) and split the layers into ``pp`` stages.
+    ``progress(done, total)``: called before each candidate stage is priced and once at the
+    end (``total``: the stages of every split,
+    :func:`~autoshard.pipeline.stages.usable_stages`; a stage structurally equal to one
+    priced before costs no ILP).
 
     Raises:
         AutoshardError: a pp that does not split the mesh, more stages than layers, an
@@ -272,14 +279,26 @@ def plan_pipeline(
     submesh_shape(config.mesh.shape, pp)  # a bad pp fails before any ILP
     _check_stages(pp, layers)
     costs = price_pipeline(config, graph, layers, pp, microbatches)
+    total = len(usable_stages(layers.num_layers, pp))
+    done = 0
+
+    def stage_cost(i: int, j: int) -> StageCost:
+        nonlocal done
+        if progress is not None:
+            progress(done, total)
+        done += 1
+        return StageCost(costs.stage_time(i, j), costs.stage_memory(i, j))
+
     sp = assign_stages(
         layers.num_layers,
         pp,
         microbatches,
-        lambda i, j: StageCost(costs.stage_time(i, j), costs.stage_memory(i, j)),
+        stage_cost,
         # stages over the budget carry time 0 (see StagePrice): always filter by memory
         memory_budget=memory_budget if memory_budget is not None else config.budget(),
     )
+    if progress is not None:
+        progress(total, total)
     return StagesResult(costs, sp)
 
 

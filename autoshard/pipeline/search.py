@@ -112,7 +112,19 @@ def pipeline_rows(
             progress(f"pipeline pp={pp} on {'x'.join(map(str, mesh.shape))}", k, len(depths))
         t = time.perf_counter()
         try:
-            done = plan_pipeline(replace(staged, mesh=mesh), graph, layers, pp, microbatches)
+            where = f"stages of pp={pp} on {'x'.join(map(str, mesh.shape))}"
+
+            def stage_progress(done: int, total: int, where: str = where) -> None:
+                progress(where, done, total)
+
+            done = plan_pipeline(
+                replace(staged, mesh=mesh),
+                graph,
+                layers,
+                pp,
+                microbatches,
+                progress=stage_progress if progress else None,
+            )
         except AutoshardError as exc:  # this depth has no plan: its row says why
             rows.append(MeshRow(mesh, error=str(exc), pp=pp))
             continue

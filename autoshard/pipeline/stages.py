@@ -44,6 +44,7 @@ __all__ = [
     "pipeline_step_time",
     "stage_ranks",
     "submesh_shape",
+    "usable_stages",
     "validate_balance",
 ]
 
@@ -593,7 +594,7 @@ def validate_balance(balance: Sequence[int], num_layers: int) -> None:
         )
 
 
-def _usable_pairs(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+def usable_stages(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Every (i, j) that is some stage of some split of L layers into S nonempty stages.
 
     Stage k (0-based) starts at i = 0 iff k = 0 and ends at j = L iff k = S - 1; it needs
@@ -712,7 +713,7 @@ def assign_stages(
     L, S, B = num_layers, num_stages, microbatches
     time = np.full((L + 1, L + 1), math.inf)
     mem = np.full((L + 1, L + 1), math.inf)
-    pairs = _usable_pairs(L, S)
+    pairs = usable_stages(L, S)
     for i, j in pairs:
         c = stage_cost(i, j)
         if not isinstance(c, StageCost):
