@@ -22,8 +22,8 @@ papers, with the parameter sizes PyTorch's own module reports:
 - **Megatron-SP** (Korthikanti et al., 2022): two all-gathers and two reduce-scatters per
   layer in the forward (and one all-gather before the head); in the backward one
   reduce-scatter per region, no weight gradient reduced over TP, and Megatron-LM's
-  all-gathers (each region's input again, each row-parallel output's gradient). The
-  backward's all-gathers are a strict expected failure (its cause in the test).
+  all-gathers (each region's input again, each row-parallel output's gradient), with
+  ``--share-reshardings``.
 
 DDP and FSDP also all-reduce the 0-d loss once in the forward pass (each device's mean over
 its own rows, 4 bytes).
@@ -178,17 +178,13 @@ def test_megatron_sp_backward_reduce_scatters_each_region_once_and_no_weight_gra
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the row-parallel output's gradient is gathered twice per region: transposed "
-    "for the weight gradient and as it is for the input gradient (autoshard's graph reads "
-    "both; Megatron-LM gathers it once): 12 all-gathers where Megatron-LM runs 8",
-)
 def test_megatron_sp_backward_all_gathers_as_megatron_lm_does(model_path):
     """Megatron-LM's backward all-gathers, per layer: each region's sequence-parallel input
-    again for its weight gradients (the forward's gathered copy is not kept), and each
-    row-parallel output's gradient (the forward reduce-scatter's ``g-bar``): 2 + 2."""
+    again for its weight gradients (the forward's gathered copy is not kept) and each
+    row-parallel output's gradient (the forward reduce-scatter's ``g-bar``), one gather
+    for the weight gradient and the input gradient both: 2 + 2. Before the trace read
+    that gradient as it is for both (``trace.tracer.read_untransposed``), the weight
+    gradient's transposed read gathered it again: 12."""
     shared = _counts(_plan(model_path, "megatron_sp", share_reshardings=True))
     assert shared[("backward", "all_gather")] == (2 + 2) * 2
 

@@ -575,9 +575,11 @@ def trace_model(
     output node's ``grad_of`` names the parameter each gradient output belongs to.
     Dropout is off in both; batch norm normalises with the batch's statistics in
     training and the running ones in inference, in plain ops
-    (:mod:`autoshard.trace.batchnorm`). ``merge_views``: identical views of one tensor in
-    one block and phase become one node (:func:`merge_duplicate_views`; a plan that
-    shares reshardings, ``--share-reshardings``, is traced so at solve and at launch).
+    (:mod:`autoshard.trace.batchnorm`). ``merge_views``: a matmul that reads a transposed
+    tensor also read as it is reads it as it is (:func:`read_untransposed`), and
+    identical views of one tensor in one block and phase become one node
+    (:func:`merge_duplicate_views`; a plan that shares reshardings,
+    ``--share-reshardings``, is traced so at solve and at launch).
 
     Raises:
         AutoshardError: when the model cannot be traced (torch's first line and what
@@ -595,6 +597,7 @@ def trace_model(
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
     cut_view_round_trips(gm)
     if merge_views:
+        read_untransposed(gm)
         merge_duplicate_views(gm, _layer_function(loaded, mode))
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
@@ -636,6 +639,51 @@ def merge_duplicate_views(
     if merged:
         gm.recompile()
     return merged
+
+
+def read_untransposed(gm: torch.fx.GraphModule) -> int:
+    """``mm(t(a), b)`` becomes ``t(mm(t(b), a))`` (the same product: ``a^T b = (b^T a)^T``)
+    where ``a`` is also read as it is by another op.
+
+    A linear layer's backward reads its output gradient ``g`` twice: transposed for the
+    weight gradient (``mm(t(g), x)``) and as it is for the input gradient (``mm(g, W)``).
+    Under sequence parallelism both want ``g`` gathered over the tokens, and two reads of
+    two tensors (``t(g)`` and ``g``) pay two all-gathers where Megatron-LM gathers ``g`` once
+    (Korthikanti et al., 2022). Read as it is by both matmuls, ``g`` is one tensor moved once
+    for both (:mod:`autoshard.strategies.sharing`). A transpose computes nothing, and the
+    two matmuls do the same multiplications. Returns how many matmuls were rewritten."""
+    t, mm = torch.ops.aten.t.default, torch.ops.aten.mm.default
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not mm or len(node.args) != 2:
+            continue
+        left, right = node.args
+        if not (isinstance(left, torch.fx.Node) and left.target is t):
+            continue
+        (a,) = left.args
+        if not isinstance(a, torch.fx.Node) or not isinstance(right, torch.fx.Node):
+            continue
+        if not any(u is not left and u.target is not t for u in a.users):
+            continue  # a is read transposed only: nothing to share
+        if any(u.target in _RESHAPES for u in node.users):
+            continue  # a reshape of the (now transposed) product would need a copy
+        with gm.graph.inserting_before(node):
+            right_t = gm.graph.call_function(t, (right,))
+            product = gm.graph.call_function(mm, (right_t, a))
+            back = gm.graph.call_function(t, (product,))
+        for new in (right_t, product, back):
+            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        right_t.meta["val"] = right.meta["val"].t()
+        product.meta["val"] = mm(right_t.meta["val"], a.meta["val"])
+        back.meta["val"] = product.meta["val"].t()
+        node.replace_all_uses_with(back)
+        gm.graph.erase_node(node)
+        if not left.users:
+            gm.graph.erase_node(left)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
 
 
 _RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
