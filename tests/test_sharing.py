@@ -246,17 +246,25 @@ def test_a_recomputed_block_gathers_its_inputs_once_again(tmp_path):
 def test_a_gradient_read_transposed_and_as_it_is_is_read_as_it_is_twice():
     """``read_untransposed``: the weight gradient ``g^T x`` of a linear layer whose input
     gradient reads ``g`` too becomes ``(x^T g)^T``, so both matmuls read ``g`` itself (one
-    tensor to move once); the graph computes the same values (float64, against eager) and
-    the same FLOPs. A transposed read of a tensor read nowhere else is left alone."""
+    tensor to move once); the graph computes the same values (float64, against eager,
+    strides included). Left alone: a transposed read of a tensor read nowhere else, a
+    product whose layout a later op would read (not only transposed out of the graph), and
+    ``mm(t(a), a)``."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from autoshard.trace.tracer import read_untransposed
 
     def step(g, x, w):  # noqa: ANN001, ANN202
-        return torch.mm(g.t(), x), torch.mm(g, w)
+        return torch.mm(g.t(), x).t(), torch.mm(g, w)
 
     def alone(g, x):  # noqa: ANN001, ANN202
-        return torch.mm(g.t(), x)
+        return torch.mm(g.t(), x).t()
+
+    def used(g, x, w):  # noqa: ANN001, ANN202
+        return torch.mm(g.t(), x) * 2.0, torch.mm(g, w)
+
+    def gram(g):  # noqa: ANN001, ANN202
+        return torch.mm(g.t(), g).t(), g * 2.0
 
     g, x, w = (torch.randn(*s, dtype=torch.float64) for s in ((64, 8), (64, 16), (8, 16)))
     gm = make_fx(step, tracing_mode="fake")(g, x, w)
@@ -267,4 +275,7 @@ def test_a_gradient_read_transposed_and_as_it_is_is_read_as_it_is_twice():
     assert all(g_node in n.args for n in mms)  # g itself, in both
     for got, want in zip(gm(g, x, w), step(g, x, w), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert got.stride() == want.stride() or got.is_contiguous()
     assert read_untransposed(make_fx(alone, tracing_mode="fake")(g, x)) == 0
+    assert read_untransposed(make_fx(used, tracing_mode="fake")(g, x, w)) == 0
+    assert read_untransposed(make_fx(gram, tracing_mode="fake")(g)) == 0

@@ -481,7 +481,7 @@ class Progress:
             if phase not in self.started:
                 self.started[phase] = self.counted[phase] = now
                 self.console.print(f"{label} ...", highlight=False)
-            elif 0 < done < total and now - self.counted[phase] >= self.EVERY_S:
+            elif 0 < done < total and now - self.counted.get(phase, 0.0) >= self.EVERY_S:
                 self.counted[phase] = now  # a long phase of many steps: its count
                 self.console.print(f"{label}: {done}/{total}", highlight=False)
             if done >= total and phase not in self.finished:

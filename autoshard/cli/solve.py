@@ -180,7 +180,9 @@ def solve_command(
         result = search.best.result
         config = result.config
         _print_meshes(Console(stderr=as_json, quiet=quiet), search, gpus, gpus_per_node)
-        suffix = "" if space == "free" else space
+        # named after the search that planned the best row (torchtitan's space, where the
+        # free ILP of its shape was over the mesh search's cap)
+        suffix = "" if search.best.space == "free" else search.best.space
         stem = output_stem(Path(model_file).resolve().stem, config.mesh.shape, suffix)
         if search.fastest.stages is not None:
             _write_stages(search.fastest, model_file, out_dir, console)

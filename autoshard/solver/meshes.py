@@ -120,6 +120,7 @@ class MeshSearch:
 def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # noqa: ANN001
     """``config.mesh``'s row: planned in ``space``, or (the free ILP over the column cap)
     in torchtitan's space, or why it has no plan."""
+    t = time.perf_counter()
     try:
         return MeshRow(config.mesh, plan_space(config, space, progress, graph), space=space)
     except ProgramTooLargeError as exc:
@@ -128,10 +129,12 @@ def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # n
         why = str(exc)
     except AutoshardError as exc:  # this shape has no plan: its row says why
         return MeshRow(config.mesh, error=str(exc), space=space)
+    refused = time.perf_counter() - t  # the free ILP's strategies, built and counted
     try:
         found = plan_space(config, "torchtitan", progress, graph)
     except AutoshardError as exc:
         return MeshRow(config.mesh, error=f"{why}; in torchtitan's space: {exc}", space=space)
+    found.seconds = {"free_ilp_refused": refused, **found.seconds}
     return MeshRow(config.mesh, found, space="torchtitan", note=why)
 
 

@@ -490,13 +490,14 @@ def _pin_tp_weight_gradients(r: Restriction, sg: StrategyGraph, weights: set[str
     """Each rank computes the gradient of its own shard of a tensor-parallel weight
     (Shoeybi et al., 2019, section 3: the weight gradients need no communication over the
     TP group; Megatron-LM's sequence-parallel linear layers gather their input again in
-    the backward for it): the gradient of a parameter in ``weights`` reaches its sink in
-    the parameter's own placement on mesh dim ``t``, never as a partial sum reduced over
-    it. Left to propagation, the weight-gradient matmuls of a sequence-parallel plan
-    contracted over the token shards and reduce-scattered the sums over TP. A gradient's
-    sink follows its parameter's variable, so the edges into a parameter are its
-    gradient's; propagation does not look ahead along them, so the op that makes the
-    gradient is pinned. Returns None."""
+    the backward for it): the gradient of a parameter in ``weights`` is made in a
+    placement on mesh dim ``t`` that the parameter may take (a shard or whole, never a
+    partial sum to reduce over it). The variable pinned is the producer's, which a view
+    between the matmul and the sink follows. Left to propagation, the weight-gradient
+    matmuls of a sequence-parallel plan contracted over the token shards and reduce-
+    scattered the sums over TP. A gradient's sink follows its parameter's variable, so the
+    edges into a parameter are its gradient's; propagation does not look ahead along them,
+    so the op that makes the gradient is pinned. Returns None."""
     for e in sg.edges:
         if e.dst not in weights or e.src in weights:
             continue

@@ -597,7 +597,7 @@ def trace_model(
         gm, placeholder_kind, input_labels, grad_of, close = export(loaded)
     cut_view_round_trips(gm)
     if merge_views:
-        read_untransposed(gm)
+        read_untransposed(gm, _layer_function(loaded, mode))
         merge_duplicate_views(gm, _layer_function(loaded, mode))
     try:
         graph = _annotate(loaded, gm, placeholder_kind, input_labels, grad_of, mode, t0)
@@ -641,9 +641,13 @@ def merge_duplicate_views(
     return merged
 
 
-def read_untransposed(gm: torch.fx.GraphModule) -> int:
+def read_untransposed(
+    gm: torch.fx.GraphModule, layer_of: Callable[[torch.fx.Node], Any] = lambda _n: None
+) -> int:
     """``mm(t(a), b)`` becomes ``t(mm(t(b), a))`` (the same product: ``a^T b = (b^T a)^T``)
-    where ``a`` is also read as it is by another op.
+    where another op of the same block and phase (``layer_of``, the node's
+    ``partitioner_tag``) reads ``a`` as it is and none reads ``b`` so, and the product is
+    only read transposed (a linear layer's weight gradient).
 
     A linear layer's backward reads its output gradient ``g`` twice: transposed for the
     weight gradient (``mm(t(g), x)``) and as it is for the input gradient (``mm(g, W)``).
@@ -651,9 +655,22 @@ def read_untransposed(gm: torch.fx.GraphModule) -> int:
     two tensors (``t(g)`` and ``g``) pay two all-gathers where Megatron-LM gathers ``g`` once
     (Korthikanti et al., 2022). Read as it is by both matmuls, ``g`` is one tensor moved once
     for both (:mod:`autoshard.strategies.sharing`). A transpose computes nothing, and the
-    two matmuls do the same multiplications. Returns how many matmuls were rewritten."""
+    two matmuls do the same multiplications. The transposes of the product now make a
+    contiguous tensor of it; every node after them gets its traced value (shape and
+    strides) again from its inputs', so the launch builds each tensor with the layout it
+    has. Returns how many matmuls were rewritten."""
     t, mm = torch.ops.aten.t.default, torch.ops.aten.mm.default
+
+    def where(n: torch.fx.Node) -> tuple:
+        return layer_of(n), n.meta.get("partitioner_tag")
+
+    def read_as_is(x: torch.fx.Node, node: torch.fx.Node, left: torch.fx.Node) -> bool:
+        return any(
+            u not in (left, node) and u.target is not t and where(u) == where(node) for u in x.users
+        )
+
     done = 0
+    changed: set[torch.fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not mm or len(node.args) != 2:
             continue
@@ -663,10 +680,11 @@ def read_untransposed(gm: torch.fx.GraphModule) -> int:
         (a,) = left.args
         if not isinstance(a, torch.fx.Node) or not isinstance(right, torch.fx.Node):
             continue
-        if not any(u is not left and u.target is not t for u in a.users):
-            continue  # a is read transposed only: nothing to share
-        if any(u.target in _RESHAPES for u in node.users):
-            continue  # a reshape of the (now transposed) product would need a copy
+        if not read_as_is(a, node, left) or read_as_is(right, node, left):
+            continue  # nothing to share, or the rewrite would split b's reads instead
+        users = list(node.users)
+        if not users or any(u.target is not t for u in users):
+            continue  # only read transposed: its readers get the layout it had
         with gm.graph.inserting_before(node):
             right_t = gm.graph.call_function(t, (right,))
             product = gm.graph.call_function(mm, (right_t, a))
@@ -680,10 +698,32 @@ def read_untransposed(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         if not left.users:
             gm.graph.erase_node(left)
+        changed.update(users)
         done += 1
     if done:
+        _revalue(gm, changed)
         gm.recompile()
     return done
+
+
+def _revalue(gm: torch.fx.GraphModule, changed: set[torch.fx.Node]) -> None:
+    """Trace again the value (a fake tensor: shape, dtype, strides) of every node in
+    ``changed`` and of every op that reads one whose value changed, in graph order, from
+    its inputs' values."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node not in changed and not any(n in changed for n in node.all_input_nodes):
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        val = node.target(*args, **kwargs)
+        old = node.meta.get("val")
+        node.meta["val"] = val
+        if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor):
+            if (old.shape, old.stride()) == (val.shape, val.stride()):
+                changed.discard(node)
+                continue
+        changed.add(node)
 
 
 _RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
