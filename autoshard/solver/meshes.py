@@ -25,8 +25,9 @@ from typing import Any
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, ProgramTooLargeError
+from autoshard.solver.ilp import check_size
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
-from autoshard.solver.solve import SolveConfig, SolveResult, trace
+from autoshard.solver.solve import SolveConfig, SolveResult, strategies, trace
 from autoshard.solver.space import plan_space
 
 Progress = Callable[[str, int, int], None]
@@ -120,22 +121,22 @@ class MeshSearch:
 def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # noqa: ANN001
     """``config.mesh``'s row: planned in ``space``, or (the free ILP over the column cap)
     in torchtitan's space, or why it has no plan."""
-    t = time.perf_counter()
+    searched, why = space, None
     try:
-        return MeshRow(config.mesh, plan_space(config, space, progress, graph), space=space)
-    except ProgramTooLargeError as exc:
-        if space != "free":
-            return MeshRow(config.mesh, error=str(exc), space=space)
-        why = str(exc)
+        t = time.perf_counter()
+        sg = strategies(config, graph, progress)  # once, whichever space plans the shape
+        built = time.perf_counter() - t
+        if space == "free":
+            try:
+                check_size(sg, config.solver, config.mesh)
+            except ProgramTooLargeError as exc:
+                searched, why = "torchtitan", str(exc)
+        found = plan_space(config, searched, progress, graph, sg)
     except AutoshardError as exc:  # this shape has no plan: its row says why
-        return MeshRow(config.mesh, error=str(exc), space=space)
-    refused = time.perf_counter() - t  # the free ILP's strategies, built and counted
-    try:
-        found = plan_space(config, "torchtitan", progress, graph)
-    except AutoshardError as exc:
-        return MeshRow(config.mesh, error=f"{why}; in torchtitan's space: {exc}", space=space)
-    found.seconds = {"free_ilp_refused": refused, **found.seconds}
-    return MeshRow(config.mesh, found, space="torchtitan", note=why)
+        error = str(exc) if why is None else f"{why}; in torchtitan's space: {exc}"
+        return MeshRow(config.mesh, error=error, space=space)
+    found.seconds = {"strategies": built, **found.seconds}
+    return MeshRow(config.mesh, found, space=searched, note=why)
 
 
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:

@@ -386,12 +386,17 @@ def _graph_and_strategies(
 
 
 def plan_model(
-    config: SolveConfig, progress: Progress | None = None, graph: TracedGraph | None = None
+    config: SolveConfig,
+    progress: Progress | None = None,
+    graph: TracedGraph | None = None,
+    sg: StrategyGraph | None = None,
 ) -> SolveResult:
     """Run the whole pipeline and return the optimal plan with its statistics.
 
     ``graph``: ``config``'s model already traced (:func:`trace`; a trace does not depend
-    on the mesh), to plan it on another mesh without tracing again.
+    on the mesh), to plan it on another mesh without tracing again; ``sg``: its
+    strategies on ``config.mesh`` already built (with ``graph``; their seconds are the
+    caller's to count).
 
     Raises:
         AutoshardError: a bad model file, an untraceable model, an infeasible ILP.
@@ -399,7 +404,7 @@ def plan_model(
     seconds: dict[str, float] = {}
     if graph is None:
         graph, sg = _graph_and_strategies(config, progress, seconds)
-    else:
+    elif sg is None:
         t = time.perf_counter()
         sg = strategies(config, graph, progress)
         seconds["strategies"] = time.perf_counter() - t

@@ -350,12 +350,13 @@ def plan_space(
     space: str,
     progress: Progress | None = None,
     graph: TracedGraph | None = None,
+    sg: StrategyGraph | None = None,
 ) -> SolveResult:
     """``solve --space torchtitan``: the fastest plan FSDP2 and ``parallelize_module``
     express that fits (:func:`search_space`), on the same graph and cost model; every point
     priced is in ``plan.extra["space"]``. ``space="free"`` is
-    :func:`~autoshard.solver.solve.plan_model`. ``graph``: the model already traced, as
-    for ``plan_model``.
+    :func:`~autoshard.solver.solve.plan_model`. ``graph``: the model already traced, and
+    ``sg`` its strategies already built, as for ``plan_model``.
 
     Raises:
         AutoshardError: an unknown space, or as :func:`search_space`.
@@ -363,15 +364,16 @@ def plan_space(
     if space not in SPACES:
         raise AutoshardError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
     if space == "free":
-        return plan_model(config, progress, graph)
+        return plan_model(config, progress, graph, sg)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     if graph is None:
         graph = trace(config, progress)
         seconds["trace"] = time.perf_counter() - t
-    t = time.perf_counter()
-    sg = strategies(config, graph, progress)
-    seconds["strategies"] = time.perf_counter() - t
+    if sg is None:
+        t = time.perf_counter()
+        sg = strategies(config, graph, progress)
+        seconds["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
     best, points = search_space(config, sg, progress)
     seconds["space"] = time.perf_counter() - t

@@ -5,7 +5,6 @@ families are described in :mod:`autoshard.solver.baselines`)."""
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -539,37 +538,24 @@ def _pin_outside_backward(
     inside_modules = {module.get(r_) for r_ in region_reps} - {None}
     # the residual stream's shapes: what the ops outside the regions make
     stream = {tuple(nodes[r_].results[0].shape) for r_ in outside if _first_result(sg, r_)}
-    if sequence_parallel:
-        # Megatron-SP (Korthikanti et al., 2022): a norm's backward runs on the sequence
-        # shards, as its forward; only its weight's gradient (a sum over the tokens) is
-        # partial; the residual stream's adds may sum partial gradients before their one
-        # reduce-scatter
-        def module_test(p, shaped: bool) -> bool:  # noqa: ANN001
-            return is_s(p) or (is_p(p) and not shaped)
-
-        def stream_test(p) -> bool:  # noqa: ANN001
-            return is_s(p) or is_p(p)
-
-        why = "sequence_parallel"
-    else:
-
-        def module_test(p, shaped: bool) -> bool:  # noqa: ANN001
-            return is_r(p)
-
-        def stream_test(p) -> bool:  # noqa: ANN001
-            return not is_s(p)
-
-        why = "replicated_on_tp"
+    # Megatron-SP (Korthikanti et al., 2022): a norm's backward runs on the sequence shards,
+    # as its forward, partial only where it sums over the tokens (its weight's gradient);
+    # the residual stream's ops may sum partial gradients before their one reduce-scatter
+    why = "sequence_parallel" if sequence_parallel else "replicated_on_tp"
     for rep in sorted(backward):
         path = module.get(rep)
         if node_kind(sg, rep) != "op" or path in inside_modules or not _first_result(sg, rep):
             continue
         shaped = tuple(nodes[rep].results[0].shape) in stream
-        if path in outside_modules:
-            test = functools.partial(module_test, shaped=shaped)
-            r.allow(sg, rep, all_on(sg, rep, t, test), why)
+        if path in outside_modules and sequence_parallel:
+            test = lambda p, whole=not shaped: is_s(p) or (is_p(p) and whole)  # noqa: E731
+        elif path in outside_modules:
+            test = is_r
         elif path is None and shaped:
-            r.allow(sg, rep, all_on(sg, rep, t, stream_test), why)
+            test = (lambda p: is_s(p) or is_p(p)) if sequence_parallel else (lambda p: not is_s(p))
+        else:
+            continue
+        r.allow(sg, rep, all_on(sg, rep, t, test), why)
 
 
 def _first_result(sg: StrategyGraph, rep: str) -> bool:
