@@ -232,7 +232,8 @@ def solve(
         search = search_meshes(config, meshes, gpus_per_node=gpus_per_node, space=space)
         if pp:
             depths = list(dict.fromkeys(pp))
-            rows = pipeline_rows(config, meshes, depths, microbatches, gpus_per_node)
+            best = search.fastest.step_time_s  # a depth that cannot beat it is skipped
+            rows = pipeline_rows(config, meshes, depths, microbatches, gpus_per_node, beat=best)
             search = search.with_rows(rows)
         return search.best.result
     return plan_space(config, space)

@@ -134,8 +134,11 @@ def _memoized_trace(trace):
     import functools
 
     @functools.wraps(trace)
-    def cached(config, progress=None, microbatches: int = 1):
-        key = None if _patched_beyond_environment() else _trace_key(config, microbatches)
+    def cached(config, progress=None, microbatches: int = 1, stage_bounds=None):
+        # a pipeline's per-stage reduction depends on its bounds function: traced afresh
+        if stage_bounds is not None or _patched_beyond_environment():
+            return trace(config, progress, microbatches, stage_bounds)
+        key = _trace_key(config, microbatches)
         if key is None:
             return trace(config, progress, microbatches)
         graph = _TRACES.get(key)

@@ -411,6 +411,76 @@ def test_a_pipeline_depth_counts_its_candidate_stages_as_it_prices_them(tmp_path
     assert lines[3].startswith("stages of pp=2 on 2x2: done in ")
 
 
+def test_a_deep_model_s_stages_are_traced_reduced_and_priced_as_the_whole_trace_prices_them(
+    tmp_path: Path,
+):
+    """12 blocks, pp=2: each of torchtitan's two stages of 6 blocks is traced as its
+    first two blocks, one middle block standing for three, and its last (8 traced, not 12),
+    only that split is priced (2 stage ILPs, not 2 (L - 1) = 22), and its step, stage
+    times and memory equal those of the same split priced on the model traced block by
+    block (the trace the pipeline search used before)."""
+    from autoshard.pipeline.pricing import layer_map, plan_pipeline
+    from autoshard.solver.solve import trace
+
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 12, 64, 2048))
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    (row,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2)
+    plan = row.stages
+    assert plan.graph.depth.stands_for == (
+        (0,), (1,), (2, 3, 4), (5,), (6,), (7,), (8, 9, 10), (11,)
+    )  # fmt: skip
+    assert plan.stage_plan.boundaries == (0, 6, 12)
+    assert plan.result.costs.pricer.ilps == 2
+    assert "split as torchtitan splits them (6, 6)" in row.note
+
+    whole = replace(config, mesh=row.mesh, tie=False, activation_checkpointing="none")
+    graph = trace(whole, microbatches=8)
+    assert graph.depth is None and graph.num_layers == 12
+    alone = plan_pipeline(whole, graph, layer_map(graph), 2, 8, split=[0, 6, 12]).stage_plan
+    assert plan.stage_plan.stage_times_s == pytest.approx(alone.stage_times_s, rel=1e-12)
+    assert plan.stage_plan.stage_memory_bytes == pytest.approx(alone.stage_memory_bytes, rel=1e-12)
+    assert row.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
+
+
+def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_path: Path):
+    """12 blocks, pp=2: each stage's LP relaxation is at most its ILP's time, so the
+    1F1B step over them is a lower bound on the row's step; a best plan under that bound
+    skips the depth without its stage ILPs (the row holds the bound and says why), and a
+    best plan above the row's step does not."""
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 12, 64, 2048))
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    (row,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2)
+    pricer = row.stages.result.costs.pricer
+    for i, j in ((0, 6), (6, 12)):
+        assert 0 < pricer.bound(i, j) <= pricer.price(i, j).time_s * (1 + 1e-9)
+    step = row.step_time_s
+    low = 0.5 * step
+    (skipped,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2, beat=low)
+    assert not skipped.planned and low <= skipped.bound_s <= step * (1 + 1e-9)
+    assert skipped.error.startswith("skipped: its stages' LP relaxations give a step of at least")
+    (kept,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2, beat=1.01 * step)
+    assert kept.planned and kept.bound_s is None
+    assert kept.step_time_s == pytest.approx(step, rel=1e-12)
+
+
+def test_stage_bounds_that_do_not_split_the_blocks_are_one_line():
+    from autoshard.trace.tracer import reduce_depth
+
+    stack = torch.nn.Module()
+    stack.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(6))
+    with pytest.raises(AutoshardError, match=r"stage boundaries \[0, 3, 3, 6\] do not split"):
+        reduce_depth(stack, bounds=lambda n: [0, 3, 3, n])
+    assert reduce_depth(stack, bounds=lambda n: [0, 3, n]) is None  # no stage over 4 blocks
+    assert len(stack.layers) == 6
+    depth = reduce_depth(stack, bounds=lambda n: [0, 1, n])
+    assert depth.stands_for == ((0,), (1,), (2,), (3, 4), (5,))
+    assert len(stack.layers) == 5
+
+
 def test_pp_without_gpus_or_below_2_is_one_line(tmp_path: Path):
     model = write_mlp(tmp_path, 64, 256, 1024)
     run = _cli("solve", str(model), "--mesh", "4", "--pp", "2")

@@ -24,6 +24,7 @@ from autoshard.pipeline.stages import (
     assign_stages,
     cluster_layers,
     crossing_bytes,
+    even_split,
     pipeline_degrees,
     pipeline_step_time,
     stage_ranks,
@@ -587,3 +588,51 @@ def test_pipeline_degree_that_does_not_split_the_mesh_is_an_error():
         pipeline_degrees((2, 0))
     with pytest.raises(AutoshardError, match="stage 4 does not exist"):
         stage_ranks((2, 4), 4, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# torchtitan's even split
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "bounds"),
+    [
+        # L + 2 weighted layers dealt evenly, the first (L + 2) mod S stages one more; the
+        # first stage gives back the embedding's 1, the last the head's 1 (torchtitan's
+        # generate_llm_fqn_per_model_part, input_weight = output_weight = 1), by hand:
+        (80, 2, [0, 40, 80]),  # 82 = 41 + 41 -> 40, 40
+        (80, 4, [0, 20, 41, 61, 80]),  # 82 = 21 + 21 + 20 + 20 -> 20, 21, 20, 19
+        (32, 4, [0, 8, 17, 25, 32]),  # 34 = 9 + 9 + 8 + 8 -> 8, 9, 8, 7
+        (12, 2, [0, 6, 12]),  # 14 = 7 + 7 -> 6, 6
+        (7, 3, [0, 2, 5, 7]),  # 9 = 3 + 3 + 3 -> 2, 3, 2
+        (5, 1, [0, 5]),
+    ],
+)
+def test_the_even_split_is_torchtitan_s(layers, stages, bounds):
+    assert even_split(layers, stages) == bounds
+
+
+def test_an_even_split_that_leaves_a_stage_empty_is_one_line():
+    with pytest.raises(AutoshardError, match=r"3 layers .* into 4 stages .* use fewer stages"):
+        even_split(3, 4)  # 5 = 2 + 1 + 1 + 1 -> 1, 1, 1, 0
+
+
+def test_a_given_split_is_the_only_one_priced():
+    """``split=``: stage_cost is called for that split's stages alone, and the plan is
+    that split, priced: its step is 1F1B's over those stage times."""
+    seen = []
+
+    def cost(i, j):
+        seen.append((i, j))
+        return StageCost(float(j - i) ** 2, 1.0)
+
+    plan = assign_stages(6, 3, 4, cost, split=[0, 1, 5, 6])
+    assert seen == [(0, 1), (1, 5), (5, 6)]
+    assert plan.boundaries == (0, 1, 5, 6)
+    assert plan.step_time_s == pytest.approx(1 + 16 + 1 + 3 * 16)
+    assert assign_stages(6, 3, 4, cost).boundaries == (0, 2, 4, 6)  # the search's own
+    with pytest.raises(AutoshardError, match="4 boundaries rising strictly from 0 to 6"):
+        assign_stages(6, 3, 4, cost, split=[0, 3, 3, 6])
+    with pytest.raises(AutoshardError, match="no split of 6 layers into 3 stages fits"):
+        assign_stages(6, 3, 4, cost, memory_budget=0.5, split=[0, 1, 5, 6])

@@ -175,7 +175,10 @@ def solve_command(
             if depths:
                 from autoshard.pipeline.search import pipeline_rows  # heavy, as above
 
-                extra = pipeline_rows(config, meshes, depths, microbatches, gpus_per_node, progress)
+                best = search.fastest.step_time_s  # a depth that cannot beat it: skipped
+                extra = pipeline_rows(
+                    config, meshes, depths, microbatches, gpus_per_node, progress, beat=best
+                )
                 search = search.with_rows(extra)
         result = search.best.result
         config = result.config
@@ -314,8 +317,9 @@ def _write_stages(row, model_file, out_dir: Path, console: Console) -> None:  # 
     stage_file(row, path)
     console.print(
         f"fastest: {'x'.join(map(str, row.mesh.shape))} with pp={row.pp}: wrote its stage plan "
-        f"{path} (autoshard stages --pp {row.pp} writes the same); the plan without stages "
-        "follows"
+        f"{path} (autoshard stages --pp {row.pp} writes this format"
+        f"{', searching every split' if row.note else ', the same plan'}); the plan without "
+        "stages follows"
     )
 
 
@@ -334,6 +338,7 @@ def _mesh_row(row, gpus_per_node: int) -> dict:  # noqa: ANN001 - a solver.meshe
         "error": row.error,
         "space": row.space,
         "note": row.note,
+        "bound_s": row.bound_s,  # a skipped row: a lower bound on its step
     }
 
 
@@ -351,6 +356,10 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
         mesh = "x".join(map(str, row.mesh.shape))
         inside = inside_node(row.mesh.shape, gpus_per_node)
         links = " x ".join("node" if x else "network" for x in inside)
+        if not row.planned and row.bound_s is not None:  # skipped: cannot beat the best
+            step = f">= {format_seconds(row.bound_s)}"
+            table.add_row(mesh, str(row.pp), links, step, "", "", "", "skipped", style="dim")
+            continue
         if not row.planned:
             table.add_row(mesh, str(row.pp), links, "no plan", "", "", "", "", style="dim")
             continue
@@ -366,19 +375,23 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
         )
     console.print(table)
     for row in search.rows:
-        if row.note is not None:
+        if row.note is not None and row.pp > 1:
+            shape = "x".join(map(str, row.mesh.shape))
+            console.print(f"note: {shape} with pp={row.pp}: {row.note}")
+        elif row.note is not None:
             console.print(
                 f"note: {'x'.join(map(str, row.mesh.shape))} is planned in {row.space}'s space "
                 f"(what FSDP2 and parallelize_module express, as --space {row.space}): {row.note}"
             )
         if not row.planned:
             pp = f" with pp={row.pp}" if row.pp > 1 else ""
-            console.print(
-                f"note: {'x'.join(map(str, row.mesh.shape))}{pp} has no plan: {row.error}"
-            )
+            has = "is" if row.bound_s is not None else "has no plan:"
+            console.print(f"note: {'x'.join(map(str, row.mesh.shape))}{pp} {has} {row.error}")
+    shapes = sum(r.pp == 1 for r in search.rows)
+    staged = "; each pipeline depth traces its own" if shapes < len(search.rows) else ""
     console.print(
         f"best: {'x'.join(map(str, search.best.mesh.shape))} (one trace, "
-        f"{search.trace_seconds:.1f} s, for all {len(search.rows)} shapes)"
+        f"{search.trace_seconds:.1f} s, for all {shapes} shapes{staged})"
     )
 
 

@@ -15,7 +15,7 @@ leaves out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -265,12 +265,16 @@ def plan_pipeline(
     microbatches: int,
     memory_budget: float | None = None,
     progress: Callable[[int, int], None] | None = None,
+    split: Sequence[int] | None = None,
+    costs: PipelineCosts | None = None,
 ) -> StagesResult:
     """Price degree ``pp`` (:func:`price_pipeline`) and split the layers into ``pp`` stages.
     ``progress(done, total)``: called before each candidate stage is priced and once at the
     end (``total``: the stages of every split,
     :func:`~autoshard.pipeline.stages.usable_stages`; a stage structurally equal to one
-    priced before costs no ILP).
+    priced before costs no ILP). ``split``: price only that split's stages (boundaries
+    ``0 = b_0 < ... < b_pp = L``, :func:`~autoshard.pipeline.stages.assign_stages`).
+    ``costs``: this degree's :func:`price_pipeline`, when the caller built it already.
 
     Raises:
         AutoshardError: a pp that does not split the mesh, more stages than layers, an
@@ -278,8 +282,9 @@ def plan_pipeline(
     """
     submesh_shape(config.mesh.shape, pp)  # a bad pp fails before any ILP
     _check_stages(pp, layers)
-    costs = price_pipeline(config, graph, layers, pp, microbatches)
-    total = len(usable_stages(layers.num_layers, pp))
+    if costs is None:
+        costs = price_pipeline(config, graph, layers, pp, microbatches)
+    total = len(usable_stages(layers.num_layers, pp)) if split is None else pp
     done = 0
 
     def stage_cost(i: int, j: int) -> StageCost:
@@ -296,6 +301,7 @@ def plan_pipeline(
         stage_cost,
         # stages over the budget carry time 0 (see StagePrice): always filter by memory
         memory_budget=memory_budget if memory_budget is not None else config.budget(),
+        split=split,
     )
     if progress is not None:
         progress(total, total)

@@ -13,6 +13,7 @@ predicted step.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -21,11 +22,19 @@ from typing import Any
 
 from autoshard.cost.mesh import MeshSpec, inside_node
 from autoshard.errors import AutoshardError
-from autoshard.pipeline.pricing import StagesResult, layer_map, plan_pipeline, stage_plan_dict
+from autoshard.pipeline.pricing import (
+    PipelineCosts,
+    StagesResult,
+    layer_map,
+    plan_pipeline,
+    price_pipeline,
+    stage_plan_dict,
+)
 from autoshard.pipeline.stage_plan import save_stage_plan
-from autoshard.pipeline.stages import pipeline_degrees
+from autoshard.pipeline.stages import even_split, pipeline_degrees, pipeline_step_time
 from autoshard.solver.meshes import MeshRow
 from autoshard.solver.solve import SolveConfig, trace
+from autoshard.units import format_seconds
 
 Progress = Callable[[str, int, int], None]
 
@@ -80,14 +89,21 @@ def pipeline_rows(
     microbatches: int,
     gpus_per_node: int | None = None,
     progress: Progress | None = None,
+    beat: float | None = None,
 ) -> list[MeshRow]:
     """One row per depth in ``depths`` (module docstring): its stage plan, or why it has
     none (no mesh splits into that many stages, more stages than layers, no split within
-    the memory budget). The stages are traced once for all depths (every layer its own,
-    the batch split into ``microbatches``), without activation checkpointing (a stage's
-    budget holds its micro-batches' activations, as ``autoshard stages`` prices it) and
-    without context parallelism (a stage runs as DTensor places it, and DTensor's
-    attention rule splits no sequence).
+    the memory budget). Each depth traces one micro-batch (the batch split into
+    ``microbatches``) with its stages' blocks (:func:`_staged_trace`: a deep model's
+    stages as torchtitan splits them, each with one traced middle block), without
+    activation checkpointing (a stage's budget holds its micro-batches' activations, as
+    ``autoshard stages`` prices it) and without context parallelism (a stage runs as
+    DTensor places it, and DTensor's attention rule splits no sequence).
+
+    ``beat``: the step (s) of the fastest plan already found (the mesh shapes'). A depth
+    whose stages' LP relaxations (:meth:`~autoshard.pipeline.stage_ilp.StagePricer.bound`)
+    already give a 1F1B step at or above it cannot win: its stage ILPs are not solved, and
+    its row holds that bound (``bound_s``) and says why.
 
     Raises:
         AutoshardError: a depth below 2, or a batch the micro-batches do not divide.
@@ -97,10 +113,6 @@ def pipeline_rows(
     # a stage runs under DTensor's own placement (--mode propagate), whose attention rule
     # has no sequence split: context parallelism is not offered to the stages' ILPs
     staged = replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
-    t = time.perf_counter()
-    graph = trace(staged, microbatches=microbatches)
-    layers = layer_map(graph)
-    trace_s = time.perf_counter() - t
     rows = []
     for k, pp in enumerate(depths):
         mesh = pipeline_mesh(meshes, pp, gpus_per_node)
@@ -108,15 +120,27 @@ def pipeline_rows(
             text = f"no mesh shape's leading dims split into {pp} stages"
             rows.append(MeshRow(meshes[0], error=text, pp=pp))
             continue
+        where = f"pp={pp} on {'x'.join(map(str, mesh.shape))}"
         if progress:
-            progress(f"pipeline pp={pp} on {'x'.join(map(str, mesh.shape))}", k, len(depths))
+            progress(f"pipeline {where}", k, len(depths))
         t = time.perf_counter()
         try:
-            where = f"stages of pp={pp} on {'x'.join(map(str, mesh.shape))}"
+            graph, layers, split = _staged_trace(staged, pp, microbatches)
 
             def stage_progress(done: int, total: int, where: str = where) -> None:
-                progress(where, done, total)
+                progress(f"stages of {where}", done, total)
 
+            costs = price_pipeline(replace(staged, mesh=mesh), graph, layers, pp, microbatches)
+            if beat is not None and split is not None:
+                bound_s = _step_bound(costs, split, microbatches, beat)
+                if bound_s >= beat:
+                    why = (
+                        f"skipped: its stages' LP relaxations give a step of at least "
+                        f"{format_seconds(bound_s)}, not under the best plan's "
+                        f"{format_seconds(beat)}"
+                    )
+                    rows.append(MeshRow(mesh, error=why, pp=pp, bound_s=bound_s))
+                    continue
             done = plan_pipeline(
                 replace(staged, mesh=mesh),
                 graph,
@@ -124,6 +148,8 @@ def pipeline_rows(
                 pp,
                 microbatches,
                 progress=stage_progress if progress else None,
+                split=split,
+                costs=costs,
             )
         except AutoshardError as exc:  # this depth has no plan: its row says why
             rows.append(MeshRow(mesh, error=str(exc), pp=pp))
@@ -132,9 +158,58 @@ def pipeline_rows(
         flops = graph.step_flops * microbatches  # the graph is one micro-batch's
         peak = config.device.peak(staged.compute_dtype(graph))
         mfu = flops / (step * mesh.num_devices * peak) if step > 0 and peak > 0 else 0.0
-        seconds = trace_s / len(depths) + time.perf_counter() - t
+        seconds = time.perf_counter() - t
         plan = PipelinePlan(done, graph, layers)
-        rows.append(MeshRow(mesh, pp=pp, stages=plan, seconds=seconds, pipeline_mfu=mfu))
+        note = None
+        if split is not None:
+            balance = ", ".join(str(b - a) for a, b in itertools.pairwise(split))
+            note = (
+                f"its {layers.num_layers} layers split as torchtitan splits them ({balance}); "
+                f"autoshard stages --pp {pp} searches every split"
+            )
+        rows.append(MeshRow(mesh, pp=pp, stages=plan, seconds=seconds, pipeline_mfu=mfu, note=note))
     if progress:
         progress("pipeline", len(depths), len(depths))
     return rows
+
+
+def _step_bound(costs: PipelineCosts, split: Sequence[int], microbatches: int, beat: float):
+    """A lower bound on the 1F1B step of ``split`` (s): each stage's LP bound in place of
+    its time (the step grows with every stage's time, so it is one), stage by stage until
+    it reaches ``beat`` (the stages not yet bounded count 0); 0 when a stage's LP stopped
+    at its limits (no bound)."""
+    lows: list[float] = []
+    for i, j in itertools.pairwise(split):
+        low = costs.pricer.bound(i, j)
+        if low is None:
+            return 0.0
+        lows.append(low)
+        if pipeline_step_time(lows, microbatches) >= beat:
+            break
+    return pipeline_step_time(lows, microbatches)
+
+
+def _staged_trace(config: SolveConfig, pp: int, microbatches: int):  # noqa: ANN202
+    """One micro-batch's graph for ``pp`` stages, its layers, and the one split to price.
+
+    A model whose repeated blocks make a stage of more than 4 blocks is traced reduced
+    within each stage of torchtitan's even split (:func:`~autoshard.pipeline.stages.
+    even_split`; one traced middle block per stage stands for the rest, as a solve traces
+    one for the whole model): an 80-layer model traces 8 blocks for 2 stages instead of
+    80, and only that split is priced (``split``: its boundaries). A shallower model is
+    traced block by block and every split is searched (``split`` None), as ``autoshard
+    stages`` does.
+
+    Raises:
+        AutoshardError: the model cannot be traced, or the split leaves a stage empty.
+    """
+
+    def bounds(n: int) -> list[int] | None:
+        # torchtitan's split leaves no stage empty when L + 2 >= 2 pp (its last stage holds
+        # (L + 2) // pp - 1 layers, the fewest): else every block is traced and searched
+        return even_split(n, pp) if n + 2 >= 2 * pp else None
+
+    graph = trace(config, microbatches=microbatches, stage_bounds=bounds)
+    layers = layer_map(graph)
+    split = even_split(layers.num_layers, pp) if graph.depth is not None else None
+    return graph, layers, split

@@ -33,7 +33,7 @@ from autoshard.cost.liveness import local_bytes
 from autoshard.cost.memory import ilp_row, memory_rows
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
-from autoshard.solver.ilp import solve
+from autoshard.solver.ilp import lp_bound, solve
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph, merge_edges, tie_layers
 
 __all__ = ["StageGraph", "StagePrice", "StagePricer", "node_layers", "stage_graph"]
@@ -420,11 +420,13 @@ class StagePricer:
         }
         self._signature = self._layer_signatures()
         self._cache: dict[Any, StagePrice] = {}
+        self._bounds: dict[Any, float | None] = {}
         self.ilps = 0
 
     def _layer_signatures(self) -> list[int]:
-        """A hash of each layer's structure: its nodes' ops, tensor shapes and strategy
-        counts in graph order. Equal hashes mean interchangeable layers."""
+        """A hash of each layer's structure: its nodes' ops, tensor shapes, strategy
+        counts and multiplicities in graph order. Equal hashes mean interchangeable
+        layers."""
         graph = self.sg.graph
         parts: list[list] = [[] for _ in range(self.num_layers)]
         for n, ls in self.layers.items():
@@ -435,6 +437,7 @@ class StagePricer:
                 tuple(r.shape if r is not None else None for r in info.results),
                 len(self.sg.nodes[n].strategies),
                 len(ls),
+                graph.mult(n),  # a traced block standing for several (reduce_depth)
             )
             for k in ls:
                 parts[k].append(key)
@@ -460,6 +463,22 @@ class StagePricer:
         if key not in self._cache:
             self._cache[key] = self._solve(self.graph(i, j))
         return self._cache[key]
+
+    def bound(self, i: int, j: int) -> float | None:
+        """A lower bound on :meth:`price`'s ``time_s`` for layers ``i..j-1`` without its
+        ILP: the LP relaxation of the stage's program under the stage's memory row
+        (:func:`~autoshard.solver.ilp.lp_bound`; ``inf`` when no plan of the stage fits
+        the budget, ``None`` when the LP stopped at its limits). Cached as :meth:`price`."""
+        key = (tuple(self._signature[i:j]), i == 0, j == self.num_layers)
+        if key in self._cache:
+            price = self._cache[key]
+            return price.time_s if price.memory_bytes <= self.config.budget() else math.inf
+        if key not in self._bounds:
+            sub = self.graph(i, j).sg
+            rows = memory_rows(sub, self.config.memory_model(), self.in_flight)
+            memory = (ilp_row(sub, rows), self.config.budget())
+            self._bounds[key] = lp_bound(sub, self.config.solver, memory)
+        return self._bounds[key]
 
     def _solve(self, stage: StageGraph) -> StagePrice:
         sub = stage.sg

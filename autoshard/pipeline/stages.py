@@ -21,6 +21,7 @@ and the mesh arithmetic of a pipeline degree: :func:`pipeline_degrees`,
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "StagePlan",
     "assign_stages",
     "cluster_layers",
+    "even_split",
     "crossing_bytes",
     "pipeline_degrees",
     "pipeline_step_time",
@@ -594,6 +596,36 @@ def validate_balance(balance: Sequence[int], num_layers: int) -> None:
         )
 
 
+def even_split(num_layers: int, num_stages: int) -> list[int]:
+    """Stage boundaries ``0 = b_0 < ... < b_S = L`` of torchtitan's default pipeline split:
+    the embedding and the output head each weigh as one layer, the ``L + 2`` weighted
+    layers are dealt evenly, the first ``(L + 2) mod S`` stages one more, and the first
+    and last stages give back the embedding's and the head's weight. 80 layers into 2
+    stages: 40 and 40; into 4: 20, 21, 20, 19. Source: ``generate_llm_fqn_per_model_part``
+    (``input_weight = output_weight = 1``) in ``torchtitan/distributed/pipeline_parallel.py``.
+
+    Raises:
+        AutoshardError: fewer than 1 stage, or a stage left without a layer (too many
+            stages for the layers).
+    """
+    if num_stages < 1:
+        raise AutoshardError(f"num_stages={num_stages}: a pipeline needs at least 1 stage")
+    weighted = num_layers + 2
+    per, extra = divmod(weighted, num_stages)
+    sizes = [per + (1 if s < extra else 0) for s in range(num_stages)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    if num_stages == 1:
+        sizes = [num_layers]
+    if any(n < 1 for n in sizes):
+        raise AutoshardError(
+            f"an even split of {num_layers} layers (the embedding and the head weighing one "
+            f"each) into {num_stages} stages leaves a stage without a layer ({sizes}): use "
+            f"fewer stages"
+        )
+    return [0, *itertools.accumulate(sizes)]
+
+
 def usable_stages(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Every (i, j) that is some stage of some split of L layers into S nonempty stages.
 
@@ -660,6 +692,7 @@ def assign_stages(
     microbatches: int,
     stage_cost: Callable[[int, int], StageCost],
     memory_budget: float | None = None,
+    split: Sequence[int] | None = None,
 ) -> StagePlan:
     """Split L layers into S contiguous pipeline stages minimising the 1F1B step time.
 
@@ -686,9 +719,12 @@ def assign_stages(
         stage_cost: (i, j) -> :class:`StageCost` of a stage holding layers i..j-1 on its
             submesh (:func:`submesh_shape`).
         memory_budget: bytes per device, or None for no limit.
+        split: boundaries ``0 = b_0 < ... < b_S = L`` of the one split to price (its S
+            stages are the only ones ``stage_cost`` is called for, e.g.
+            :func:`even_split`), or None to search every split.
 
     Returns:
-        The optimal :class:`StagePlan`.
+        The optimal :class:`StagePlan` (with ``split``: that split, priced).
 
     Raises:
         AutoshardError: for S < 1, S > L, B < 1, a bad budget or a bad ``StageCost``; when no
@@ -713,7 +749,15 @@ def assign_stages(
     L, S, B = num_layers, num_stages, microbatches
     time = np.full((L + 1, L + 1), math.inf)
     mem = np.full((L + 1, L + 1), math.inf)
-    pairs = usable_stages(L, S)
+    if split is None:
+        pairs = usable_stages(L, S)
+    else:
+        b = [int(x) for x in split]
+        if len(b) != S + 1 or b[0] != 0 or b[-1] != L or any(x >= y for x, y in pairwise(b)):
+            raise AutoshardError(
+                f"split {list(split)}: give {S + 1} boundaries rising strictly from 0 to {L}"
+            )
+        pairs = list(pairwise(b))
     for i, j in pairs:
         c = stage_cost(i, j)
         if not isinstance(c, StageCost):

@@ -721,11 +721,12 @@ def print_report(
     if depth is not None or sg.tied_layers:
         parts = []
         if depth is not None:
-            mid = depth.stands_for[2]
-            parts.append(
-                f"traced blocks 0, 1, {mid[0]} (standing for {mid[0]}-{mid[-1]}) and "
-                f"{depth.num_blocks - 1} of {depth.num_blocks}"
-            )
+            traced = [
+                str(g[0]) if len(g) == 1 else f"{g[0]} (standing for {g[0]}-{g[-1]})"
+                for g in depth.stands_for
+            ]
+            listed = ", ".join(traced[:-1]) + " and " + traced[-1]
+            parts.append(f"traced blocks {listed} of {depth.num_blocks}")
         if sg.tied_layers:
             parts.append(f"{sg.tied_layers} traced layers share the first one's variables")
         console.print("repeated layers: " + "; ".join(parts) + " (--no-tie to solve each)")

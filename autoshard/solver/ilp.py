@@ -763,6 +763,34 @@ def solve(
     return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
 
 
+def lp_bound(
+    sg: StrategyGraph,
+    options: SolverOptions | None = None,
+    memory: tuple[np.ndarray, float] | None = None,
+) -> float | None:
+    """A lower bound on :func:`solve`'s objective (s): the optimum of the ILP's LP
+    relaxation (every integrality dropped, the same rows, ``memory`` included). Every
+    plan, the ILP's optimum included, costs at least this much, so a search may skip a
+    program whose bound cannot beat a plan it already has. HiGHS's simplex, deterministic
+    (``options.lp_iteration_limit``).
+
+    Returns:
+        The bound in seconds; ``math.inf`` when the relaxation is infeasible (no plan fits
+        ``memory``, so none beats anything); ``None`` when the LP stopped at its limits or
+        failed (no bound: the caller solves the ILP).
+    """
+    options = options or SolverOptions()
+    prob = build_problem(sg)
+    milp = _milp(prob, boolean=False, memory=memory)
+    t0 = time.perf_counter()
+    lp = run(milp, _left(options.deadline(t0)), iteration_limit=options.lp_iteration_limit)
+    if lp.status == "infeasible":
+        return math.inf
+    if lp.status != "optimal" or lp.objective is None:
+        return None
+    return float(lp.objective) / SCALE
+
+
 # the name of the start solved without the overlap savings (see solve)
 NO_OVERLAP_START = "ILP without overlap"
 

@@ -41,7 +41,9 @@ class MeshRow:
     layers split into ``pp`` stages over the mesh's leading dims), with its own
     ``seconds`` and MFU (``pipeline_mfu``). ``space``: the search that planned it
     (``"free"``, the whole ILP, or ``"torchtitan"``); ``note``: why it is not the one
-    asked for (the free ILP over the column cap), else ``None``."""
+    asked for (the free ILP over the column cap), else ``None``. ``bound_s``: a row
+    skipped because a lower bound on its step (its LP relaxations) is not under the best
+    plan found (``error`` says so), else ``None``."""
 
     mesh: MeshSpec
     result: SolveResult | None = None
@@ -52,6 +54,7 @@ class MeshRow:
     pipeline_mfu: float = 0.0
     space: str = "free"
     note: str | None = None
+    bound_s: float | None = None  # skipped: a lower bound on its step, not under the best
 
     @property
     def planned(self) -> bool:

@@ -11,7 +11,7 @@ import copy
 import functools
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -287,16 +287,23 @@ def peak_rss_bytes() -> int:
 
 
 def trace(
-    config: SolveConfig, progress: Progress | None = None, microbatches: int = 1
+    config: SolveConfig,
+    progress: Progress | None = None,
+    microbatches: int = 1,
+    stage_bounds: Callable[[int], Sequence[int] | None] | None = None,
 ) -> TracedGraph:
     """Load the model file, build it on meta, trace and annotate it.
 
     With ``microbatches`` > 1 the graph is that of one micro-batch: every example input
     split into that many chunks along dim 0 (as a pipeline schedule splits the batch).
+    With ``stage_bounds`` (the boundaries of a pipeline split of the model's ``L``
+    repeated blocks, from ``L``; or ``None``: every block) the blocks are traced reduced
+    within each stage (:func:`~autoshard.trace.tracer.reduce_depth`), whatever
+    ``config.tie`` says.
 
     Raises:
         AutoshardError: a bad model file, an untraceable model, a batch the micro-batches
-            do not divide.
+            do not divide, stage boundaries that do not split the blocks.
     """
     if progress:
         progress("trace", 0, 1)
@@ -310,7 +317,10 @@ def trace(
     if microbatches > 1:
         loaded.inputs = split_microbatches(loaded.inputs, microbatches, loaded.input_names)[0]
     # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
-    depth = reduce_depth(loaded.module) if config.tie else None
+    if stage_bounds is not None:
+        depth = reduce_depth(loaded.module, bounds=stage_bounds)
+    else:
+        depth = reduce_depth(loaded.module) if config.tie else None
     if config.cast is not None:
         loaded.module.to(config.cast)
         loaded.inputs = tuple(

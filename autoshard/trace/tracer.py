@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
 import math
 import operator
@@ -25,7 +26,7 @@ import sysconfig
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,7 +295,8 @@ class DepthReduction:
 
     ``stands_for[i]``: the real block indices traced block ``i`` stands for. The
     traced blocks are the first two, one middle block standing for all the others but
-    the last, and the last: ``[0], [1], [2..L-2], [L-1]``. ``prefix``: the
+    the last, and the last: ``[0], [1], [2..L-2], [L-1]`` (the same within each pipeline
+    stage when :func:`reduce_depth` is given stage boundaries). ``prefix``: the
     container's FQN (e.g. ``transformer.h``); ``num_blocks``: ``L``.
     """
 
@@ -314,7 +316,19 @@ class DepthReduction:
         return [f"{head}{j}{tail}" for j in self.stands_for[int(index)]]
 
 
-def reduce_depth(module: torch.nn.Module, keep: int = 4) -> DepthReduction | None:
+def _reduced_groups(start: int, end: int) -> list[tuple[int, ...]]:
+    """The traced blocks of blocks ``start..end-1``: the first two, one middle block
+    standing for the others but the last, and the last (each its own when 4 or fewer)."""
+    if end - start <= 4:
+        return [(j,) for j in range(start, end)]
+    return [(start,), (start + 1,), tuple(range(start + 2, end - 1)), (end - 1,)]
+
+
+def reduce_depth(
+    module: torch.nn.Module,
+    keep: int = 4,
+    bounds: Callable[[int], Sequence[int] | None] | None = None,
+) -> DepthReduction | None:
     """Keep blocks 0, 1, 2 and L-1 of the model's repeated blocks (in place).
 
     Identical middle blocks cost the same and get the same plan, so one traced middle
@@ -322,16 +336,38 @@ def reduce_depth(module: torch.nn.Module, keep: int = 4) -> DepthReduction | Non
     :attr:`TracedGraph.multiplicity`). Returns ``None`` (and changes nothing) when the
     model has at most ``keep`` blocks or its blocks are not an ``nn.ModuleList`` /
     ``nn.Sequential``.
+
+    ``bounds(L)``: pipeline stage boundaries ``0 = b_0 < ... < b_S = L`` over the ``L``
+    blocks (or ``None``: trace every block); each stage is then reduced on its own (its
+    first two blocks, one middle block for the rest but its last, its last), so that no
+    traced block stands for blocks of two stages and a stage is cut out of the graph
+    whole (:func:`autoshard.pipeline.search.pipeline_rows`). ``None`` when no stage has
+    more than 4 blocks.
+
+    Raises:
+        AutoshardError: ``bounds`` that do not split ``0..L`` into nonempty stages.
     """
     blocks = find_block_prefixes(module)
     n = len(blocks)
-    if n <= keep:
+    if n == 0 or (bounds is None and n <= keep):
         return None
     prefix = next(iter(blocks)).rpartition(".")[0]
     container = module.get_submodule(prefix) if prefix else module
     if type(container) not in (torch.nn.ModuleList, torch.nn.Sequential):
         return None
-    kept = [0, 1, 2, n - 1]
+    given = None if bounds is None else bounds(n)
+    if bounds is not None and given is None:  # no split of these blocks: trace them all
+        return None
+    cuts = [0, n] if given is None else [int(b) for b in given]
+    if cuts[0] != 0 or cuts[-1] != n or any(a >= b for a, b in itertools.pairwise(cuts)):
+        raise AutoshardError(
+            f"stage boundaries {cuts} do not split the {n} repeated blocks into "
+            f"nonempty stages (0 = b_0 < ... < b_S = {n})"
+        )
+    stands_for = tuple(g for a, b in itertools.pairwise(cuts) for g in _reduced_groups(a, b))
+    if len(stands_for) == n:  # every block traced: nothing to reduce
+        return None
+    kept = [g[0] for g in stands_for]
     smaller = (
         type(container)(*[container[i] for i in kept])
         if isinstance(container, torch.nn.Sequential)
@@ -340,7 +376,6 @@ def reduce_depth(module: torch.nn.Module, keep: int = 4) -> DepthReduction | Non
     parent_path, _, attr = prefix.rpartition(".")
     parent = module.get_submodule(parent_path) if parent_path else module
     setattr(parent, attr, smaller)
-    stands_for = ((0,), (1,), tuple(range(2, n - 1)), (n - 1,))
     return DepthReduction(prefix, n, stands_for)
 
 
