@@ -6,6 +6,7 @@ One placement per mesh dim: ``R`` (Replicate), ``S(<tensor dim>)`` (Shard),
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -15,6 +16,30 @@ from autoshard.errors import AutoshardError
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
 _PARTIAL = re.compile(r"^P\((\w+)\)$")
+
+
+@functools.cache
+def _subclass(kind: type, of: type) -> bool:
+    return issubclass(kind, of)
+
+
+def is_replicate(p: Placement) -> bool:
+    """``isinstance(p, Replicate)``, decided once per type: DTensor's placement classes
+    take torch's opaque-type metaclass (``torch._opaque_base.OpaqueBaseMeta``), whose
+    ``isinstance`` walks a fallback path each time it fails (millions of calls when the
+    hand plans of a 3-D mesh are built)."""
+    return _subclass(type(p), Replicate)
+
+
+def is_partial(p: Placement) -> bool:
+    """``isinstance(p, Partial)``, decided once per type (:func:`is_replicate`)."""
+    return _subclass(type(p), Partial)
+
+
+def is_shard(p: Placement) -> bool:
+    """``isinstance(p, Shard)`` (strided shards included), decided once per type
+    (:func:`is_replicate`)."""
+    return _subclass(type(p), Shard)
 
 
 def placement_to_str(p: Placement) -> str:

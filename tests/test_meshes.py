@@ -414,34 +414,47 @@ def test_a_pipeline_depth_counts_its_candidate_stages_as_it_prices_them(tmp_path
 def test_a_deep_model_s_stages_are_traced_reduced_and_priced_as_the_whole_trace_prices_them(
     tmp_path: Path,
 ):
-    """12 blocks, pp=2: each of torchtitan's two stages of 6 blocks is traced as its
-    first two blocks, one middle block standing for three, and its last (8 traced, not 12),
-    only that split is priced (2 stage ILPs, not 2 (L - 1) = 22), and its step, stage
-    times and memory equal those of the same split priced on the model traced block by
-    block (the trace the pipeline search used before)."""
+    """24 blocks, pp 2 and 4, one trace: torchtitan's splits are 12 + 12 and 6 + 7 + 6 + 5
+    (the embedding and head weigh one layer each), so the trace is cut at 0, 6, 12, 13,
+    19 and 24 and each segment is traced as its first two blocks, one middle block for the
+    rest, and its last (18 traced blocks, not 24). Each depth prices only its own split
+    (one ILP per stage, not one per stage of every split), and its step, stage times and
+    memory equal those of the same split priced on the model traced block by block (the
+    trace the pipeline search used before)."""
     from autoshard.pipeline.pricing import layer_map, plan_pipeline
     from autoshard.solver.solve import trace
 
     model = tmp_path / "stack.py"
-    model.write_text(block_stack(_BLOCK, 12, 64, 2048))
+    model.write_text(block_stack(_BLOCK, 24, 64, 2048))
     config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
     meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
-    (row,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2)
-    plan = row.stages
-    assert plan.graph.depth.stands_for == (
-        (0,), (1,), (2, 3, 4), (5,), (6,), (7,), (8, 9, 10), (11,)
+    two, four = pipeline_rows(config, meshes, [2, 4], 8, gpus_per_node=2)
+    graph = two.stages.graph
+    assert graph is four.stages.graph  # one trace for both depths
+    assert graph.depth.stands_for == (
+        (0,), (1,), (2, 3, 4), (5,),  # [0, 6)
+        (6,), (7,), (8, 9, 10), (11,),  # [6, 12)
+        (12,),  # [12, 13)
+        (13,), (14,), (15, 16, 17), (18,),  # [13, 19)
+        (19,), (20,), (21, 22), (23,),  # [19, 24)
     )  # fmt: skip
-    assert plan.stage_plan.boundaries == (0, 6, 12)
-    assert plan.result.costs.pricer.ilps == 2
-    assert "split as torchtitan splits them (6, 6)" in row.note
-
-    whole = replace(config, mesh=row.mesh, tie=False, activation_checkpointing="none")
-    graph = trace(whole, microbatches=8)
-    assert graph.depth is None and graph.num_layers == 12
-    alone = plan_pipeline(whole, graph, layer_map(graph), 2, 8, split=[0, 6, 12]).stage_plan
-    assert plan.stage_plan.stage_times_s == pytest.approx(alone.stage_times_s, rel=1e-12)
-    assert plan.stage_plan.stage_memory_bytes == pytest.approx(alone.stage_memory_bytes, rel=1e-12)
-    assert row.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
+    whole = replace(config, tie=False, activation_checkpointing="none")
+    every = trace(whole, microbatches=8)
+    assert every.depth is None and every.num_layers == 24
+    for row, split, ilps in ((two, [0, 12, 24], 2), (four, [0, 6, 13, 19, 24], 4)):
+        plan = row.stages
+        assert list(plan.stage_plan.boundaries) == split
+        assert plan.result.costs.pricer.ilps == ilps
+        balance = ", ".join(str(b - a) for a, b in itertools.pairwise(split))
+        assert f"split as torchtitan splits them ({balance})" in row.note
+        alone = plan_pipeline(
+            replace(whole, mesh=row.mesh), every, layer_map(every), row.pp, 8, split=split
+        ).stage_plan
+        assert plan.stage_plan.stage_times_s == pytest.approx(alone.stage_times_s, rel=1e-12)
+        assert plan.stage_plan.stage_memory_bytes == pytest.approx(
+            alone.stage_memory_bytes, rel=1e-12
+        )
+        assert row.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
 
 
 def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_path: Path):
@@ -465,6 +478,30 @@ def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_
     (kept,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2, beat=1.01 * step)
     assert kept.planned and kept.bound_s is None
     assert kept.step_time_s == pytest.approx(step, rel=1e-12)
+
+
+def test_the_table_ranks_a_skipped_depth_by_its_bound_and_says_why(tmp_path: Path, monkeypatch):
+    """``solve --gpus 4 --pp 2 --json`` on 24 blocks, each stage's LP bound planted at
+    1000 s: the pp=2 row is skipped after its first stage's bound (1F1B over 8
+    micro-batches: 8000 s at least), ranked by that bound after the plans, its table row
+    and note say so, and the JSON row holds the bound without a step."""
+    from autoshard.pipeline.stage_ilp import StagePricer
+
+    monkeypatch.setattr(StagePricer, "bound", lambda self, i, j: 1000.0)
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 24, 64, 2048))
+    args = ["solve", str(model), "--gpus", "4", "--gpus-per-node", "2", "--pp", "2", "--json"]
+    run = CliRunner().invoke(main, [*args, "--out", str(tmp_path)], env={"COLUMNS": "200"})
+    assert run.exit_code == 0, run.output
+    doc = json.loads(run.stdout)
+    assert [(r["mesh"], r["pp"]) for r in doc["meshes"]][-1] == ([2, 2], 2)
+    skipped = doc["meshes"][-1]
+    assert skipped["step_time_s"] is None and skipped["bound_s"] == pytest.approx(8000.0)
+    assert skipped["error"].startswith("skipped: its stages' LP relaxations give a step of")
+    table = [line for line in run.stderr.splitlines() if line.count("│") >= 8]
+    cells = [c.strip() for c in table[-1].split("│")[1:-1]]
+    assert cells[:2] == ["2x2", "2"] and cells[3].startswith(">= ") and cells[-1] == "skipped"
+    assert "note: 2x2 with pp=2 is skipped: its stages' LP relaxations" in run.stderr
 
 
 def test_stage_bounds_that_do_not_split_the_blocks_are_one_line():

@@ -23,6 +23,7 @@ from typing import Any
 from autoshard.cost.mesh import MeshSpec, inside_node
 from autoshard.errors import AutoshardError
 from autoshard.pipeline.pricing import (
+    LayerMap,
     PipelineCosts,
     StagesResult,
     layer_map,
@@ -93,9 +94,10 @@ def pipeline_rows(
 ) -> list[MeshRow]:
     """One row per depth in ``depths`` (module docstring): its stage plan, or why it has
     none (no mesh splits into that many stages, more stages than layers, no split within
-    the memory budget). Each depth traces one micro-batch (the batch split into
-    ``microbatches``) with its stages' blocks (:func:`_staged_trace`: a deep model's
-    stages as torchtitan splits them, each with one traced middle block), without
+    the memory budget). The depths share one trace of one micro-batch (the batch split
+    into ``microbatches``; :class:`_StagedTraces`: a deep model's stages as torchtitan
+    splits them, each with one traced middle block; the first depth's ``seconds``
+    count it), without
     activation checkpointing (a stage's budget holds its micro-batches' activations, as
     ``autoshard stages`` prices it) and without context parallelism (a stage runs as
     DTensor places it, and DTensor's attention rule splits no sequence).
@@ -114,6 +116,7 @@ def pipeline_rows(
     # has no sequence split: context parallelism is not offered to the stages' ILPs
     staged = replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
     rows = []
+    traces = _StagedTraces(staged, depths, microbatches)
     for k, pp in enumerate(depths):
         mesh = pipeline_mesh(meshes, pp, gpus_per_node)
         if mesh is None:
@@ -125,14 +128,20 @@ def pipeline_rows(
             progress(f"pipeline {where}", k, len(depths))
         t = time.perf_counter()
         try:
-            graph, layers, split = _staged_trace(staged, pp, microbatches)
+            graph, layers, split = traces.of(pp)
 
             def stage_progress(done: int, total: int, where: str = where) -> None:
                 progress(f"stages of {where}", done, total)
 
             costs = price_pipeline(replace(staged, mesh=mesh), graph, layers, pp, microbatches)
             if beat is not None and split is not None:
-                bound_s = _step_bound(costs, split, microbatches, beat)
+
+                def bound_progress(done: int, total: int, where: str = where) -> None:
+                    progress(f"LP bounds of {where}", done, total)
+
+                bound_s = _step_bound(
+                    costs, split, microbatches, beat, bound_progress if progress else None
+                )
                 if bound_s >= beat:
                     why = (
                         f"skipped: its stages' LP relaxations give a step of at least "
@@ -173,43 +182,79 @@ def pipeline_rows(
     return rows
 
 
-def _step_bound(costs: PipelineCosts, split: Sequence[int], microbatches: int, beat: float):
+def _step_bound(
+    costs: PipelineCosts,
+    split: Sequence[int],
+    microbatches: int,
+    beat: float,
+    progress: Callable[[int, int], None] | None = None,
+) -> float:
     """A lower bound on the 1F1B step of ``split`` (s): each stage's LP bound in place of
     its time (the step grows with every stage's time, so it is one), stage by stage until
     it reaches ``beat`` (the stages not yet bounded count 0); 0 when a stage's LP stopped
-    at its limits (no bound)."""
+    at its limits (no bound). ``progress(done, total)`` before each stage's LP and at the
+    end."""
+    stages = list(itertools.pairwise(split))
     lows: list[float] = []
-    for i, j in itertools.pairwise(split):
+    for i, j in stages:
+        if progress:
+            progress(len(lows), len(stages))
         low = costs.pricer.bound(i, j)
         if low is None:
-            return 0.0
+            lows = [0.0]
+            break
         lows.append(low)
         if pipeline_step_time(lows, microbatches) >= beat:
             break
+    if progress:
+        progress(len(stages), len(stages))
     return pipeline_step_time(lows, microbatches)
 
 
-def _staged_trace(config: SolveConfig, pp: int, microbatches: int):  # noqa: ANN202
-    """One micro-batch's graph for ``pp`` stages, its layers, and the one split to price.
+def _fits(num_layers: int, pp: int) -> bool:
+    """Whether torchtitan's split of ``num_layers`` into ``pp`` stages leaves none empty:
+    its last stage holds the fewest, ``(L + 2) // pp - 1`` (:func:`even_split`)."""
+    return num_layers + 2 >= 2 * pp
+
+
+class _StagedTraces:
+    """One micro-batch's graph for the depths asked, traced once for all of them.
 
     A model whose repeated blocks make a stage of more than 4 blocks is traced reduced
-    within each stage of torchtitan's even split (:func:`~autoshard.pipeline.stages.
-    even_split`; one traced middle block per stage stands for the rest, as a solve traces
-    one for the whole model): an 80-layer model traces 8 blocks for 2 stages instead of
-    80, and only that split is priced (``split``: its boundaries). A shallower model is
-    traced block by block and every split is searched (``split`` None), as ``autoshard
-    stages`` does.
-
-    Raises:
-        AutoshardError: the model cannot be traced, or the split leaves a stage empty.
+    within each segment between the boundaries of torchtitan's even splits of every
+    depth (:func:`~autoshard.pipeline.stages.even_split`; one traced middle block per
+    segment stands for the rest, as a solve traces one for the whole model): an 80-layer
+    model traces 17 blocks for pp 2 and 4 (the boundaries 0, 20, 40, 41, 61, 80) instead
+    of 80, and each depth prices only its own split. A shallower model is traced block by
+    block and every split is searched (no split), as ``autoshard stages`` does; so is a
+    depth whose even split would leave a stage empty.
     """
 
-    def bounds(n: int) -> list[int] | None:
-        # torchtitan's split leaves no stage empty when L + 2 >= 2 pp (its last stage holds
-        # (L + 2) // pp - 1 layers, the fewest): else every block is traced and searched
-        return even_split(n, pp) if n + 2 >= 2 * pp else None
+    def __init__(self, config: SolveConfig, depths: Sequence[int], microbatches: int) -> None:
+        self.config, self.depths, self.microbatches = config, list(depths), microbatches
+        self._held: dict[str, tuple[Any, LayerMap]] = {}
 
-    graph = trace(config, microbatches=microbatches, stage_bounds=bounds)
-    layers = layer_map(graph)
-    split = even_split(layers.num_layers, pp) if graph.depth is not None else None
-    return graph, layers, split
+    def _trace(self, kind: str, bounds) -> tuple[Any, LayerMap]:  # noqa: ANN001
+        if kind not in self._held:
+            graph = trace(self.config, microbatches=self.microbatches, stage_bounds=bounds)
+            self._held[kind] = (graph, layer_map(graph))
+        return self._held[kind]
+
+    def of(self, pp: int) -> tuple[Any, LayerMap, list[int] | None]:
+        """Depth ``pp``'s graph, its layers, and the one split to price (None: search
+        every split).
+
+        Raises:
+            AutoshardError: the model cannot be traced.
+        """
+
+        def every_split(n: int) -> list[int] | None:
+            cuts = {c for d in self.depths if _fits(n, d) for c in even_split(n, d)}
+            return sorted(cuts) or None
+
+        graph, layers = self._trace("reduced", every_split)
+        if graph.depth is None:  # every block traced: search every split
+            return graph, layers, None
+        if _fits(layers.num_layers, pp):
+            return graph, layers, even_split(layers.num_layers, pp)
+        return (*self._trace("whole", lambda n: None), None)

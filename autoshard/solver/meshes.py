@@ -111,8 +111,8 @@ class MeshSearch:
 
     @property
     def fastest(self) -> MeshRow:
-        """The fastest row, a pipeline's included."""
-        return self.rows[0]
+        """The fastest row with a plan, a pipeline's included."""
+        return next(r for r in self.rows if r.planned)
 
     def with_rows(self, extra: Sequence[MeshRow]) -> MeshSearch:
         """The search with ``extra`` rows (pipeline rows) ranked among its own."""
@@ -143,12 +143,16 @@ def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # n
 
 
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
-    """Fastest first (ties: fewer mesh dims, then no pipeline, then the order tried); rows
-    without a plan last, in the order tried."""
-    planned = sorted(
-        (r for r in rows if r.planned), key=lambda r: (r.step_time_s, len(r.mesh.shape), r.pp)
-    )
-    return planned + [r for r in rows if not r.planned]
+    """Fastest first (ties: fewer mesh dims, then no pipeline, then the order tried), a
+    skipped row by its lower bound (after the plans it ties with); rows without a plan
+    last, in the order tried."""
+
+    def key(r: MeshRow) -> tuple:
+        step = r.step_time_s if r.planned else r.bound_s
+        return (step, not r.planned, len(r.mesh.shape), r.pp)
+
+    ranked = sorted((r for r in rows if r.planned or r.bound_s is not None), key=key)
+    return ranked + [r for r in rows if not r.planned and r.bound_s is None]
 
 
 def search_meshes(

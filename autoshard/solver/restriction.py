@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
-from autoshard.placements import short
+from autoshard.placements import is_partial, is_replicate, is_shard, short
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
 from autoshard.strategies.sharing import SharedResharding
 
@@ -184,11 +184,11 @@ def restrict_memory(
 
 
 def is_r(p: Placement) -> bool:
-    return isinstance(p, Replicate)
+    return is_replicate(p)
 
 
 def is_p(p: Placement) -> bool:
-    return isinstance(p, Partial)
+    return is_partial(p)
 
 
 def kind_table(placements: Sequence[Placements], ndim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +205,7 @@ def kind_table(placements: Sequence[Placements], ndim: int) -> tuple[np.ndarray,
 
 
 def is_s(p: Placement, dim: int | None = None) -> bool:
-    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+    return is_shard(p) and (dim is None or p.dim == dim)
 
 
 def used_as_stored(p: Placements, q: Placements) -> bool:
