@@ -484,7 +484,8 @@ def test_the_table_ranks_a_skipped_depth_by_its_bound_and_says_why(tmp_path: Pat
     """``solve --gpus 4 --pp 2 --json`` on 24 blocks, each stage's LP bound planted at
     1000 s: the pp=2 row is skipped after its first stage's bound (1F1B over 8
     micro-batches: 8000 s at least), ranked by that bound after the plans, its table row
-    and note say so, and the JSON row holds the bound without a step."""
+    and note say so, the summary line counts it, and the JSON row holds the bound without
+    a step."""
     from autoshard.pipeline.stage_ilp import StagePricer
 
     monkeypatch.setattr(StagePricer, "bound", lambda self, i, j: 1000.0)
@@ -502,6 +503,7 @@ def test_the_table_ranks_a_skipped_depth_by_its_bound_and_says_why(tmp_path: Pat
     cells = [c.strip() for c in table[-1].split("│")[1:-1]]
     assert cells[:2] == ["2x2", "2"] and cells[3].startswith(">= ") and cells[-1] == "skipped"
     assert "note: 2x2 with pp=2 is skipped: its stages' LP relaxations" in run.stderr
+    assert "; 1 skipped by a lower bound)" in " ".join(run.stderr.split())
 
 
 def test_stage_bounds_that_do_not_split_the_blocks_are_one_line():

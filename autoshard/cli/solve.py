@@ -389,6 +389,9 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
             console.print(f"note: {'x'.join(map(str, row.mesh.shape))}{pp} {has} {row.error}")
     shapes = sum(r.pp == 1 for r in search.rows)
     staged = "; the pipeline depths share one of their own" if shapes < len(search.rows) else ""
+    skipped = sum(r.bound_s is not None for r in search.rows)
+    if skipped:
+        staged += f"; {skipped} skipped by a lower bound"
     console.print(
         f"best: {'x'.join(map(str, search.best.mesh.shape))} (one trace, "
         f"{search.trace_seconds:.1f} s, for all {shapes} shapes{staged})"
