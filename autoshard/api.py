@@ -189,11 +189,14 @@ def solve(
         gpus_per_node: with ``gpus``: devices per node (a dim inside a node gets the
             intra-node links, one across nodes the inter-node links).
         pp: with ``gpus``: pipeline depths (each 2 or more) ranked beside the mesh
-            shapes (``--pp 2,4``; :mod:`autoshard.pipeline.search`): each the stage
-            plan :func:`stages` finds over the leading dims of a shape, a 1F1B schedule
-            of ``microbatches``. The returned plan stays the fastest without stages;
-            ``result.meshes.fastest`` is the fastest row, and a pipeline's row holds
-            its stage plan (``.stages.stage_plan``; ``.pp`` its depth).
+            shapes (``--pp 2,4``; :mod:`autoshard.pipeline.search`): each a stage plan
+            over the leading dims of a shape, a 1F1B schedule of ``microbatches`` (a
+            deep model's layers split as torchtitan splits them, a shallow one's
+            searched as :func:`stages` searches them). The returned plan stays the
+            fastest without stages; ``result.meshes.fastest`` is the fastest row, and a
+            pipeline's row holds its stage plan (``.stages.stage_plan``; ``.pp`` its
+            depth), or, skipped because its stages' LP bounds cannot beat the best
+            plan, that bound (``.bound_s``).
         microbatches: with ``pp``: micro-batches per step (they must divide the batch).
         space: ``"free"`` (the ILP over every DTensor strategy) or ``"torchtitan"`` (the
             fastest plan FSDP2 and ``parallelize_module`` express, which

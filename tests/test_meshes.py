@@ -29,6 +29,7 @@ from autoshard.cost.mesh import (
 )
 from autoshard.errors import AutoshardError
 from autoshard.model.model_file import instantiate, load_model_file
+from autoshard.pipeline.pricing import price_pipeline
 from autoshard.pipeline.search import pipeline_rows, stage_file
 from autoshard.pipeline.stage_plan import load_stage_plan
 from autoshard.solver.meshes import search_meshes
@@ -458,7 +459,8 @@ def test_a_deep_model_s_stages_are_traced_reduced_and_priced_as_the_whole_trace_
 
 
 def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_path: Path):
-    """12 blocks, pp=2: each stage's LP relaxation is at most its ILP's time, so the
+    """12 blocks, pp=2: each stage's LP relaxation (solved with no ILP yet) is at most its
+    ILP's time, so the
     1F1B step over them is a lower bound on the row's step; a best plan under that bound
     skips the depth without its stage ILPs (the row holds the bound and says why), and a
     best plan above the row's step does not."""
@@ -467,9 +469,18 @@ def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_
     config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
     meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
     (row,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2)
-    pricer = row.stages.result.costs.pricer
-    for i, j in ((0, 6), (6, 12)):
-        assert 0 < pricer.bound(i, j) <= pricer.price(i, j).time_s * (1 + 1e-9)
+    costs = row.stages.result.costs
+    fresh = price_pipeline(  # no stage priced yet: each bound is its LP's
+        replace(config, mesh=row.mesh, tie=False, activation_checkpointing="none"),
+        row.stages.graph,
+        row.stages.layers,
+        2,
+        8,
+    )
+    for i, j in itertools.pairwise(row.stages.stage_plan.boundaries):
+        low = fresh.pricer.bound(i, j)
+        assert 0 < low <= costs.pricer.price(i, j).time_s * (1 + 1e-9)
+        assert fresh.pricer.ilps == 0
     step = row.step_time_s
     low = 0.5 * step
     (skipped,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2, beat=low)
@@ -478,6 +489,42 @@ def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_
     (kept,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2, beat=1.01 * step)
     assert kept.planned and kept.bound_s is None
     assert kept.step_time_s == pytest.approx(step, rel=1e-12)
+
+
+def test_a_depth_whose_stage_cannot_fit_says_so_and_is_not_skipped(tmp_path: Path):
+    """24 blocks, pp=2, a 64 MiB budget no stage fits (each holds 12 blocks of 16 MiB of
+    weights): the first stage's LP is infeasible, which bounds nothing, so the depth is not
+    skipped; its row gives the memory error of its split, with no bound."""
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 24, 64, 2048))
+    mesh = MeshSpec.from_options("4")
+    config = SolveConfig(model_path=model, mesh=mesh, memory_budget=64 * 2**20)
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    (row,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2, beat=1e-9)
+    assert not row.planned and row.bound_s is None
+    assert row.error.startswith("the split [0, 12, 24] of 24 layers into 2 stages does not fit")
+
+
+def test_a_depth_prices_the_same_split_whatever_other_depths_are_asked(tmp_path: Path):
+    """10 blocks: pp=2 splits them 5 + 5 (a stage over 4 blocks: that split alone, on a
+    trace reduced to 8 blocks); pp=4 splits them 2 + 3 + 3 + 2 (no stage over 4: every
+    split searched, on a second trace of every block, as ``autoshard stages`` searches
+    them). Asked with or without the other, each depth gives the same plan."""
+    model = tmp_path / "stack.py"
+    model.write_text(block_stack(_BLOCK, 10, 64, 2048))
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    two, four = pipeline_rows(config, meshes, [2, 4], 8, gpus_per_node=2)
+    (alone,) = pipeline_rows(config, meshes, [2], 8, gpus_per_node=2)
+    assert two.stages.graph.depth.stands_for[:4] == ((0,), (1,), (2, 3), (4,))
+    assert two.stages.stage_plan.boundaries == alone.stages.stage_plan.boundaries == (0, 5, 10)
+    assert two.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
+    assert four.stages.graph.depth is None and four.note is None
+    loaded = instantiate(load_model_file(model), device="meta")
+    searched = autoshard.stages(
+        loaded.module, loaded.inputs, MeshSpec.on_nodes((2, 2), 2), pp=4, microbatches=8
+    )
+    assert four.step_time_s == pytest.approx(searched.stage_plan.step_time_s, rel=1e-12)
 
 
 def test_the_table_ranks_a_skipped_depth_by_its_bound_and_says_why(tmp_path: Path, monkeypatch):

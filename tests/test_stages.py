@@ -634,5 +634,8 @@ def test_a_given_split_is_the_only_one_priced():
     assert assign_stages(6, 3, 4, cost).boundaries == (0, 2, 4, 6)  # the search's own
     with pytest.raises(AutoshardError, match="4 boundaries rising strictly from 0 to 6"):
         assign_stages(6, 3, 4, cost, split=[0, 3, 3, 6])
-    with pytest.raises(AutoshardError, match="no split of 6 layers into 3 stages fits"):
+    with pytest.raises(
+        AutoshardError,
+        match=r"the split \[0, 1, 5, 6\] of 6 layers into 3 stages does not fit",
+    ):
         assign_stages(6, 3, 4, cost, memory_budget=0.5, split=[0, 1, 5, 6])

@@ -388,7 +388,7 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
             has = "is" if row.bound_s is not None else "has no plan:"
             console.print(f"note: {'x'.join(map(str, row.mesh.shape))}{pp} {has} {row.error}")
     shapes = sum(r.pp == 1 for r in search.rows)
-    staged = "; the pipeline depths share one of their own" if shapes < len(search.rows) else ""
+    staged = "; the pipeline depths traced apart" if shapes < len(search.rows) else ""
     skipped = sum(r.bound_s is not None for r in search.rows)
     if skipped:
         staged += f"; {skipped} skipped by a lower bound"

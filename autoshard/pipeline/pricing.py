@@ -223,10 +223,11 @@ def price_pipeline(
     any stage by its own ILP (:class:`~autoshard.pipeline.stage_ilp.StagePricer`).
 
     Raises:
-        AutoshardError: a pp that does not split the mesh.
+        AutoshardError: a pp that does not split the mesh, more stages than layers.
     """
     mesh = config.mesh
     sub = submesh_shape(mesh.shape, pp)
+    _check_stages(pp, layers)  # before the strategies: a cheap refusal
     sub_mesh = MeshSpec(sub, mesh.dim_names, mesh.bandwidth, mesh.latency)
     # untied: every layer's nodes are its own, so a stage can be cut out of the graph
     sub_config = replace(config, mesh=sub_mesh, tie=False)

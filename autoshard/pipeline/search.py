@@ -14,6 +14,7 @@ predicted step.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -115,10 +116,11 @@ def pipeline_rows(
     # a stage runs under DTensor's own placement (--mode propagate), whose attention rule
     # has no sequence split: context parallelism is not offered to the stages' ILPs
     staged = replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
+    placed = {pp: pipeline_mesh(meshes, pp, gpus_per_node) for pp in depths}
+    traces = _StagedTraces(staged, [pp for pp, m in placed.items() if m], microbatches, config.tie)
     rows = []
-    traces = _StagedTraces(staged, depths, microbatches)
     for k, pp in enumerate(depths):
-        mesh = pipeline_mesh(meshes, pp, gpus_per_node)
+        mesh = placed[pp]
         if mesh is None:
             text = f"no mesh shape's leading dims split into {pp} stages"
             rows.append(MeshRow(meshes[0], error=text, pp=pp))
@@ -127,12 +129,8 @@ def pipeline_rows(
         if progress:
             progress(f"pipeline {where}", k, len(depths))
         t = time.perf_counter()
+        graph, layers, split = traces.of(pp)  # a model that cannot be traced: raised
         try:
-            graph, layers, split = traces.of(pp)
-
-            def stage_progress(done: int, total: int, where: str = where) -> None:
-                progress(f"stages of {where}", done, total)
-
             costs = price_pipeline(replace(staged, mesh=mesh), graph, layers, pp, microbatches)
             if beat is not None and split is not None:
 
@@ -142,7 +140,7 @@ def pipeline_rows(
                 bound_s = _step_bound(
                     costs, split, microbatches, beat, bound_progress if progress else None
                 )
-                if bound_s >= beat:
+                if bound_s is not None and bound_s >= beat * (1 + _TIE_RTOL):
                     why = (
                         f"skipped: its stages' LP relaxations give a step of at least "
                         f"{format_seconds(bound_s)}, not under the best plan's "
@@ -150,6 +148,10 @@ def pipeline_rows(
                     )
                     rows.append(MeshRow(mesh, error=why, pp=pp, bound_s=bound_s))
                     continue
+
+            def stage_progress(done: int, total: int, where: str = where) -> None:
+                progress(f"stages of {where}", done, total)
+
             done = plan_pipeline(
                 replace(staged, mesh=mesh),
                 graph,
@@ -164,6 +166,8 @@ def pipeline_rows(
             rows.append(MeshRow(mesh, error=str(exc), pp=pp))
             continue
         step = done.stage_plan.step_time_s
+        if beat is not None:  # a faster depth raises the bar for the depths after it
+            beat = min(beat, step)
         flops = graph.step_flops * microbatches  # the graph is one micro-batch's
         peak = config.device.peak(staged.compute_dtype(graph))
         mfu = flops / (step * mesh.num_devices * peak) if step > 0 and peak > 0 else 0.0
@@ -182,28 +186,33 @@ def pipeline_rows(
     return rows
 
 
+_TIE_RTOL = 1e-9
+"""A bound skips a depth only above the best step by this much: an integral LP's bound
+can exceed its own plan's evaluated price by a rounding ulp."""
+
+
 def _step_bound(
     costs: PipelineCosts,
     split: Sequence[int],
     microbatches: int,
     beat: float,
     progress: Callable[[int, int], None] | None = None,
-) -> float:
+) -> float | None:
     """A lower bound on the 1F1B step of ``split`` (s): each stage's LP bound in place of
     its time (the step grows with every stage's time, so it is one), stage by stage until
-    it reaches ``beat`` (the stages not yet bounded count 0); 0 when a stage's LP stopped
-    at its limits (no bound). ``progress(done, total)`` before each stage's LP and at the
-    end."""
+    it reaches ``beat`` (a stage not yet bounded, or whose LP stopped at its limits, counts
+    0). ``None`` when a stage has no plan within the memory budget (an infeasible LP): the
+    depth cannot run, and its stage ILPs say why. ``progress(done, total)`` before each
+    stage's LP and at the end."""
     stages = list(itertools.pairwise(split))
     lows: list[float] = []
     for i, j in stages:
         if progress:
             progress(len(lows), len(stages))
         low = costs.pricer.bound(i, j)
-        if low is None:
-            lows = [0.0]
-            break
-        lows.append(low)
+        if low is not None and not math.isfinite(low):
+            return None
+        lows.append(0.0 if low is None else low)
         if pipeline_step_time(lows, microbatches) >= beat:
             break
     if progress:
@@ -220,25 +229,42 @@ def _fits(num_layers: int, pp: int) -> bool:
 class _StagedTraces:
     """One micro-batch's graph for the depths asked, traced once for all of them.
 
-    A model whose repeated blocks make a stage of more than 4 blocks is traced reduced
-    within each segment between the boundaries of torchtitan's even splits of every
-    depth (:func:`~autoshard.pipeline.stages.even_split`; one traced middle block per
-    segment stands for the rest, as a solve traces one for the whole model): an 80-layer
-    model traces 17 blocks for pp 2 and 4 (the boundaries 0, 20, 40, 41, 61, 80) instead
-    of 80, and each depth prices only its own split. A shallower model is traced block by
-    block and every split is searched (no split), as ``autoshard stages`` does; so is a
-    depth whose even split would leave a stage empty.
+    A depth whose torchtitan split (:func:`~autoshard.pipeline.stages.even_split`) leaves
+    no stage empty and has a stage of more than 4 blocks prices that split alone; the
+    others search every split, as ``autoshard stages`` does (a model with few blocks). The
+    first trace (``reduce``, the user's ``--no-tie`` not given) is reduced within each
+    segment between the boundaries of those depths' splits: each segment traced as its
+    first two blocks, one middle block standing for the rest, and its last, as a solve
+    traces the whole model. An 80-layer model traces 17 blocks for pp 2 and 4 (cut at 0,
+    20, 40, 41, 61, 80) instead of 80. A depth that searches every split needs every
+    block: the first trace when nothing was reduced, else a second one.
     """
 
-    def __init__(self, config: SolveConfig, depths: Sequence[int], microbatches: int) -> None:
+    def __init__(
+        self, config: SolveConfig, depths: Sequence[int], microbatches: int, reduce: bool
+    ) -> None:
         self.config, self.depths, self.microbatches = config, list(depths), microbatches
+        self.reduce = reduce
         self._held: dict[str, tuple[Any, LayerMap]] = {}
+
+    @staticmethod
+    def split(num_layers: int, pp: int) -> list[int] | None:
+        """Depth ``pp``'s one split to price, or None to search every split."""
+        if not _fits(num_layers, pp):
+            return None
+        cuts = even_split(num_layers, pp)
+        return cuts if max(b - a for a, b in itertools.pairwise(cuts)) > 4 else None
 
     def _trace(self, kind: str, bounds) -> tuple[Any, LayerMap]:  # noqa: ANN001
         if kind not in self._held:
             graph = trace(self.config, microbatches=self.microbatches, stage_bounds=bounds)
             self._held[kind] = (graph, layer_map(graph))
         return self._held[kind]
+
+    @property
+    def count(self) -> int:
+        """Traces made so far."""
+        return len(self._held)
 
     def of(self, pp: int) -> tuple[Any, LayerMap, list[int] | None]:
         """Depth ``pp``'s graph, its layers, and the one split to price (None: search
@@ -248,13 +274,14 @@ class _StagedTraces:
             AutoshardError: the model cannot be traced.
         """
 
-        def every_split(n: int) -> list[int] | None:
-            cuts = {c for d in self.depths if _fits(n, d) for c in even_split(n, d)}
+        def union(n: int) -> list[int] | None:
+            if not self.reduce:
+                return None
+            cuts = {c for d in self.depths for c in (self.split(n, d) or ())}
             return sorted(cuts) or None
 
-        graph, layers = self._trace("reduced", every_split)
-        if graph.depth is None:  # every block traced: search every split
-            return graph, layers, None
-        if _fits(layers.num_layers, pp):
-            return graph, layers, even_split(layers.num_layers, pp)
-        return (*self._trace("whole", lambda n: None), None)
+        graph, layers = self._trace("first", union)
+        split = self.split(layers.num_layers, pp)
+        if split is not None or graph.depth is None:  # a split alone, or every block
+            return graph, layers, split
+        return (*self._trace("every block", lambda n: None), None)

@@ -421,6 +421,7 @@ class StagePricer:
         self._signature = self._layer_signatures()
         self._cache: dict[Any, StagePrice] = {}
         self._bounds: dict[Any, float | None] = {}
+        self._bounded: dict[tuple[int, int], StageGraph] = {}  # cut by bound, for price
         self.ilps = 0
 
     def _layer_signatures(self) -> list[int]:
@@ -461,7 +462,8 @@ class StagePricer:
         """Solve (or recall) the ILP of the stage holding layers ``i..j-1``."""
         key = (tuple(self._signature[i:j]), i == 0, j == self.num_layers)
         if key not in self._cache:
-            self._cache[key] = self._solve(self.graph(i, j))
+            stage = self._bounded.pop((i, j), None) or self.graph(i, j)
+            self._cache[key] = self._solve(stage)
         return self._cache[key]
 
     def bound(self, i: int, j: int) -> float | None:
@@ -474,7 +476,8 @@ class StagePricer:
             price = self._cache[key]
             return price.time_s if price.memory_bytes <= self.config.budget() else math.inf
         if key not in self._bounds:
-            sub = self.graph(i, j).sg
+            stage = self._bounded[(i, j)] = self.graph(i, j)  # price() cuts it no more
+            sub = stage.sg
             rows = memory_rows(sub, self.config.memory_model(), self.in_flight)
             memory = (ilp_row(sub, rows), self.config.budget())
             self._bounds[key] = lp_bound(sub, self.config.solver, memory)

@@ -779,17 +779,23 @@ def assign_stages(
     least_time = _least_bottleneck(feasible_time, S)
     if not math.isfinite(least_time):
         if not math.isfinite(_least_bottleneck(np.where(runnable, 0.0, math.inf), S)):
+            which = f"every split of {L} layers" if split is None else f"the split {b}"
             raise AutoshardError(
-                f"every split of {L} layers into {S} stages has a stage that cannot run "
+                f"{which} into {S} stages has a stage that cannot run "
                 f"(stage_cost gave an infinite time): try another number of stages or a "
                 f"larger submesh"
             )
         least_mem = _least_bottleneck(np.where(runnable, mem, math.inf), S)
+        if split is None:
+            which = f"no split of {L} layers into {S} stages fits"
+            needs = "the best split needs"
+        else:
+            which = f"the split {b} of {L} layers into {S} stages does not fit"
+            needs = "it needs"
         raise AutoshardError(
-            f"no split of {L} layers into {S} stages fits the memory budget of "
-            f"{format_bytes(memory_budget)} per device; the best split needs "
-            f"{format_bytes(least_mem)} on its fullest stage: raise the budget, use more stages "
-            f"or more devices per stage"
+            f"{which} the memory budget of {format_bytes(memory_budget)} per device; "
+            f"{needs} {format_bytes(least_mem)} on its fullest stage: raise the budget, use "
+            f"more stages or more devices per stage"
         )
 
     # A split whose bottleneck is >= T takes at least lower(T) = max(B T, least_sum + (B - 1) T)

@@ -85,7 +85,8 @@ class MeshRow:
     @property
     def solve_seconds(self) -> float:
         """Strategies, hand plans and the ILP for this mesh (the shared trace excluded);
-        a pipeline row: its trace and every stage ILP."""
+        a pipeline row: its strategies and stage ILPs, and the first planned depth the
+        pipeline traces it made."""
         if self.stages is not None:
             return self.seconds
         if self.result is None:
@@ -96,8 +97,8 @@ class MeshRow:
 
 @dataclass
 class MeshSearch:
-    """The ranked candidates (fastest first; meshes without a plan last, in the order
-    tried) and the seconds of the one trace they share."""
+    """The ranked candidates (fastest first, a skipped row by its bound; meshes without a
+    plan last, in the order tried) and the seconds of the one trace the shapes share."""
 
     rows: list[MeshRow]
     trace_seconds: float
