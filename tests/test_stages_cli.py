@@ -123,6 +123,33 @@ def test_identical_blocks_split_evenly(blocks_file, tmp_path, pp, balance):
     assert str(path) in result.output.replace("\n", "")
 
 
+@pytest.mark.slow  # two stage searches, 30 stage ILPs in one
+def test_torchtitan_s_split_is_priced_alone_as_the_search_prices_it(tmp_path):
+    """16 identical blocks, pp=2: ``--split torchtitan`` prices 8 + 8 alone (the
+    embedding and head weigh one layer each: 18 = 9 + 9) on a trace of 8 blocks, and
+    writes every real block's parameters; the search over every split on a trace of every
+    block (30 stage ILPs) finds the same split at the same step, stage times and memory."""
+    model = tmp_path / "blocks16.py"
+    model.write_text(BLOCKS.replace("range(8)", "range(16)"))
+    args = [model, "--mesh", "2x2", "--pp", 2, "--microbatches", 8, *FAST]
+    titan = _run(*args, "--split", "torchtitan", "--out", tmp_path / "titan")
+    assert titan.exit_code == 0, titan.output
+    searched = _run(*args, "--out", tmp_path / "search")
+    assert searched.exit_code == 0, searched.output
+    a = json.loads((tmp_path / "titan" / "blocks16_2x2_pp2.stages.json").read_text())
+    b = json.loads((tmp_path / "search" / "blocks16_2x2_pp2.stages.json").read_text())
+    assert a["balance"] == b["balance"] == [8, 8]
+    assert "pp=2: 2 stage ILPs (2 stages priced)" in " ".join(titan.output.split())
+    assert a["step_time_s"] == pytest.approx(b["step_time_s"], rel=1e-9)
+    for st_a, st_b in zip(a["stages"], b["stages"], strict=True):
+        assert st_a["module_paths"] == st_b["module_paths"]
+        # every real block's parameters; where two placements cost the same the two
+        # programs may pick either (blocks.0.weight: S(0) or S(1) on dim 1)
+        assert set(st_a["parameters"]) == set(st_b["parameters"])
+        for key in ("time_s", "memory_bytes"):
+            assert st_a["predicted"][key] == pytest.approx(st_b["predicted"][key], rel=1e-9)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

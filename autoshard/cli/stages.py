@@ -59,6 +59,17 @@ def stages_options(f):
         "example_inputs() is the global batch, split into B chunks along dim 0.",
     )(f)
     f = click.option(
+        "--split",
+        "split_rule",
+        type=click.Choice(["search", "torchtitan"]),
+        default="search",
+        show_default=True,
+        help="search: every split of the layers, each candidate stage its own ILP (every "
+        "layer traced); torchtitan: only the split torchtitan runs (the embedding and the "
+        "head weigh one layer each, the rest dealt evenly), one ILP per stage on a reduced "
+        "trace: minutes for an 80-layer model where search takes hours.",
+    )(f)
+    f = click.option(
         "--pp",
         "pp_text",
         default="auto",
@@ -92,6 +103,7 @@ def stages_command(
     reduce_dtype_name,
     activation_checkpointing,
     pp_text,
+    split_rule,
     microbatches,
     memory_budget,
     time_limit,
@@ -111,6 +123,7 @@ def stages_command(
     Examples:
       autoshard stages examples/gpt2.py --mesh 2x2x2 --pp 2 --microbatches 8
       autoshard stages examples/gpt2.py --mesh 2x4 --pp auto
+      autoshard stages examples/llama70b.py --mesh 8x8 --pp 4 --split torchtitan
     """
     import torch  # heavy: only once the command runs
 
@@ -152,7 +165,14 @@ def stages_command(
         log = Console(stderr=True, quiet=quiet)
         with Progress(log):  # each stage ILP's incumbent, bound and gap as it runs
             path, _ = run_stages(
-                config, pp_text, microbatches, budget, out_dir, Console(quiet=quiet), log
+                config,
+                pp_text,
+                microbatches,
+                budget,
+                out_dir,
+                Console(quiet=quiet),
+                log,
+                split_rule,
             )
     except AutoshardError as exc:
         root = ctx.find_root()

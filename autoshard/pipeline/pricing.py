@@ -34,6 +34,7 @@ from autoshard.pipeline.stages import (
     StageCost,
     assign_stages,
     cluster_layers,
+    even_split,
     pipeline_degrees,
     stage_ranks,
     submesh_shape,
@@ -464,16 +465,34 @@ def run_stages(
     out_dir: Path,
     console: Console,
     log: Console,
+    split_rule: str = "search",
 ) -> tuple[Path, dict[str, Any]]:
-    """Trace, price each candidate degree, pick the fastest, write and print the stage plan."""
+    """Trace, price each candidate degree, pick the fastest, write and print the stage plan.
+
+    ``split_rule``: ``"search"`` prices every split of the layers (every layer traced);
+    ``"torchtitan"`` prices only torchtitan's split of each degree
+    (:func:`~autoshard.pipeline.stages.even_split`), one ILP per stage, on one trace
+    reduced within each segment between those splits' boundaries
+    (:func:`~autoshard.trace.tracer.reduce_depth`), as ``solve --gpus --pp`` prices a
+    deep model's depths.
+    """
     if microbatches < 1:
         raise AutoshardError(f"--microbatches {microbatches}: give an integer >= 1")
+    if split_rule not in ("search", "torchtitan"):
+        raise AutoshardError(f"--split {split_rule!r}: choose search or torchtitan")
     mesh = config.mesh
     pp = _parse_pp(pp_text)
     if pp is not None:
         submesh_shape(mesh.shape, pp)  # fail fast, before tracing
     log.print(f"tracing {config.model_path} (meta device)")
-    graph = trace(config, microbatches=microbatches)
+    candidates = [pp] if pp is not None else pipeline_degrees(mesh.shape)
+
+    def union(n: int) -> list[int] | None:  # the cuts of every degree's torchtitan split
+        cuts = {c for d in candidates if n + 2 >= 2 * d for c in even_split(n, d)}
+        return sorted(cuts) or None
+
+    bounds = union if split_rule == "torchtitan" else None
+    graph = trace(config, microbatches=microbatches, stage_bounds=bounds)
     layers = layer_map(graph)
     log.print(f"{layers.num_layers} layers ({layers.source})")
     tried: dict[int, Any] = {}
@@ -490,7 +509,8 @@ def run_stages(
             f"{'x'.join(map(str, submesh_shape(mesh.shape, d)))}"
         )
         try:
-            r = plan_pipeline(config, graph, layers, d, microbatches, memory_budget)
+            split = even_split(layers.num_layers, d) if split_rule == "torchtitan" else None
+            r = plan_pipeline(config, graph, layers, d, microbatches, memory_budget, split=split)
         except AutoshardError as exc:
             if pp is not None:
                 raise
