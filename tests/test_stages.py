@@ -25,6 +25,7 @@ from autoshard.pipeline.stages import (
     cluster_layers,
     crossing_bytes,
     even_split,
+    even_split_fits,
     pipeline_degrees,
     pipeline_step_time,
     stage_ranks,
@@ -616,6 +617,19 @@ def test_the_even_split_is_torchtitan_s(layers, stages, bounds):
 def test_an_even_split_that_leaves_a_stage_empty_is_one_line():
     with pytest.raises(AutoshardError, match=r"3 layers .* into 4 stages .* use fewer stages"):
         even_split(3, 4)  # 5 = 2 + 1 + 1 + 1 -> 1, 1, 1, 0
+
+
+def test_the_even_split_fits_exactly_where_it_leaves_no_stage_empty():
+    """``even_split_fits`` (the rule the pipeline search and ``stages --split`` share)
+    agrees with :func:`even_split` itself on every L < 60, S < 40."""
+    for layers in range(1, 60):
+        for stages in range(1, 40):
+            try:
+                even_split(layers, stages)
+                fits = True
+            except AutoshardError:
+                fits = False
+            assert even_split_fits(layers, stages) == fits, (layers, stages)
 
 
 def test_a_given_split_is_the_only_one_priced():

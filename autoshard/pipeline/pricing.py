@@ -35,6 +35,7 @@ from autoshard.pipeline.stages import (
     assign_stages,
     cluster_layers,
     even_split,
+    even_split_fits,
     pipeline_degrees,
     stage_ranks,
     submesh_shape,
@@ -488,7 +489,7 @@ def run_stages(
     candidates = [pp] if pp is not None else pipeline_degrees(mesh.shape)
 
     def union(n: int) -> list[int] | None:  # the cuts of every degree's torchtitan split
-        cuts = {c for d in candidates if n + 2 >= 2 * d for c in even_split(n, d)}
+        cuts = {c for d in candidates if even_split_fits(n, d) for c in even_split(n, d)}
         return sorted(cuts) or None
 
     bounds = union if split_rule == "torchtitan" else None

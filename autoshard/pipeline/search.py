@@ -33,7 +33,12 @@ from autoshard.pipeline.pricing import (
     stage_plan_dict,
 )
 from autoshard.pipeline.stage_plan import save_stage_plan
-from autoshard.pipeline.stages import even_split, pipeline_degrees, pipeline_step_time
+from autoshard.pipeline.stages import (
+    even_split,
+    even_split_fits,
+    pipeline_degrees,
+    pipeline_step_time,
+)
 from autoshard.solver.meshes import MeshRow
 from autoshard.solver.solve import SolveConfig, trace
 from autoshard.units import format_seconds
@@ -95,13 +100,13 @@ def pipeline_rows(
 ) -> list[MeshRow]:
     """One row per depth in ``depths`` (module docstring): its stage plan, or why it has
     none (no mesh splits into that many stages, more stages than layers, no split within
-    the memory budget). The depths share one trace of one micro-batch (the batch split
-    into ``microbatches``; :class:`_StagedTraces`: a deep model's stages as torchtitan
-    splits them, each with one traced middle block; the first depth's ``seconds``
-    count it), without
-    activation checkpointing (a stage's budget holds its micro-batches' activations, as
-    ``autoshard stages`` prices it) and without context parallelism (a stage runs as
-    DTensor places it, and DTensor's attention rule splits no sequence).
+    the memory budget). The depths share the traces of one micro-batch (the batch split
+    into ``microbatches``; :class:`_StagedTraces`: a deep model's layers split as
+    torchtitan splits them, reduced between the splits' boundaries; the first depth's
+    ``seconds`` count them), without activation checkpointing (a stage's budget holds its
+    micro-batches' activations, as ``autoshard stages`` prices it) and without context
+    parallelism (a stage runs as DTensor places it, and DTensor's attention rule splits
+    no sequence).
 
     ``beat``: the step (s) of the fastest plan already found (the mesh shapes'). A depth
     whose stages' LP relaxations (:meth:`~autoshard.pipeline.stage_ilp.StagePricer.bound`)
@@ -220,12 +225,6 @@ def _step_bound(
     return pipeline_step_time(lows, microbatches)
 
 
-def _fits(num_layers: int, pp: int) -> bool:
-    """Whether torchtitan's split of ``num_layers`` into ``pp`` stages leaves none empty:
-    its last stage holds the fewest, ``(L + 2) // pp - 1`` (:func:`even_split`)."""
-    return num_layers + 2 >= 2 * pp
-
-
 class _StagedTraces:
     """One micro-batch's graph for the depths asked, traced once for all of them.
 
@@ -250,7 +249,7 @@ class _StagedTraces:
     @staticmethod
     def split(num_layers: int, pp: int) -> list[int] | None:
         """Depth ``pp``'s one split to price, or None to search every split."""
-        if not _fits(num_layers, pp):
+        if not even_split_fits(num_layers, pp):
             return None
         cuts = even_split(num_layers, pp)
         return cuts if max(b - a for a, b in itertools.pairwise(cuts)) > 4 else None
@@ -260,11 +259,6 @@ class _StagedTraces:
             graph = trace(self.config, microbatches=self.microbatches, stage_bounds=bounds)
             self._held[kind] = (graph, layer_map(graph))
         return self._held[kind]
-
-    @property
-    def count(self) -> int:
-        """Traces made so far."""
-        return len(self._held)
 
     def of(self, pp: int) -> tuple[Any, LayerMap, list[int] | None]:
         """Depth ``pp``'s graph, its layers, and the one split to price (None: search

@@ -41,6 +41,7 @@ __all__ = [
     "assign_stages",
     "cluster_layers",
     "even_split",
+    "even_split_fits",
     "crossing_bytes",
     "pipeline_degrees",
     "pipeline_step_time",
@@ -594,6 +595,12 @@ def validate_balance(balance: Sequence[int], num_layers: int) -> None:
             f"the model and the sum of balance have different lengths (layers: {num_layers}, "
             f"sum of balance: {sum(balance)})"
         )
+
+
+def even_split_fits(num_layers: int, num_stages: int) -> bool:
+    """Whether :func:`even_split` leaves no stage empty: its last stage holds the fewest
+    layers, ``(L + 2) // S - 1``, so ``L + 2 >= 2 S`` (one stage: always)."""
+    return num_stages == 1 or num_layers + 2 >= 2 * num_stages
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:
