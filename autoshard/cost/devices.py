@@ -17,7 +17,9 @@ datasheets print the sparse figure, twice the dense one, with an asterisk). The 
 ``h100-measured`` and ``h200-measured`` (:func:`measured_device`) keep those peaks for the
 MFU, and price matmuls, attention and memory-bound ops at the rates one such GPU reached
 under ``autoshard calibrate --mesh 1`` (``autoshard/cost/measured``): a datasheet's peak
-is not what a GPU achieves (docs/validation.md).
+is not what a GPU achieves (docs/validation.md). ``a100-measured`` does the same with the
+rates published benchmarks of an A100 SXM4 80GB reached (its file's ``source`` names
+them: the best bfloat16 GEMM and the HBM copy; no size curve, no attention).
 
 Which peak stands for float32: matmul-heavy fp32 training runs its matmuls on the tensor cores
 as TF32 (PyTorch's ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision
@@ -470,9 +472,10 @@ def measured_rates(compute: dict) -> dict[str, dict[str, tuple[tuple[float, floa
 
 MEASURED_FORMAT = "autoshard.measured-device/1"
 MEASURED_DIR = Path(__file__).with_name("measured")
-"""The rates GPUs lent to this project achieved: one JSON file per preset (format
-:data:`MEASURED_FORMAT`), ``autoshard calibrate --mesh 1``'s compute part with a
-``source`` naming the machine and the command; :func:`measured_device`."""
+"""The rates GPUs achieved: one JSON file per preset (format :data:`MEASURED_FORMAT`),
+``autoshard calibrate --mesh 1``'s compute part with a ``source`` naming the machine and
+the command (h100, h200: GPUs lent to this project), or the published benchmarks whose
+numbers it holds (a100); :func:`measured_device`."""
 
 
 def measured_device(name: str) -> DeviceSpec:
