@@ -236,3 +236,22 @@ def test_a100_measured_prices_what_published_a100_benchmarks_reached() -> None:
     assert achieved.peak_flops == datasheet.peak_flops
     assert achieved.memory_bytes == datasheet.memory_bytes
     assert achieved.compute_time(big, 0, "float32") == datasheet.compute_time(big, 0, "float32")
+
+
+@pytest.mark.parametrize(("seq", "tflops"), [(2048, 155), (8192, 182)])
+def test_a100_measured_times_causal_attention_as_flash_attention_2_s_figure(seq, tflops):
+    """FlashAttention-2's A100 figure (Dao-AILab/flash-attention,
+    assets/flash2_a100_fwd_bwd_benchmark.png at 4f285b35, panel d: causal, head dim 128,
+    forward and backward) gives 155 TFLOP/s at 2k tokens and 182 at 8k, on its benchmark's
+    count (benchmarks/benchmark_flash_attention.py: ``4 b s^2 h d / 2`` for a causal
+    forward, 3.5 times that with the backward). A causal attention of that shape, priced
+    on PyTorch's count (FlopCounterMode: ``4 b h s^2 d`` forward, 2.5 times that backward),
+    takes the figure's time for its forward and backward together."""
+    b, h, d = 16384 // seq, 16, 128
+    figure_s = 3.5 * (4 * b * seq**2 * h * d / 2) / (tflops * 1e12)
+    forward = 4 * b * h * seq**2 * d
+    a100 = get_device("a100-measured")
+    priced = a100.compute_time(
+        forward, 0, "bfloat16", kind="attention_forward", per=b * h
+    ) + a100.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
+    assert priced == pytest.approx(figure_s, rel=1e-9)

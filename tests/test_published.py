@@ -468,7 +468,8 @@ def test_a_published_step_priced_with_its_own_plan(run: Run):
     """The run's own plan priced at the device's datasheet, and again at the rates such a
     GPU achieved (an H100 row at the rates one H100 SXM reached: matmuls by size,
     attention, copy, ``--device h100-measured``; an A100 row at published A100 benchmarks'
-    GEMM and copy rates with NCCL's bus bandwidth on its links, ``--device a100-measured``;
+    GEMM, attention and copy rates with NCCL's bus bandwidth on its links, ``--device
+    a100-measured``;
     torchtitan's 8B H100 rows are still priced well under their measured steps:
     its H100s are 500 W parts with slower memory), each held to the measured step (within
     20% for the rows of ``WITHIN`` / ``WITHIN_MEASURED``, outside for the others); and

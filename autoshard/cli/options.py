@@ -115,7 +115,7 @@ def mesh_options(f=None, *, mesh_required: bool = True):
             help="GPU that prices compute (roofline). h100-measured (the default) and "
             "h200-measured price at the rates one such GPU reached (matmuls by size, "
             "attention, copy; docs/validation.md), a100-measured at published A100 "
-            "benchmarks' GEMM and copy rates; the plain names (h100, a100, ...) at "
+            "benchmarks' GEMM, attention and copy rates; the plain names (h100, a100, ...) at "
             "the datasheet's peaks, which no GPU reaches.",
         ),
         click.option(
