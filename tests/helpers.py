@@ -164,13 +164,16 @@ def _warm_parent() -> subprocess.Popen[str]:
     return _zygote
 
 
-def ranks(nproc: int, *argv: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+def ranks(
+    nproc: int, *argv: str, cwd: Path = ROOT, prime: bool = True, **env: str
+) -> subprocess.CompletedProcess[str]:
     """``nproc`` ranks of ``argv`` (``-m MODULE ARGS`` or ``SCRIPT ARGS``, what follows
     torchrun's options; a bare plan and model mean ``-m autoshard.launch``), as
     ``torchrun --standalone --nproc-per-node N`` runs them from ``cwd`` with ``env``
     added, captured; forked from tests/rank_zygote.py, which has imported torch, DTensor
-    and autoshard once (its docstring says what differs from torchrun: only how each
-    process starts).
+    and autoshard once (its docstring says what differs from torchrun: how each process
+    starts, and that the ranks of a ``--mode plan`` launch take one trace of the model
+    made before them; ``prime=False``: each rank traces for itself, as under torchrun).
 
     Raises:
         AssertionError: called from a test not marked ``slow``.
@@ -186,6 +189,7 @@ def ranks(nproc: int, *argv: str, cwd: Path = ROOT, **env: str) -> subprocess.Co
         "env": _launch_env(env),
         "cwd": str(cwd),
         "timeout": TORCHRUN_TIMEOUT_S,
+        "prime": prime,
     }
     zygote = _warm_parent()
     assert zygote.stdin is not None and zygote.stdout is not None

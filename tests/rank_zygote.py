@@ -1,24 +1,28 @@
-"""A warm parent for the test suite's multi-rank runs: it imports torch, DTensor,
-pipelining, transformers and autoshard's launch once, then forks the ranks of each run.
+"""A warm parent for the test suite's multi-rank runs: it imports torch, DTensor, pipelining,
+transformers and autoshard's launch once, then forks the ranks of each run.
 
 Each rank of ``torchrun --standalone --nproc-per-node N -m autoshard.launch ...`` spends
 7.5 s (idle 2-core machine, ``python -c "import autoshard.launch.rank"``) importing before
-its first line of work, and the ranks of one launch share the machine's two cores, so
-an 8-rank launch of a small model took half a minute before it ran a step. A forked rank
-starts with those modules loaded. What differs from torchrun is only how the processes
-start: each is a process of its own with torchrun's environment (``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
-joins gloo through ``env://`` as under torchrun, and runs the same module or script as
-``__main__``; all write to one stdout and one stderr, as torchrun's children inherit
-its own; when one fails the others are stopped (SIGTERM), as torchrun's agent does, and
-the run's exit code is 1, as torchrun's. The suite keeps real torchrun for the launches
-whose subject is the launcher itself (tests/test_launch.py's ``autoshard launch``
-commands, the documented commands of tests/test_docs_commands.py).
+its first line of work, and the ranks of one launch share the machine's two cores, so an
+8-rank launch of a small model took half a minute before it ran a step. A forked rank
+starts with those modules loaded. Each run has a leader, forked first, which traces the
+model once as every rank of a ``--mode plan`` launch would (:func:`_prime`): its ranks,
+forked from it, take that trace instead of tracing eight times side by side. What differs
+from torchrun is how the processes start and that one trace: each is a process of its own
+with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins gloo through ``env://`` as
+under torchrun, and runs the same module or script as ``__main__``; all write to one stdout
+and one stderr, as torchrun's children inherit its own; when one fails the others are
+stopped (SIGTERM), as torchrun's agent does, and the run's exit code is 1, as torchrun's.
+The suite keeps real torchrun, where each rank traces for itself, for the launches whose
+subject is the launcher itself (tests/test_launch.py's ``autoshard launch`` commands, the
+documented commands of tests/test_docs_commands.py).
 
 Protocol (one JSON object per line): the test process writes ``{"nproc", "argv", "env",
-"cwd", "timeout"}`` on this process's stdin (``argv`` is what follows torchrun's own
-options: ``["-m", MODULE, ...]`` or ``[SCRIPT, ...]``); this process answers ``{"rc",
-"stdout", "stderr", "timed_out"}`` on its stdout.
+"cwd", "timeout", "prime"}`` on this process's stdin (``argv`` is what follows torchrun's
+own options: ``["-m", MODULE, ...]`` or ``[SCRIPT, ...]``; ``prime`` false has each rank
+trace for itself); this process answers ``{"rc", "stdout", "stderr", "timed_out"}`` on its
+stdout.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -87,6 +92,123 @@ def _rank(argv: list[str], env: dict[str, str], cwd: str, out: int, err: int) ->
 
 
 def run(request: dict) -> dict:
+    """Fork a leader for the run and wait for its answer: the leader traces the launch's
+    model once (:func:`_prime`), then forks the ranks (:func:`_run_ranks`), which inherit
+    the trace; this process stays as it was for the next run."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the leader
+        os.close(read)
+        os.setpgid(0, 0)  # its ranks in its process group, which a stuck run loses whole
+        code = 0
+        try:
+            reply = json.dumps(_lead(request)).encode()
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(reply)
+        except BaseException:  # noqa: BLE001 - said on stderr; the reply is missing
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    os.close(write)
+    chunks, deadline = [], time.monotonic() + float(request["timeout"]) + LEADER_GRACE_S
+    stuck = False
+    while True:
+        ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:  # the leader itself is stuck (its ranks have their own deadline)
+            _signal_group(pid, signal.SIGKILL)
+            stuck = True
+            break
+        chunk = os.read(read, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    if not chunks:
+        return {
+            "rc": 1,
+            "stdout": "",
+            "stderr": "rank_zygote: the run's leader gave no answer\n",
+            "timed_out": stuck,
+        }
+    return json.loads(b"".join(chunks))
+
+
+LEADER_GRACE_S = 120.0
+"""Seconds past the ranks' own deadline after which a run's leader is killed."""
+
+
+def _lead(request: dict) -> dict:
+    """The leader: the run's environment and folder, the shared trace, then the ranks."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if request.get("prime", True):
+        _prime(request["argv"])
+    return _run_ranks(request)
+
+
+def _prime(argv: list[str]) -> None:
+    """Trace the model as each rank of ``autoshard.launch PLAN MODEL --mode plan`` would
+    (:func:`autoshard.launch.observed.prepare_program`), and keep each trace for one use
+    per process: the forked ranks take their copy instead of tracing again. On two cores
+    an 8-rank launch traced eight times side by side (7.6 s of CPU each for a 2-layer
+    Llama) and loaded the model's HuggingFace modules eight times.
+
+    Anything else (a pipeline stage plan, DTensor propagation, arguments the rank command
+    refuses, a plan or model that fails to load or trace) is left to the ranks, which
+    do it themselves and report what goes wrong: this is a warm-up, not a check. Its
+    output goes nowhere, so that what a test reads is what the ranks printed."""
+    if argv[:2] != ["-m", "autoshard.launch"]:
+        return
+    from autoshard.launch import observed
+    from autoshard.launch.options import RunOptions
+    from autoshard.launch.rank import rank_command
+    from autoshard.model.model_file import load_model_file
+    from autoshard.pipeline.stage_plan import is_stage_plan
+    from autoshard.plan.formats import load_sharding_map
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    traced: dict[tuple, list] = {}
+    real = observed.trace_for_launch
+
+    def keeping(mf, mode, dtype=None, reduce=False, merge_views=False):
+        graph = real(mf, mode, dtype, reduce=reduce, merge_views=merge_views)
+        traced.setdefault((str(mf.path), mode, repr(dtype), reduce, merge_views), []).append(graph)
+        return graph
+
+    def serving(mf, mode, dtype=None, reduce=False, merge_views=False):
+        held = traced.get((str(mf.path), mode, repr(dtype), reduce, merge_views))
+        if held:
+            return held.pop()  # each process's copy once: a second call traces anew
+        return real(mf, mode, dtype, reduce=reduce, merge_views=merge_views)
+
+    try:
+        with rank_command.make_context("autoshard.launch", list(argv[2:])) as ctx:
+            params = dict(ctx.params)
+        plan, model = params.pop("plan"), params.pop("model")
+        opts = RunOptions(**params)
+        if opts.mode == "plan" and not is_stage_plan(plan):
+            observed.trace_for_launch = keeping
+            observed.prepare_program(load_sharding_map(plan), load_model_file(model), opts)
+    except (Exception, SystemExit):  # noqa: BLE001 - the ranks meet it again and say it
+        traced.clear()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+        observed.trace_for_launch = serving if traced else real
+
+
+def _run_ranks(request: dict) -> dict:
     """Fork ``nproc`` ranks of ``argv`` and wait for them (see the module's docstring)."""
     nproc = int(request["nproc"])
     port = _free_port()
@@ -149,6 +271,13 @@ def run(request: dict) -> dict:
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
     except ProcessLookupError:
         pass
 
