@@ -14,9 +14,11 @@ with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 under torchrun, and runs the same module or script as ``__main__``; all write to one stdout
 and one stderr, as torchrun's children inherit its own; when one fails the others are
 stopped (SIGTERM), as torchrun's agent does, and the run's exit code is 1, as torchrun's.
-The suite keeps real torchrun, where each rank traces for itself, for the launches whose
-subject is the launcher itself (tests/test_launch.py's ``autoshard launch`` commands, the
-documented commands of tests/test_docs_commands.py).
+tests/test_launch.py keeps real torchrun for the launches whose subject is the launcher
+itself (version-1 maps, which trace nothing, and a world-size error); the documented
+commands of tests/test_docs_commands.py start their ranks here too. The one launch whose
+ranks trace for themselves is ``prime=False``'s (tests/test_launch_plan.py's
+``nn.TransformerEncoder``).
 
 Protocol (one JSON object per line): the test process writes ``{"nproc", "argv", "env",
 "cwd", "timeout", "prime"}`` on this process's stdin (``argv`` is what follows torchrun's
@@ -27,6 +29,7 @@ stdout.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import runpy
@@ -96,21 +99,23 @@ def run(request: dict) -> dict:
     model once (:func:`_prime`), then forks the ranks (:func:`_run_ranks`), which inherit
     the trace; this process stays as it was for the next run."""
     read, write = os.pipe()
+    deadline = time.monotonic() + float(request["timeout"])  # priming included, as torchrun's
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the leader
+        global _REPLY_FD
         os.close(read)
         os.setpgid(0, 0)  # its ranks in its process group, which a stuck run loses whole
-        code = 0
+        _REPLY_FD = write
         try:
-            reply = json.dumps(_lead(request)).encode()
-            with os.fdopen(write, "wb") as pipe:
-                pipe.write(reply)
-        except BaseException:  # noqa: BLE001 - said on stderr; the reply is missing
-            traceback.print_exc()
-            code = 1
-        os._exit(code)
+            reply = _lead(request, deadline, parent)
+        except BaseException:  # noqa: BLE001 - the leader's own failure, as the reply
+            reply = {"rc": 1, "stdout": "", "stderr": traceback.format_exc(), "timed_out": False}
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(json.dumps(reply).encode())
+        os._exit(0)
     os.close(write)
-    chunks, deadline = [], time.monotonic() + float(request["timeout"]) + LEADER_GRACE_S
+    chunks, deadline = [], deadline + LEADER_GRACE_S
     stuck = False
     while True:
         ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
@@ -124,28 +129,56 @@ def run(request: dict) -> dict:
         chunks.append(chunk)
     os.close(read)
     os.waitpid(pid, 0)
-    if not chunks:
+    try:
+        reply = json.loads(b"".join(chunks)) if chunks and not stuck else None
+    except ValueError:  # a reply cut short
+        reply = None
+    if reply is None:
         return {
             "rc": 1,
             "stdout": "",
-            "stderr": "rank_zygote: the run's leader gave no answer\n",
+            "stderr": "rank_zygote: the run's leader gave no whole answer\n",
             "timed_out": stuck,
         }
-    return json.loads(b"".join(chunks))
+    return reply
 
 
-LEADER_GRACE_S = 120.0
-"""Seconds past the ranks' own deadline after which a run's leader is killed."""
+LEADER_GRACE_S = 30.0
+"""Seconds past the run's deadline after which its leader is killed (its ranks' deadline
+is the run's: the leader stops them then and answers)."""
+
+_REPLY_FD: int | None = None
+"""In a leader, its end of the reply pipe, which its ranks close at once: the zygote reads
+the reply to the end of the pipe, which no rank or descendant of one may hold open."""
 
 
-def _lead(request: dict) -> dict:
+def _lead(request: dict, deadline: float, parent: int) -> dict:
     """The leader: the run's environment and folder, the shared trace, then the ranks."""
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     if request.get("prime", True):
+        # as rank 0 sees it, before its process group exists (no process joins that port)
+        os.environ.update(_torchrun_env(0, int(request["nproc"]), _free_port()))
         _prime(request["argv"])
-    return _run_ranks(request)
+        os.environ.clear()
+        os.environ.update(request["env"])
+    return _run_ranks(request, _free_port(), deadline, parent)
+
+
+def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What torchrun --standalone sets for one of ``nproc`` local ranks."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def _prime(argv: list[str]) -> None:
@@ -157,8 +190,10 @@ def _prime(argv: list[str]) -> None:
 
     Anything else (a pipeline stage plan, DTensor propagation, arguments the rank command
     refuses, a plan or model that fails to load or trace) is left to the ranks, which
-    do it themselves and report what goes wrong: this is a warm-up, not a check. Its
-    output goes nowhere, so that what a test reads is what the ranks printed."""
+    do it themselves and report what goes wrong: this is a warm-up, not a check. It runs
+    with rank 0's torchrun variables, before any process group, and its output goes
+    nowhere, so that what a test reads is what the ranks printed (a warning the model
+    code gives once per process, given here, is not given again by the ranks)."""
     if argv[:2] != ["-m", "autoshard.launch"]:
         return
     from autoshard.launch import observed
@@ -174,19 +209,26 @@ def _prime(argv: list[str]) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    traced: dict[tuple, list] = {}
+    traced: dict[str, list] = {}
     real = observed.trace_for_launch
+    signature = inspect.signature(real)
 
-    def keeping(mf, mode, dtype=None, reduce=False, merge_views=False):
-        graph = real(mf, mode, dtype, reduce=reduce, merge_views=merge_views)
-        traced.setdefault((str(mf.path), mode, repr(dtype), reduce, merge_views), []).append(graph)
+    def key(*args, **kwargs) -> str:
+        # every argument as called, defaults filled in; the model file by its path
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return repr({k: str(v.path) if k == "mf" else v for k, v in bound.arguments.items()})
+
+    def keeping(*args, **kwargs):
+        graph = real(*args, **kwargs)
+        traced.setdefault(key(*args, **kwargs), []).append(graph)
         return graph
 
-    def serving(mf, mode, dtype=None, reduce=False, merge_views=False):
-        held = traced.get((str(mf.path), mode, repr(dtype), reduce, merge_views))
+    def serving(*args, **kwargs):
+        held = traced.get(key(*args, **kwargs))
         if held:
             return held.pop()  # each process's copy once: a second call traces anew
-        return real(mf, mode, dtype, reduce=reduce, merge_views=merge_views)
+        return real(*args, **kwargs)
 
     try:
         with rank_command.make_context("autoshard.launch", list(argv[2:])) as ctx:
@@ -208,35 +250,31 @@ def _prime(argv: list[str]) -> None:
         observed.trace_for_launch = serving if traced else real
 
 
-def _run_ranks(request: dict) -> dict:
-    """Fork ``nproc`` ranks of ``argv`` and wait for them (see the module's docstring)."""
+def _run_ranks(request: dict, port: int, deadline: float, parent: int) -> dict:
+    """Fork ``nproc`` ranks of ``argv`` and wait for them until ``deadline`` (see the
+    module's docstring); a zygote gone (``parent`` no longer this process's parent: the
+    test session ended or was stopped) stops them and this leader at once."""
     nproc = int(request["nproc"])
-    port = _free_port()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pids = {}
         for rank in range(nproc):
-            env = dict(request["env"])
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                GROUP_RANK="0",
-                ROLE_RANK=str(rank),
-                WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc),
-                ROLE_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
+            env = {**request["env"], **_torchrun_env(rank, nproc, port)}
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
+                if _REPLY_FD is not None:
+                    os.close(_REPLY_FD)
                 _rank(request["argv"], env, request["cwd"], out.fileno(), err.fileno())
             pids[pid] = rank
-        deadline = time.monotonic() + float(request["timeout"])
         codes: dict[int, int] = {}
         first_failed: int | None = None
         timed_out = False
         while len(codes) < nproc:
+            if os.getppid() != parent:
+                for other, r in pids.items():
+                    if r not in codes:
+                        _signal(other, signal.SIGKILL)
+                os._exit(1)
             if time.monotonic() > deadline:
                 timed_out = True
                 break
