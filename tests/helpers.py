@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 import unittest.mock
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -197,6 +198,13 @@ def ranks(
     zygote.stdin.flush()
     reply = json.loads(zygote.stdout.readline())
     cmd = ["ranks", str(nproc), *argv]
+    if reply.get("warm_up_error") and reply["rc"] == 0:
+        # the ranks did what the warm-up could not: it no longer shares the trace
+        warnings.warn(
+            f"rank_zygote's warm-up failed ({reply['warm_up_error']}) where the ranks "
+            "succeeded: each rank traced for itself",
+            stacklevel=2,
+        )
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(cmd, TORCHRUN_TIMEOUT_S, reply["stdout"], reply["stderr"])
     return subprocess.CompletedProcess(cmd, reply["rc"], reply["stdout"], reply["stderr"])

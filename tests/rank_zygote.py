@@ -23,8 +23,8 @@ ranks trace for themselves is ``prime=False``'s (tests/test_launch_plan.py's
 Protocol (one JSON object per line): the test process writes ``{"nproc", "argv", "env",
 "cwd", "timeout", "prime"}`` on this process's stdin (``argv`` is what follows torchrun's
 own options: ``["-m", MODULE, ...]`` or ``[SCRIPT, ...]``; ``prime`` false has each rank
-trace for itself); this process answers ``{"rc", "stdout", "stderr", "timed_out"}`` on its
-stdout.
+trace for itself); this process answers ``{"rc", "stdout", "stderr", "timed_out",
+"warm_up_error"}`` on its stdout.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run(request: dict) -> dict:
         _REPLY_FD = write
         try:
             reply = _lead(request, deadline, parent)
-        except BaseException:  # noqa: BLE001 - the leader's own failure, as the reply
+        except Exception:  # noqa: BLE001 - the leader's own failure, reported as the reply
             reply = {"rc": 1, "stdout": "", "stderr": traceback.format_exc(), "timed_out": False}
         with os.fdopen(write, "wb") as pipe:
             pipe.write(json.dumps(reply).encode())
@@ -154,16 +154,13 @@ the reply to the end of the pipe, which no rank or descendant of one may hold op
 
 def _lead(request: dict, deadline: float, parent: int) -> dict:
     """The leader: the run's environment and folder, the shared trace, then the ranks."""
+    # as rank 0 sees it, before its process group exists (no process joins that port);
+    # each rank sets its own environment after the fork
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request["env"], **_torchrun_env(0, int(request["nproc"]), _free_port()))
     os.chdir(request["cwd"])
-    if request.get("prime", True):
-        # as rank 0 sees it, before its process group exists (no process joins that port)
-        os.environ.update(_torchrun_env(0, int(request["nproc"]), _free_port()))
-        _prime(request["argv"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-    return _run_ranks(request, _free_port(), deadline, parent)
+    failed = _prime(request["argv"]) if request.get("prime", True) else None
+    return {**_run_ranks(request, _free_port(), deadline, parent), "warm_up_error": failed}
 
 
 def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -181,7 +178,7 @@ def _torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     }
 
 
-def _prime(argv: list[str]) -> None:
+def _prime(argv: list[str]) -> str | None:
     """Trace the model as each rank of ``autoshard.launch PLAN MODEL --mode plan`` would
     (:func:`autoshard.launch.observed.prepare_program`), and keep each trace for one use
     per process: the forked ranks take their copy instead of tracing again. On two cores
@@ -193,9 +190,14 @@ def _prime(argv: list[str]) -> None:
     do it themselves and report what goes wrong: this is a warm-up, not a check. It runs
     with rank 0's torchrun variables, before any process group, and its output goes
     nowhere, so that what a test reads is what the ranks printed (a warning the model
-    code gives once per process, given here, is not given again by the ranks)."""
+    code gives once per process, given here, is not given again by the ranks).
+
+    Returns:
+        None, or the error that stopped the warm-up (``"TypeError: ..."``), which the
+        reply carries: :func:`helpers.ranks` warns when the ranks then succeeded, since
+        a warm-up that fails where the ranks do not has stopped sharing the trace."""
     if argv[:2] != ["-m", "autoshard.launch"]:
-        return
+        return None
     from autoshard.launch import observed
     from autoshard.launch.options import RunOptions
     from autoshard.launch.rank import rank_command
@@ -230,6 +232,7 @@ def _prime(argv: list[str]) -> None:
             return held.pop()  # each process's copy once: a second call traces anew
         return real(*args, **kwargs)
 
+    failed: str | None = None
     try:
         with rank_command.make_context("autoshard.launch", list(argv[2:])) as ctx:
             params = dict(ctx.params)
@@ -238,8 +241,10 @@ def _prime(argv: list[str]) -> None:
         if opts.mode == "plan" and not is_stage_plan(plan):
             observed.trace_for_launch = keeping
             observed.prepare_program(load_sharding_map(plan), load_model_file(model), opts)
-    except (Exception, SystemExit):  # noqa: BLE001 - the ranks meet it again and say it
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the ranks meet it again and
+        # say it; the reply reports it (see Returns)
         traced.clear()
+        failed = f"{type(exc).__name__}: {exc}"
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -248,6 +253,7 @@ def _prime(argv: list[str]) -> None:
         for fd in (*saved, devnull):
             os.close(fd)
         observed.trace_for_launch = serving if traced else real
+    return failed
 
 
 def _run_ranks(request: dict, port: int, deadline: float, parent: int) -> dict:
