@@ -104,6 +104,8 @@ class Run:
     flops: float = 0.0
     options: tuple[str, ...] = ()
     notes: str = ""
+    # the memory the source reports: torchtitan's Memory(GiB) is the caching allocator's
+    # peak reserved bytes (torchtitan/metrics.py at d4c86e3), not the peak allocated
     memory_gib: float | None = field(default=None)
 
     @property
