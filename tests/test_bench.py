@@ -8,7 +8,7 @@ import click
 import pytest
 from helpers import ROOT
 
-from autoshard.bench import CASES, import_floor_s
+from autoshard.bench import import_floor_s
 
 
 @pytest.mark.slow  # two fresh interpreters
@@ -20,15 +20,12 @@ def test_the_floor_loads_the_model_file_and_fails_loudly_on_one_that_does_not_lo
         (ROOT / "examples" / "mlp.py").read_text()
         + f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('yes')\n"
     )
-    assert import_floor_s(str(model), {}) > 0
+    import_floor_s(str(model), {})
     assert marker.read_text() == "yes"
     broken = tmp_path / "broken.py"
-    broken.write_text("raise RuntimeError('no such model')\n")
-    with pytest.raises(click.ClickException, match="loading .*broken.py failed: .*no such model"):
+    broken.write_text("import os\n\nraise RuntimeError('no such model')\n")
+    with pytest.raises(
+        click.ClickException,
+        match=r"broken\.py failed: .*broken\.py:3: RuntimeError: no such model",
+    ):
         import_floor_s(str(broken), {})
-
-
-def test_every_case_names_a_model_file_the_floor_can_load():
-    for name, case in CASES.items():
-        assert (ROOT / case["file"]).is_file(), name
-        assert isinstance(case["env"], dict), name
