@@ -19,6 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import (
+    GPT2_DEFAULT,
     LLAMA_SMALL,
     MIXTRAL_SMALL,
     TORCHRUN_TIMEOUT_S,
@@ -26,7 +27,6 @@ from helpers import (
     rank_env,
     ranks,
     torchrun,
-    write_gpt2_short,
     write_model,
 )
 from torch import nn
@@ -477,23 +477,17 @@ def test_wrong_process_count_exits_2_with_one_line(plan_pp2: Path, blocks: Path)
     assert "exitcode  : 2" in run.stderr
 
 
-def _gpt2_short(tmp_path: Path) -> Path:
-    """examples/gpt2.py's model (AUTOSHARD_LAYERS layers) with input_ids of shape (4, 32)."""
-    return write_gpt2_short(tmp_path, 4)
-
-
 @pytest.mark.slow  # starts torchrun
-def test_gpt2_two_layers_trains_like_one_device(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """HF GPT-2, 2 blocks, one per stage, 2 micro-batches. The tied embedding / LM head
-    is in both stages (pipelining copies it): its gradient is summed across them, so it
-    equals the single-device one."""
-    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
-    model = _gpt2_short(tmp_path)
+def test_gpt2_two_layers_trains_like_one_device(tmp_path: Path) -> None:
+    """HF GPT-2 from a default-style config, 2 blocks, one per stage, 2 micro-batches.
+    The tied embedding / LM head is in both stages (pipelining copies it): its gradient is
+    summed across them, so it equals the single-device one. (A vocabulary of 1024: with
+    GPT-2's 50,257 each rank's float64 whole-model check and the AdamW states made this
+    launch 37 s of the suite.)"""
+    model = write_model(tmp_path, GPT2_DEFAULT, "gpt2_default")
     plan = _stages(model, tmp_path, "2", 2, 2)
     assert load_stage_plan(plan).split_points == ["transformer.h.1"]
-    run = ranks(2, str(plan), str(model), "--train", "--check", AUTOSHARD_LAYERS="2")
+    run = ranks(2, str(plan), str(model), "--train", "--check")
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
     assert "gradients summed across them): transformer.wte.weight" in out
