@@ -414,15 +414,16 @@ def test_mlp_train_step_matches_single_device(tmp_path: Path) -> None:
 @pytest.mark.slow  # starts torchrun
 def test_mlp_forward_through_autoshard_launch(tmp_path: Path) -> None:
     """``autoshard launch`` starts the real torchrun with one process per device of the
-    map's mesh (2x2: 4 processes, each importing torch afresh)."""
-    plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]}, mesh=(2, 2))
+    map's mesh (1x2: 2 processes, each importing torch afresh; a mesh whose dims differ,
+    so that the count is their product, not their sum or the first dim's power)."""
+    plan = _write_map(tmp_path / "mlp.json", MLP_DP_TP, {"x": ["S(0)", "R"]}, mesh=(1, 2))
     cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(plan), str(MLP)]
     cmd += ["--check", "--steps", "2"]
     run = subprocess.run(
         cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert "--nproc-per-node 4 --standalone" in run.stderr
+    assert "--nproc-per-node 2 --standalone" in run.stderr
     assert re.search(r"all_reduce\s+1\s+-", run.stdout), run.stdout
     assert number(CHECK_OUTPUT, run.stdout) <= 1e-5
     assert "(step 2; step 1: " in run.stdout
