@@ -284,9 +284,14 @@ def import_floor_s(file: str, env: dict[str, str]) -> float:
     )
     took = time.perf_counter() - t0
     if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"
-        raise click.ClickException(f"loading {file} failed: {last}")
+        raise click.ClickException(f"loading {file} failed: {last_error_line(proc)}")
     return took
+
+
+def last_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The last line a finished process wrote to its (captured) stderr, or ``?``."""
+    text = proc.stderr.strip()
+    return text.splitlines()[-1] if text else "?"
 
 
 @click.command()
@@ -317,15 +322,14 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
         )
         wall = time.perf_counter() - t0  # process start (imports) to files written
         if proc.returncode != 0:
-            last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"
-            progress.print(f"[red]{name} failed:[/red] {last}")
+            progress.print(f"[red]{name} failed:[/red] {last_error_line(proc)}")
             continue
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         row["wall_s"] = round(wall, 2)
         key = (CASES[name]["file"], tuple(sorted(CASES[name]["env"].items())))
         if key not in floors:  # once per model file and environment
             try:
-                floors[key] = round(import_floor_s(*key[:1], dict(key[1])), 2)
+                floors[key] = round(import_floor_s(CASES[name]["file"], CASES[name]["env"]), 2)
             except click.ClickException as exc:  # the case ran: keep its row, say why
                 progress.print(f"[red]{name}: no floor:[/red] {exc.message}")
                 floors[key] = None
