@@ -223,10 +223,11 @@ def environment(**env: str) -> Iterator[None]:
         os.environ.update(saved)
 
 
-IN_PROCESS = frozenset({"solve", "compare", "stages", "show", "export", "launch"})
+IN_PROCESS = frozenset({"solve", "compare", "stages", "show", "export", "launch", "calibrate"})
 """The commands :func:`autoshard_cli` runs in the test's own process. ``launch`` checks
-the plan here and starts its ranks with :func:`ranks` in place of torchrun
-(:func:`warm_torchrun`); tests/test_launch.py runs the real command, torchrun included."""
+the plan here, ``calibrate`` its options, and each starts its ranks with :func:`ranks` in
+place of torchrun (:func:`warm_torchrun`); tests/test_launch.py runs the real ``launch``,
+torchrun included."""
 
 
 def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
@@ -239,9 +240,8 @@ def autoshard_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.Comple
     spend 9.5 s importing torch, transformers and autoshard again before its first line of
     work (``import torch, transformers; import autoshard.solver.solve``, idle 2-core
     machine, 2026-11-28). An exception the command did not turn into its one-line error comes back
-    as exit code 1 with its traceback in stderr, as from a process. ``launch`` starts its
-    ranks forked from a warm parent (:func:`warm_torchrun`); ``calibrate`` runs as
-    ``python -m autoshard.cli`` and starts torchrun."""
+    as exit code 1 with its traceback in stderr, as from a process. ``launch`` and
+    ``calibrate`` start their ranks forked from a warm parent (:func:`warm_torchrun`)."""
     if args and args[0] in IN_PROCESS:
         return _in_process(args, cwd, env)
     return subprocess.run(
@@ -271,12 +271,17 @@ def _in_process(args: tuple[str, ...], cwd: Path, env: dict[str, str]):
 
     from click.testing import CliRunner
 
+    import autoshard.cli.calibrate
     import autoshard.cli.launch
     from autoshard.cli.main import main
 
     here = os.getcwd()
-    shim = types.SimpleNamespace(run=_torchrun_shim)  # autoshard.cli.launch's subprocess
-    with environment(**env), unittest.mock.patch.object(autoshard.cli.launch, "subprocess", shim):
+    shim = types.SimpleNamespace(run=_torchrun_shim)  # the commands' subprocess module
+    with (
+        environment(**env),
+        unittest.mock.patch.object(autoshard.cli.launch, "subprocess", shim),
+        unittest.mock.patch.object(autoshard.cli.calibrate, "subprocess", shim),
+    ):
         os.chdir(cwd)
         try:
             result = CliRunner().invoke(main, list(args), prog_name="autoshard")
@@ -319,7 +324,7 @@ def warm_torchrun(
 
 
 def _torchrun_shim(argv: Sequence[str], env: dict[str, str] | None = None, check: bool = False):
-    """``subprocess.run`` as ``autoshard launch`` calls it, its torchrun run by
+    """``subprocess.run`` as ``autoshard launch`` and ``calibrate`` call it, its torchrun run by
     :func:`warm_torchrun` with the output written where the command's would go."""
     done = warm_torchrun(argv, Path.cwd(), dict(env or os.environ))
     if done is None:
