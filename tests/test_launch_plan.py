@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -22,10 +20,8 @@ from helpers import (
     GPT2_DEFAULT,
     LLAMA_SMALL,
     MIXTRAL_SMALL,
-    ROOT,
     assert_checked,
     autoshard_cli,
-    rank_env,
     ranks,
     write_mlp,
     write_model,
@@ -407,8 +403,7 @@ def test_a_changed_solution_is_refused_before_any_rank_starts(
     smap["solution"]["plan_sha256"] = "0" * 64
     stale = plan.parent / "stale.json"
     stale.write_text(json.dumps(smap))
-    cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(stale), str(model), "--train"]
-    run = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=120)
+    run = autoshard_cli("launch", str(stale), str(model), "--train")
     assert run.returncode == 2, run.stderr
     assert "is not the solution" in run.stderr and "solve again" in run.stderr
     assert "running:" not in run.stderr  # no torchrun started
@@ -432,8 +427,7 @@ def test_a_map_edited_away_from_its_solution_is_refused(
     )
     edited = plan.parent / "edited.json"
     edited.write_text(json.dumps(smap))
-    cmd = [sys.executable, "-m", "autoshard.cli", "launch", str(edited), str(model), "--train"]
-    run = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=120)
+    run = autoshard_cli("launch", str(edited), str(model), "--train")
     assert run.returncode == 2, run.stderr
     assert f"places parameter {first} as" in run.stderr and "solve again" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
