@@ -326,10 +326,11 @@ def main(case: str | None, only: str | None, as_json: bool) -> None:
             continue
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         row["wall_s"] = round(wall, 2)
-        key = (CASES[name]["file"], tuple(sorted(CASES[name]["env"].items())))
+        file, env = CASES[name]["file"], CASES[name]["env"]
+        key = (file, tuple(sorted(env.items())))
         if key not in floors:  # once per model file and environment
             try:
-                floors[key] = round(import_floor_s(CASES[name]["file"], CASES[name]["env"]), 2)
+                floors[key] = round(import_floor_s(file, env), 2)
             except click.ClickException as exc:  # the case ran: keep its row, say why
                 progress.print(f"[red]{name}: no floor:[/red] {exc.message}")
                 floors[key] = None

@@ -59,11 +59,11 @@ sets no limit (the default is 200): a plan stopped at its limit takes the same r
 the wall-clock ``--time-limit 20`` this test gave before, whatever else runs beside it (with
 two pytest-xdist workers the README's 70B solve found no plan within 20 s). At 2 the
 README's three large solves still stop at the limit with a plan (Llama h200 2x4, 70B 8x8,
-70B torchtitan bf16 8x8: 14, 13 and 12 s here, against 31, 23 and 19 s at 5), each on a
-plan the ILP found (the search's start without overlap, as at 5: 278 ms and 750 ms at
-both limits, the torchtitan shape's 1.29 s where 5 reached 1.23 s), with the same report
-lines (the Llama's block planned unlike the others included), their gap "n/a" (HiGHS has
-no bound yet) where at 5 it was a percentage."""
+70B torchtitan bf16 8x8: 14, 13 and 12 s here, against 31, 23 and 19 s at 5), each on the
+plan of the search's start without overlap (an ILP's: 278 ms, 750 ms and 1.29 s; at 5 the
+first two end on that start too, the torchtitan shape's search reaches 1.23 s), with the
+same report lines (the Llama's block planned unlike the others included), their gap "n/a"
+(HiGHS has no bound yet) where at 5 it was a percentage."""
 
 
 @dataclass(frozen=True)

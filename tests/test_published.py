@@ -484,9 +484,8 @@ def test_the_command_prints_the_price_the_tests_hold():
     """``autoshard compare ... --json`` (the command docs/validation.md names) prints the
     row :func:`price` computes, for the 8-GPU MPT-7B rows: the H100 row at the datasheet,
     the A100 row at the achieved rates (its links at NCCL's bus bandwidth)."""
-    for run_id, achieved in (("mosaicml-mpt-7b-8xh100", False), ("mosaicml-mpt-7b-8xa100", True)):
-        run = BY_ID[run_id]
-        device = ACHIEVED[run.device] if achieved else None
+    h100, a100 = BY_ID["mosaicml-mpt-7b-8xh100"], BY_ID["mosaicml-mpt-7b-8xa100"]
+    for run, device in ((h100, None), (a100, ACHIEVED[a100.device])):
         out = autoshard_cli(*_compare_args(run, run.checkpointing, device), **run.env)
         assert out.returncode == 0, out.stderr[-2000:]
         (printed,) = json.loads(out.stdout)["plans"]

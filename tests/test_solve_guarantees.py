@@ -67,8 +67,7 @@ def test_two_solves_write_byte_identical_sharding_maps(tmp_path):
     """Two processes, same model, mesh and options: the same sharding map, byte for byte
     (placements, predicted step time, FLOPs and MFU). One is a fresh interpreter, the
     other this test's own: string hashes seeded apart (PYTHONHASHSEED unset), one cold
-    and one warm (modules loaded, perhaps the trace memoized by tests/conftest.py). Two
-    fresh interpreters, as before, took 10 s more."""
+    and one warm (modules loaded, perhaps the trace memoized by tests/conftest.py)."""
     here = autoshard_cli(*SOLVE, "--out", str(tmp_path / "b"), AUTOSHARD_LAYERS="2")
     assert here.returncode == 0, here.stderr[-2000:]
     assert _solve_map(tmp_path, "a") == (tmp_path / "b" / "gpt2_2x4.json").read_bytes()
