@@ -68,12 +68,19 @@ def main(plan: str, model_file: str, out: str, exported: str | None = None) -> N
 
     # a checkpointed block's parameters, named from the root, pass through its wrapper
     named = {n.replace(WRAPPED, ""): p for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # AdamW's first step is lr * g / (|g| + eps): its slope in g is at most lr / eps, so a
+    # gradient that float32 rounds differently when summed in another order (a relative 5e-7
+    # of the largest gradient on the Mixtral plan, whose smallest gradients are 1e-11) moves
+    # its step by up to lr / eps times that rounding. torch's eps of 1e-8 turned a 3.5e-7
+    # gradient error into a 1.1e-4 parameter one on one CPU; eps 1e-5 bounds the slope at
+    # 1e3 (measured: 8.2e-6). float64 keeps torch's default.
+    eps = 1e-8 if dtype == torch.float64 else 1e-5
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
     loss = default_loss(model(*local), *local)
     loss.backward()
     grads = {n: full(p.grad).clone() for n, p in named.items()}
     opt.step()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=eps)
     ref_loss = default_loss(ref(*inputs), *inputs)
     ref_loss.backward()
     ref_opt.step()
