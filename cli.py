@@ -1,4 +1,4 @@
-"""Run the autoshard CLI from a checkout: ``python cli.py solve examples/gpt2.py --mesh 2x4``.
+"""Run the autoshard CLI from a checkout: ``python cli.py solve examples/mlp.py --mesh 2x2``.
 
 Run by an interpreter that lacks autoshard's dependencies (a system ``python`` outside
 ``.venv``), it says so in one line, with the interpreter to use, and exits 2.
