@@ -13,8 +13,11 @@ In the step's terms (Chen et al., "Training Deep Nets with Sublinear Memory Cost
 Korthikanti et al., 2022, for the selective policy):
 
 * time: the recomputed ops of the block's forward pass run once more, their compute and
-  every resharding they read (a tensor-parallel all-reduce, an FSDP all-gather of their
-  weights), priced exactly as in the forward pass under the same plan;
+  every resharding they read (a tensor-parallel all-reduce, a sequence-parallel
+  all-gather), priced exactly as in the forward pass under the same plan, except a
+  parameter the block's backward gathers to every mesh dim replicated as the forward
+  does: FSDP2 gathers it once for the recomputation and the backward together
+  (:mod:`autoshard.trace.rerun_reads`), so the recomputation pays no gather of its own;
 * memory: the activations the block saves for its backward, except its input (what it
   reads from outside the block) and, under the selective policy, the outputs it keeps,
   are not live between its forward and its backward. While the block's own backward
@@ -61,6 +64,7 @@ import scipy.sparse as sp
 
 from autoshard.cost.liveness import activation_sizes, last_uses, liveness, local_bytes
 from autoshard.strategies.sharing import shared_seconds
+from autoshard.trace.rerun_reads import all_replicate
 from autoshard.trace.selective import recomputed_ops, saved_ops
 
 MODES = ("auto", "none", "full", "selective")
@@ -71,6 +75,42 @@ every other matmul, :mod:`autoshard.trace.selective`)."""
 
 POLICIES = ("full", "selective")
 """How a block recomputes (module docstring)."""
+
+
+def rerun_refund(sg, choice: dict[str, int], layer: int, selective: bool) -> float:  # noqa: ANN001
+    """Seconds of one real copy of block ``layer``'s recomputation that its backward's
+    gathers take back under ``choice``: each paired read
+    (:attr:`~autoshard.strategies.graph.StrategyGraph.rerun_pairs`) whose two reads both
+    want every mesh dim replicated gives back what the recomputation's read charges."""
+    total = 0.0
+    for pair in sg.rerun_pairs:
+        n = (pair.selective if selective else pair.reads).get(layer, 0)
+        if not n:
+            continue
+        f, g = sg.edges[pair.forward], sg.edges[pair.backward]
+        a, b = f.src_groups[choice[f.src]], f.dst_groups[choice[f.dst]]
+        if all_replicate(f.dst_placements[b]) and all_replicate(
+            g.dst_placements[g.dst_groups[choice[g.dst]]]
+        ):
+            total += float(f.cost[a, b]) * n / f.uses
+    return total
+
+
+def rerun_takes_gather(sg, node_strategy: dict, producer: str, consumer: str, k: int) -> bool:  # noqa: ANN001
+    """Whether a recomputation's read of ``producer`` (``consumer``'s tensor argument
+    ``k``) takes its block's backward gathered copy under a plan (its strategy per node):
+    the read node by node that :func:`rerun_refund` prices edge by edge. Its collectives
+    run once, in the backward; the recomputation runs none for it."""
+    pair = sg.rerun_reads.get((producer, consumer, k))
+    if pair is None:
+        return False
+    _, back, kb = pair.backward
+    want = node_strategy[consumer].inputs[k]
+    return (
+        tuple(node_strategy[producer].outputs[0]) != tuple(want)
+        and all_replicate(want)
+        and all_replicate(node_strategy[back].inputs[kb])
+    )
 
 
 @dataclass(frozen=True)
@@ -276,6 +316,7 @@ class Checkpointing:
             if uses:
                 cost = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
                 total += cost * uses / e.uses
+        total -= rerun_refund(sg, choice, block.layer, selective)
         return total + shared_seconds(sg, choice, block.layer, selective)
 
     def seconds(self, sg, choice: dict[str, int], recompute: dict | None) -> float:  # noqa: ANN001

@@ -57,6 +57,7 @@ from autoshard.launch.lowered import PHASE, local_shard
 from autoshard.strategies.registry import KernelContext
 from autoshard.strategies.rules import OpRule, op_rule
 from autoshard.strategies.strategy import Strategy
+from autoshard.trace.rerun_reads import shared_rerun_reads
 from autoshard.trace.selective import recomputed_ops
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
@@ -86,6 +87,9 @@ class NodePlan:
     # an op rule's choice per mesh dim, where the solution names it (an op that
     # communicates itself: placements alone may not tell its choices apart)
     modes: tuple[str, ...] | None = None
+    # the inputs a recomputation reads from its block's backward gathered copy
+    # (autoshard.trace.rerun_reads): gathered once for both, counted in the backward
+    rerun_gathered: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -237,6 +241,7 @@ def _node_plans(
             phase=phase,
             shared=frozenset(int(k) for k in entry.get("shared") or ()),
             modes=tuple(entry["modes"]) if entry.get("modes") else None,
+            rerun_gathered=frozenset(int(k) for k in entry.get("rerun_gathered") or ()),
         )
     return nodes, missing, changed
 
@@ -461,6 +466,15 @@ class PlanInterpreter(torch.fx.Interpreter):
         self._drop_at, self._rerun_at, self._needed, reread = _recomputation(
             self.module.graph, program
         )
+        # a recomputation's gather its backward reads too: backward read -> the pair, and
+        # the gathered copies waiting for it (forward producer -> copy)
+        self._back_reads = (
+            {p.backward: p for p in shared_rerun_reads(program.graph).values()}
+            if program.recompute or program.selective
+            else {}
+        )
+        self._gathered: dict[str, DTensor] = {}
+        self._fx_nodes = {n.name: n for n in self.module.graph.nodes}
         if reread:  # what a rerun reads from outside its block lives until it reran
             order = {n: i for i, n in enumerate(self.module.graph.nodes)}
             last = {d: node for node, dying in self.user_to_last_uses.items() for d in dying}
@@ -507,6 +521,41 @@ class PlanInterpreter(torch.fx.Interpreter):
         placed = self.place(value, target, key[1])
         moved[tuple(target)] = (value, placed)
         return placed
+
+    def _gather_for_backward(self, producer: str, value: Any, target: Placements) -> DTensor:
+        """A recomputation's read that takes its block's backward gather
+        (:mod:`autoshard.trace.rerun_reads`): moved once, counted in the backward, and kept
+        for the backward's read of it."""
+        placed = self.place(value, target, "backward")
+        self._gathered[producer] = placed
+        return placed
+
+    def _from_gathered(
+        self, producer: str, consumer: str, k: int, target: Placements
+    ) -> DTensor | None:
+        """The backward's read ``(producer, consumer, k)`` from the copy its block's
+        recomputation gathered, or ``None`` when none waits for it: the chain of one-input
+        ops from the gathered tensor to ``producer`` replayed on the replicated copy (no
+        communication; any would be counted and fail the observed == predicted check).
+
+        Raises:
+            AutoshardError: the replayed tensor is not placed as the plan wants (a bug).
+        """
+        pair = self._back_reads.get((producer, consumer, k))
+        if pair is None or pair.forward[0] not in self._gathered:
+            return None
+        value = self._gathered.pop(pair.forward[0])
+        with self._phase("backward"):
+            for name in reversed(pair.chain):
+                node = self._fx_nodes[name]
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda _, v=value: v)
+                value = node.target(*self._local_args(args), **self._local_args(kwargs))
+        if tuple(value.placements) != tuple(target):
+            raise AutoshardError(
+                f"{consumer} reads {producer} from its recomputation's gathered copy as "
+                f"{tuple(value.placements)}, not the plan's {tuple(target)}: a launcher bug"
+            )
+        return value
 
     @contextlib.contextmanager
     def _phase(self, phase: str) -> Iterator[None]:
@@ -577,7 +626,12 @@ class PlanInterpreter(torch.fx.Interpreter):
         )
         for i, x in enumerate(node_leaves):
             if isinstance(x, torch.fx.Node) and id(x) in tensor_nodes:
-                if k in plan.shared:
+                derived = self._from_gathered(x.name, n.name, k, plan.inputs[k])
+                if derived is not None:
+                    leaves[i] = derived
+                elif self._phase_override == "recompute" and k in plan.rerun_gathered:
+                    leaves[i] = self._gather_for_backward(x.name, leaves[i], plan.inputs[k])
+                elif k in plan.shared:
                     leaves[i] = self._place_shared(leaves[i], plan.inputs[k], (x, phase, layer))
                 else:
                     leaves[i] = self.place(leaves[i], plan.inputs[k], phase)

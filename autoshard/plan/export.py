@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard import __version__
+from autoshard.cost.checkpointing import rerun_takes_gather
 from autoshard.errors import AutoshardError
 from autoshard.placements import placements_to_str
 from autoshard.plan.formats import (
@@ -58,7 +59,9 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
     computes for itself (masks, position ids, factory ops) are marked ``"free": True``
     and carry no placements; ``"shared": [k, ...]`` lists the inputs whose resharding is
     shared with the other reads of the same tensor, phase and block
-    (:mod:`autoshard.strategies.sharing`; the launcher moves it once); ``"modes"``: for an
+    (:mod:`autoshard.strategies.sharing`; the launcher moves it once);
+    ``"rerun_gathered": [k, ...]`` the inputs a recomputed block's forward reads from its
+    backward's gathered copy (:mod:`autoshard.trace.rerun_reads`); ``"modes"``: for an
     op that communicates itself (an op rule's collectives), its rule's choice per mesh dim,
     which placements alone may not tell (attention's all-gather and ring context
     parallelism place alike; the launch runs the named one). ``solver`` keeps
@@ -97,6 +100,13 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
             ]
             if shared:  # reads that share one resharding (autoshard.strategies.sharing)
                 entry["shared"] = shared
+            rerun = [
+                k
+                for k, a in enumerate(info.arg_nodes)
+                if rerun_takes_gather(plan.sg, plan.node_strategy, a, name, k)
+            ]
+            if rerun:  # a recomputation's reads of the backward's gather (rerun_reads)
+                entry["rerun_gathered"] = rerun
             modes = _modes(plan, name, s)
             if modes is not None:
                 entry["modes"] = modes

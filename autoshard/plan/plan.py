@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Placement
 
+from autoshard.cost.checkpointing import rerun_takes_gather
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.liveness import (
     chosen_strategies,
@@ -166,7 +167,9 @@ def build_plan(
             steps[(phase_of(sg, consumer), step.kind, step.mesh_dim)] += m
             if key is not None:
                 moved[(key, q)].append((step.kind, step.mesh_dim))
-            elif reruns.get(consumer):
+            elif reruns.get(consumer) and not rerun_takes_gather(
+                sg, node_strategy, producer, consumer, k
+            ):
                 steps[("recompute", step.kind, step.mesh_dim)] += reruns[consumer]
     for shared, kinds in moved.items():
         for kind, dim in kinds:

@@ -66,6 +66,7 @@ from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import schedule
 from autoshard.strategies.sharing import rerun_refunded
+from autoshard.trace.rerun_reads import all_replicate
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -200,6 +201,17 @@ class _RecomputeRows:
     rx: list[np.ndarray]  # (n_x,) per block
     ry: list[np.ndarray]  # (n_y,) per block
     r_max: list[float]
+    # the recomputation's gathers its backward's take back (autoshard.trace.rerun_reads):
+    # one column u_j per (rerun pair, forward source group), u_j <= y[forward[j]] and
+    # u_j <= sum y[backward[j]] (indices into [x; y]); per block, its seconds per unit of u
+    forward: list[int] = field(default_factory=list)
+    backward: list[np.ndarray] = field(default_factory=list)
+    ru: list[np.ndarray] = field(default_factory=list)  # (n_u,) per block
+
+    @property
+    def n_u(self) -> int:
+        """How many take-back columns ``u`` the program has."""
+        return len(self.forward)
 
 
 def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, shares=None):
@@ -249,7 +261,49 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
         rx.append(x)
         ry.append(y)
         r_max.append(most)
-    return _RecomputeRows(cols, rx, ry, r_max)
+    forward, backward, per = _rerun_columns(sg, n_x, edge_offsets, keeps)
+    ru = [
+        np.array(
+            [
+                v * (pair.selective if b.policy == "selective" else pair.reads).get(b.layer, 0)
+                for pair, v in per
+            ]
+        )
+        for b in cols.ck.blocks
+    ]
+    return _RecomputeRows(cols, rx, ry, r_max, forward, backward, ru)
+
+
+def _rerun_columns(sg: StrategyGraph, n_x: int, edge_offsets, keeps) -> tuple[list, list, list]:
+    """[``_rerun_columns``] per take-back column ``u`` (module docstring of
+    :mod:`autoshard.trace.rerun_reads`): its forward read's ``y`` column (the pair's
+    forward edge from one source group to its all-replicated placement), the backward
+    edge's ``y`` columns from the source groups of the same strategies to its
+    all-replicated placement, and (its pair, the seconds one paired read takes back)."""
+    forward, backward, per = [], [], []
+    for pair in sg.rerun_pairs:
+        f, g = sg.edges[pair.forward], sg.edges[pair.backward]
+        bf = [j for j, q in enumerate(f.dst_placements) if all_replicate(q)]
+        bg = [j for j, q in enumerate(g.dst_placements) if all_replicate(q)]
+        if not bf or not bg:
+            continue
+        where_f = {int(v): i for i, v in enumerate(keeps[pair.forward])}
+        where_g = {int(v): i for i, v in enumerate(keeps[pair.backward])}
+        q_f, q_g = f.cost.shape[1], g.cost.shape[1]
+        for a in range(f.cost.shape[0]):
+            col = where_f.get(a * q_f + bf[0])
+            seconds = float(f.cost[a, bf[0]]) / f.uses
+            if col is None or seconds <= 0:
+                continue
+            same = np.unique(g.src_groups[f.src_groups == a])
+            cols_g = [where_g.get(int(a2) * q_g + bg[0]) for a2 in same]
+            cols_g = [n_x + edge_offsets[pair.backward] + c for c in cols_g if c is not None]
+            if not cols_g:
+                continue
+            forward.append(n_x + edge_offsets[pair.forward] + col)
+            backward.append(np.array(cols_g, dtype=np.int64))
+            per.append((pair, seconds))
+    return forward, backward, per
 
 
 @dataclass(frozen=True)
@@ -492,6 +546,7 @@ def _statement(
     n_x, n_y = prob.n_x, prob.n_y
     ov, rc, sh = prob.savings, prob.recompute, prob.shares
     ck0 = _recompute_offset(prob)  # the first checkpointing column
+    u0 = ck0 - (rc.n_u if rc is not None else 0)  # the first take-back column
     n = ck0 + (rc.cols.n if rc is not None else 0)
     col_lower = np.zeros(n)
     col_upper = np.concatenate([np.ones(n_x), np.full(n - n_x, np.inf)])
@@ -502,7 +557,13 @@ def _statement(
     ck_rows: tuple[list, list, list] = ([], [], [])
     if rc is not None:
         _add_recompute(prob, rc, ck0, n, *ck_rows, col_lower, col_upper, integer)
-    spans = [("x", 0, n_x), ("y", n_x, n_x + n_y), ("z", n_x + n_y, ck0), ("checkpointing", ck0, n)]
+    spans = [
+        ("x", 0, n_x),
+        ("y", n_x, n_x + n_y),
+        ("z", n_x + n_y, u0),
+        ("rerun", u0, ck0),
+        ("checkpointing", ck0, n),
+    ]
     families = [
         (k, hi - lo, col_lower[lo:hi], col_upper[lo:hi], integer[lo:hi]) for k, lo, hi in spans
     ]
@@ -538,7 +599,7 @@ def _statement(
         return cols, c, constraints
     c[:n_x] = SCALE * prob.c
     c[n_x : n_x + n_y] = SCALE * prob.r
-    c[n_x + n_y : ck0] = -1.0  # the hidden seconds z
+    c[n_x + n_y : u0] = -1.0  # the hidden seconds z
     if rc is not None:
         for bi, b in enumerate(rc.cols.ck.blocks):
             c[ck0 + rc.cols.w[bi] : ck0 + rc.cols.w[bi] + b.bits] = 1.0
@@ -602,12 +663,15 @@ def _add_recompute(prob, rc, ck0, n, blocks, lower, upper, col_lower, col_upper,
         per_layer.setdefault(b.layer, []).append(weights)
         if 2**b.bits - 1 > b.copies:  # k <= copies
             add(sparse_row(weights), -np.inf, float(b.copies))
-        # w_d - 2^d S (rx.x + ry.y) - 2^d S R_max beta_d >= -2^d S R_max
+        # w_d - 2^d S (rx.x + ry.y - ru.u) - 2^d S R_max beta_d >= -2^d S R_max
         time = np.concatenate([rc.rx[bi], rc.ry[bi]])
         nz = np.flatnonzero(time)
+        u0 = ck0 - rc.n_u
+        back = {u0 + j: float(v) for j, v in enumerate(rc.ru[bi]) if v} if rc.n_u else {}
         big = SCALE * rc.r_max[bi]
         for d in range(b.bits):
             entries = {int(j): -(2**d) * SCALE * time[j] for j in nz}
+            entries.update({j: (2**d) * SCALE * v for j, v in back.items()})
             entries[int(w[d])] = 1.0
             entries[int(beta[d])] = -(2**d) * big
             add(sparse_row(entries), -(2**d) * big, np.inf)
@@ -640,6 +704,13 @@ def _add_recompute(prob, rc, ck0, n, blocks, lower, upper, col_lower, col_upper,
                 blocks.append(g + xg + gm)
                 lower.append(np.full(size, -1.0))
                 upper.append(np.full(size, np.inf))
+
+    u0 = ck0 - rc.n_u
+    for j, (yf, yg) in enumerate(zip(rc.forward, rc.backward, strict=True)):
+        add(sparse_row({u0 + j: 1.0, int(yf): -1.0}), -np.inf, 0.0)  # u_j <= y_f
+        row = {u0 + j: 1.0}
+        row.update({int(c): -1.0 for c in yg})
+        add(sparse_row(row), -np.inf, 0.0)  # u_j <= sum y_g
 
     copies = {b.layer: b.copies for b in cols.ck.blocks}
     for layer, parts in per_layer.items():  # k_full + k_selective <= copies
@@ -680,8 +751,13 @@ def _size(prob: _Problem, memory: tuple[np.ndarray, float] | None) -> dict[str, 
 
 def _recompute_offset(prob: _Problem) -> int:
     """The first checkpointing column in the MILP (:func:`_milp`)."""
-    ov = prob.savings
-    return prob.n_x + prob.n_y + (len(ov.weight) if ov is not None else 0)
+    ov, rc = prob.savings, prob.recompute
+    return (
+        prob.n_x
+        + prob.n_y
+        + (len(ov.weight) if ov is not None else 0)
+        + (rc.n_u if rc is not None else 0)
+    )
 
 
 def solve(

@@ -138,6 +138,8 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         reduce_itemsize=sg.reduce_itemsize,
         shares=[_restrict_share(s, keep) for s in sg.shares],
         share_reads=sg.share_reads,
+        rerun_reads=sg.rerun_reads,
+        rerun_pairs=sg.rerun_pairs,  # the edges keep their order and placement lists
     )
 
 

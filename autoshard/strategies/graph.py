@@ -49,6 +49,7 @@ from autoshard.strategies.rules import op_rule
 from autoshard.strategies.sharing import build_shares, share_key
 from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
 from autoshard.trace.ops import is_view
+from autoshard.trace.rerun_reads import shared_rerun_reads
 from autoshard.trace.selective import recomputed_ops
 from autoshard.trace.tracer import TensorInfo, TracedGraph
 
@@ -153,6 +154,11 @@ class StrategyGraph:
     # (autoshard.strategies.sharing); False for graphs that price every read (a stage's)
     shares: list = field(default_factory=list)
     share_reads: bool = False
+    # a recomputed block's parameter reads that take its backward's gathered copy
+    # (autoshard.trace.rerun_reads): per forward read (producer, consumer, k) its pair, and
+    # the same as pairs of edges (indices into ``edges``)
+    rerun_reads: dict = field(default_factory=dict)
+    rerun_pairs: list = field(default_factory=list)
 
     @property
     def reps(self) -> list[str]:
@@ -296,7 +302,7 @@ def build_strategy_graph(
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
-    edges, extra, shares = _build_edges(
+    edges, extra, shares, rerun_pairs = _build_edges(
         graph, nodes, free, redistribute_costs, bucketed_costs, reduce_itemsize, share_reads
     )
     sg = StrategyGraph(
@@ -315,6 +321,8 @@ def build_strategy_graph(
         reduce_itemsize=reduce_itemsize,
         shares=shares,
         share_reads=share_reads,
+        rerun_reads=rerun_pairs[0],
+        rerun_pairs=rerun_pairs[1],
     )
     sg.stats = {
         "nodes": len(graph.nodes),
@@ -800,10 +808,12 @@ def _build_edges(
     bucketed_costs=None,
     reduce_itemsize=None,
     share_reads=False,
-) -> tuple[list[Edge], dict, list]:
+) -> tuple[list[Edge], dict, list, tuple[dict, list]]:
     """Edges between representatives, linear costs of edges inside one
-    (:func:`merge_edges`), and the reshardings reads share
-    (:func:`autoshard.strategies.sharing.build_shares`): one edge per tensor read, its
+    (:func:`merge_edges`), the reshardings reads share
+    (:func:`autoshard.strategies.sharing.build_shares`), and the recomputed blocks'
+    parameter reads that can take their backward's gather (:func:`rerun_pairs`): one
+    edge per tensor read, its
     cost matrix over the distinct produced and wanted placements (cached by placements,
     shape and dtype). Edges into a
     gradient output or out of a parameter are priced by ``bucketed_costs`` when given;
@@ -871,12 +881,55 @@ def _build_edges(
             else {},
         )
 
-    raw = [edge(*c) for c in consumers if c[2] not in free]
+    kept = [c for c in consumers if c[2] not in free]
+    raw = [edge(*c) for c in kept]
     merged, extra, where = merge_edges_indexed(raw)
+    reads = {(a, name, k): where[j] for j, (name, k, a, _) in enumerate(kept)}
+    pairs = rerun_pairs(graph, merged, reads, rerun)
     if not share_reads:
-        return merged, extra, []
+        return merged, extra, [], pairs
     keys = [share_key(graph, e.consumer, e.producer, e.overlap) for e in raw]
-    return merged, extra, build_shares(raw, where, keys, graph, rerun)
+    return merged, extra, build_shares(raw, where, keys, graph, rerun), pairs
+
+
+def _gathers_of_one_variable(f: Edge, g: Edge) -> bool:
+    """Whether edges ``f`` and ``g`` both gather one parameter's variable."""
+    return f.overlap == GATHER and g.overlap == GATHER and f.src == g.src
+
+
+@dataclass
+class RerunPair:
+    """Two edges whose reads pair as :func:`autoshard.trace.rerun_reads.shared_rerun_reads`
+    says: ``forward`` (a recomputed block's parameter read) and ``backward`` (the block's
+    backward read of the same parameter), with per layer the forward reads of ``forward``
+    so paired (``reads``) and of those, the ones selective checkpointing reruns
+    (``selective``)."""
+
+    forward: int
+    backward: int
+    reads: dict[int, int] = field(default_factory=dict)
+    selective: dict[int, int] = field(default_factory=dict)
+
+
+def rerun_pairs(graph, edges: list[Edge], reads: dict, rerun: frozenset) -> tuple[dict, list]:  # noqa: ANN001
+    """The recomputed blocks' reads that can take their backward's gathered copy, per
+    forward read (:func:`~autoshard.trace.rerun_reads.shared_rerun_reads`, those whose
+    two reads are gathers along edges between variables), and as :class:`RerunPair` s of
+    ``edges`` (``reads``: each read ``(producer, consumer, k)`` -> its edge's index, or
+    ``None`` for a read inside one variable)."""
+    found = {}
+    pairs: dict[tuple[int, int], RerunPair] = {}
+    for key, pair in shared_rerun_reads(graph).items():
+        f, g = reads.get(key), reads.get(pair.backward)
+        if f is None or g is None or not _gathers_of_one_variable(edges[f], edges[g]):
+            continue
+        found[key] = pair
+        layer = graph.nodes[key[1]].layer
+        p = pairs.setdefault((f, g), RerunPair(f, g))
+        p.reads[layer] = p.reads.get(layer, 0) + 1
+        if key[1] in rerun:
+            p.selective[layer] = p.selective.get(layer, 0) + 1
+    return found, list(pairs.values())
 
 
 def merge_edges(edges: Iterable[Edge]) -> tuple[list[Edge], dict[str, np.ndarray]]:

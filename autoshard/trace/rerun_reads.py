@@ -1,0 +1,116 @@
+"""A recomputed block's parameter gathers, shared with its backward pass's.
+
+FSDP2 wraps an activation-checkpointed block inside ``fully_shard`` (torchtitan's
+``apply_ac`` then ``apply_fsdp``): the backward's pre-hook all-gathers the block's
+parameters once, the recomputation runs under that hook with the gathered copy, and the
+backward reads the same copy. So such a block gathers its parameters twice per step (in
+the forward, and once for recomputation and backward together), not three times:
+measured with torch 2.13's own ``fully_shard`` and ``torch.utils.checkpoint``
+(non-reentrant), 4 blocks on 2 gloo ranks, ``CommDebugMode``: 8 all-gathers per step
+with and without checkpointing.
+
+In a traced joint graph the two reads are different nodes: the forward's matmul reads
+``t_27 = t(W)`` and the backward's reads ``t_35 = t(t_27)``. :func:`shared_rerun_reads`
+pairs them: a read in a repeated block's forward pass of a tensor ``y`` whose chain of
+one-input ops ends at a parameter, with the first read in the same block's backward pass
+of ``y`` or of a tensor whose one-input chain passes through ``y``. When a plan moves
+both reads to every mesh dim ``Replicate`` (and the forward's from some other placement),
+the recomputation's gather is the backward's: its cost leaves the recomputation's price
+(:mod:`autoshard.cost.checkpointing`, :mod:`autoshard.solver.ilp`) and its collectives
+leave the ``recompute`` count (:func:`autoshard.plan.plan.build_plan`); the launcher
+gathers ``y`` once for both, counted in the backward, and derives the backward's tensor
+from the gathered copy by replaying the chain's ops on it
+(:class:`autoshard.launch.graph_run.PlanInterpreter`), which needs no communication on a
+replicated tensor. A read to any other placement (a tensor-parallel weight kept sharded)
+pays as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from autoshard.placements import is_replicate
+
+
+@dataclass(frozen=True)
+class RerunRead:
+    """One forward read ``(producer, consumer, k)`` (``k``: the consumer's tensor argument)
+    and the backward read that can share its gather; ``chain``: the backward read's
+    producer back to the forward's, the ops to replay on the gathered copy (last first)."""
+
+    forward: tuple[str, str, int]
+    backward: tuple[str, str, int]
+    chain: tuple[str, ...]
+
+
+def one_input_chain(graph, name: str) -> list[str]:  # noqa: ANN001 - a TracedGraph
+    """``name`` and its ancestors through ops of exactly one tensor argument, nearest first,
+    ending at the first node that is not such an op (a parameter, say)."""
+    out = [name]
+    info = graph.nodes.get(name)
+    while info is not None and info.kind == "op" and len(info.arg_nodes) == 1:
+        name = info.arg_nodes[0]
+        out.append(name)
+        info = graph.nodes.get(name)
+    return out
+
+
+def _param_reads(graph, names: Iterable[str]) -> list[tuple[str, str, int, list[str]]]:  # noqa: ANN001
+    """The reads by ops ``names`` of a tensor whose one-input chain ends at a parameter,
+    each read once by its op: (producer, consumer, k, chain). An op of one tensor argument
+    is a link of such a chain, not a reader of it."""
+    out = []
+    for c in names:
+        info = graph.nodes[c]
+        if len(info.arg_nodes) == 1:
+            continue
+        for k, a in enumerate(info.arg_nodes):
+            if info.arg_nodes.count(a) != 1:
+                continue
+            chain = one_input_chain(graph, a)
+            root = graph.nodes.get(chain[-1])
+            if root is not None and root.kind == "param":
+                out.append((a, c, k, chain))
+    return out
+
+
+def shared_rerun_reads(graph) -> dict[tuple[str, str, int], RerunRead]:  # noqa: ANN001
+    """Per forward read ``(producer, consumer, k)`` of a repeated block that can share its
+    recomputation's gather with the block's backward (module docstring), its pair. A
+    tensor read more than once in its block's forward pass, or a backward read a second
+    forward read would want too, pairs with nothing (each pays as before)."""
+    forward: dict[int, list[str]] = {}
+    backward: dict[int, list[str]] = {}
+    for name, info in graph.nodes.items():
+        if info.kind == "op" and info.layer is not None:
+            (backward if info.backward else forward).setdefault(info.layer, []).append(name)
+    out: dict[tuple[str, str, int], RerunRead] = {}
+    for layer, names in forward.items():
+        reads = _param_reads(graph, names)
+        times: dict[str, int] = {}
+        for y, _, _, _ in reads:
+            times[y] = times.get(y, 0) + 1
+        taken: set[tuple[str, str, int]] = set()
+        back = _param_reads(graph, backward.get(layer, ()))
+        for y, c, k, _ in reads:
+            if times[y] != 1:
+                continue
+            for x, cb, kb, chain in back:
+                if y in chain and (x, cb, kb) not in taken:
+                    taken.add((x, cb, kb))
+                    cut = tuple(chain[: chain.index(y)])
+                    out[(y, c, k)] = RerunRead((y, c, k), (x, cb, kb), cut)
+                    break
+    return out
+
+
+def all_replicate(placements: Sequence) -> bool:
+    """Whether every mesh dim of ``placements`` is ``Replicate``."""
+    return all(is_replicate(p) for p in placements)
+
+
+def shares_gather(produced: Sequence, wanted: Sequence, wanted_back: Sequence) -> bool:
+    """Whether a recomputation's read (``produced`` -> ``wanted``) takes the backward's
+    gathered copy: both reads want every mesh dim replicated and the forward's moves."""
+    return tuple(produced) != tuple(wanted) and all_replicate(wanted) and all_replicate(wanted_back)

@@ -1,0 +1,194 @@
+"""A recomputed block's parameter gathers are its backward's, as FSDP2 runs them
+(autoshard.trace.rerun_reads).
+
+FSDP2 with activation checkpointing inside ``fully_shard`` gathers each block's
+parameters twice per step, as without checkpointing: the recomputation runs in the
+backward's gather. The reference is FSDP2 itself (``fully_shard`` and
+``torch.utils.checkpoint`` of torch 2.13, counted by ``CommDebugMode``), run here on gloo
+ranks; autoshard's FSDP plan must price and launch the same number of gathers with and
+without checkpointing, and its recomputation must cost the recomputed compute alone.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import LLAMA_SMALL, ranks
+
+from autoshard.cost.checkpointing import rerun_refund
+from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
+from autoshard.plan.plan import build_plan
+from autoshard.solver.baselines import plan_for_algo
+from autoshard.solver.cvx import compile_program
+from autoshard.solver.highs import run
+from autoshard.solver.ilp import SCALE, _statement, build_problem
+from autoshard.solver.solve import SolveConfig, strategies, trace
+from autoshard.trace.rerun_reads import one_input_chain, shared_rerun_reads
+
+
+def _graph(tmp_path: Path, checkpointing: str = "full"):  # noqa: ANN202
+    path = tmp_path / "llama_small.py"
+    path.write_text(LLAMA_SMALL)
+    mesh = MeshSpec.from_options("4", None)
+    config = SolveConfig(
+        model_path=path, mesh=mesh, mode="train", activation_checkpointing=checkpointing
+    )
+    return strategies(config, trace(config)), mesh
+
+
+def test_each_block_parameter_read_pairs_with_its_backward_read(tmp_path):
+    """The 2-layer Llama: each block reads 9 parameters in its forward (7 projections
+    through ``t(W)``, 2 norm weights as they are), and each pairs with its backward's read
+    of the same parameter (``t(t(W))`` for a projection, the weight itself for a norm)."""
+    sg, _ = _graph(tmp_path)
+    pairs = shared_rerun_reads(sg.graph)
+    nodes = sg.graph.nodes
+    for layer in (0, 1):
+        mine = [p for p in pairs.values() if nodes[p.forward[1]].layer == layer]
+        assert len(mine) == 9
+        kinds = Counter()
+        for p in mine:
+            assert nodes[p.backward[1]].backward and nodes[p.backward[1]].layer == layer
+            assert nodes[one_input_chain(sg.graph, p.forward[0])[-1]].kind == "param"
+            assert p.forward[0] in one_input_chain(sg.graph, p.backward[0])
+            kinds[(nodes[p.forward[0]].kind, len(p.chain))] += 1
+        assert kinds == {("op", 1): 7, ("param", 0): 2}, kinds
+    assert len(sg.rerun_pairs) >= 9  # as pairs of edges (tied layers share one)
+
+
+def test_fsdp_recomputation_costs_its_compute_and_gathers_nothing(tmp_path):
+    """FSDP with every block recomputed: the recomputation's price is the block forward's
+    compute alone (summed here from each op's own cost, not through the checkpointing
+    model), and the plan counts no collective in the recompute phase: its collectives are
+    the plan without checkpointing's, one for one."""
+    sg, mesh = _graph(tmp_path)
+    plan, _ = plan_for_algo(sg, "fsdp", mesh)
+    blocks = [b for b in sg.checkpointing.blocks if b.policy == "full"]
+    compute = 0.0
+    for b in blocks:
+        for n in b.forward:
+            ns = sg.nodes[n]
+            compute += float(ns.compute_s[ns.choice[plan.choice[ns.rep]]]) / sg.graph.mult(n)
+    assert plan.recomputed_blocks == [0, 1]
+    assert plan.recompute_s == pytest.approx(compute, rel=1e-12)
+    gathers = sum(rerun_refund(sg, plan.choice, b.layer, False) for b in blocks)
+    assert gathers > 0  # what the three-gather price paid, per step
+    assert not [k for k in plan.collective_steps if k[0] == "recompute"]
+    plain_sg, _ = _graph(tmp_path, "none")
+    plain, _ = plan_for_algo(plain_sg, "fsdp", mesh)
+    assert plan.collective_steps == plain.collective_steps
+
+
+def test_the_ilp_prices_the_take_back_as_the_plan_does(tmp_path):
+    """The ILP's own objective (HiGHS's, over its columns) at the FSDP plan with every
+    block recomputed equals the plan's predicted step, which takes the gathers back; the
+    program has take-back columns for every paired parameter of both blocks."""
+    sg, mesh = _graph(tmp_path)
+    plan, _ = plan_for_algo(sg, "fsdp", mesh)
+    prob = build_problem(sg)
+    assert prob.recompute.n_u >= 9
+    milp = compile_program(*_statement(prob))
+    for r, i in plan.choice.items():  # pin x to the plan
+        lo = prob.offsets[r]
+        milp.col_lower[lo : lo + len(sg.nodes[r].strategies)] = 0.0
+        milp.col_upper[lo : lo + len(sg.nodes[r].strategies)] = 0.0
+        milp.col_lower[lo + i] = milp.col_upper[lo + i] = 1.0
+    found = run(milp, mip_rel_gap=0.0)
+    assert found.status == "optimal"
+    price = evaluate(sg, plan.choice, plan.recompute)
+    assert price == pytest.approx(plan.step_time_s, rel=1e-12)
+    assert found.objective / SCALE == pytest.approx(price, rel=1e-9)
+    kept = build_plan(sg, plan.choice, mesh, recompute=plan.recompute)
+    assert kept.recompute_s == pytest.approx(plan.recompute_s, rel=1e-12)
+    assert np.isfinite(found.objective)
+
+
+FSDP2 = textwrap.dedent(
+    """
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils.checkpoint import checkpoint
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    ac = os.environ["AC"] == "1"
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+
+    class Wrapped(nn.Module):  # torchtitan: checkpoint inside fully_shard
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            if ac:
+                return checkpoint(self.block, x, use_reentrant=False)
+            return self.block(x)
+
+
+    model = nn.Sequential(*[Wrapped(Block()) for _ in range(4)])
+    for w in model:
+        fully_shard(w)
+    fully_shard(model)
+    x = torch.randn(8, 64)
+    model(x).sum().backward()  # warm-up
+    with CommDebugMode() as comm:
+        model(x).sum().backward()
+    if dist.get_rank() == 0:
+        counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+        print("COUNTS", sorted(counts.items()))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_fsdp2_gathers_as_often_with_checkpointing_and_so_does_the_launch(tmp_path):
+    """The reference: FSDP2 on 2 gloo ranks, 4 blocks, gathers 2 per block per step with
+    and without checkpointing (and reduce-scatters once per block). autoshard's FSDP plan
+    of the 2-layer Llama with every block recomputed launches on 4 gloo ranks with the
+    collectives it predicts (none in the recompute phase), and trains like one device."""
+    script = tmp_path / "fsdp2_ac.py"
+    script.write_text(FSDP2)
+    seen = {}
+    for ac in ("0", "1"):
+        out = ranks(2, str(script), AC=ac)
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        line = next(x for x in out.stdout.splitlines() if x.startswith("COUNTS"))
+        seen[ac] = line
+    assert seen["0"] == seen["1"], seen
+    # c10d's all-gather and reduce-scatter ops, as CommDebugMode names them on gloo
+    assert seen["1"] == "COUNTS [('_allgather_base_', 8), ('_reduce_scatter_base_', 4)]", seen
+
+    from test_launch_plan import assert_runs_the_plan, observed_rows, solve
+
+    model = tmp_path / "llama_small.py"
+    model.write_text(LLAMA_SMALL)
+    plan = solve(model, tmp_path, "4", "--algo", "fsdp", "--activation-checkpointing", "full")
+    predicted = json.loads(plan.read_text())["predicted"]
+    assert predicted["recomputed_blocks"] == [0, 1]
+    phases = Counter(r["phase"] for r in predicted["collective_steps"])
+    assert "recompute" not in phases
+    out = ranks(4, str(plan), str(model), "--train", "--check", "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert not [r for r in observed_rows(out.stdout) if r[0] == "recompute"], out.stdout
+    assert_runs_the_plan(out.stdout)
