@@ -89,8 +89,11 @@ def rerun_refund(sg, choice: dict[str, int], layer: int, selective: bool) -> flo
             continue
         f, g = sg.edges[pair.forward], sg.edges[pair.backward]
         a, b = f.src_groups[choice[f.src]], f.dst_groups[choice[f.dst]]
-        if all_replicate(f.dst_placements[b]) and all_replicate(
-            g.dst_placements[g.dst_groups[choice[g.dst]]]
+        a_g, b_g = g.src_groups[choice[g.src]], g.dst_groups[choice[g.dst]]
+        if (
+            all_replicate(f.dst_placements[b])
+            and all_replicate(g.dst_placements[b_g])
+            and g.cost[a_g, b_g] > 0  # the backward gathers it too
         ):
             total += float(f.cost[a, b]) * n / f.uses
     return total
@@ -104,12 +107,13 @@ def rerun_takes_gather(sg, node_strategy: dict, producer: str, consumer: str, k:
     pair = sg.rerun_reads.get((producer, consumer, k))
     if pair is None:
         return False
-    _, back, kb = pair.backward
-    want = node_strategy[consumer].inputs[k]
+    x, back, kb = pair.backward
+    want, want_back = node_strategy[consumer].inputs[k], node_strategy[back].inputs[kb]
     return (
         tuple(node_strategy[producer].outputs[0]) != tuple(want)
+        and tuple(node_strategy[x].outputs[0]) != tuple(want_back)  # the backward gathers too
         and all_replicate(want)
-        and all_replicate(node_strategy[back].inputs[kb])
+        and all_replicate(want_back)
     )
 
 

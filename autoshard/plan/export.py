@@ -103,7 +103,8 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
             rerun = [
                 k
                 for k, a in enumerate(info.arg_nodes)
-                if rerun_takes_gather(plan.sg, plan.node_strategy, a, name, k)
+                if (plan.recomputed_blocks or plan.selective_blocks)
+                and rerun_takes_gather(plan.sg, plan.node_strategy, a, name, k)
             ]
             if rerun:  # a recomputation's reads of the backward's gather (rerun_reads)
                 entry["rerun_gathered"] = rerun

@@ -296,6 +296,7 @@ def _rerun_columns(sg: StrategyGraph, n_x: int, edge_offsets, keeps) -> tuple[li
             if col is None or seconds <= 0:
                 continue
             same = np.unique(g.src_groups[f.src_groups == a])
+            same = [a2 for a2 in same if g.cost[a2, bg[0]] > 0]  # the backward gathers too
             cols_g = [where_g.get(int(a2) * q_g + bg[0]) for a2 in same]
             cols_g = [n_x + edge_offsets[pair.backward] + c for c in cols_g if c is not None]
             if not cols_g:

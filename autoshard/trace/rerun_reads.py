@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autoshard.placements import is_replicate
+from autoshard.trace.ops import WEIGHT_CHAIN_OPS, packet
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,18 @@ class RerunRead:
 
 
 def one_input_chain(graph, name: str) -> list[str]:  # noqa: ANN001 - a TracedGraph
-    """``name`` and its ancestors through ops of exactly one tensor argument, nearest first,
+    """``name`` and its ancestors through ops of exactly one tensor argument that only
+    transpose, view or cast it (:data:`~autoshard.trace.ops.WEIGHT_CHAIN_OPS`: replayed on
+    a replicated copy they need no communication and read no strides), nearest first,
     ending at the first node that is not such an op (a parameter, say)."""
     out = [name]
     info = graph.nodes.get(name)
-    while info is not None and info.kind == "op" and len(info.arg_nodes) == 1:
+    while (
+        info is not None
+        and info.kind == "op"
+        and len(info.arg_nodes) == 1
+        and packet(info.target) in WEIGHT_CHAIN_OPS
+    ):
         name = info.arg_nodes[0]
         out.append(name)
         info = graph.nodes.get(name)
@@ -108,9 +116,3 @@ def shared_rerun_reads(graph) -> dict[tuple[str, str, int], RerunRead]:  # noqa:
 def all_replicate(placements: Sequence) -> bool:
     """Whether every mesh dim of ``placements`` is ``Replicate``."""
     return all(is_replicate(p) for p in placements)
-
-
-def shares_gather(produced: Sequence, wanted: Sequence, wanted_back: Sequence) -> bool:
-    """Whether a recomputation's read (``produced`` -> ``wanted``) takes the backward's
-    gathered copy: both reads want every mesh dim replicated and the forward's moves."""
-    return tuple(produced) != tuple(wanted) and all_replicate(wanted) and all_replicate(wanted_back)
