@@ -42,6 +42,11 @@ def is_shard(p: Placement) -> bool:
     return _subclass(type(p), Shard)
 
 
+def all_replicate(ps: Sequence[Placement]) -> bool:
+    """Whether every mesh dim of ``ps`` is ``Replicate``."""
+    return all(is_replicate(p) for p in ps)
+
+
 def placement_to_str(p: Placement) -> str:
     """``Replicate()`` -> ``"R"``, ``Shard(1)`` -> ``"S(1)"``, ``Partial("sum")`` -> ``"P(sum)"``.
 

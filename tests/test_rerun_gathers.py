@@ -16,14 +16,12 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 from helpers import LLAMA_SMALL, ranks
 
 from autoshard.cost.checkpointing import rerun_refund
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
-from autoshard.plan.plan import build_plan
 from autoshard.solver.baselines import plan_for_algo
 from autoshard.solver.cvx import compile_program
 from autoshard.solver.highs import run
@@ -59,7 +57,7 @@ def test_each_block_parameter_read_pairs_with_its_backward_read(tmp_path):
             assert p.forward[0] in one_input_chain(sg.graph, p.backward[0])
             kinds[(nodes[p.forward[0]].kind, len(p.chain))] += 1
         assert kinds == {("op", 1): 7, ("param", 0): 2}, kinds
-    assert len(sg.rerun_pairs) >= 9  # as pairs of edges (tied layers share one)
+    assert len(sg.rerun_pairs) == 18  # as pairs of edges: 2 blocks, none tied
 
 
 def test_fsdp_recomputation_costs_its_compute_and_gathers_nothing(tmp_path):
@@ -88,11 +86,11 @@ def test_fsdp_recomputation_costs_its_compute_and_gathers_nothing(tmp_path):
 def test_the_ilp_prices_the_take_back_as_the_plan_does(tmp_path):
     """The ILP's own objective (HiGHS's, over its columns) at the FSDP plan with every
     block recomputed equals the plan's predicted step, which takes the gathers back; the
-    program has take-back columns for every paired parameter of both blocks."""
+    program has a take-back column for each paired read (18) and source placement."""
     sg, mesh = _graph(tmp_path)
     plan, _ = plan_for_algo(sg, "fsdp", mesh)
     prob = build_problem(sg)
-    assert prob.recompute.n_u >= 9
+    assert prob.recompute.n_u >= len(sg.rerun_pairs) == 18
     milp = compile_program(*_statement(prob))
     for r, i in plan.choice.items():  # pin x to the plan
         lo = prob.offsets[r]
@@ -104,9 +102,6 @@ def test_the_ilp_prices_the_take_back_as_the_plan_does(tmp_path):
     price = evaluate(sg, plan.choice, plan.recompute)
     assert price == pytest.approx(plan.step_time_s, rel=1e-12)
     assert found.objective / SCALE == pytest.approx(price, rel=1e-9)
-    kept = build_plan(sg, plan.choice, mesh, recompute=plan.recompute)
-    assert kept.recompute_s == pytest.approx(plan.recompute_s, rel=1e-12)
-    assert np.isfinite(found.objective)
 
 
 FSDP2 = textwrap.dedent(

@@ -64,7 +64,7 @@ import scipy.sparse as sp
 
 from autoshard.cost.liveness import activation_sizes, last_uses, liveness, local_bytes
 from autoshard.strategies.sharing import shared_seconds
-from autoshard.trace.rerun_reads import all_replicate
+from autoshard.trace.rerun_reads import takes_back
 from autoshard.trace.selective import recomputed_ops, saved_ops
 
 MODES = ("auto", "none", "full", "selective")
@@ -80,8 +80,9 @@ POLICIES = ("full", "selective")
 def rerun_refund(sg, choice: dict[str, int], layer: int, selective: bool) -> float:  # noqa: ANN001
     """Seconds of one real copy of block ``layer``'s recomputation that its backward's
     gathers take back under ``choice``: each paired read
-    (:attr:`~autoshard.strategies.graph.StrategyGraph.rerun_pairs`) whose two reads both
-    want every mesh dim replicated gives back what the recomputation's read charges."""
+    (:attr:`~autoshard.strategies.graph.StrategyGraph.rerun_pairs`) that
+    :func:`~autoshard.trace.rerun_reads.takes_back` gives back what the recomputation's
+    read charges."""
     total = 0.0
     for pair in sg.rerun_pairs:
         n = (pair.selective if selective else pair.reads).get(layer, 0)
@@ -90,10 +91,8 @@ def rerun_refund(sg, choice: dict[str, int], layer: int, selective: bool) -> flo
         f, g = sg.edges[pair.forward], sg.edges[pair.backward]
         a, b = f.src_groups[choice[f.src]], f.dst_groups[choice[f.dst]]
         a_g, b_g = g.src_groups[choice[g.src]], g.dst_groups[choice[g.dst]]
-        if (
-            all_replicate(f.dst_placements[b])
-            and all_replicate(g.dst_placements[b_g])
-            and g.cost[a_g, b_g] > 0  # the backward gathers it too
+        if takes_back(
+            f.src_placements[a], f.dst_placements[b], g.src_placements[a_g], g.dst_placements[b_g]
         ):
             total += float(f.cost[a, b]) * n / f.uses
     return total
@@ -108,12 +107,11 @@ def rerun_takes_gather(sg, node_strategy: dict, producer: str, consumer: str, k:
     if pair is None:
         return False
     x, back, kb = pair.backward
-    want, want_back = node_strategy[consumer].inputs[k], node_strategy[back].inputs[kb]
-    return (
-        tuple(node_strategy[producer].outputs[0]) != tuple(want)
-        and tuple(node_strategy[x].outputs[0]) != tuple(want_back)  # the backward gathers too
-        and all_replicate(want)
-        and all_replicate(want_back)
+    return takes_back(
+        node_strategy[producer].outputs[0],
+        node_strategy[consumer].inputs[k],
+        node_strategy[x].outputs[0],
+        node_strategy[back].inputs[kb],
     )
 
 

@@ -541,6 +541,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         Raises:
             AutoshardError: the replayed tensor is not placed as the plan wants (a bug).
         """
+        if not self._gathered:  # the common case: no recomputation's copy waits
+            return None
         pair = self._back_reads.get((producer, consumer, k))
         if pair is None or pair.forward[0] not in self._gathered:
             return None

@@ -70,6 +70,7 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
     prints the seconds.
     """
     graph = plan.sg.graph
+    recomputes = bool(plan.recomputed_blocks or plan.selective_blocks)
     nodes: dict[str, Any] = {}
     for name, info in graph.nodes.items():
         entry: dict[str, Any] = {"op": info.op_name, "args": {}, "results": {}, "shapes": {}}
@@ -103,8 +104,7 @@ def solution_dict(plan: Plan, cost_model: dict[str, Any], solver: dict[str, Any]
             rerun = [
                 k
                 for k, a in enumerate(info.arg_nodes)
-                if (plan.recomputed_blocks or plan.selective_blocks)
-                and rerun_takes_gather(plan.sg, plan.node_strategy, a, name, k)
+                if recomputes and rerun_takes_gather(plan.sg, plan.node_strategy, a, name, k)
             ]
             if rerun:  # a recomputation's reads of the backward's gather (rerun_reads)
                 entry["rerun_gathered"] = rerun

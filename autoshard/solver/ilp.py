@@ -60,13 +60,14 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import overlappable, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError, ProgramTooLargeError
+from autoshard.placements import all_replicate
 from autoshard.solver.cvx import Layout, compile_program
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, count_compile, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import schedule
 from autoshard.strategies.sharing import rerun_refunded
-from autoshard.trace.rerun_reads import all_replicate
+from autoshard.trace.rerun_reads import takes_back
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -279,31 +280,39 @@ def _rerun_columns(sg: StrategyGraph, n_x: int, edge_offsets, keeps) -> tuple[li
     :mod:`autoshard.trace.rerun_reads`): its forward read's ``y`` column (the pair's
     forward edge from one source group to its all-replicated placement), the backward
     edge's ``y`` columns from the source groups of the same strategies to its
-    all-replicated placement, and (its pair, the seconds one paired read takes back)."""
+    all-replicated placement, and (its pair, the seconds one paired read takes back): the
+    pairs of groups :func:`~autoshard.trace.rerun_reads.takes_back` accepts."""
     forward, backward, per = [], [], []
     for pair in sg.rerun_pairs:
         f, g = sg.edges[pair.forward], sg.edges[pair.backward]
-        bf = [j for j, q in enumerate(f.dst_placements) if all_replicate(q)]
-        bg = [j for j, q in enumerate(g.dst_placements) if all_replicate(q)]
-        if not bf or not bg:
+        bf = next((j for j, q in enumerate(f.dst_placements) if all_replicate(q)), None)
+        bg = next((j for j, q in enumerate(g.dst_placements) if all_replicate(q)), None)
+        if bf is None or bg is None:
             continue
         where_f = {int(v): i for i, v in enumerate(keeps[pair.forward])}
         where_g = {int(v): i for i, v in enumerate(keeps[pair.backward])}
         q_f, q_g = f.cost.shape[1], g.cost.shape[1]
         for a in range(f.cost.shape[0]):
-            col = where_f.get(a * q_f + bf[0])
-            seconds = float(f.cost[a, bf[0]]) / f.uses
-            if col is None or seconds <= 0:
+            col = where_f.get(a * q_f + bf)
+            if col is None:
                 continue
-            same = np.unique(g.src_groups[f.src_groups == a])
-            same = [a2 for a2 in same if g.cost[a2, bg[0]] > 0]  # the backward gathers too
-            cols_g = [where_g.get(int(a2) * q_g + bg[0]) for a2 in same]
+            same = [
+                a2
+                for a2 in np.unique(g.src_groups[f.src_groups == a])  # the same strategies
+                if takes_back(
+                    f.src_placements[a],
+                    f.dst_placements[bf],
+                    g.src_placements[a2],
+                    g.dst_placements[bg],
+                )
+            ]
+            cols_g = [where_g.get(int(a2) * q_g + bg) for a2 in same]
             cols_g = [n_x + edge_offsets[pair.backward] + c for c in cols_g if c is not None]
             if not cols_g:
                 continue
             forward.append(n_x + edge_offsets[pair.forward] + col)
             backward.append(np.array(cols_g, dtype=np.int64))
-            per.append((pair, seconds))
+            per.append((pair, float(f.cost[a, bf]) / f.uses))
     return forward, backward, per
 
 
@@ -639,6 +648,7 @@ def _add_recompute(prob, rc, ck0, n, blocks, lower, upper, col_lower, col_upper,
     """[``_recompute_rows``] the checkpointing decision's columns and rows
     (:mod:`autoshard.cost.checkpointing`, module docstring), added in place."""
     cols = rc.cols
+    u0 = ck0 - rc.n_u  # the take-back columns, just before the checkpointing ones
 
     def sparse_row(entries: dict[int, float]) -> sp.csr_matrix:
         idx = np.fromiter(entries.keys(), dtype=np.int64)
@@ -667,8 +677,7 @@ def _add_recompute(prob, rc, ck0, n, blocks, lower, upper, col_lower, col_upper,
         # w_d - 2^d S (rx.x + ry.y - ru.u) - 2^d S R_max beta_d >= -2^d S R_max
         time = np.concatenate([rc.rx[bi], rc.ry[bi]])
         nz = np.flatnonzero(time)
-        u0 = ck0 - rc.n_u
-        back = {u0 + j: float(v) for j, v in enumerate(rc.ru[bi]) if v} if rc.n_u else {}
+        back = {u0 + j: float(v) for j, v in enumerate(rc.ru[bi]) if v}
         big = SCALE * rc.r_max[bi]
         for d in range(b.bits):
             entries = {int(j): -(2**d) * SCALE * time[j] for j in nz}
@@ -706,7 +715,6 @@ def _add_recompute(prob, rc, ck0, n, blocks, lower, upper, col_lower, col_upper,
                 lower.append(np.full(size, -1.0))
                 upper.append(np.full(size, np.inf))
 
-    u0 = ck0 - rc.n_u
     for j, (yf, yg) in enumerate(zip(rc.forward, rc.backward, strict=True)):
         add(sparse_row({u0 + j: 1.0, int(yf): -1.0}), -np.inf, 0.0)  # u_j <= y_f
         row = {u0 + j: 1.0}

@@ -813,9 +813,8 @@ def _build_edges(
     (:func:`merge_edges`), the reshardings reads share
     (:func:`autoshard.strategies.sharing.build_shares`), and the recomputed blocks'
     parameter reads that can take their backward's gather (:func:`rerun_pairs`): one
-    edge per tensor read, its
-    cost matrix over the distinct produced and wanted placements (cached by placements,
-    shape and dtype). Edges into a
+    edge per tensor read, its cost matrix over the distinct produced and wanted
+    placements (cached by placements, shape and dtype). Edges into a
     gradient output or out of a parameter are priced by ``bucketed_costs`` when given;
     edges into a gradient output move ``reduce_itemsize`` bytes per element when given
     (mixed precision reduces gradients in fp32)."""

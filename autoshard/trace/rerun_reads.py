@@ -27,10 +27,11 @@ pays as before.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from autoshard.placements import is_replicate
+from autoshard.placements import all_replicate
 from autoshard.trace.ops import WEIGHT_CHAIN_OPS, packet
 
 
@@ -96,9 +97,7 @@ def shared_rerun_reads(graph) -> dict[tuple[str, str, int], RerunRead]:  # noqa:
     out: dict[tuple[str, str, int], RerunRead] = {}
     for layer, names in forward.items():
         reads = _param_reads(graph, names)
-        times: dict[str, int] = {}
-        for y, _, _, _ in reads:
-            times[y] = times.get(y, 0) + 1
+        times = Counter(y for y, _, _, _ in reads)
         taken: set[tuple[str, str, int]] = set()
         back = _param_reads(graph, backward.get(layer, ()))
         for y, c, k, _ in reads:
@@ -113,6 +112,16 @@ def shared_rerun_reads(graph) -> dict[tuple[str, str, int], RerunRead]:  # noqa:
     return out
 
 
-def all_replicate(placements: Sequence) -> bool:
-    """Whether every mesh dim of ``placements`` is ``Replicate``."""
-    return all(is_replicate(p) for p in placements)
+def takes_back(
+    produced: Sequence, wanted: Sequence, produced_back: Sequence, wanted_back: Sequence
+) -> bool:
+    """Whether a recomputation's read (``produced`` -> ``wanted``) takes its pair's
+    gathered copy (the backward's read, ``produced_back`` -> ``wanted_back``): both reads
+    move their tensor, and both want every mesh dim replicated. The one test the price
+    (edge by edge), the plan's counts (node by node) and the ILP's columns apply."""
+    return (
+        tuple(produced) != tuple(wanted)
+        and tuple(produced_back) != tuple(wanted_back)
+        and all_replicate(wanted)
+        and all_replicate(wanted_back)
+    )
