@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import LLAMA_SMALL, ranks
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoshard.cost.checkpointing import rerun_refund
 from autoshard.cost.mesh import MeshSpec
@@ -27,13 +28,19 @@ from autoshard.solver.cvx import compile_program
 from autoshard.solver.highs import run
 from autoshard.solver.ilp import SCALE, _statement, build_problem
 from autoshard.solver.solve import SolveConfig, strategies, trace
-from autoshard.trace.rerun_reads import one_input_chain, shared_rerun_reads
+from autoshard.trace.rerun_reads import (
+    carried,
+    chain_dims,
+    one_input_chain,
+    shared_rerun_reads,
+    takes_back,
+)
 
 
-def _graph(tmp_path: Path, checkpointing: str = "full"):  # noqa: ANN202
+def _graph(tmp_path: Path, checkpointing: str = "full", mesh: str = "4"):  # noqa: ANN202
     path = tmp_path / "llama_small.py"
     path.write_text(LLAMA_SMALL)
-    mesh = MeshSpec.from_options("4", None)
+    mesh = MeshSpec.from_options(mesh, None)
     config = SolveConfig(
         model_path=path, mesh=mesh, mode="train", activation_checkpointing=checkpointing
     )
@@ -57,7 +64,48 @@ def test_each_block_parameter_read_pairs_with_its_backward_read(tmp_path):
             assert p.forward[0] in one_input_chain(sg.graph, p.backward[0])
             kinds[(nodes[p.forward[0]].kind, len(p.chain))] += 1
         assert kinds == {("op", 1): 7, ("param", 0): 2}, kinds
+        # a projection's backward reads t(t(W)): its dims are the weight's, swapped
+        # twice back to (0, 1) seen from the forward's t(W); a norm weight's are ()
+        for p in mine:
+            want = (1, 0) if p.chain else ()
+            assert chain_dims(sg.graph, p.chain) == p.dims == want, (p, want)
     assert len(sg.rerun_pairs) == 18  # as pairs of edges: 2 blocks, none tied
+
+
+def test_a_shard_is_carried_to_the_dim_it_is_through_the_chain():
+    """Worked by hand: through ``t`` (dims (1, 0)) a Shard(0) is the other tensor's
+    Shard(1); Replicate and Partial stay; a viewing chain (None) carries no shard. The
+    take-back needs both reads to move and the forward's placements carried to the
+    backward's: torchtitan's FSDP+TP weight, S(0)·S(1) gathered to R·S(1) in the forward,
+    is S(1)·S(0) gathered to R·S(0) in the backward's t(t(W))."""
+    S0, S1, R = Shard(0), Shard(1), Replicate()
+    assert carried((S0, S1), (1, 0)) == (S1, S0)
+    assert carried((R, Partial()), None) == (R, Partial())
+    assert carried((S0,), None) is None
+    assert carried((S0, S1), ()) == (S0, S1)
+    assert takes_back((S0, S1), (R, S1), (S1, S0), (R, S0), (1, 0))
+    assert not takes_back((S0, S1), (R, S1), (S1, S0), (R, S1), (1, 0))  # not carried
+    assert not takes_back((R, S1), (R, S1), (R, S0), (R, S0), (1, 0))  # nothing moves
+    assert takes_back((S0,), (R,), (S1,), (R,), (1, 0))  # all replicated: FSDP
+    assert not takes_back((S0, S1), (R, S1), (S0, S1), (R, S0), None)
+
+
+def test_fsdp_tp_recomputation_gathers_nothing_over_dp(tmp_path):
+    """torchtitan's FSDP+TP on a 2x2 mesh (dp x tp) with every block recomputed: as
+    FSDP2 under ``torch.utils.checkpoint`` runs it, the recomputation takes the backward's
+    dp gathers (none in the recompute phase on mesh dim 0), and the forward's and the
+    backward's collectives are the plan without checkpointing's, one for one. The tp
+    collectives of the rerun block are the recomputation's own."""
+    sg, mesh = _graph(tmp_path, mesh="2x2")
+    plan, _ = plan_for_algo(sg, "fsdp_tp", mesh)
+    assert plan.recomputed_blocks == [0, 1]
+    rerun = {k: v for k, v in plan.collective_steps.items() if k[0] == "recompute"}
+    assert rerun and all(k[2] == 1 for k in rerun), rerun
+    plain_sg, _ = _graph(tmp_path, "none", mesh="2x2")
+    plain, _ = plan_for_algo(plain_sg, "fsdp_tp", mesh)
+    assert {k: v for k, v in plan.collective_steps.items() if k[0] != "recompute"} == dict(
+        plain.collective_steps
+    )
 
 
 def test_fsdp_recomputation_costs_its_compute_and_gathers_nothing(tmp_path):
@@ -83,12 +131,13 @@ def test_fsdp_recomputation_costs_its_compute_and_gathers_nothing(tmp_path):
     assert plan.collective_steps == plain.collective_steps
 
 
-def test_the_ilp_prices_the_take_back_as_the_plan_does(tmp_path):
-    """The ILP's own objective (HiGHS's, over its columns) at the FSDP plan with every
-    block recomputed equals the plan's predicted step, which takes the gathers back; the
-    program has a take-back column for each paired read (18) and source placement."""
-    sg, mesh = _graph(tmp_path)
-    plan, _ = plan_for_algo(sg, "fsdp", mesh)
+@pytest.mark.parametrize(("mesh", "algo"), [("4", "fsdp"), ("2x2", "fsdp_tp")])
+def test_the_ilp_prices_the_take_back_as_the_plan_does(tmp_path, mesh, algo):
+    """The ILP's own objective (HiGHS's, over its columns) at the FSDP (and FSDP+TP) plan
+    with every block recomputed equals the plan's predicted step, which takes the gathers
+    back; the program has a take-back column for each paired read (18) and placement."""
+    sg, mesh = _graph(tmp_path, mesh=mesh)
+    plan, _ = plan_for_algo(sg, algo, mesh)
     prob = build_problem(sg)
     assert prob.recompute.n_u >= len(sg.rerun_pairs) == 18
     milp = compile_program(*_statement(prob))
@@ -186,4 +235,17 @@ def test_fsdp2_gathers_as_often_with_checkpointing_and_so_does_the_launch(tmp_pa
     out = ranks(4, str(plan), str(model), "--train", "--check", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert not [r for r in observed_rows(out.stdout) if r[0] == "recompute"], out.stdout
+    assert_runs_the_plan(out.stdout)
+    # FSDP+TP (2x2): the backward replays t on the recomputation's (R, S(1)) copy; what
+    # runs over dp (mesh dim 0) in the recompute phase must be nothing, as predicted
+    plan = solve(model, tmp_path, "2x2", "--algo", "fsdp_tp", "--activation-checkpointing", "full")
+    predicted = json.loads(plan.read_text())["predicted"]
+    assert not [
+        r for r in predicted["collective_steps"] if r["phase"] == "recompute" and r["mesh_dim"] == 0
+    ]
+    out = ranks(4, str(plan), str(model), "--train", "--check", "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert not [
+        r for r in observed_rows(out.stdout) if r[0] == "recompute" and r[2] in ("0", "dp")
+    ], out.stdout
     assert_runs_the_plan(out.stdout)

@@ -92,7 +92,11 @@ def rerun_refund(sg, choice: dict[str, int], layer: int, selective: bool) -> flo
         a, b = f.src_groups[choice[f.src]], f.dst_groups[choice[f.dst]]
         a_g, b_g = g.src_groups[choice[g.src]], g.dst_groups[choice[g.dst]]
         if takes_back(
-            f.src_placements[a], f.dst_placements[b], g.src_placements[a_g], g.dst_placements[b_g]
+            f.src_placements[a],
+            f.dst_placements[b],
+            g.src_placements[a_g],
+            g.dst_placements[b_g],
+            pair.dims,
         ):
             total += float(f.cost[a, b]) * n / f.uses
     return total
@@ -112,6 +116,7 @@ def rerun_takes_gather(sg, node_strategy: dict, producer: str, consumer: str, k:
         node_strategy[consumer].inputs[k],
         node_strategy[x].outputs[0],
         node_strategy[back].inputs[kb],
+        pair.dims,
     )
 
 

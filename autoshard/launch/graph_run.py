@@ -535,8 +535,9 @@ class PlanInterpreter(torch.fx.Interpreter):
     ) -> DTensor | None:
         """The backward's read ``(producer, consumer, k)`` from the copy its block's
         recomputation gathered, or ``None`` when none waits for it: the chain of one-input
-        ops from the gathered tensor to ``producer`` replayed on the replicated copy (no
-        communication; any would be counted and fail the observed == predicted check).
+        ops from the gathered tensor to ``producer`` replayed on the gathered copy (replicated,
+        or under FSDP + TP sharded over tp, its shard moved by DTensor's own ``t`` rule:
+        no communication; any would be counted and fail the observed == predicted check).
 
         Raises:
             AutoshardError: the replayed tensor is not placed as the plan wants (a bug).

@@ -60,14 +60,13 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import overlappable, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError, ProgramTooLargeError
-from autoshard.placements import all_replicate
 from autoshard.solver.cvx import Layout, compile_program
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, count_compile, run
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import schedule
 from autoshard.strategies.sharing import rerun_refunded
-from autoshard.trace.rerun_reads import takes_back
+from autoshard.trace.rerun_reads import carried, takes_back
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
 
 SCALE = 1e6  # the ILP's objective is in microseconds
@@ -278,41 +277,44 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
 def _rerun_columns(sg: StrategyGraph, n_x: int, edge_offsets, keeps) -> tuple[list, list, list]:
     """[``_rerun_columns``] per take-back column ``u`` (module docstring of
     :mod:`autoshard.trace.rerun_reads`): its forward read's ``y`` column (the pair's
-    forward edge from one source group to its all-replicated placement), the backward
-    edge's ``y`` columns from the source groups of the same strategies to its
-    all-replicated placement, and (its pair, the seconds one paired read takes back): the
-    pairs of groups :func:`~autoshard.trace.rerun_reads.takes_back` accepts."""
+    forward edge from one source group to one destination placement), the backward
+    edge's ``y`` columns from the source groups of the same strategies to the placement
+    the pair's chain carries that one to, and (its pair, the seconds one paired read
+    takes back): the pairs of groups :func:`~autoshard.trace.rerun_reads.takes_back`
+    accepts."""
     forward, backward, per = [], [], []
     for pair in sg.rerun_pairs:
         f, g = sg.edges[pair.forward], sg.edges[pair.backward]
-        bf = next((j for j, q in enumerate(f.dst_placements) if all_replicate(q)), None)
-        bg = next((j for j, q in enumerate(g.dst_placements) if all_replicate(q)), None)
-        if bf is None or bg is None:
-            continue
+        at_g = {tuple(q): j for j, q in enumerate(g.dst_placements)}
         where_f = {int(v): i for i, v in enumerate(keeps[pair.forward])}
         where_g = {int(v): i for i, v in enumerate(keeps[pair.backward])}
         q_f, q_g = f.cost.shape[1], g.cost.shape[1]
-        for a in range(f.cost.shape[0]):
-            col = where_f.get(a * q_f + bf)
-            if col is None:
+        for bf, wanted in enumerate(f.dst_placements):
+            bg = at_g.get(carried(wanted, pair.dims))
+            if bg is None:
                 continue
-            same = [
-                a2
-                for a2 in np.unique(g.src_groups[f.src_groups == a])  # the same strategies
-                if takes_back(
-                    f.src_placements[a],
-                    f.dst_placements[bf],
-                    g.src_placements[a2],
-                    g.dst_placements[bg],
-                )
-            ]
-            cols_g = [where_g.get(int(a2) * q_g + bg) for a2 in same]
-            cols_g = [n_x + edge_offsets[pair.backward] + c for c in cols_g if c is not None]
-            if not cols_g:
-                continue
-            forward.append(n_x + edge_offsets[pair.forward] + col)
-            backward.append(np.array(cols_g, dtype=np.int64))
-            per.append((pair, float(f.cost[a, bf]) / f.uses))
+            for a in range(f.cost.shape[0]):
+                col = where_f.get(a * q_f + bf)
+                if col is None:
+                    continue
+                same = [
+                    a2
+                    for a2 in np.unique(g.src_groups[f.src_groups == a])  # the same strategies
+                    if takes_back(
+                        f.src_placements[a],
+                        wanted,
+                        g.src_placements[a2],
+                        g.dst_placements[bg],
+                        pair.dims,
+                    )
+                ]
+                cols_g = [where_g.get(int(a2) * q_g + bg) for a2 in same]
+                cols_g = [n_x + edge_offsets[pair.backward] + c for c in cols_g if c is not None]
+                if not cols_g:
+                    continue
+                forward.append(n_x + edge_offsets[pair.forward] + col)
+                backward.append(np.array(cols_g, dtype=np.int64))
+                per.append((pair, float(f.cost[a, bf]) / f.uses))
     return forward, backward, per
 
 

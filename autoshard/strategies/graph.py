@@ -902,10 +902,11 @@ class RerunPair:
     says: ``forward`` (a recomputed block's parameter read) and ``backward`` (the block's
     backward read of the same parameter), with per layer the forward reads of ``forward``
     so paired (``reads``) and of those, the ones selective checkpointing reruns
-    (``selective``)."""
+    (``selective``); ``dims``: their chain's :attr:`~autoshard.trace.rerun_reads.RerunRead.dims`."""
 
     forward: int
     backward: int
+    dims: tuple[int, ...] | None = ()
     reads: dict[int, int] = field(default_factory=dict)
     selective: dict[int, int] = field(default_factory=dict)
 
@@ -917,14 +918,14 @@ def rerun_pairs(graph, edges: list[Edge], reads: dict, rerun: frozenset) -> tupl
     ``edges`` (``reads``: each read ``(producer, consumer, k)`` -> its edge's index, or
     ``None`` for a read inside one variable)."""
     found = {}
-    pairs: dict[tuple[int, int], RerunPair] = {}
+    pairs: dict[tuple, RerunPair] = {}
     for key, pair in shared_rerun_reads(graph).items():
         f, g = reads.get(key), reads.get(pair.backward)
         if f is None or g is None or not _gathers_of_one_variable(edges[f], edges[g]):
             continue
         found[key] = pair
         layer = graph.nodes[key[1]].layer
-        p = pairs.setdefault((f, g), RerunPair(f, g))
+        p = pairs.setdefault((f, g, pair.dims), RerunPair(f, g, pair.dims))
         p.reads[layer] = p.reads.get(layer, 0) + 1
         if key[1] in rerun:
             p.selective[layer] = p.selective.get(layer, 0) + 1
