@@ -86,7 +86,11 @@ def test_a_shard_is_carried_to_the_dim_it_is_through_the_chain():
     assert takes_back((S0, S1), (R, S1), (S1, S0), (R, S0), (1, 0))
     assert not takes_back((S0, S1), (R, S1), (S1, S0), (R, S1), (1, 0))  # not carried
     assert not takes_back((R, S1), (R, S1), (R, S0), (R, S0), (1, 0))  # nothing moves
-    assert takes_back((S0,), (R,), (S1,), (R,), (1, 0))  # all replicated: FSDP
+    # all replicated (FSDP): the produced placements need not be carried
+    assert takes_back((S0,), (R,), (S0,), (R,), (1, 0))
+    assert takes_back((S0,), (R,), (S1,), (R,), None)
+    # short of that they must be: the backward's own move is the one the launcher runs
+    assert not takes_back((S0, S1), (R, S1), (S0, S0), (R, S0), (1, 0))
     assert not takes_back((S0, S1), (R, S1), (S0, S1), (R, S0), None)
 
 

@@ -83,16 +83,18 @@ _KEEP_DIMS = frozenset({aten._to_copy, aten.clone, aten.alias, aten.contiguous})
 _TRANSPOSES = frozenset({aten.t, aten.transpose, aten.permute})
 
 
-def chain_dims(graph, chain: Sequence[str]) -> tuple[int, ...] | None:  # noqa: ANN001
+def chain_dims(graph, chain: Sequence[str], fx: dict | None = None) -> tuple[int, ...] | None:  # noqa: ANN001
     """Per tensor dim of ``chain[0]``'s output, the dim of the last link's input it is:
     ``chain`` a backward read's producer back to (not including) the forward's tensor,
     nearest first, as :attr:`RerunRead.chain` holds it (``()`` for no chain). ``t`` and
-    ``transpose`` swap two dims, ``permute`` reorders them, casts and copies keep them
-    (ATen's native_functions.yaml); ``None`` when a link views, reshapes or expands (a
-    shard of such a tensor does not move to one dim of the other by itself)."""
+    ``transpose`` swap two dims (``t`` of a 1-D tensor is itself), ``permute`` reorders
+    them, casts and copies keep them (ATen's native_functions.yaml); ``None`` when a link
+    views, reshapes or expands (a shard of such a tensor does not move to one dim of the
+    other by itself). ``fx``: the graph's fx nodes by name, when the caller has them."""
     if not chain:
         return ()
-    fx = {n.name: n for n in graph.graph_module.graph.nodes if n.name in chain}
+    if fx is None:
+        fx = {n.name: n for n in graph.graph_module.graph.nodes}
     rank = len(graph.nodes[chain[-1]].args[0].shape)
     dims = list(range(rank))
     for name in reversed(chain):  # from the forward's tensor towards the backward's
@@ -104,11 +106,12 @@ def chain_dims(graph, chain: Sequence[str]) -> tuple[int, ...] | None:  # noqa: 
         args = fx[name].args
         if target is aten.permute:
             order = [d % rank for d in args[1]]
+        elif target is aten.t and rank < 2:
+            continue
         else:
             order = list(range(rank))
             a, b = (0, 1) if target is aten.t else (args[1] % rank, args[2] % rank)
-            if rank >= 2:
-                order[a], order[b] = order[b], order[a]
+            order[a], order[b] = order[b], order[a]
         dims = [dims[d] for d in order]
     return tuple(dims)
 
@@ -155,6 +158,7 @@ def shared_rerun_reads(graph) -> dict[tuple[str, str, int], RerunRead]:  # noqa:
         if info.kind == "op" and info.layer is not None:
             (backward if info.backward else forward).setdefault(info.layer, []).append(name)
     out: dict[tuple[str, str, int], RerunRead] = {}
+    fx = {n.name: n for n in graph.graph_module.graph.nodes}
     for layer, names in forward.items():
         reads = _param_reads(graph, names)
         times = Counter(y for y, _, _, _ in reads)
@@ -167,7 +171,7 @@ def shared_rerun_reads(graph) -> dict[tuple[str, str, int], RerunRead]:  # noqa:
                 if y in chain and (x, cb, kb) not in taken:
                     taken.add((x, cb, kb))
                     cut = tuple(chain[: chain.index(y)])
-                    dims = chain_dims(graph, cut)
+                    dims = chain_dims(graph, cut, fx)
                     out[(y, c, k)] = RerunRead((y, c, k), (x, cb, kb), cut, dims)
                     break
     return out
