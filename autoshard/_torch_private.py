@@ -90,16 +90,23 @@ def fake_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> I
             dist.destroy_process_group()
 
 
-def checkpoint_block(block: torch.nn.Module, context_fn=None) -> torch.nn.Module:  # noqa: ANN001
+def checkpoint_block(
+    block: torch.nn.Module,
+    context_fn=None,  # noqa: ANN001
+    early_stop: bool = True,
+) -> torch.nn.Module:
     """``block`` wrapped to recompute its forward in the backward (non-reentrant
     ``torch.utils.checkpoint``), as torchtitan's activation checkpointing wraps a block:
     ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, whose wrapper keeps
     its parameters' names (``named_parameters`` and ``state_dict`` strip its prefix).
     ``context_fn``: a selective policy's contexts
-    (:func:`autoshard.trace.selective.context_fn`); ``None`` recomputes everything."""
+    (:func:`autoshard.trace.selective.context_fn`); ``None`` recomputes everything.
+    ``early_stop``: ``torch.utils.checkpoint``'s own (on by default: the recomputation
+    stops once every tensor the backward saved is back); off, the whole forward reruns."""
+    kwargs = {} if early_stop else {"early_stop": False}
     if context_fn is None:
-        return checkpoint_wrapper(block)
-    return checkpoint_wrapper(block, context_fn=context_fn)
+        return checkpoint_wrapper(block, **kwargs)
+    return checkpoint_wrapper(block, context_fn=context_fn, **kwargs)
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:

@@ -11,20 +11,33 @@ autograd itself saves (``torch.autograd.graph.saved_tensors_hooks``) with and wi
 
 from __future__ import annotations
 
+import collections
+import copy
 import itertools
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, block_stack, write_model
+from helpers import LLAMA_SMALL, ROOT, block_stack, write_model
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoshard._torch_private import checkpoint_block
 from autoshard.cost.liveness import activation_sizes, chosen_strategies, liveness
 from autoshard.cost.memory import LiveMemory
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.errors import MemoryBudgetError
+from autoshard.model.model_file import load_model_file
+from autoshard.plan.styles import StylePlan, _checkpoint_lines
 from autoshard.solver.solve import SolveConfig, finish_plan, plan_model, strategies, trace
+from autoshard.trace.selective import recomputed_ops
+
+
+def packet_name(target) -> str:
+    return getattr(getattr(target, "overloadpacket", target), "__name__", str(target))
+
 
 B, D, H = 512, 64, 1024  # the ReLU's output (512 x 1024 fp32, 2 MiB) dominates a block
 
@@ -70,6 +83,138 @@ def _saved_bytes(n: int, checkpoint: bool) -> int:
     return sum(seen.values())
 
 
+class _Count(TorchDispatchMode):
+    """The aten ops run inside it, by overload packet name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _rerun_by_torch() -> collections.Counter:
+    """The aten ops ``torch.utils.checkpoint`` (non-reentrant, torch's default early stop)
+    runs again in the backward of one checkpointed ``x + fc2(relu(fc1(x)))`` block: what
+    the backward runs with checkpointing, less what it runs without."""
+
+    def block(x, fc1, fc2):
+        return x + fc2(torch.relu(fc1(x)))
+
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(D, H), nn.Linear(H, D)
+    ran = []
+    for wrap in (False, True):
+        x = torch.randn(B, D, requires_grad=True)
+        y = (
+            torch.utils.checkpoint.checkpoint(block, x, fc1, fc2, use_reentrant=False)
+            if wrap
+            else block(x, fc1, fc2)
+        )
+        with _Count() as count:
+            y.sum().backward()
+        ran.append(count.ops)
+    return ran[1] - ran[0]
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_launch_wrapper_reruns_what_the_plan_prices(early_stop):
+    """``autoshard.apply``'s wrapper (``checkpoint_block``, torch's ``checkpoint_wrapper``)
+    on one ``x + fc2(relu(fc1(x)))`` block: with the early stop its backward reruns fc1
+    alone, without it fc1 and fc2 (torch's own ``early_stop=False``), what a plan of
+    either kind prices."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+    ran = []
+    for wrapped in (block, checkpoint_block(copy.deepcopy(block), early_stop=early_stop)):
+        x = torch.randn(B, D, requires_grad=True)
+        y = x + wrapped(x)
+        with _Count() as count:
+            y.sum().backward()
+        ran.append(count.ops)
+    assert (ran[1] - ran[0])["addmm"] == (1 if early_stop else 2)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_exported_checkpointing_reruns_what_the_plan_prices(early_stop):
+    """The lines ``autoshard export --format torchtitan`` writes for a plan recomputing
+    every block, run on a two-block stack: each block's backward reruns what the plan
+    prices (fc1 alone with the early stop, fc1 and fc2 without)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
+        checkpoint_wrapper,
+    )
+
+    sp = StylePlan(tp_dim=None, blocks=["layers.0", "layers.1"], container="layers")
+    sp.recompute, sp.early_stop = list(sp.blocks), early_stop
+    body = "\n".join(_checkpoint_lines(sp))
+    namespace = {"checkpoint_wrapper": checkpoint_wrapper}
+    exec(f"def parallelize(model):\n{body}\n", namespace)  # noqa: S102 - our own export
+    torch.manual_seed(0)
+    stack = nn.Module()
+    stack.layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)) for _ in range(2)
+    )
+    ran = []
+    for wrap in (False, True):
+        model = copy.deepcopy(stack)
+        if wrap:
+            namespace["parallelize"](model)
+        y = torch.randn(B, D, requires_grad=True)
+        for layer in model.layers:
+            y = y + layer(y)
+        with _Count() as count:
+            y.sum().backward()
+        ran.append(count.ops)
+    assert (ran[1] - ran[0])["addmm"] == 2 * (1 if early_stop else 2)
+
+
+def test_a_llama_block_reruns_what_torch_reruns(tmp_path):
+    """HuggingFace's Llama (2 layers), each decoder layer under torch's own
+    ``checkpoint_wrapper`` (non-reentrant, torchtitan's full AC): the ops its backward runs
+    beyond the plain backward are what autoshard's full policy reruns, counted by aten op
+    for the matmuls, the attention kernel and the activation: each block's forward up to
+    its MLP's gate and up projections, not its down projection (its inputs are saved
+    before it runs) nor the residual add; the last block's output, which the final norm
+    reads from outside the checkpoint, is not recomputed either. Without the early stop
+    (``checkpoint_early_stop=False``) every forward op reruns."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
+        checkpoint_wrapper,
+    )
+
+    path = write_model(tmp_path, LLAMA_SMALL, "llama_small")
+    loaded = load_model_file(path)
+    ran = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = loaded.module.build_model()
+        if wrap:
+            layers = model.model.layers
+            for i in range(len(layers)):
+                layers[i] = checkpoint_wrapper(layers[i])
+        (ids,) = loaded.module.example_inputs()
+        loss = model(ids).logits.float().mean()
+        with _Count() as count:
+            loss.backward()
+        ran.append(count.ops)
+    by_torch = ran[1] - ran[0]
+    kinds = ("mm", "silu", "_scaled_dot_product_flash_attention_for_cpu")
+    for early_stop in (True, False):
+        cfg = SolveConfig(
+            model_path=path, mesh=MeshSpec.from_options("1"), checkpoint_early_stop=early_stop
+        )
+        graph = trace(cfg)
+        rerun = collections.Counter(
+            packet_name(graph.nodes[n].target) for n in recomputed_ops(graph, "full", early_stop)
+        )
+        if early_stop:
+            assert {k: rerun[k] for k in kinds} == {k: by_torch[k] for k in kinds}
+            assert rerun["mm"] == 2 * 6  # q, k, v, o, gate, up per block; not down
+        else:
+            assert rerun["mm"] == 2 * 7
+
+
 def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):
     """Three blocks (no depth reduction): recomputing all of them frees, between forward
     and backward, what checkpointing frees in autograd: 3 x (512 x 1024 x 4 B) = 6 MiB."""
@@ -93,15 +238,23 @@ def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):
     assert set(np.round(freed / (B * H * 4), 9)) == {0.0, 1.0, 2.0, 3.0}
     assert full.activation_bytes < keep.activation_bytes
     assert full.recomputed_blocks == [0, 1, 2]
-    # the time: three more forward passes of a block, each its two matmuls and the rest
+    # the time: three more forward passes of a block up to its early stop, as torch runs
+    # them: fc1 and the ReLU, not fc2 (its inputs are saved before it runs) nor the add
     full_blocks = [b for b in ck.blocks if b.policy == "full"]
     one = ck.forward_seconds(sg, full_blocks[1], choice)
     assert full.recompute_s == pytest.approx(3 * one)
     assert full.step_time_s - keep.step_time_s == pytest.approx(3 * one)
-    fc = [n for n in full_blocks[1].forward if "addmm" in str(graph.nodes[n].target)]
-    assert len(fc) == 2
-    roofline = sum(float(sg.nodes[n].compute_s[0]) for n in fc)
-    assert roofline < one  # the matmuls and, besides, the ReLU and the residual add
+    rerun = collections.Counter(packet_name(graph.nodes[n].target) for n in full_blocks[1].forward)
+    by_torch = _rerun_by_torch()
+    assert rerun["addmm"] == by_torch["addmm"] == 1
+    assert rerun["relu"] == by_torch["relu"] == 1
+    assert rerun["add"] == by_torch["add"] == 0
+    roofline = sum(
+        float(sg.nodes[n].compute_s[0])
+        for n in full_blocks[1].forward
+        if packet_name(graph.nodes[n].target) == "addmm"
+    )
+    assert roofline < one  # the matmul and, besides, the ReLU
 
 
 @pytest.mark.slow

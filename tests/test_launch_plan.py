@@ -130,14 +130,23 @@ def test_torch_transformer_encoder_trains_as_planned(tmp_path: Path) -> None:
     assert_runs_the_plan(run.stdout)
 
 
-def test_recomputed_blocks_rerun_their_forward_as_predicted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "whole-forward"])
+def test_recomputed_blocks_rerun_their_forward_as_predicted(tmp_path: Path, early_stop) -> None:
     """Activation checkpointing at launch: the 2-layer Llama's Megatron plan with every
     block recomputed, on 2x2 (4 gloo ranks). Each block's forward runs again before its
-    backward: its two tensor-parallel all-reduces are seen a second time, in the recompute
-    phase, as many as the plan predicted; the step still matches one device."""
+    backward, up to the last op its backward reads (torch's early stop): its attention's
+    tensor-parallel all-reduce is seen a second time, in the recompute phase, not its
+    MLP's, which only the residual add reads (2 all-reduces rerun); with
+    ``--no-checkpoint-early-stop`` its whole forward, both (4). As many as the plan
+    predicted; the step still matches one device."""
     model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
-    plan = solve(model, tmp_path, "2x2", "--algo", "megatron", "--activation-checkpointing", "full")
-    assert json.loads(plan.read_text())["predicted"]["recomputed_blocks"] == [0, 1]
+    stop = () if early_stop else ("--no-checkpoint-early-stop",)
+    plan = solve(
+        model, tmp_path, "2x2", "--algo", "megatron", "--activation-checkpointing", "full", *stop
+    )
+    predicted = json.loads(plan.read_text())["predicted"]
+    assert predicted["recomputed_blocks"] == [0, 1]
+    assert predicted["checkpoint_early_stop"] is early_stop
     run = ranks(4, str(plan), str(model), "--train", "--check", "--steps", "2")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "activation checkpointing: 2 block(s)" in run.stdout
@@ -145,7 +154,8 @@ def test_recomputed_blocks_rerun_their_forward_as_predicted(tmp_path: Path) -> N
     rows = observed_rows(run.stdout)
     again = [r for r in rows if r[0] == "recompute"]
     forward_tp = [r for r in rows if r[0] == "forward" and r[1] == "all_reduce" and r[2] == "tp"]
-    assert again == [("recompute", "all_reduce", "tp", 4, 4)], run.stdout
+    n = 2 if early_stop else 4
+    assert again == [("recompute", "all_reduce", "tp", n, n)], run.stdout
     assert forward_tp and forward_tp[0][3] == 4  # the same all-reduces, once more
     assert_runs_the_plan(run.stdout)
 
@@ -154,10 +164,10 @@ def test_selectively_recomputed_blocks_rerun_what_the_policy_recomputes(tmp_path
     """Selective activation checkpointing at launch: the 2-layer Llama's Megatron plan,
     every block under torchtitan's op-level policy, on 2x2 (4 gloo ranks). Each block
     keeps its attention and every other matmul and reruns the rest before its backward,
-    up to the last op its own backward reads: the last block's MLP all-reduce feeds its
-    residual add, which nothing in its backward reads, so it does not run again (3
-    all-reduces rerun, not the 4 of full recomputation), as the plan predicted; the step
-    still matches one device."""
+    up to the last op its own backward reads: a block's MLP all-reduce feeds its residual
+    add, which nothing in its own backward reads, so it does not run again (2 all-reduces
+    rerun, the attention's, as many as full recomputation with torch's early stop), as
+    the plan predicted; the step still matches one device."""
     model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
     plan = solve(
         model, tmp_path, "2x2", "--algo", "megatron", "--activation-checkpointing", "selective"
@@ -168,7 +178,7 @@ def test_selectively_recomputed_blocks_rerun_what_the_policy_recomputes(tmp_path
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert LOWERED_OK in run.stdout and STEP2_OK.search(run.stdout), run.stdout
     again = [r for r in observed_rows(run.stdout) if r[0] == "recompute"]
-    assert again == [("recompute", "all_reduce", "tp", 3, 3)], run.stdout
+    assert again == [("recompute", "all_reduce", "tp", 2, 2)], run.stdout
     assert_runs_the_plan(run.stdout)
 
 

@@ -87,9 +87,11 @@ def _torchtitan_policy():
 
 
 def _torch_step(n: int, how: str) -> tuple[int, float, float]:
-    """One step of the n-block stack in eager PyTorch, each block as ``how`` says (none,
-    full: reentrant checkpointing, which reruns the whole forward as autoshard's full
-    policy prices it; selective: non-reentrant, which it requires): the bytes held from
+    """One step of the n-block stack in eager PyTorch, each block as ``how`` says (none;
+    full: non-reentrant checkpointing, torch's default, which stops its recomputation
+    once every tensor the backward saved is back; reentrant: reentrant checkpointing,
+    which reruns the whole forward, as Megatron-LM's; selective: non-reentrant, which it
+    requires): the bytes held from
     the forward to the backward (storages produced in the forward still alive;
     parameters, input and output left out), and the matmul FLOPs of the forward and of
     the backward."""
@@ -115,7 +117,9 @@ def _torch_step(n: int, how: str) -> tuple[int, float, float]:
         for m in blocks:
             if how == "none":
                 y = y + body(m, y)
-            elif how == "full":  # the whole forward again, as Megatron-LM recomputes
+            elif how == "full":  # up to the last tensor the backward saved
+                y = y + checkpoint(body, m, y, use_reentrant=False)
+            elif how == "reentrant":  # the whole forward again, as Megatron-LM recomputes
                 y = y + checkpoint(body, m, y, use_reentrant=True)
             else:
                 y = y + checkpoint(body, m, y, use_reentrant=False, context_fn=_torchtitan_policy)
@@ -140,17 +144,29 @@ def test_the_rule_keeps_odd_matmuls_and_attention():
 
 
 @pytest.mark.slow
-def test_selective_frees_and_holds_what_pytorch_does(tmp_path):
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "reentrant"])
+def test_selective_frees_and_holds_what_pytorch_does(tmp_path, early_stop):
     """Three blocks, no depth reduction. The bytes the selective policy takes off the
     saved activations equal what PyTorch's selective checkpointing takes off what it holds
     between forward and backward; the same for full recomputation. The recomputed
-    matmul FLOPs equal the FLOPs PyTorch's backward runs beyond the plain one."""
+    matmul FLOPs equal the FLOPs PyTorch's backward runs beyond the plain one: with the
+    early stop (non-reentrant, torch's default) fc1 and fc3 run again, not fc2, whose
+    inputs are saved before it runs; without it (``checkpoint_early_stop=False``, against
+    reentrant checkpointing) all three."""
     n = 3
-    held = {how: _torch_step(n, how) for how in ("none", "full", "selective")}
+    full = "full" if early_stop else "reentrant"
+    held = {how: _torch_step(n, how) for how in ("none", full, "selective")}
+    held["full"] = held[full]
     by_torch = {how: held["none"][0] - held[how][0] for how in ("full", "selective")}
     assert by_torch["full"] == n * 3 * B * H * 4  # sanity: relu, fc3 and their product
     assert by_torch["selective"] == n * (3 * B * H - B * H - B * D) * 4
-    cfg = SolveConfig(model_path=_gated(tmp_path, n), mesh=MeshSpec.from_options("1"))
+    mm = 2 * B * D * H  # one of the three matmuls, forward
+    assert held["full"][2] - held["none"][2] == n * (2 if early_stop else 3) * mm
+    cfg = SolveConfig(
+        model_path=_gated(tmp_path, n),
+        mesh=MeshSpec.from_options("1"),
+        checkpoint_early_stop=early_stop,
+    )
     graph = trace(cfg)
     sg = strategies(cfg, graph)
     ck = sg.checkpointing

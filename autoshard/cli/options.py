@@ -204,6 +204,17 @@ def step_options() -> list:
             "output and recomputes the rest (torchtitan's op-level selective AC). Training "
             "only.",
         ),
+        click.option(
+            "--checkpoint-early-stop/--no-checkpoint-early-stop",
+            default=True,
+            show_default=True,
+            help="A recomputed block reruns its forward only up to the last op its backward "
+            "reads (its last projection and residual add do not run again), as non-reentrant "
+            "torch.utils.checkpoint does by default. --no-checkpoint-early-stop reruns the "
+            "whole forward, as reentrant checkpointing (Megatron-LM's) or "
+            "torch.utils.checkpoint.set_checkpoint_early_stop(False) does; the launch runs "
+            "it so.",
+        ),
     ]
 
 
@@ -397,6 +408,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
             opts["context_parallel"], opts["context_parallel"]
         ),
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
+        checkpoint_early_stop=opts.get("checkpoint_early_stop", True),
     )
 
 

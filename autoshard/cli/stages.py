@@ -102,6 +102,7 @@ def stages_command(
     precision,
     reduce_dtype_name,
     activation_checkpointing,
+    checkpoint_early_stop,
     pp_text,
     split_rule,
     microbatches,
@@ -160,6 +161,7 @@ def stages_command(
             memory_budget=memory_budget,
             tie=False,  # every layer traced: stages are cut between real layers
             activation_checkpointing="none",  # a stage's budget holds at its turn only
+            checkpoint_early_stop=checkpoint_early_stop,
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes
         log = Console(stderr=True, quiet=quiet)

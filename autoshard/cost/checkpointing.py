@@ -4,7 +4,11 @@ and how much of them.
 Two policies, as torchtitan runs them per transformer block:
 
 * **full**: ``torch.utils.checkpoint`` around the block. It keeps only its input from the
-  forward pass to the backward pass; its backward first runs its whole forward again.
+  forward pass to the backward pass; its backward first runs its forward again, up to the
+  last op whose output the block's backward reads: non-reentrant checkpointing stops
+  there once every saved tensor is back (its "early stop", on by default), so a block's
+  last projection and residual add do not run again
+  (:func:`autoshard.trace.selective.recomputed_ops`).
 * **selective** (op-level, :mod:`autoshard.trace.selective`): the block keeps the outputs
   of its attention kernels and of every other ``aten.mm``, and recomputes the rest of its
   forward in the backward pass.
@@ -70,8 +74,8 @@ from autoshard.trace.selective import recomputed_ops, saved_ops
 MODES = ("auto", "none", "full", "selective")
 """``--activation-checkpointing``: ``auto`` (the ILP decides per block: none, full or
 selective), ``none`` (no block recomputes), ``full`` (every repeated block recomputes its
-whole forward), ``selective`` (every repeated block recomputes all but its attention and
-every other matmul, :mod:`autoshard.trace.selective`)."""
+forward, up to its early stop), ``selective`` (every repeated block recomputes all but its
+attention and every other matmul, :mod:`autoshard.trace.selective`)."""
 
 POLICIES = ("full", "selective")
 """How a block recomputes (module docstring)."""
@@ -85,7 +89,7 @@ def rerun_refund(sg, choice: dict[str, int], layer: int, selective: bool) -> flo
     read charges."""
     total = 0.0
     for pair in sg.rerun_pairs:
-        n = (pair.selective if selective else pair.reads).get(layer, 0)
+        n = (pair.selective if selective else pair.full).get(layer, 0)
         if not n:
             continue
         f, g = sg.edges[pair.forward], sg.edges[pair.backward]
@@ -200,7 +204,8 @@ class Checkpointing:
                 fwd_start.setdefault(t, p)
                 fwd_end[t] = p
         index = {n: j for j, n in enumerate(live.nodes)}
-        rerun, keeps = recomputed_ops(graph), saved_ops(graph)
+        rerun = {p: recomputed_ops(graph, p, sg.early_stop) for p in POLICIES}
+        keeps = saved_ops(graph)
 
         def read_outside(n: str, layer: int) -> bool:
             """Whether an op outside ``layer`` reads ``n``, directly or through views."""
@@ -227,11 +232,11 @@ class Checkpointing:
                 if n in index and last.get(n, -1) >= bwd_start[t] and not read_outside(n, t)
             ]
             real = tuple(stands_for[ordinal] if stands_for is not None else (t,))
+            whole = tuple(n for n in forward if n in rerun["full"])
             for policy in policies:
-                recomputes = (lambda n: True) if policy == "full" else rerun.__contains__
-                saved = tuple(index[n] for n in freed if recomputes(n))
-                ops = tuple(n for n in forward if recomputes(n))
-                if not saved or (policy == "selective" and ops == forward):
+                saved = tuple(index[n] for n in freed if n in rerun[policy])
+                ops = tuple(n for n in forward if n in rerun[policy])
+                if not saved or (policy == "selective" and ops == whole):
                     continue  # frees nothing, or is the full policy under another name
                 kept = tuple(
                     index[n]
@@ -295,7 +300,7 @@ class Checkpointing:
         return {b.key: b.copies if b.policy == policy else 0 for b in self.blocks}
 
     def full(self) -> dict[tuple[int, str], int]:
-        """Every block recomputes its whole forward."""
+        """Every block recomputes its forward (up to its early stop)."""
         return self.of_policy("full")
 
     def counts(self, recompute: dict | None) -> dict[tuple[int, str], int]:
@@ -309,7 +314,7 @@ class Checkpointing:
     def forward_seconds(self, sg, block: CheckpointBlock, choice: dict[str, int]) -> float:  # noqa: ANN001
         """Seconds of one real copy of what ``block`` recomputes under ``choice``: its
         recomputed ops' compute and what they communicate themselves, and the reshardings
-        they read (:attr:`autoshard.strategies.graph.Edge.forward_uses`, or
+        they read (:attr:`autoshard.strategies.graph.Edge.full_uses`, or
         ``selective_uses`` under the selective policy, of every edge's real reads)."""
         graph = sg.graph
         selective = block.policy == "selective"
@@ -319,7 +324,7 @@ class Checkpointing:
             k = ns.choice[choice[ns.rep]]
             total += float(ns.compute_s[k]) / graph.mult(n) + ns.strategies[k].own_s
         for e in sg.edges:
-            uses = (e.selective_uses if selective else e.forward_uses).get(block.layer, 0)
+            uses = (e.selective_uses if selective else e.full_uses).get(block.layer, 0)
             if uses:
                 cost = float(e.cost[e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]])
                 total += cost * uses / e.uses

@@ -156,7 +156,7 @@ def apply(
     for fqn, policy in [*((f, None) for f in sp.recompute), *((f, sac) for f in sp.selective)]:
         parent, _, child = fqn.rpartition(".")
         model.get_submodule(parent).register_module(
-            child, checkpoint_block(model.get_submodule(fqn), policy)
+            child, checkpoint_block(model.get_submodule(fqn), policy, sp.early_stop)
         )
     if sp.dp_mode is not None:
         dp_names = dp_mesh_names(sp, smap.mesh_shape, names)

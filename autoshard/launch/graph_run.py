@@ -122,6 +122,9 @@ class GraphProgram:
     # real repeated blocks that rerun only the ops selective checkpointing recomputes
     # (autoshard.trace.selective); the outputs it keeps stay from forward to backward
     selective: frozenset[int] = frozenset()
+    # a recomputed block reruns its forward up to the last op its backward reads
+    # (torch.utils.checkpoint's early stop); False: its whole forward
+    early_stop: bool = True
 
 
 def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
@@ -187,8 +190,17 @@ def program_from_solution(
     predicted = solution.get("predicted") or {}
     recompute = frozenset(int(b) for b in predicted.get("recomputed_blocks") or ())
     selective = frozenset(int(b) for b in predicted.get("selective_blocks") or ())
+    # a solution from before the early stop was priced rerunning the whole forward
+    early_stop = bool(predicted.get("checkpoint_early_stop", False))
     return GraphProgram(
-        graph, nodes, sinks, grad_of, mesh, recompute=recompute, selective=selective
+        graph,
+        nodes,
+        sinks,
+        grad_of,
+        mesh,
+        recompute=recompute,
+        selective=selective,
+        early_stop=early_stop,
     )
 
 
@@ -791,10 +803,15 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
     backward node) with the nodes to rerun, the nodes read from its backward on (kept after
     a rerun), and what a rerun reads from outside its block -> the latest first backward
     node that rereads it (it must live until then). A selective block keeps the outputs
-    :func:`autoshard.trace.selective.recomputed_ops` leaves out, and reruns the rest."""
+    :func:`autoshard.trace.selective.recomputed_ops` leaves out, and reruns the rest; a
+    fully recomputed block reruns its forward up to its early stop (that function's
+    ``"full"`` set), as ``torch.utils.checkpoint`` does, or (``program.early_stop``
+    off) the whole of it."""
     if not program.recompute and not program.selective:
         return {}, {}, set(), {}
-    rerun = recomputed_ops(program.graph) if program.selective else frozenset()
+    stop = program.early_stop
+    full = recomputed_ops(program.graph, "full", stop) if program.recompute else frozenset()
+    rerun = recomputed_ops(program.graph, "selective", stop) if program.selective else frozenset()
     infos = program.graph.nodes
     order = list(graph.nodes)
     layer_of = {n: infos[n.name].layer if n.name in infos else None for n in order}
@@ -809,7 +826,7 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
             for n in order
             if n.op == "call_function" and layer_of[n] == b and not infos[n.name].backward
         ]
-        forward = [n for n in whole if b in program.recompute or n.name in rerun]
+        forward = [n for n in whole if n.name in (full if b in program.recompute else rerun)]
         backward = [
             n
             for n in order

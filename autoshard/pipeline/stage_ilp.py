@@ -278,6 +278,7 @@ def stage_graph(
         seeded=sg.seeded,
         reduce_itemsize=sg.reduce_itemsize,
         not_compute=frozenset(incoming),
+        early_stop=sg.early_stop,
     )
     return StageGraph(sub, list(incoming), send_s)
 

@@ -154,14 +154,20 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "flops": float(plan.step_flops),
         "mfu": float(plan.mfu),
     }
-    return {**out, **_selective(plan)}
+    return {**out, **_recomputation_keys(plan)}
 
 
-def _selective(plan: Plan) -> dict[str, list[int]]:
-    """``{"selective_blocks": [...]}`` when some block recomputes selectively, else ``{}``
-    (maps and solutions without it read as before)."""
+def _recomputation_keys(plan: Plan) -> dict[str, Any]:
+    """``{"selective_blocks": [...]}`` when some block recomputes selectively, and
+    ``checkpoint_early_stop`` when some block recomputes (how far its forward reruns:
+    :func:`autoshard.trace.selective.recomputed_ops`), else ``{}`` (maps and solutions
+    without them read as before: a file without ``checkpoint_early_stop`` was priced
+    rerunning each block's whole forward)."""
     blocks = plan.selective_blocks
-    return {"selective_blocks": [int(b) for b in blocks]} if blocks else {}
+    out: dict[str, Any] = {"selective_blocks": [int(b) for b in blocks]} if blocks else {}
+    if blocks or plan.recomputed_blocks:
+        out["checkpoint_early_stop"] = bool(plan.checkpoint_early_stop)
+    return out
 
 
 def collective_steps(plan: Plan) -> list[dict[str, Any]]:
@@ -199,7 +205,7 @@ def sharding_map_dict(
             "mfu": float(plan.mfu),
             "collective_steps": collective_steps(plan),
             "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
-            **_selective(plan),
+            **_recomputation_keys(plan),
         },
     }
     if device is not None:

@@ -67,6 +67,9 @@ class Plan:
     # real blocks that recompute under the selective policy (autoshard.trace.selective)
     selective_blocks: list[int] = field(default_factory=list)
     recompute_s: float = 0.0
+    # a recomputed block reruns its forward up to the last op its backward reads
+    # (torch.utils.checkpoint's early stop); False: its whole forward
+    checkpoint_early_stop: bool = True
 
     @property
     def comm_total_s(self) -> float:
@@ -293,6 +296,7 @@ def _recomputation(sg: StrategyGraph, choice: dict[str, int], recompute) -> dict
         "recomputed_blocks": ck.recomputed_blocks(recompute),
         "selective_blocks": ck.selective_blocks(recompute),
         "recompute_s": ck.seconds(sg, choice, recompute),
+        "checkpoint_early_stop": sg.early_stop,
     }
 
 

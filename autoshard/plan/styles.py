@@ -74,6 +74,10 @@ class StylePlan:
         selective: the blocks (FQNs) the plan recomputes selectively (the map's
             ``predicted.selective_blocks``), wrapped with torchtitan's op-level policy
             (:func:`autoshard.trace.selective.context_fn`).
+        early_stop: whether a recomputed block's forward reruns only up to the last op its
+            backward reads (the map's ``predicted.checkpoint_early_stop``, false when
+            absent: what the solve priced), passed to ``torch.utils.checkpoint``
+            (``early_stop=False`` otherwise).
     """
 
     tp_dim: int | None
@@ -89,6 +93,7 @@ class StylePlan:
     container: str | None = None  # the module whose children are exactly the blocks
     recompute: list[str] = field(default_factory=list)  # blocks checkpointed, in order
     selective: list[str] = field(default_factory=list)  # blocks checkpointed selectively
+    early_stop: bool = True  # torch.utils.checkpoint's early stop (False: the whole forward)
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
@@ -260,6 +265,7 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
         )
     sp.recompute = [block_of[b] for b in sorted(recomputed)]
     sp.selective = [block_of[b] for b in sorted(selective)]
+    sp.early_stop = bool(smap.predicted.get("checkpoint_early_stop", False))
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
@@ -435,13 +441,17 @@ def _checkpoint_lines(sp: StylePlan) -> list[str]:
     if not sp.recompute and not sp.selective:
         return []
     comment = "  # recompute each in the backward (torchtitan's activation checkpointing)"
+    # the whole forward again, as the plan was priced (torch stops early by default)
+    stop = "" if sp.early_stop else ", early_stop=False"
     lines = []
     if sp.selective:
         lines += [
             f"    for name in ({''.join(f'{b!r}, ' for b in sp.selective).rstrip()}):"
             "  # op-level selective AC: keep attention and every other mm",
             "        parent, _, child = name.rpartition('.')",
-            "        block = checkpoint_wrapper(model.get_submodule(name), context_fn=sac_context)",
+            "        block = checkpoint_wrapper(",
+            f"            model.get_submodule(name), context_fn=sac_context{stop}",
+            "        )",
             "        model.get_submodule(parent).register_module(child, block)",
         ]
     if not sp.recompute:
@@ -450,12 +460,12 @@ def _checkpoint_lines(sp: StylePlan) -> list[str]:
         return [
             f"    blocks = model.get_submodule({sp.container!r})",
             f"    for name, block in list(blocks.named_children()):{comment}",
-            "        blocks.register_module(name, checkpoint_wrapper(block))",
+            f"        blocks.register_module(name, checkpoint_wrapper(block{stop}))",
         ]
     return lines + [
         f"    for name in ({''.join(f'{b!r}, ' for b in sp.recompute).rstrip()}):{comment}",
         "        parent, _, child = name.rpartition('.')",
-        "        block = checkpoint_wrapper(model.get_submodule(name))",
+        f"        block = checkpoint_wrapper(model.get_submodule(name){stop})",
         "        model.get_submodule(parent).register_module(child, block)",
     ]
 

@@ -230,7 +230,7 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
         y = np.zeros(len(r))
         selective = b.policy == "selective"
         for i, e in enumerate(sg.edges):
-            uses = (e.selective_uses if selective else e.forward_uses).get(b.layer, 0)
+            uses = (e.selective_uses if selective else e.full_uses).get(b.layer, 0)
             if uses:
                 start = edge_offsets[i]
                 y[start : start + len(keeps[i])] += r[start : start + len(keeps[i])] * uses / e.uses
@@ -238,10 +238,10 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
             xy = np.zeros(n_x + len(r))
             for j, share in enumerate(sg.shares):
                 for p in share.parts:
-                    if p.layer != b.layer or not p.forward or (selective and not p.selective):
+                    refunds = p.selective if selective else p.full
+                    if p.layer != b.layer or not p.forward or not refunds:
                         continue
                     xy[shares.first + j] += p.seconds / p.mult
-                    refunds = p.selective if selective else p.refunds
                     for idx, back, ind in zip(
                         shares.indicators[j], refunds, share.indicators, strict=True
                     ):
@@ -265,7 +265,7 @@ def _recompute_rows(sg: StrategyGraph, offsets, n_x, r, edge_offsets, keeps, sha
     ru = [
         np.array(
             [
-                v * (pair.selective if b.policy == "selective" else pair.reads).get(b.layer, 0)
+                v * (pair.selective if b.policy == "selective" else pair.full).get(b.layer, 0)
                 for pair, v in per
             ]
         )

@@ -111,7 +111,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
                 overlap=e.overlap,
                 hide=e.hide,
                 uses=e.uses,
-                forward_uses=e.forward_uses,
+                full_uses=e.full_uses,
                 selective_uses=e.selective_uses,
             )
         )
@@ -140,6 +140,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         share_reads=sg.share_reads,
         rerun_reads=sg.rerun_reads,
         rerun_pairs=sg.rerun_pairs,  # the edges keep their order and placement lists
+        early_stop=sg.early_stop,
     )
 
 

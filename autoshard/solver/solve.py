@@ -105,6 +105,10 @@ class SolveConfig:
     precision: str = "model"
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpointing: str = "auto"
+    # a recomputed block reruns its forward up to the last op its backward reads, as
+    # non-reentrant torch.utils.checkpoint does (its early stop); False: its whole forward,
+    # as reentrant checkpointing (Megatron-LM's) does (autoshard.trace.selective)
+    checkpoint_early_stop: bool = True
     # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
     # on a copy, since tracing may cast it and cut its repeated blocks
     model: LoadedModel | None = field(default=None, repr=False, compare=False)
@@ -223,6 +227,8 @@ class SolveConfig:
             share_reshardings=cost.get("share_reshardings", False),
             context_parallel=cost.get("context_parallel", False),
             activation_checkpointing=cost.get("activation_checkpointing", "auto"),
+            # a solution from before the early stop was priced rerunning the whole forward
+            checkpoint_early_stop=cost.get("checkpoint_early_stop", False),
         )
 
     def cost_model(self) -> dict[str, Any]:
@@ -241,6 +247,7 @@ class SolveConfig:
             "share_reshardings": self.share_reshardings,
             "context_parallel": self.context_parallel,
             "activation_checkpointing": self.activation_checkpointing,
+            "checkpoint_early_stop": self.checkpoint_early_stop,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -354,6 +361,7 @@ def strategies(
         collective_cost=comm_model(config.mesh).collective,
         share_reads=config.share_reshardings,
         features=config.features(),
+        early_stop=config.checkpoint_early_stop,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

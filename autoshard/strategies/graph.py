@@ -109,11 +109,12 @@ class Edge:
     # them (autoshard.strategies.hiding.Schedule.window); a read with no window stays out
     hide: dict[int, float] = field(default_factory=dict)
     # the real tensor reads ``cost`` counts (each member times its multiplicity), and of
-    # them, per layer, the reads by one real copy of that layer's forward pass (what a
-    # recomputed block reads again: autoshard.cost.checkpointing)
+    # them, per layer, the reads by one real copy of that layer's forward pass that full
+    # checkpointing recomputes (what a recomputed block reads again, up to its early stop:
+    # autoshard.cost.checkpointing, autoshard.trace.selective.recomputed_ops)
     uses: float = 1.0
-    forward_uses: dict[int, int] = field(default_factory=dict)
-    # of ``forward_uses``, the reads by ops that selective checkpointing recomputes
+    full_uses: dict[int, int] = field(default_factory=dict)
+    # of ``full_uses``, the reads by ops that selective checkpointing recomputes
     # (autoshard.trace.selective): what a block under that policy reads again
     selective_uses: dict[int, int] = field(default_factory=dict)
 
@@ -159,6 +160,10 @@ class StrategyGraph:
     # the same as pairs of edges (indices into ``edges``)
     rerun_reads: dict = field(default_factory=dict)
     rerun_pairs: list = field(default_factory=list)
+    # a recomputed block stops rerunning its forward after the last op its backward reads
+    # (torch.utils.checkpoint's non-reentrant early stop, autoshard.trace.selective);
+    # False: it reruns its whole forward (reentrant checkpointing, Megatron-LM's)
+    early_stop: bool = True
 
     @property
     def reps(self) -> list[str]:
@@ -245,6 +250,7 @@ def build_strategy_graph(
     collective_cost: Callable[[str, float, int], float] | None = None,
     share_reads: bool = False,
     features: frozenset[str] = frozenset(),
+    early_stop: bool = True,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -279,6 +285,10 @@ def build_strategy_graph(
         features: the op rules' optional choices to offer
             (:attr:`autoshard.strategies.registry.DimChoice.feature`:
             ``"context_parallel"``, attention sharded by sequence).
+        early_stop: a recomputed block reruns its forward only up to the last op its
+            backward reads, as non-reentrant ``torch.utils.checkpoint`` does
+            (:func:`autoshard.trace.selective.recomputed_ops`); ``False``: its whole
+            forward, as reentrant checkpointing (Megatron-LM's) does.
 
     Returns:
         The :class:`StrategyGraph`; its ``fallback_ops`` counts ops that got the
@@ -303,7 +313,14 @@ def build_strategy_graph(
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
     edges, extra, shares, rerun_pairs = _build_edges(
-        graph, nodes, free, redistribute_costs, bucketed_costs, reduce_itemsize, share_reads
+        graph,
+        nodes,
+        free,
+        redistribute_costs,
+        bucketed_costs,
+        reduce_itemsize,
+        share_reads,
+        early_stop,
     )
     sg = StrategyGraph(
         graph=graph,
@@ -323,6 +340,7 @@ def build_strategy_graph(
         share_reads=share_reads,
         rerun_reads=rerun_pairs[0],
         rerun_pairs=rerun_pairs[1],
+        early_stop=early_stop,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
@@ -808,6 +826,7 @@ def _build_edges(
     bucketed_costs=None,
     reduce_itemsize=None,
     share_reads=False,
+    early_stop=True,
 ) -> tuple[list[Edge], dict, list, tuple[dict, list]]:
     """Edges between representatives, linear costs of edges inside one
     (:func:`merge_edges`), the reshardings reads share
@@ -829,7 +848,7 @@ def _build_edges(
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
     window = schedule(graph).window
-    rerun = recomputed_ops(graph)
+    rerun = {p: recomputed_ops(graph, p, early_stop) for p in ("full", "selective")}
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
@@ -874,10 +893,8 @@ def _build_edges(
             overlap=kind,
             hide={} if h is None else {h: float(m)},
             uses=float(m),
-            forward_uses={} if forward_layer is None else {forward_layer: 1},
-            selective_uses={forward_layer: 1}
-            if forward_layer is not None and dst_name in rerun
-            else {},
+            full_uses=_rerun_use(forward_layer, dst_name, rerun["full"]),
+            selective_uses=_rerun_use(forward_layer, dst_name, rerun["selective"]),
         )
 
     kept = [c for c in consumers if c[2] not in free]
@@ -901,22 +918,31 @@ class RerunPair:
     """Two edges whose reads pair as :func:`autoshard.trace.rerun_reads.shared_rerun_reads`
     says: ``forward`` (a recomputed block's parameter read) and ``backward`` (the block's
     backward read of the same parameter), with per layer the forward reads of ``forward``
-    so paired (``reads``) and of those, the ones selective checkpointing reruns
-    (``selective``); ``dims``: their chain's :attr:`~autoshard.trace.rerun_reads.RerunRead.dims`."""
+    so paired that full checkpointing reruns (``full``: up to the block's early stop,
+    :func:`~autoshard.trace.selective.recomputed_ops`) and those selective checkpointing
+    reruns (``selective``); ``dims``: their chain's
+    :attr:`~autoshard.trace.rerun_reads.RerunRead.dims`."""
 
     forward: int
     backward: int
     dims: tuple[int, ...] | None = ()
-    reads: dict[int, int] = field(default_factory=dict)
+    full: dict[int, int] = field(default_factory=dict)
     selective: dict[int, int] = field(default_factory=dict)
 
 
-def rerun_pairs(graph, edges: list[Edge], reads: dict, rerun: frozenset) -> tuple[dict, list]:  # noqa: ANN001
+def _rerun_use(layer: int | None, reader: str, rerun: frozenset[str]) -> dict[int, int]:
+    """An edge's reads by one real copy of ``layer``'s forward that a policy rerunning
+    ``rerun`` reads again: ``{layer: 1}`` or none (not a block's forward read, or after
+    the block's early stop)."""
+    return {layer: 1} if layer is not None and reader in rerun else {}
+
+
+def rerun_pairs(graph, edges: list[Edge], reads: dict, rerun: dict) -> tuple[dict, list]:  # noqa: ANN001
     """The recomputed blocks' reads that can take their backward's gathered copy, per
     forward read (:func:`~autoshard.trace.rerun_reads.shared_rerun_reads`, those whose
     two reads are gathers along edges between variables), and as :class:`RerunPair` s of
     ``edges`` (``reads``: each read ``(producer, consumer, k)`` -> its edge's index, or
-    ``None`` for a read inside one variable)."""
+    ``None`` for a read inside one variable; ``rerun``: per policy, the ops it reruns)."""
     found = {}
     pairs: dict[tuple, RerunPair] = {}
     for key, pair in shared_rerun_reads(graph).items():
@@ -926,9 +952,9 @@ def rerun_pairs(graph, edges: list[Edge], reads: dict, rerun: frozenset) -> tupl
         found[key] = pair
         layer = graph.nodes[key[1]].layer
         p = pairs.setdefault((f, g, pair.dims), RerunPair(f, g, pair.dims))
-        p.reads[layer] = p.reads.get(layer, 0) + 1
-        if key[1] in rerun:
-            p.selective[layer] = p.selective.get(layer, 0) + 1
+        for policy, counts in (("full", p.full), ("selective", p.selective)):
+            if key[1] in rerun[policy]:
+                counts[layer] = counts.get(layer, 0) + 1
     return found, list(pairs.values())
 
 
@@ -975,7 +1001,7 @@ def merge_edges_indexed(
             merged[key] = replace(
                 e,
                 members=list(e.members),
-                forward_uses=dict(e.forward_uses),
+                full_uses=dict(e.full_uses),
                 selective_uses=dict(e.selective_uses),
                 hide=dict(e.hide),
             )
@@ -985,8 +1011,8 @@ def merge_edges_indexed(
             for h, m in e.hide.items():
                 kept.hide[h] = kept.hide.get(h, 0.0) + m
             kept.uses += e.uses
-            for layer, n in e.forward_uses.items():
-                kept.forward_uses[layer] = kept.forward_uses.get(layer, 0) + n
+            for layer, n in e.full_uses.items():
+                kept.full_uses[layer] = kept.full_uses.get(layer, 0) + n
             for layer, n in e.selective_uses.items():
                 kept.selective_uses[layer] = kept.selective_uses.get(layer, 0) + n
     return list(merged.values()), extra, where

@@ -50,10 +50,10 @@ class SharePart:
     ``refunds``: per indicator (in :attr:`SharedResharding.indicators` order), the seconds
     the edges charge for its reads; ``layer``/``forward``: the readers' block and phase (a
     recomputed block's forward reads again, :mod:`autoshard.cost.checkpointing`);
-    ``mult``: how many real copies of the reads ``seconds`` counts; ``selective``: the
-    part of ``refunds`` charged for reads by ops that selective checkpointing recomputes
-    (:mod:`autoshard.trace.selective`; empty when none is), what a block under that
-    policy reads again.
+    ``mult``: how many real copies of the reads ``seconds`` counts; ``full`` and
+    ``selective``: the part of ``refunds`` charged for reads by ops that full and
+    selective checkpointing recompute (:func:`autoshard.trace.selective.recomputed_ops`;
+    empty when none is), what a block under that policy reads again.
     """
 
     seconds: float
@@ -61,6 +61,7 @@ class SharePart:
     layer: int | None
     forward: bool
     mult: int
+    full: tuple[float, ...] = ()
     selective: tuple[float, ...] = ()
 
 
@@ -117,10 +118,10 @@ def shared_seconds(
     resharding some reader reads is paid once (<= 0 over the step). With ``layer``, one
     real copy of that block's forward reads only (a recomputed block's rerun, whose price
     counts the reads of its edges, not those folded into a variable's own cost: only the
-    edges' reads are given back there, :func:`rerun_refunded`); with ``selective`` too,
-    only the parts some op that selective checkpointing recomputes reads (their
-    resharding runs again once; it errs high when the share is on through a saved op's
-    read only)."""
+    edges' reads are given back there, :func:`rerun_refunded`), and only the parts some op
+    the policy recomputes reads (full checkpointing, or selective with ``selective``:
+    their resharding runs again once; it errs high when the share is on through a read
+    the rerun does not make)."""
     total = 0.0
     for share in sg.shares:
         on = active(sg, share, choice)
@@ -129,10 +130,11 @@ def shared_seconds(
         for p in share.parts:
             if layer is not None and (p.layer != layer or not p.forward):
                 continue
-            if selective and not p.selective:
+            again = p.selective if selective else p.full
+            if layer is not None and not again:
                 continue
             div = p.mult if layer is not None else 1
-            refunds = p.selective if selective else p.refunds
+            refunds = again if layer is not None else p.refunds
             taken = sum(
                 r
                 for r, o, ind in zip(refunds, on, share.indicators, strict=True)
@@ -153,7 +155,7 @@ def build_shares(
     where: list[int | None],
     keys: list[tuple | None],
     graph,  # noqa: ANN001 - a TracedGraph
-    rerun: frozenset[str] = frozenset(),
+    rerun: dict[str, frozenset[str]] | None = None,
 ) -> list:
     """The shared reshardings of a graph's reads.
 
@@ -166,6 +168,7 @@ def build_shares(
     :class:`SharePart`; parts with the same indicators (the same reads of tied layers)
     share one :class:`SharedResharding`.
     """
+    rerun = rerun or {}
     groups: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         if k is not None:
@@ -182,7 +185,7 @@ def build_shares(
         for a in range(n_src):
             for pairs in wanted.values():
                 inds: dict[Indicator, float] = {}
-                again: dict[Indicator, float] = {}
+                again: dict[str, dict[Indicator, float]] = {"full": {}, "selective": {}}
                 prices = []
                 for i, b in pairs:
                     price = float(raw[i].cost[a, b])
@@ -192,8 +195,9 @@ def build_shares(
                     if ind is None:
                         continue
                     inds[ind] = inds.get(ind, 0.0) + price
-                    if raw[i].consumer in rerun:
-                        again[ind] = again.get(ind, 0.0) + price
+                    for policy, ran in again.items():
+                        if raw[i].consumer in rerun.get(policy, ()):
+                            ran[ind] = ran.get(ind, 0.0) + price
                     prices.append(price)
                 if len(prices) < 2:
                     continue
@@ -207,10 +211,16 @@ def build_shares(
                         layer=key[2],
                         forward=not key[1],
                         mult=graph.mult(reader),
-                        selective=tuple(again.get(i, 0.0) for i in order) if again else (),
+                        full=_rerun_refunds(again["full"], order),
+                        selective=_rerun_refunds(again["selective"], order),
                     )
                 )
     return list(shares.values())
+
+
+def _rerun_refunds(ran: dict, order: tuple) -> tuple[float, ...]:
+    """Per indicator of ``order``, what the reads a policy reruns charge (``()``: none)."""
+    return tuple(ran.get(i, 0.0) for i in order) if ran else ()
 
 
 def _indicator(e, merged: int | None, a: int, b: int) -> Indicator | None:  # noqa: ANN001

@@ -14,7 +14,9 @@ one block's forward pass, in execution order,
   last op of the block whose output the block's backward reads: ``torch.utils.checkpoint``'s
   non-reentrant recomputation, which selective checkpointing requires, stops there (its
   "early stop", on by default). The ops after it (a block's last projection and residual
-  add, whose outputs nothing in the backward reads) do not run again.
+  add, whose outputs nothing in the backward reads) do not run again. The same stop ends
+  the full policy's recomputation (``torch.utils.checkpoint`` around the whole block):
+  :func:`recomputed_ops` gives both.
 
 ``aten.addmm`` (a linear layer with a bias, GPT-2's ``Conv1D``) is not on torchtitan's
 list, so it is recomputed, as torchtitan would.
@@ -84,21 +86,49 @@ def _forward_by_layer(graph) -> dict[int, list[str]]:  # noqa: ANN001 - a Traced
     return by_layer
 
 
-def recomputed_ops(graph) -> frozenset[str]:  # noqa: ANN001 - a TracedGraph
+def _block_backward(graph, name: str, layer: int) -> bool:  # noqa: ANN001 - a TracedGraph
+    """Whether op ``name`` is part of block ``layer``'s own backward: a backward op of the
+    layer whose module is inside one of the model's repeated blocks. A module after the
+    blocks (the final norm) reads the last block's output from outside its checkpoint, and
+    its backward ops take the last block's layer only as the glue of
+    :func:`autoshard.trace.tracer._attribute_backward_glue` does."""
+    info = graph.nodes[name]
+    if not info.backward or info.layer != layer:
+        return False
+    path = info.module_path
+    return path is not None and any(
+        path == p or path.startswith(p + ".") for p in graph.block_prefixes
+    )
+
+
+def recomputed_ops(  # noqa: ANN001 - a TracedGraph
+    graph, policy: str = "selective", early_stop: bool = True
+) -> frozenset[str]:
     """The forward op nodes of the repeated blocks (``layer`` set) that a block under
-    selective checkpointing recomputes: all but those :func:`saved_in_order` keeps,
-    counted per block in graph order, up to the block's last forward op its own backward
-    reads (module docstring; what another block's backward reads, such as the block's
-    output, that block keeps as its input)."""
+    ``policy`` recomputes: under ``"full"`` every op of its forward, under ``"selective"``
+    all but those :func:`saved_in_order` keeps, counted per block in graph order; with
+    ``early_stop`` only up to the block's last forward op its own backward reads
+    (``torch.utils.checkpoint``'s non-reentrant early stop, module docstring; what another
+    block's backward reads, such as the block's output, that block keeps as its input).
+    Without it (reentrant checkpointing, as Megatron-LM's, or
+    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)``) the whole forward.
+
+    Raises:
+        ValueError: ``policy`` is neither ``"full"`` nor ``"selective"``.
+    """
+    if policy not in ("full", "selective"):
+        raise ValueError(f"policy must be 'full' or 'selective', got {policy!r}")
     users = graph.users()
     out = set()
     for layer, names in _forward_by_layer(graph).items():
-        flags = saved_in_order(graph.nodes[n].target for n in names)
-        read = [
-            any(graph.nodes[u].backward and graph.nodes[u].layer == layer for u in users[n])
-            for n in names
-        ]
-        end = max((i for i, r in enumerate(read) if r), default=-1)
+        if policy == "full":
+            flags = [False] * len(names)
+        else:
+            flags = saved_in_order(graph.nodes[n].target for n in names)
+        read = [any(_block_backward(graph, u, layer) for u in users[n]) for n in names]
+        end = len(names) - 1
+        if early_stop:
+            end = max((i for i, r in enumerate(read) if r), default=-1)
         out.update(n for n, kept in zip(names[: end + 1], flags, strict=False) if not kept)
     return frozenset(out)
 
