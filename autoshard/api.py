@@ -124,6 +124,10 @@ class PlanOptions:
             was measured on, given as a string, and ``device`` is not read). A profile of
             one device (``calibrate --mesh 1``) replaces the device only, on any mesh and
             with ``gpus=``.
+        checkpoint_early_stop: a recomputed block reruns its forward only up to the last
+            op its backward reads, as non-reentrant ``torch.utils.checkpoint`` does
+            (``--checkpoint-early-stop``, the default); ``False``: its whole forward, as
+            reentrant checkpointing (Megatron-LM's) runs it.
     """
 
     mode: str = "train"
@@ -138,6 +142,7 @@ class PlanOptions:
     profile: str | Path | None = None
     share_reshardings: bool = False
     context_parallel: bool | str = False
+    checkpoint_early_stop: bool = True
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
@@ -273,6 +278,7 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
         precision=opts.precision,
         share_reshardings=opts.share_reshardings,
         context_parallel=opts.context_parallel,
+        checkpoint_early_stop=opts.checkpoint_early_stop,
         model=loaded,
     )
 

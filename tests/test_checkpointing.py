@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers import LLAMA_SMALL, ROOT, block_stack, write_model
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard._torch_private import checkpoint_block
@@ -30,9 +31,11 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.errors import MemoryBudgetError
 from autoshard.model.model_file import load_model_file
-from autoshard.plan.styles import StylePlan, _checkpoint_lines
+from autoshard.plan.formats import ShardingMap
+from autoshard.plan.styles import StylePlan, _checkpoint_lines, style_plan
 from autoshard.solver.solve import SolveConfig, finish_plan, plan_model, strategies, trace
-from autoshard.trace.selective import recomputed_ops
+from autoshard.trace.selective import context_fn as sac_context
+from autoshard.trace.selective import early_stops
 
 
 def packet_name(target) -> str:
@@ -119,12 +122,27 @@ def _rerun_by_torch() -> collections.Counter:
     return ran[1] - ran[0]
 
 
+def _planned_addmms(tmp_path, early_stop: bool, policy: str = "full") -> int:
+    """The ``aten.addmm`` calls one block of the two-block residual MLP stack reruns under
+    ``policy``, as the planner prices it."""
+    cfg = SolveConfig(
+        model_path=_stack(tmp_path, 2),
+        mesh=MeshSpec.from_options("1"),
+        checkpoint_early_stop=early_stop,
+        activation_checkpointing=policy,
+    )
+    graph = trace(cfg)
+    ck = strategies(cfg, graph).checkpointing
+    (block, *_) = [b for b in ck.blocks if b.policy == policy]
+    return sum(packet_name(graph.nodes[n].target) == "addmm" for n in block.forward)
+
+
 @pytest.mark.parametrize("early_stop", [True, False])
-def test_the_launch_wrapper_reruns_what_the_plan_prices(early_stop):
+def test_the_launch_wrapper_reruns_what_the_plan_prices(tmp_path, early_stop):
     """``autoshard.apply``'s wrapper (``checkpoint_block``, torch's ``checkpoint_wrapper``)
-    on one ``x + fc2(relu(fc1(x)))`` block: with the early stop its backward reruns fc1
-    alone, without it fc1 and fc2 (torch's own ``early_stop=False``), what a plan of
-    either kind prices."""
+    on one ``x + fc2(relu(fc1(x)))`` block reruns the matmuls the plan prices for the
+    block: with the early stop fc1 alone, without it fc1 and fc2 (torch's own
+    ``early_stop=False``)."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
     ran = []
@@ -134,22 +152,26 @@ def test_the_launch_wrapper_reruns_what_the_plan_prices(early_stop):
         with _Count() as count:
             y.sum().backward()
         ran.append(count.ops)
-    assert (ran[1] - ran[0])["addmm"] == (1 if early_stop else 2)
+    planned = _planned_addmms(tmp_path, early_stop)
+    assert (ran[1] - ran[0])["addmm"] == planned == (1 if early_stop else 2)
 
 
+@pytest.mark.parametrize("policy", ["full", "selective"])
 @pytest.mark.parametrize("early_stop", [True, False])
-def test_the_exported_checkpointing_reruns_what_the_plan_prices(early_stop):
+def test_the_exported_checkpointing_reruns_what_the_plan_prices(tmp_path, early_stop, policy):
     """The lines ``autoshard export --format torchtitan`` writes for a plan recomputing
-    every block, run on a two-block stack: each block's backward reruns what the plan
-    prices (fc1 alone with the early stop, fc1 and fc2 without)."""
+    every block (in full, or selectively: torchtitan's rule saves no ``addmm``), run on a
+    two-block stack: each block's backward reruns the matmuls the plan prices (fc1 alone
+    with the early stop, fc1 and fc2 without)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
         checkpoint_wrapper,
     )
 
     sp = StylePlan(tp_dim=None, blocks=["layers.0", "layers.1"], container="layers")
-    sp.recompute, sp.early_stop = list(sp.blocks), early_stop
+    setattr(sp, "recompute" if policy == "full" else "selective", list(sp.blocks))
+    sp.early_stop = {"full": early_stop, "selective": early_stop}
     body = "\n".join(_checkpoint_lines(sp))
-    namespace = {"checkpoint_wrapper": checkpoint_wrapper}
+    namespace = {"checkpoint_wrapper": checkpoint_wrapper, "sac_context": sac_context}
     exec(f"def parallelize(model):\n{body}\n", namespace)  # noqa: S102 - our own export
     torch.manual_seed(0)
     stack = nn.Module()
@@ -167,18 +189,69 @@ def test_the_exported_checkpointing_reruns_what_the_plan_prices(early_stop):
         with _Count() as count:
             y.sum().backward()
         ran.append(count.ops)
-    assert (ran[1] - ran[0])["addmm"] == 2 * (1 if early_stop else 2)
+    planned = _planned_addmms(tmp_path, early_stop, policy)
+    assert (ran[1] - ran[0])["addmm"] == 2 * planned == 2 * (1 if early_stop else 2)
 
 
-def test_a_llama_block_reruns_what_torch_reruns(tmp_path):
+def test_a_file_without_the_early_stop_reads_as_it_was_priced(tmp_path):
+    """A map or solution written before ``checkpoint_early_stop`` was priced with full
+    recomputation rerunning the whole forward and selective recomputation stopping
+    early: every reader takes it so. A new file's value round-trips through the
+    solution's cost model."""
+    assert early_stops({}) == {"full": False, "selective": True}
+    assert early_stops({"checkpoint_early_stop": True}) == {"full": True, "selective": True}
+    cfg = SolveConfig(
+        model_path=_stack(tmp_path, 2), mesh=MeshSpec.from_options("1"), checkpoint_early_stop=False
+    )
+    solution = {"cost_model": cfg.cost_model(), "mesh": cfg.mesh.to_dict()}
+    assert SolveConfig.from_solution(cfg.model_path, solution).checkpoint_early_stop is False
+    del solution["cost_model"]["checkpoint_early_stop"]
+    for predicted, stop in (({"recomputed_blocks": [0]}, False), ({"selective_blocks": [0]}, True)):
+        solution["predicted"] = predicted
+        assert SolveConfig.from_solution(cfg.model_path, solution).checkpoint_early_stop is stop
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    params = {n: (Replicate(),) for n, _ in model.named_parameters()}
+    for predicted, stops in (
+        ({"recomputed_blocks": [0]}, {"full": False, "selective": True}),
+        (
+            {"recomputed_blocks": [0], "checkpoint_early_stop": True},
+            {"full": True, "selective": True},
+        ),
+    ):
+        sp = style_plan(model, ShardingMap((1,), None, params, predicted=predicted))
+        assert sp.recompute == ["layers.0"] and sp.early_stop == stops
+
+
+def test_selective_recomputation_asked_for_recomputes_what_full_would(tmp_path):
+    """On a block where the selective policy reruns what the full one does (torchtitan's
+    rule saves no ``addmm``, and both stop before fc2), ``--activation-checkpointing
+    selective`` still recomputes every block, selectively: the ILP's choice (auto) offers
+    only the full policy for it, one name for one recomputation."""
+    cfg = SolveConfig(
+        model_path=_stack(tmp_path, 3),
+        mesh=MeshSpec.from_options("1"),
+        activation_checkpointing="selective",
+    )
+    plan = plan_model(cfg).plan
+    assert plan.selective_blocks == [0, 1, 2] and plan.recomputed_blocks == []
+    full = plan_model(replace(cfg, activation_checkpointing="full")).plan
+    assert plan.recompute_s == pytest.approx(full.recompute_s) and plan.recompute_s > 0
+    auto = strategies(replace(cfg, activation_checkpointing="auto"), trace(cfg)).checkpointing
+    assert {b.policy for b in auto.blocks} == {"full"}
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "whole-forward"])
+def test_a_llama_block_reruns_what_torch_reruns(tmp_path, early_stop):
     """HuggingFace's Llama (2 layers), each decoder layer under torch's own
     ``checkpoint_wrapper`` (non-reentrant, torchtitan's full AC): the ops its backward runs
     beyond the plain backward are what autoshard's full policy reruns, counted by aten op
-    for the matmuls, the attention kernel and the activation: each block's forward up to
-    its MLP's gate and up projections, not its down projection (its inputs are saved
-    before it runs) nor the residual add; the last block's output, which the final norm
-    reads from outside the checkpoint, is not recomputed either. Without the early stop
-    (``checkpoint_early_stop=False``) every forward op reruns."""
+    for the matmuls, the attention kernel and the activation, in the plan's recomputed
+    blocks. With the early stop, each block's forward up to its MLP's gate and up
+    projections, not its down projection (its inputs are saved before it runs) nor the
+    residual add; the last block's output, which the final norm reads from outside the
+    checkpoint, is not recomputed either. Without it (torch's ``early_stop=False``,
+    ``checkpoint_early_stop=False``) every forward op, 7 matmuls a block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
         checkpoint_wrapper,
     )
@@ -192,27 +265,28 @@ def test_a_llama_block_reruns_what_torch_reruns(tmp_path):
         if wrap:
             layers = model.model.layers
             for i in range(len(layers)):
-                layers[i] = checkpoint_wrapper(layers[i])
+                layers[i] = checkpoint_wrapper(layers[i], early_stop=early_stop)
         (ids,) = loaded.module.example_inputs()
         loss = model(ids).logits.float().mean()
         with _Count() as count:
             loss.backward()
         ran.append(count.ops)
     by_torch = ran[1] - ran[0]
+    cfg = SolveConfig(
+        model_path=path,
+        mesh=MeshSpec.from_options("1"),
+        checkpoint_early_stop=early_stop,
+        activation_checkpointing="full",
+    )
+    graph = trace(cfg)
+    blocks = [b for b in strategies(cfg, graph).checkpointing.blocks if b.policy == "full"]
+    assert [b.layer for b in blocks] == [0, 1]
+    planned = collections.Counter(
+        packet_name(graph.nodes[n].target) for b in blocks for n in b.forward
+    )
     kinds = ("mm", "silu", "_scaled_dot_product_flash_attention_for_cpu")
-    for early_stop in (True, False):
-        cfg = SolveConfig(
-            model_path=path, mesh=MeshSpec.from_options("1"), checkpoint_early_stop=early_stop
-        )
-        graph = trace(cfg)
-        rerun = collections.Counter(
-            packet_name(graph.nodes[n].target) for n in recomputed_ops(graph, "full", early_stop)
-        )
-        if early_stop:
-            assert {k: rerun[k] for k in kinds} == {k: by_torch[k] for k in kinds}
-            assert rerun["mm"] == 2 * 6  # q, k, v, o, gate, up per block; not down
-        else:
-            assert rerun["mm"] == 2 * 7
+    assert {k: planned[k] for k in kinds} == {k: by_torch[k] for k in kinds}
+    assert planned["mm"] == 2 * (6 if early_stop else 7)
 
 
 def test_a_recomputed_block_frees_what_autograd_saves_inside_it(tmp_path):

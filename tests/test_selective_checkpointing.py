@@ -86,12 +86,12 @@ def _torchtitan_policy():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _torch_step(n: int, how: str) -> tuple[int, float, float]:
+def _torch_step(n: int, how: str, early_stop: bool = True) -> tuple[int, float, float]:
     """One step of the n-block stack in eager PyTorch, each block as ``how`` says (none;
     full: non-reentrant checkpointing, torch's default, which stops its recomputation
     once every tensor the backward saved is back; reentrant: reentrant checkpointing,
     which reruns the whole forward, as Megatron-LM's; selective: non-reentrant, which it
-    requires): the bytes held from
+    requires, stopping early or not as ``early_stop`` says): the bytes held from
     the forward to the backward (storages produced in the forward still alive;
     parameters, input and output left out), and the matmul FLOPs of the forward and of
     the backward."""
@@ -122,7 +122,14 @@ def _torch_step(n: int, how: str) -> tuple[int, float, float]:
             elif how == "reentrant":  # the whole forward again, as Megatron-LM recomputes
                 y = y + checkpoint(body, m, y, use_reentrant=True)
             else:
-                y = y + checkpoint(body, m, y, use_reentrant=False, context_fn=_torchtitan_policy)
+                y = y + checkpoint(
+                    body,
+                    m,
+                    y,
+                    use_reentrant=False,
+                    context_fn=_torchtitan_policy,
+                    early_stop=early_stop,
+                )
     gc.collect()
     skip = [*(p for m in blocks for p in m.parameters()), x, y]
     skip_ids = {StorageWeakRef(t.untyped_storage()).cdata for t in skip}
@@ -155,7 +162,7 @@ def test_selective_frees_and_holds_what_pytorch_does(tmp_path, early_stop):
     reentrant checkpointing) all three."""
     n = 3
     full = "full" if early_stop else "reentrant"
-    held = {how: _torch_step(n, how) for how in ("none", full, "selective")}
+    held = {how: _torch_step(n, how, early_stop) for how in ("none", full, "selective")}
     held["full"] = held[full]
     by_torch = {how: held["none"][0] - held[how][0] for how in ("full", "selective")}
     assert by_torch["full"] == n * 3 * B * H * 4  # sanity: relu, fc3 and their product

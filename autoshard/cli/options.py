@@ -211,9 +211,9 @@ def step_options() -> list:
             help="A recomputed block reruns its forward only up to the last op its backward "
             "reads (its last projection and residual add do not run again), as non-reentrant "
             "torch.utils.checkpoint does by default. --no-checkpoint-early-stop reruns the "
-            "whole forward, as reentrant checkpointing (Megatron-LM's) or "
-            "torch.utils.checkpoint.set_checkpoint_early_stop(False) does; the launch runs "
-            "it so.",
+            "whole forward, as reentrant checkpointing (Megatron-LM's), "
+            "torch.utils.checkpoint's early_stop=False or torchtitan with its activation "
+            "checkpointing's early_stop off does; the launch runs it so.",
         ),
     ]
 

@@ -156,7 +156,12 @@ def apply(
     for fqn, policy in [*((f, None) for f in sp.recompute), *((f, sac) for f in sp.selective)]:
         parent, _, child = fqn.rpartition(".")
         model.get_submodule(parent).register_module(
-            child, checkpoint_block(model.get_submodule(fqn), policy, sp.early_stop)
+            child,
+            checkpoint_block(
+                model.get_submodule(fqn),
+                policy,
+                sp.early_stop["full" if policy is None else "selective"],
+            ),
         )
     if sp.dp_mode is not None:
         dp_names = dp_mesh_names(sp, smap.mesh_shape, names)

@@ -58,7 +58,7 @@ from autoshard.strategies.registry import KernelContext
 from autoshard.strategies.rules import OpRule, op_rule
 from autoshard.strategies.strategy import Strategy
 from autoshard.trace.rerun_reads import shared_rerun_reads
-from autoshard.trace.selective import recomputed_ops
+from autoshard.trace.selective import early_stops, recomputed_ops
 from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
 
 Placements = tuple[Placement, ...]
@@ -122,9 +122,11 @@ class GraphProgram:
     # real repeated blocks that rerun only the ops selective checkpointing recomputes
     # (autoshard.trace.selective); the outputs it keeps stay from forward to backward
     selective: frozenset[int] = frozenset()
-    # a recomputed block reruns its forward up to the last op its backward reads
-    # (torch.utils.checkpoint's early stop); False: its whole forward
-    early_stop: bool = True
+    # per policy ("full", "selective"): a recomputed block reruns its forward up to the last
+    # op its backward reads (torch.utils.checkpoint's early stop); False: its whole forward
+    early_stop: Mapping[str, bool] = field(
+        default_factory=lambda: {"full": True, "selective": True}
+    )
 
 
 def _placements(entry: Mapping[str, Any], key: str, n: int, prefix: str) -> tuple:
@@ -190,8 +192,7 @@ def program_from_solution(
     predicted = solution.get("predicted") or {}
     recompute = frozenset(int(b) for b in predicted.get("recomputed_blocks") or ())
     selective = frozenset(int(b) for b in predicted.get("selective_blocks") or ())
-    # a solution from before the early stop was priced rerunning the whole forward
-    early_stop = bool(predicted.get("checkpoint_early_stop", False))
+    early_stop = early_stops(predicted)  # per policy; a file from before it as priced
     return GraphProgram(
         graph,
         nodes,
@@ -805,13 +806,15 @@ def _recomputation(graph: torch.fx.Graph, program: GraphProgram) -> tuple[dict, 
     node that rereads it (it must live until then). A selective block keeps the outputs
     :func:`autoshard.trace.selective.recomputed_ops` leaves out, and reruns the rest; a
     fully recomputed block reruns its forward up to its early stop (that function's
-    ``"full"`` set), as ``torch.utils.checkpoint`` does, or (``program.early_stop``
-    off) the whole of it."""
+    ``"full"`` set), as ``torch.utils.checkpoint`` does, or (``program.early_stop`` off for
+    its policy) the whole of it."""
     if not program.recompute and not program.selective:
         return {}, {}, set(), {}
     stop = program.early_stop
-    full = recomputed_ops(program.graph, "full", stop) if program.recompute else frozenset()
-    rerun = recomputed_ops(program.graph, "selective", stop) if program.selective else frozenset()
+    full = recomputed_ops(program.graph, "full", stop["full"]) if program.recompute else ()
+    rerun = (
+        recomputed_ops(program.graph, "selective", stop["selective"]) if program.selective else ()
+    )
     infos = program.graph.nodes
     order = list(graph.nodes)
     layer_of = {n: infos[n.name].layer if n.name in infos else None for n in order}

@@ -161,8 +161,7 @@ def _recomputation_keys(plan: Plan) -> dict[str, Any]:
     """``{"selective_blocks": [...]}`` when some block recomputes selectively, and
     ``checkpoint_early_stop`` when some block recomputes (how far its forward reruns:
     :func:`autoshard.trace.selective.recomputed_ops`), else ``{}`` (maps and solutions
-    without them read as before: a file without ``checkpoint_early_stop`` was priced
-    rerunning each block's whole forward)."""
+    without them read as before: :func:`autoshard.trace.selective.early_stops`)."""
     blocks = plan.selective_blocks
     out: dict[str, Any] = {"selective_blocks": [int(b) for b in blocks]} if blocks else {}
     if blocks or plan.recomputed_blocks:

@@ -45,6 +45,7 @@ from autoshard.model.blocks import find_block_prefixes
 from autoshard.placements import short
 from autoshard.plan.formats import ShardingMap
 from autoshard.plan.show import natural_key
+from autoshard.trace.selective import early_stops
 
 COLWISE, ROWWISE = "ColwiseParallel", "RowwiseParallel"
 
@@ -74,10 +75,11 @@ class StylePlan:
         selective: the blocks (FQNs) the plan recomputes selectively (the map's
             ``predicted.selective_blocks``), wrapped with torchtitan's op-level policy
             (:func:`autoshard.trace.selective.context_fn`).
-        early_stop: whether a recomputed block's forward reruns only up to the last op its
-            backward reads (the map's ``predicted.checkpoint_early_stop``, false when
-            absent: what the solve priced), passed to ``torch.utils.checkpoint``
-            (``early_stop=False`` otherwise).
+        early_stop: per policy (``"full"``, ``"selective"``), whether a recomputed block's
+            forward reruns only up to the last op its backward reads (the map's
+            ``predicted.checkpoint_early_stop``; a map from before it as it was priced:
+            :func:`autoshard.trace.selective.early_stops`), passed to
+            ``torch.utils.checkpoint`` (``early_stop=False`` otherwise).
     """
 
     tp_dim: int | None
@@ -93,7 +95,8 @@ class StylePlan:
     container: str | None = None  # the module whose children are exactly the blocks
     recompute: list[str] = field(default_factory=list)  # blocks checkpointed, in order
     selective: list[str] = field(default_factory=list)  # blocks checkpointed selectively
-    early_stop: bool = True  # torch.utils.checkpoint's early stop (False: the whole forward)
+    # torch.utils.checkpoint's early stop per policy (False: the whole forward)
+    early_stop: dict[str, bool] = field(default_factory=lambda: {"full": True, "selective": True})
 
     @property
     def dp_dims(self) -> tuple[int, ...]:
@@ -265,7 +268,7 @@ def style_plan(model: nn.Module, smap: ShardingMap) -> StylePlan:
         )
     sp.recompute = [block_of[b] for b in sorted(recomputed)]
     sp.selective = [block_of[b] for b in sorted(selective)]
-    sp.early_stop = bool(smap.predicted.get("checkpoint_early_stop", False))
+    sp.early_stop = early_stops(smap.predicted)
     for name in params:
         planned, got = tuple(smap.parameters[name]), tuple(applied[name])
         sp.placements[name] = got
@@ -441,8 +444,8 @@ def _checkpoint_lines(sp: StylePlan) -> list[str]:
     if not sp.recompute and not sp.selective:
         return []
     comment = "  # recompute each in the backward (torchtitan's activation checkpointing)"
-    # the whole forward again, as the plan was priced (torch stops early by default)
-    stop = "" if sp.early_stop else ", early_stop=False"
+    # the whole forward again where the plan was priced so (torch stops early by default)
+    stop = {p: "" if on else ", early_stop=False" for p, on in sp.early_stop.items()}
     lines = []
     if sp.selective:
         lines += [
@@ -450,7 +453,7 @@ def _checkpoint_lines(sp: StylePlan) -> list[str]:
             "  # op-level selective AC: keep attention and every other mm",
             "        parent, _, child = name.rpartition('.')",
             "        block = checkpoint_wrapper(",
-            f"            model.get_submodule(name), context_fn=sac_context{stop}",
+            f"            model.get_submodule(name), context_fn=sac_context{stop['selective']}",
             "        )",
             "        model.get_submodule(parent).register_module(child, block)",
         ]
@@ -460,12 +463,12 @@ def _checkpoint_lines(sp: StylePlan) -> list[str]:
         return [
             f"    blocks = model.get_submodule({sp.container!r})",
             f"    for name, block in list(blocks.named_children()):{comment}",
-            f"        blocks.register_module(name, checkpoint_wrapper(block{stop}))",
+            f"        blocks.register_module(name, checkpoint_wrapper(block{stop['full']}))",
         ]
     return lines + [
         f"    for name in ({''.join(f'{b!r}, ' for b in sp.recompute).rstrip()}):{comment}",
         "        parent, _, child = name.rpartition('.')",
-        f"        block = checkpoint_wrapper(model.get_submodule(name){stop})",
+        f"        block = checkpoint_wrapper(model.get_submodule(name){stop['full']})",
         "        model.get_submodule(parent).register_module(child, block)",
     ]
 

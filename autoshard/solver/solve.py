@@ -40,6 +40,7 @@ from autoshard.solver.highs import HighsWork, tallying
 from autoshard.solver.ilp import ILPResult, check_size, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import Placements, StrategyGraph, build_strategy_graph
+from autoshard.trace.selective import early_stops
 from autoshard.trace.tracer import TracedGraph, reduce_depth, trace_model
 from autoshard.units import format_bytes
 
@@ -227,8 +228,7 @@ class SolveConfig:
             share_reshardings=cost.get("share_reshardings", False),
             context_parallel=cost.get("context_parallel", False),
             activation_checkpointing=cost.get("activation_checkpointing", "auto"),
-            # a solution from before the early stop was priced rerunning the whole forward
-            checkpoint_early_stop=cost.get("checkpoint_early_stop", False),
+            checkpoint_early_stop=_early_stop(cost, solution.get("predicted") or {}),
         )
 
     def cost_model(self) -> dict[str, Any]:
@@ -250,6 +250,16 @@ class SolveConfig:
             "checkpoint_early_stop": self.checkpoint_early_stop,
             "mesh": self.mesh.to_dict(),
         }
+
+
+def _early_stop(cost: dict[str, Any], predicted: dict[str, Any]) -> bool:
+    """A solution's ``checkpoint_early_stop``; one written before it as it was priced
+    (:func:`autoshard.trace.selective.early_stops`: full recomputation the whole forward,
+    selective recomputation stopping early; a file with both takes the full policy's)."""
+    if "checkpoint_early_stop" in cost:
+        return bool(cost["checkpoint_early_stop"])
+    stops = early_stops(predicted)
+    return stops["full"] if predicted.get("recomputed_blocks") else stops["selective"]
 
 
 @dataclass

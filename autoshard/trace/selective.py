@@ -13,7 +13,8 @@ one block's forward pass, in execution order,
 * every other op is recomputed in the backward pass (``PREFER_RECOMPUTE``), up to the
   last op of the block whose output the block's backward reads: ``torch.utils.checkpoint``'s
   non-reentrant recomputation, which selective checkpointing requires, stops there (its
-  "early stop", on by default). The ops after it (a block's last projection and residual
+  "early stop", on by default in torch; torchtitan's config may turn it off, priced with
+  ``--no-checkpoint-early-stop``). The ops after it (a block's last projection and residual
   add, whose outputs nothing in the backward reads) do not run again. The same stop ends
   the full policy's recomputation (``torch.utils.checkpoint`` around the whole block):
   :func:`recomputed_ops` gives both.
@@ -28,7 +29,7 @@ real module runs under (:func:`autoshard._torch_private.checkpoint_block`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -86,19 +87,37 @@ def _forward_by_layer(graph) -> dict[int, list[str]]:  # noqa: ANN001 - a Traced
     return by_layer
 
 
+EARLY_STOP_KEY = "checkpoint_early_stop"
+"""The key of a sharding map's or solution's ``predicted`` that says whether its blocks'
+recomputation stops early (:func:`early_stops`)."""
+
+
+def early_stops(predicted: Mapping[str, Any]) -> dict[str, bool]:
+    """Per policy (``"full"``, ``"selective"``), whether a plan file's recomputed blocks
+    stop rerunning early (:func:`recomputed_ops`): its ``predicted`` says so
+    (:data:`EARLY_STOP_KEY`); a file written before that key is read as it was priced,
+    full recomputation rerunning the whole forward and selective recomputation stopping
+    early."""
+    if EARLY_STOP_KEY in predicted:
+        stop = bool(predicted[EARLY_STOP_KEY])
+        return {"full": stop, "selective": stop}
+    return {"full": False, "selective": True}
+
+
 def _block_backward(graph, name: str, layer: int) -> bool:  # noqa: ANN001 - a TracedGraph
     """Whether op ``name`` is part of block ``layer``'s own backward: a backward op of the
-    layer whose module is inside one of the model's repeated blocks. A module after the
-    blocks (the final norm) reads the last block's output from outside its checkpoint, and
-    its backward ops take the last block's layer only as the glue of
-    :func:`autoshard.trace.tracer._attribute_backward_glue` does."""
+    layer, but for one of a module outside the repeated blocks. A module after the blocks
+    (the final norm) reads the last block's output from outside its checkpoint, and its
+    backward ops take the last block's layer only as the glue of
+    :func:`autoshard.trace.tracer._attribute_backward_glue` does; autograd's own glue
+    (no module) counts."""
     info = graph.nodes[name]
     if not info.backward or info.layer != layer:
         return False
     path = info.module_path
-    return path is not None and any(
-        path == p or path.startswith(p + ".") for p in graph.block_prefixes
-    )
+    if path is None:  # autograd's glue, given the layer of what it reads
+        return True
+    return any(path == p or path.startswith(p + ".") for p in graph.block_prefixes)
 
 
 def recomputed_ops(  # noqa: ANN001 - a TracedGraph
