@@ -193,6 +193,24 @@ def test_the_exported_checkpointing_reruns_what_the_plan_prices(tmp_path, early_
     assert (ran[1] - ran[0])["addmm"] == 2 * planned == 2 * (1 if early_stop else 2)
 
 
+def test_the_export_gives_each_policy_its_own_early_stop():
+    """A map recomputing one block in full without the early stop and one selectively with
+    it (an old map's reading, :func:`early_stops`): the exported lines pass
+    ``early_stop=False`` to the full block's wrapper only."""
+    sp = StylePlan(tp_dim=None, blocks=["layers.0", "layers.1"], container="layers")
+    sp.recompute, sp.selective = ["layers.0"], ["layers.1"]
+    sp.early_stop = {"full": False, "selective": True}
+    lines = _checkpoint_lines(sp)
+    full = [line for line in lines if "checkpoint_wrapper(model.get_submodule(name)" in line]
+    selective = [line for line in lines if "context_fn=sac_context" in line]
+    assert len(full) == 1 and full[0].endswith("early_stop=False)")
+    assert len(selective) == 1 and "early_stop" not in selective[0]
+    sp.early_stop = {"full": True, "selective": False}
+    lines = _checkpoint_lines(sp)
+    assert sum("early_stop=False" in line for line in lines) == 1
+    assert any("context_fn=sac_context, early_stop=False" in line for line in lines)
+
+
 def test_a_file_without_the_early_stop_reads_as_it_was_priced(tmp_path):
     """A map or solution written before ``checkpoint_early_stop`` was priced with full
     recomputation rerunning the whole forward and selective recomputation stopping
