@@ -236,9 +236,9 @@ class Checkpointing:
             for policy in policies:
                 saved = tuple(index[n] for n in freed if n in rerun[policy])
                 ops = tuple(n for n in forward if n in rerun[policy])
-                if not saved or (policy == "selective" and ops == whole and fixed is None):
-                    # frees nothing, or (the ILP choosing) is the full policy under another
-                    # name; asked for (--activation-checkpointing selective), it is kept
+                if not saved or (policy == "selective" and ops == whole and fixed != policy):
+                    # frees nothing, or is the full policy under another name; asked for
+                    # (--activation-checkpointing selective), it is kept
                     continue
                 kept = tuple(
                     index[n]
