@@ -204,7 +204,7 @@ class Checkpointing:
                 fwd_start.setdefault(t, p)
                 fwd_end[t] = p
         index = {n: j for j, n in enumerate(live.nodes)}
-        rerun = {p: recomputed_ops(graph, p, sg.early_stop) for p in POLICIES}
+        rerun = sg.rerun_ops or {p: recomputed_ops(graph, p, sg.early_stop) for p in POLICIES}
         keeps = saved_ops(graph)
 
         def read_outside(n: str, layer: int) -> bool:

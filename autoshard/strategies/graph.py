@@ -164,6 +164,9 @@ class StrategyGraph:
     # (torch.utils.checkpoint's non-reentrant early stop, autoshard.trace.selective);
     # False: it reruns its whole forward (reentrant checkpointing, Megatron-LM's)
     early_stop: bool = True
+    # per policy ("full", "selective"), the forward ops a recomputed block reruns
+    # (autoshard.trace.selective.recomputed_ops under early_stop), made once per graph
+    rerun_ops: dict = field(default_factory=dict)
 
     @property
     def reps(self) -> list[str]:
@@ -312,15 +315,9 @@ def build_strategy_graph(
         if name in nodes and m != 1:  # a traced middle block standing for m real ones
             nodes[name].compute_s = nodes[name].compute_s * m
     tied = tie_layers(graph, nodes) if tie else 0
+    rerun = {p: recomputed_ops(graph, p, early_stop) for p in ("full", "selective")}
     edges, extra, shares, rerun_pairs = _build_edges(
-        graph,
-        nodes,
-        free,
-        redistribute_costs,
-        bucketed_costs,
-        reduce_itemsize,
-        share_reads,
-        early_stop,
+        graph, nodes, free, redistribute_costs, bucketed_costs, reduce_itemsize, share_reads, rerun
     )
     sg = StrategyGraph(
         graph=graph,
@@ -341,6 +338,7 @@ def build_strategy_graph(
         rerun_reads=rerun_pairs[0],
         rerun_pairs=rerun_pairs[1],
         early_stop=early_stop,
+        rerun_ops=rerun,
     )
     sg.stats = {
         "nodes": len(graph.nodes),
@@ -826,7 +824,7 @@ def _build_edges(
     bucketed_costs=None,
     reduce_itemsize=None,
     share_reads=False,
-    early_stop=True,
+    rerun=None,  # per policy, the forward ops it reruns (StrategyGraph.rerun_ops)
 ) -> tuple[list[Edge], dict, list, tuple[dict, list]]:
     """Edges between representatives, linear costs of edges inside one
     (:func:`merge_edges`), the reshardings reads share
@@ -848,7 +846,6 @@ def _build_edges(
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
     window = schedule(graph).window
-    rerun = {p: recomputed_ops(graph, p, early_stop) for p in ("full", "selective")}
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
