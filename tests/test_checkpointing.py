@@ -468,3 +468,34 @@ def test_a_llama_no_budget_fits_gets_the_least_memory_not_a_solver_error(monkeyp
     with pytest.raises(MemoryBudgetError) as auto:
         plan_model(cfg)
     assert 2**30 < auto.value.least_bytes <= none.value.least_bytes
+
+
+def test_compare_shows_the_recomputation_its_step_adds(tmp_path):
+    """``compare`` prices a step as compute + recompute + optimizer + exposed collectives:
+    its JSON gives each part and they add up to the step, and its table shows the
+    recomputation in its own column (it used to leave it out of both, so the parts it
+    printed did not add up to the step it printed)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from autoshard.cli.main import main
+
+    model = str(_stack(tmp_path, 3))
+    args = ["compare", model, "--mesh", "2x2"]
+    args += ["--activation-checkpointing", "full"]
+    out = CliRunner().invoke(main, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    for row in json.loads(out.stdout)["plans"]:
+        parts = row["compute_s"] + row["recompute_s"] + row["optimizer_s"]
+        parts += sum(row["comm_s"].values()) - sum(row["hidden_s"].values())
+        assert row["recompute_s"] > 0.01 * row["compute_s"], row["name"]
+        assert row["step_time_s"] == pytest.approx(parts, rel=1e-12), row["name"]
+    table = CliRunner().invoke(main, args)
+    assert table.exit_code == 0, table.output
+    assert "step = compute + recomp. + optim. + exposed" in table.stdout
+    header = next(line for line in table.stdout.splitlines() if " step " in line)
+    assert header.split() == "plan step compute recomp. optim. exposed MFU memory fits".split()
+    assert "\u2026" not in table.stdout  # each row whole within CliRunner's 80 columns
+    none = CliRunner().invoke(main, [*args[:-1], "none"])
+    assert "step = compute + optim. + exposed" in none.output

@@ -247,6 +247,17 @@ def test_option_errors_are_one_line_like_every_other_error():
     assert out.stderr.startswith("error: Invalid value for '--mode'"), out.stderr
 
 
+@pytest.mark.parametrize("command", ["compare", "stages", "calibrate"])
+def test_a_missing_mesh_is_a_usage_error_in_every_command_that_needs_one(command):
+    """``--mesh`` is required by these commands; with click 8.5 an explicit ``default=None``
+    beside ``required=True`` silently let a missing ``--mesh`` through to a TypeError."""
+    args = [command] if command == "calibrate" else [command, str(ROOT / "examples" / "mlp.py")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Missing option '--mesh'" in result.output, result.output
+
+
 def test_show_on_a_model_file_says_it_is_not_a_plan_file():
     result = CliRunner().invoke(main, ["show", str(ROOT / "examples" / "mlp.py")])
     assert result.exit_code == 2

@@ -65,8 +65,9 @@ def mesh_options(f=None, *, mesh_required: bool = True):
         click.option(
             "--mesh",
             "mesh_shape",
+            # no explicit default: click 8.5 takes ``default=None`` for a given default and
+            # stops enforcing ``required`` (a missing --mesh then reached MeshSpec as None)
             required=mesh_required,
-            default=None,
             metavar="SHAPE",
             help="Devices per mesh dim, e.g. 8, 2x4, 2x2x2. Dim 0 is inter-node when there "
             "are two or more dims (MASE's convention); the rest are intra-node.",

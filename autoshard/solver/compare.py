@@ -58,6 +58,7 @@ class ComparedPlan:
             "step_time_s": float(p.step_time_s),
             "compute_s": float(p.compute_s),
             "optimizer_s": float(p.optimizer_s),
+            "recompute_s": float(p.recompute_s),
             "comm_s": {k: float(p.comm_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
             "hidden_s": {k: float(p.hidden_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
             "flops": float(p.step_flops),
@@ -149,9 +150,9 @@ _LABEL = {
 
 def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None) -> list[Table]:
     """Three tables with one row per plan, each within 80 columns with whole plan names:
-    the step (time, compute, optimizer step, exposed collectives, MFU, memory, whether it
-    fits ``budget``), the collectives (each kind's time and what hides), the memory per
-    device by kind."""
+    the step (time, compute, recomputation when a plan recomputes, optimizer step,
+    exposed collectives, MFU, memory, whether it fits ``budget``), the collectives (each
+    kind's time and what hides), the memory per device by kind."""
     done = [r for r in rows if r.plan is not None]
     kinds = [k for k in COLLECTIVE_KINDS if any(r.plan.comm_s.get(k) for r in done)]
     mem_kinds: list[str] = []
@@ -187,11 +188,15 @@ def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None
                 )
             t.add_row(name, *values)
 
+    recomputes = any(r.plan.recompute_s for r in done)
     step = table(
         "* fastest that fits"
         + (f" in {format_bytes(budget)}" if budget is not None else "")
-        + "; step = compute + optim. + exposed",
-        ["step", "compute", "optim.", "exposed", "MFU", "memory", "fits"],
+        + "\nstep = compute + "
+        + ("recomp. + " if recomputes else "")
+        + "optim. + exposed",
+        ["step", "compute", *(["recomp."] if recomputes else []), "optim.", "exposed"]
+        + ["MFU", "memory", "fits"],
         title,
     )
     add(
@@ -199,6 +204,7 @@ def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None
         lambda p, r: [
             format_seconds(p.step_time_s),
             format_seconds(p.compute_s),
+            *([format_seconds(p.recompute_s) if p.recompute_s else "-"] if recomputes else []),
             format_seconds(p.optimizer_s) if p.optimizer_s else "-",
             format_seconds(sum(p.comm_s.values()) - p.hidden_total_s) if p.comm_s else "-",
             f"{p.mfu:.1%}",
