@@ -499,3 +499,58 @@ def test_compare_shows_the_recomputation_its_step_adds(tmp_path):
     assert "\u2026" not in table.stdout  # each row whole within CliRunner's 80 columns
     none = CliRunner().invoke(main, [*args[:-1], "none"])
     assert "step = compute + optim. + exposed" in none.output
+
+
+def _preloaded(tmp_path, solved: SolveConfig, again: SolveConfig):
+    """Solve ``solved``, write its solution, preload it under ``again``: (the solved
+    plan, the preloaded plan, the preload's notes)."""
+    from autoshard.plan.export import write_outputs
+    from autoshard.solver.preload import plan_preloaded
+
+    result = plan_model(solved)
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+    pkl, _ = write_outputs(result.plan, out, "stack", solved.cost_model(), result.solver_stats())
+    res, pre = plan_preloaded(again, pkl)
+    return result.plan, res.plan, pre.notes
+
+
+def test_a_preloaded_recomputation_is_kept_or_its_change_is_said(tmp_path):
+    """Preloading a plan keeps the blocks it recomputes, and says so where this run
+    prices them otherwise: a selective recomputation this graph offers only in full (the
+    same ops rerun: the price equals the solution's), no recomputation offered at all, or
+    another early stop. Before, the first two dropped the recomputation without a word
+    (a 3-block plan recomputing every block selectively came back recomputing none)."""
+    cfg = SolveConfig(model_path=_stack(tmp_path, 3), mesh=MeshSpec.from_options("2"))
+    full = replace(cfg, activation_checkpointing="full")
+    solved, kept, notes = _preloaded(tmp_path, full, cfg)
+    assert solved.recomputed_blocks == kept.recomputed_blocks == [0, 1, 2]
+    assert kept.recompute_s == pytest.approx(solved.recompute_s, rel=1e-12) and notes == []
+
+    # solved selectively; here (auto) the selective block is the full one: priced as full
+    selective = replace(cfg, activation_checkpointing="selective")
+    solved, moved, notes = _preloaded(tmp_path, selective, cfg)
+    assert solved.selective_blocks == [0, 1, 2] and solved.recomputed_blocks == []
+    assert moved.recomputed_blocks == [0, 1, 2] and moved.selective_blocks == []
+    assert moved.recompute_s == pytest.approx(solved.recompute_s, rel=1e-12)
+    assert moved.activation_bytes == pytest.approx(solved.activation_bytes, rel=1e-12)
+    assert [n for n in notes if "selectively" in n] == [
+        "the solution recomputes blocks 0-2 selectively; here their selective recomputation "
+        "reruns their whole forward, so they are priced and written as recomputing in full "
+        "(the same ops rerun)"
+    ]
+
+    # this run offers none: priced keeping the activations, and said
+    solved, none, notes = _preloaded(tmp_path, full, replace(cfg, activation_checkpointing="none"))
+    assert none.recomputed_blocks == [] and none.recompute_s == 0
+    assert none.activation_bytes > solved.activation_bytes
+    lost = "the solution recomputes blocks 0-2; this run offers no recomputation of them"
+    assert any(n.startswith(lost) for n in notes), notes
+
+    # another early stop: this run's is priced (the rerun reaches fc2: more seconds)
+    solved, whole, notes = _preloaded(tmp_path, full, replace(cfg, checkpoint_early_stop=False))
+    assert whole.recomputed_blocks == [0, 1, 2] and whole.recompute_s > solved.recompute_s
+    assert [n for n in notes if "early" in n or "whole forward" in n] == [
+        "the solution's recomputation stops each block's rerun at the last op its backward "
+        "reads; this run's, which reruns each block's whole forward, is priced and written "
+        "instead: pass --checkpoint-early-stop to keep the solution's"
+    ]

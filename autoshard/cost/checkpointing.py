@@ -375,9 +375,29 @@ class Checkpointing:
     def counts_of_blocks(self, real: list[int], selective: list[int] = ()) -> dict:
         """The counts that recompute the real blocks ``real`` in full and ``selective``
         under the selective policy (a solution's ``recomputed_blocks`` and
-        ``selective_blocks``): per block, how many of those it stands for."""
-        wanted = {"full": set(real), "selective": set(selective)}
+        ``selective_blocks``): per block, how many of those it stands for.
+
+        A block in ``selective`` that this decision offers only in full (its selective
+        recomputation reruns what the full one reruns, so the selective block is not
+        kept unless selective is asked for: :meth:`__init__`) counts as recomputing in
+        full, which reruns the same ops and frees the same activations;
+        :meth:`selective_as_full` names them. A real block no block here stands for (no
+        checkpointing offered for it) counts nowhere."""
+        moved = set(self.selective_as_full(selective))
+        wanted = {"full": set(real) | moved, "selective": set(selective) - moved}
         return {b.key: len(wanted[b.policy].intersection(b.real)) for b in self.blocks}
+
+    def selective_as_full(self, selective: list[int]) -> list[int]:
+        """Of the real blocks ``selective``, those this decision recomputes only in full
+        (sorted): no selective block stands for them and a full one does."""
+        offered = {p: set() for p in POLICIES}
+        for b in self.blocks:
+            offered[b.policy].update(b.real)
+        return sorted((set(selective) - offered["selective"]) & offered["full"])
+
+    def offered_blocks(self) -> set[int]:
+        """The real blocks some policy of this decision can recompute."""
+        return {i for b in self.blocks for i in b.real}
 
     def _real(self, recompute: dict | None, policy: str) -> list[int]:
         counts = self.counts(recompute)

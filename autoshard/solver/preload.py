@@ -62,6 +62,7 @@ from autoshard.solver.solve import (
     SolveResult,
     finish_plan,
     peak_rss_bytes,
+    stored_early_stop,
     strategies,
     trace,
 )
@@ -1015,6 +1016,7 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     selective = predicted.get("selective_blocks") or []
     ck = sg.checkpointing
     recompute = ck.counts_of_blocks(recomputed, selective) if ck is not None and ck.blocks else None
+    pre.notes.extend(_recomputation_notes(config, solution, ck))
     ilp = ILPResult(
         choice=pre.choice,
         recompute=recompute or {},
@@ -1030,6 +1032,52 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     plan = finish_plan(config, sg, pre.choice, "preloaded", recompute)
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes()), pre
+
+
+def _recomputation_notes(config: SolveConfig, solution: Mapping[str, Any], ck) -> list[str]:  # noqa: ANN001
+    """What this run prices differently from the recomputation ``solution`` stores
+    (``ck``: this graph's :class:`~autoshard.cost.checkpointing.Checkpointing`, or None):
+    blocks it recomputes in full where the solution recomputed them selectively (the two
+    rerun the same ops here), blocks it cannot recompute at all, and another early stop
+    (this run's ``--checkpoint-early-stop`` setting is the one priced and written). Under
+    a fixed policy (``--activation-checkpointing full/selective``) the policy decides,
+    and only the early stop is compared."""
+    predicted = solution.get("predicted") or {}
+    recomputed = list(predicted.get("recomputed_blocks") or [])
+    selective = list(predicted.get("selective_blocks") or [])
+    if not recomputed and not selective:
+        return []
+    notes = []
+    if ck is None or ck.fixed is None:
+        offered = ck.offered_blocks() if ck is not None else set()
+        as_full = ck.selective_as_full(selective) if ck is not None else []
+        if as_full:
+            notes.append(
+                f"the solution recomputes {_ranges(as_full)} selectively; here their "
+                "selective recomputation reruns their whole forward, so they are priced and "
+                "written as recomputing in full (the same ops rerun)"
+            )
+        lost = sorted((set(recomputed) | set(selective)) - offered)
+        if lost:
+            notes.append(
+                f"the solution recomputes {_ranges(lost)}; this run offers no recomputation "
+                f"of them (--activation-checkpointing {config.activation_checkpointing}), so "
+                "they are priced keeping their activations: pass --activation-checkpointing "
+                "auto to keep the solution's recomputation"
+            )
+    stored = stored_early_stop(solution.get("cost_model") or {}, predicted)
+    if stored != config.checkpoint_early_stop:
+        how = {
+            True: "stops each block's rerun at the last op its backward reads",
+            False: "reruns each block's whole forward",
+        }
+        flag = "--checkpoint-early-stop" if stored else "--no-checkpoint-early-stop"
+        notes.append(
+            f"the solution's recomputation {how[stored]}; this run's, which "
+            f"{how[config.checkpoint_early_stop]}, is priced and written instead: pass "
+            f"{flag} to keep the solution's"
+        )
+    return notes
 
 
 def _context_parallel_hint(solution: Mapping[str, Any], config: SolveConfig) -> str | None:

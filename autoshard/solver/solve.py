@@ -11,7 +11,7 @@ import copy
 import functools
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -228,7 +228,7 @@ class SolveConfig:
             share_reshardings=cost.get("share_reshardings", False),
             context_parallel=cost.get("context_parallel", False),
             activation_checkpointing=cost.get("activation_checkpointing", "auto"),
-            checkpoint_early_stop=_early_stop(cost, solution.get("predicted") or {}),
+            checkpoint_early_stop=stored_early_stop(cost, solution.get("predicted") or {}),
         )
 
     def cost_model(self) -> dict[str, Any]:
@@ -252,7 +252,7 @@ class SolveConfig:
         }
 
 
-def _early_stop(cost: dict[str, Any], predicted: dict[str, Any]) -> bool:
+def stored_early_stop(cost: Mapping[str, Any], predicted: Mapping[str, Any]) -> bool:
     """A solution's ``checkpoint_early_stop``; one written before it as it was priced
     (:func:`autoshard.trace.selective.early_stops`: full recomputation the whole forward,
     selective recomputation stopping early; a file with both takes the full policy's)."""
