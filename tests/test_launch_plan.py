@@ -524,3 +524,33 @@ def test_the_step_time_line_gives_the_ratio_and_a_profile_off_by_more_than_2x_a_
     assert lines[2].startswith("note: the step took 13.8x what the profile predicts")
     assert "(gloo on cpu)" in lines[2] and len(lines) == 3
     assert report_time([0.5], {"1F1B": 0.1}) is None  # several predictions: no one ratio
+
+
+def test_a_plan_laid_onto_a_mesh_with_one_dim_more_runs_as_predicted(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The mesh search's lifted plan (autoshard.solver.lifting): 4's ILP plan laid onto
+    2x2, where the search's cap keeps 2x2's own ILP out. Its collectives run over both
+    dims of the 2x2 mesh as priced (observed == predicted, per phase, kind and dim), and
+    it trains like one device on 4 gloo ranks."""
+    import autoshard.solver.meshes as searched
+    from autoshard.cost.mesh import node_shapes
+    from autoshard.plan.export import write_outputs
+    from autoshard.solver.meshes import search_meshes
+    from autoshard.solver.solve import SolveConfig
+
+    model = write_mlp(tmp_path, 64, 256, 1024, act="GELU")
+    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    search = search_meshes(config, [MeshSpec.on_nodes(s, 4) for s in node_shapes(4, 4)])
+    best = search.best
+    assert best.mesh.shape == (2, 2) and best.lifted_from == (4,)
+    result = best.result
+    _, plan = write_outputs(
+        result.plan, tmp_path / "out", "mlp_2x2", result.config.cost_model(), result.solver_stats()
+    )
+    assert any(p[0] == p[1] != "R" for p in json.loads(plan.read_text())["parameters"].values())
+    run = ranks(4, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)
+    assert {dim for _, _, dim, _, _ in observed_rows(run.stdout)} == {"dp", "tp"}, run.stdout

@@ -239,9 +239,10 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     """4 GPUs on one node: 2x2's program is many times 4's (each edge pairs up to 5^2
     placements per side against 5). With the cap between the two sizes, the search plans
     4 with the ILP, and 2x2 in torchtitan's space: the plan ``--mesh 2x2 --space
-    torchtitan`` finds on its own, ranked among the others. Its row says why: its column
-    count, which is the count of the program ``build_problem`` builds, and the links to
-    plan it with on its own."""
+    torchtitan`` finds on its own, ranked among the others (4's plan laid onto 2x2 is
+    left out here: the next test has it). Its row says why: its column count, which is
+    the count of the program ``build_problem`` builds, and the links to plan it with on
+    its own."""
     import autoshard.solver.meshes as searched
     from autoshard.solver.ilp import build_problem, program_columns
     from autoshard.solver.solve import strategies, trace
@@ -260,11 +261,13 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     assert sizes[(2, 2)] > 2 * sizes[(4,)]
     cap = (sizes[(4,)] + sizes[(2, 2)]) // 2
     monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
+    monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # no lifted plan
     search = search_meshes(config, list(meshes.values()))
     rows = {r.mesh.shape: r for r in search.rows}
     assert rows[(4,)].space == "free" and rows[(4,)].note is None
     assert rows[(4,)].result.ilp.num_variables == sizes[(4,)]
     assert rows[(2, 2)].space == "torchtitan" and rows[(2, 2)].error is None
+    assert rows[(2, 2)].lifted_from is None
     own = plan_space(replace(config, mesh=meshes[(2, 2)]), "torchtitan", graph=graph)
     assert rows[(2, 2)].step_time_s == own.plan.step_time_s
     assert rows[(2, 2)].result.plan.parameters == own.plan.parameters
@@ -281,6 +284,41 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     assert alone.ilp.num_variables == sizes[(2, 2)] > cap
 
 
+def test_an_over_the_cap_shape_gets_the_plan_of_a_shape_with_one_dim_fewer_laid_onto_it(
+    tmp_path: Path, monkeypatch
+):
+    """The same search with the lifted plan: 4's ILP plan laid onto 2x2 (dim 0 split in
+    two, each placement on both dims) is faster there than torchtitan's space, so 2x2's
+    row holds it. Held against 4's own plan, solved apart: the same bytes per device and
+    the same compute (each device holds and computes what it held on 4), every
+    parameter's layout the same over the 4 devices, and its collectives no slower (the
+    same bytes per device over links of the same bandwidth, in fewer latency steps:
+    1 + 1 instead of 3 for a collective over both dims)."""
+    import autoshard.solver.meshes as searched
+    from autoshard.solver.solve import trace
+
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    graph = trace(config)
+    meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(4, 4)]
+    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
+    rows = {r.mesh.shape: r for r in search_meshes(config, meshes).rows}
+    four = plan_model(replace(config, mesh=meshes[0]), graph=graph).plan
+    lifted = rows[(2, 2)]
+    assert lifted.lifted_from == (4,) and lifted.space == "free" and lifted.error is None
+    assert lifted.note.startswith("its ILP has ") and "4's ILP plan laid onto it" in lifted.note
+    own = plan_space(replace(config, mesh=meshes[1]), "torchtitan", graph=graph)
+    assert lifted.step_time_s < own.plan.step_time_s
+    plan = lifted.result.plan
+    assert plan.memory_bytes == pytest.approx(four.memory_bytes, rel=1e-12)
+    assert plan.compute_s == pytest.approx(four.compute_s, rel=1e-12)
+    for name, ps in four.parameters.items():
+        assert plan.parameters[name] == (ps[0], ps[0]), name
+    assert 0 < plan.comm_total_s <= four.comm_total_s
+    assert lifted.result.ilp.status == "4's ILP plan, lifted (dim 0 split into dims 0 and 1)"
+    assert lifted.step_time_s == min(r.step_time_s for r in rows.values())
+
+
 def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path: Path, monkeypatch):
     """``solve --gpus 4``, the cap under 2x2's program: its row names the search that
     planned it and a note gives the reason; when torchtitan's space has no plan either
@@ -290,6 +328,16 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     model = write_mlp(tmp_path, 64, 256, 1024)
     monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
     args = ["solve", str(model), "--gpus", "4", "--gpus-per-node", "4", "--out", str(tmp_path)]
+    run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
+    assert run.exit_code == 0, run.output
+    cells = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
+        for line in run.output.splitlines()
+        if line.count("│") >= 8
+    }
+    assert cells["4"][-1] == "ILP" and cells["2x2"][-1] == "4 ILP, lifted", cells
+    assert "note: 2x2 is planned with 4's ILP plan laid onto it" in run.output
+    monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # torchtitan's plan stays
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert run.exit_code == 0, run.output
     cells = {

@@ -34,7 +34,9 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     "(1-3 dims; a dim inside a node or across nodes, never half of each), plan each, print "
     "them ranked and write the fastest. A shape whose ILP has over "
     f"{MESH_SEARCH_COLUMNS:,} columns (a 3-D mesh, often) is searched in torchtitan's space "
-    "instead (as --space torchtitan), and its row says so.",
+    "instead (as --space torchtitan), and also gets the ILP plan of a shape with one dim "
+    "fewer laid onto it (8x8's on 4x2x8: the same layout on two dims); its row says which "
+    "is faster.",
 )
 @click.option(
     "--gpus-per-node",
@@ -339,6 +341,8 @@ def _mesh_row(row, gpus_per_node: int) -> dict:  # noqa: ANN001 - a solver.meshe
         "space": row.space,
         "note": row.note,
         "bound_s": row.bound_s,  # a skipped row: a lower bound on its step
+        # the shape whose ILP plan is laid onto this one (autoshard.solver.lifting), or None
+        "lifted_from": list(row.lifted_from) if row.lifted_from is not None else None,
     }
 
 
@@ -371,13 +375,19 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
             f"{100 * row.mfu:.1f}%",
             format_bytes(row.memory_bytes),
             f"{row.solve_seconds:.1f} s",
-            "stages" if row.pp > 1 else "ILP" if row.space == "free" else f"{row.space} space",
+            _search_cell(row),
         )
     console.print(table)
     for row in search.rows:
         if row.note is not None and row.pp > 1:
             shape = "x".join(map(str, row.mesh.shape))
             console.print(f"note: {shape} with pp={row.pp}: {row.note}")
+        elif row.lifted_from is not None:
+            source = "x".join(map(str, row.lifted_from))
+            console.print(
+                f"note: {'x'.join(map(str, row.mesh.shape))} is planned with {source}'s ILP "
+                f"plan laid onto it (the same layout on two of its dims): {row.note}"
+            )
         elif row.note is not None:
             console.print(
                 f"note: {'x'.join(map(str, row.mesh.shape))} is planned in {row.space}'s space "
@@ -396,6 +406,15 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
         f"best: {'x'.join(map(str, search.best.mesh.shape))} (one trace, "
         f"{search.trace_seconds:.1f} s, for all {shapes} shapes{staged})"
     )
+
+
+def _search_cell(row) -> str:  # noqa: ANN001 - a MeshRow
+    """What planned a row of the ``--gpus`` table."""
+    if row.pp > 1:
+        return "stages"
+    if row.lifted_from is not None:
+        return f"{'x'.join(map(str, row.lifted_from))} ILP, lifted"
+    return "ILP" if row.space == "free" else f"{row.space} space"
 
 
 @contextlib.contextmanager

@@ -9,7 +9,12 @@ shapes by predicted step time. A shape whose ILP has more columns than a mesh se
 solves (:data:`~autoshard.solver.options.MESH_SEARCH_COLUMNS`; a 3-D mesh of a large
 model, often) is searched in torchtitan's space instead (``--space torchtitan``: what
 FSDP2 and ``parallelize_module`` express, :mod:`autoshard.solver.space`), so it is still
-ranked with a plan that runs; its row says so and why. Each shape is planned by
+ranked with a plan that runs; its row says so and why. Such a shape also gets the ILP
+plan of each shape with one dim fewer that it splits (8x8's on 4x2x8: dim 0 split in
+two, :mod:`autoshard.solver.lifting`), priced on its own links, and keeps the faster of
+the two (on the Llama-70B shape of 64 GPUs, 8x8's plan laid onto 4x2x8 is faster than
+on 8x8 itself: its collectives over the two inter-node dims take fewer latency steps).
+Each shape is planned by
 :func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in
 the cluster (which can differ from ``--mesh``'s convention, dim 0 across nodes and the
 rest inside one: the written files record the links each dim was priced with).
@@ -26,8 +31,16 @@ from typing import Any
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import check_size
+from autoshard.solver.lifting import lift_choice, splits
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
-from autoshard.solver.solve import SolveConfig, SolveResult, strategies, trace
+from autoshard.solver.solve import (
+    SolveConfig,
+    SolveResult,
+    finish_plan,
+    strategies,
+    trace,
+    unsolved_result,
+)
 from autoshard.solver.space import plan_space
 
 Progress = Callable[[str, int, int], None]
@@ -55,6 +68,9 @@ class MeshRow:
     space: str = "free"
     note: str | None = None
     bound_s: float | None = None  # skipped: a lower bound on its step, not under the best
+    # the shape whose ILP plan this row's plan is, laid onto this shape (one of its dims
+    # split in two: autoshard.solver.lifting), or None
+    lifted_from: tuple[int, ...] | None = None
 
     @property
     def planned(self) -> bool:
@@ -143,6 +159,42 @@ def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # n
     return MeshRow(config.mesh, found, space=searched, note=why)
 
 
+def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
+    """``row``, or, when its free ILP was over the column cap (planned in torchtitan's
+    space instead), the ILP plan of a shape with one dim fewer laid onto it
+    (:mod:`autoshard.solver.lifting`: a dim of that shape split into two of this one),
+    priced on this shape's links, when that is faster and fits the budget. The fastest
+    such plan of every free row it can be laid from, with that row's recomputation."""
+    if row.space == "free" or row.note is None or row.result is None:
+        return row
+    t = time.perf_counter()
+    res = row.result
+    config, sg, budget = res.config, res.sg, res.config.budget()
+    best: tuple[Any, MeshRow, int] | None = None
+    for src in rows:
+        if src.space != "free" or src.result is None or src.pp != 1:
+            continue
+        for m in splits(src.mesh.shape, row.mesh.shape):
+            choice = lift_choice(src.result.sg, src.result.plan.choice, sg, m)
+            if choice is None:
+                continue
+            plan = finish_plan(config, sg, choice, "ilp", src.result.ilp.recompute)
+            if plan.memory_bytes > budget * (1 + 1e-9):
+                continue
+            if best is None or plan.step_time_s < best[0].step_time_s:
+                best = (plan, src, m)
+    if best is None or best[0].step_time_s >= row.step_time_s:
+        return row
+    plan, src, m = best
+    source = "x".join(map(str, src.mesh.shape))
+    seconds = {k: v for k, v in res.seconds.items() if k != "total"}
+    seconds["lift"] = time.perf_counter() - t
+    status = f"{source}'s ILP plan, lifted (dim {m} split into dims {m} and {m + 1})"
+    lifted = unsolved_result(config, res.graph, sg, plan, seconds, status)
+    note = f"{row.note}; {source}'s ILP plan laid onto it ({status}) is faster than {row.space}'s"
+    return replace(row, result=lifted, space="free", note=note, lifted_from=src.mesh.shape)
+
+
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
     """Fastest first (ties: fewer mesh dims, then no pipeline, then the order tried), a
     skipped row by its lower bound (after the plans it ties with); rows without a plan
@@ -201,6 +253,7 @@ def search_meshes(
         rows.append(row)
     if progress:
         progress("meshes", len(meshes), len(meshes))
+    rows = [_lifted(row, rows) for row in rows]
     if all(r.result is None for r in rows):
         reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: {r.error}" for r in rows)
         raise AutoshardError(f"no mesh shape has a plan ({reasons})")
