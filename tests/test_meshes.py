@@ -336,7 +336,8 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
         if line.count("│") >= 8
     }
     assert cells["4"][-1] == "ILP" and cells["2x2"][-1] == "4 ILP, lifted", cells
-    assert "note: 2x2 is planned with 4's ILP plan laid onto it" in run.output
+    assert "note: 2x2: its ILP has " in run.output
+    assert "; 4's ILP plan laid onto it (its dim 0 split into dims 0 and 1) takes " in run.output
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # torchtitan's plan stays
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert run.exit_code == 0, run.output

@@ -382,12 +382,8 @@ def _print_meshes(console: Console, search, gpus: int, gpus_per_node: int) -> No
         if row.note is not None and row.pp > 1:
             shape = "x".join(map(str, row.mesh.shape))
             console.print(f"note: {shape} with pp={row.pp}: {row.note}")
-        elif row.lifted_from is not None:
-            source = "x".join(map(str, row.lifted_from))
-            console.print(
-                f"note: {'x'.join(map(str, row.mesh.shape))} is planned with {source}'s ILP "
-                f"plan laid onto it (the same layout on two of its dims): {row.note}"
-            )
+        elif row.lifted_from is not None:  # the note says which plan and why
+            console.print(f"note: {'x'.join(map(str, row.mesh.shape))}: {row.note}")
         elif row.note is not None:
             console.print(
                 f"note: {'x'.join(map(str, row.mesh.shape))} is planned in {row.space}'s space "

@@ -42,6 +42,7 @@ from autoshard.solver.solve import (
     unsolved_result,
 )
 from autoshard.solver.space import plan_space
+from autoshard.units import format_seconds
 
 Progress = Callable[[str, int, int], None]
 
@@ -191,7 +192,11 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
     seconds["lift"] = time.perf_counter() - t
     status = f"{source}'s ILP plan, lifted (dim {m} split into dims {m} and {m + 1})"
     lifted = unsolved_result(config, res.graph, sg, plan, seconds, status)
-    note = f"{row.note}; {source}'s ILP plan laid onto it ({status}) is faster than {row.space}'s"
+    note = (
+        f"{row.note}; {source}'s ILP plan laid onto it (its dim {m} split into dims {m} and "
+        f"{m + 1}) takes {format_seconds(plan.step_time_s)}, {row.space}'s space "
+        f"{format_seconds(row.step_time_s)}"
+    )
     return replace(row, result=lifted, space="free", note=note, lifted_from=src.mesh.shape)
 
 
