@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-_LAUNCHERS = ("torchrun", "torch.distributed.run")
+_LAUNCHERS = ("torchrun", "torch.distributed.run")  # autoshard.launch.torchrun holds the first
 _RANK_COMMANDS = ("launch", "calibrate")  # autoshard's commands that start torchrun
 
 

@@ -301,7 +301,10 @@ def warm_torchrun(
     torch.distributed.run`` with those options) run with :func:`ranks`; ``None`` for any
     other command line (another torchrun option: run it for real)."""
     words = list(argv)
-    if words[:3] == [sys.executable, "-m", "torch.distributed.run"]:
+    if words[:3] in (
+        [sys.executable, "-m", "torch.distributed.run"],
+        [sys.executable, "-m", "autoshard.launch.torchrun"],
+    ):
         words = words[3:]
     elif Path(words[0]).name == "torchrun":
         words = words[1:]

@@ -591,3 +591,42 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     assert "has no module" in lines[0] and "cli.py ...`" in lines[0], lines[0]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["solve", "examples/mlp.py", "--mesh", "2", "--out", ""],
+            "Invalid value for '--out': is empty",
+        ),
+        (
+            ["solve", "examples/mlp.py", "--mesh", "4", "--preload", "x.pkl", "--algo", "ddp"],
+            "--preload takes its plan from the file and --algo ddp builds one",
+        ),
+        (["solve", "examples/mlp.py", "--mesh", "2", "--html", "{tmp}"], "is a folder"),
+        (
+            ["solve", "examples/mlp.py", "--mesh", "2", "--html", "{tmp}/afile/x.html"],
+            "cannot write to --html {tmp}/afile",
+        ),
+        (
+            ["launch", "no-plan.json", "examples/mlp.py", "--json", "{tmp}/afile/r.json"],
+            "cannot write to --json {tmp}/afile",
+        ),
+    ],
+    ids=["empty-out", "preload-and-algo", "html-folder", "html-under-a-file", "launch-json"],
+)
+def test_an_option_that_cannot_work_is_refused_before_any_work(tmp_path, args, message):
+    """Found by trying the commands as a new user: each of these used to run the whole
+    solve or launch first (or, for --preload with --algo, to write the preloaded plan
+    under --algo's name), or to write into the current folder without a word."""
+    (tmp_path / "afile").write_text("a file, not a folder")
+    out = tmp_path / "out"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if args[0] == "solve" and "--out" not in args:
+        args += ["--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert message.replace("{tmp}", str(tmp_path)) in result.output, result.output
+    assert "tracing" not in result.output and "running:" not in result.output
+    assert not out.exists()

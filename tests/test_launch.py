@@ -336,7 +336,7 @@ def test_torchrun_argv_defaults_and_pass_through(tmp_path: Path) -> None:
     plan, model = tmp_path / "p.json", tmp_path / "m.py"
     opts = RunOptions(steps=2, train=True, check=True, seed=7)
     argv = torchrun_argv(plan, model, opts, [], 8)
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "autoshard.launch.torchrun"]
     assert argv[3:6] == ["--nproc-per-node", "8", "--standalone"]
     tail = argv[argv.index("autoshard.launch") + 1 :]
     assert tail[:2] == [str(plan.resolve()), str(model.resolve())]
@@ -475,3 +475,34 @@ def test_solved_mlp_plan_trains_like_one_device(tmp_path: Path) -> None:
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_checked(out, 1e-5, params=1e-5)
+
+
+@pytest.mark.slow  # real torchrun: the subject is its failure report
+def test_a_failed_rank_ends_torchrun_with_one_line_not_the_agent_s_traceback(tmp_path: Path):
+    """The launcher autoshard starts (``python -m autoshard.launch.torchrun``, torchrun's
+    own parser and launcher) ends a run whose rank fails with one line naming the rank
+    and its exit code, under the rank's own output, and exits 1 as torchrun does; plain
+    torchrun follows the same failure with the agent's ``ChildFailedError`` traceback."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('rank says: bad input', file=sys.stderr)\nsys.exit(3)\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "autoshard.launch.torchrun", "--standalone"]
+        + ["--nproc-per-node", "1", str(script)],
+        capture_output=True,
+        text=True,
+        env=rank_environment(os.environ, ROOT),
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1] == "torchrun: rank 0 failed (exit code 3); its error is above", run.stderr
+    assert "rank says: bad input" in run.stderr
+    assert "ChildFailedError" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + ["--nproc-per-node", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 1 and "ChildFailedError" in plain.stderr

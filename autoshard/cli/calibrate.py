@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from autoshard.calibrate.options import SIZE_OPTIONS, mesh_dim_names_of, with_options
-from autoshard.cli.options import check_writable
+from autoshard.cli.options import NonEmptyPath, check_writable
 from autoshard.cost.mesh import parse_mesh_shape
 from autoshard.errors import AutoshardError
 from autoshard.launch.torchrun import rank_environment, torchrun_prefix
@@ -29,7 +29,7 @@ from autoshard.units import format_bandwidth, format_bytes, format_seconds
 @click.option("--mesh-dim-names", default=None, metavar="NAMES", help="e.g. dp,tp.")
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=NonEmptyPath(),
     default=None,
     help="Profile to write (default: profiles/<mesh>.json).",
 )

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.markup import escape
 
-from autoshard.cli.options import Progress, config_from_options, mesh_options, plan_options
+from autoshard.cli.options import (
+    NonEmptyPath,
+    Progress,
+    config_from_options,
+    mesh_options,
+    plan_options,
+)
 from autoshard.solver.options import COMPARED
 
 
 @click.command("compare")
-@click.argument("model_file", type=click.Path(path_type=Path))
+@click.argument("model_file", type=NonEmptyPath())
 @mesh_options
 @plan_options
 @click.option(

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import click
 
+from autoshard.cli.options import NonEmptyPath
 from autoshard.errors import AutoshardError
 
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("plan", type=click.Path(path_type=Path))
-@click.argument("model_file", type=click.Path(path_type=Path))
+@click.argument("plan", type=NonEmptyPath())
+@click.argument("model_file", type=NonEmptyPath())
 @click.option(
     "--format",
     "fmt",
@@ -24,7 +25,7 @@ from autoshard.errors import AutoshardError
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=NonEmptyPath(),
     default=None,
     help="Write the Python to this file (default: stdout; the notes go to stderr).",
 )

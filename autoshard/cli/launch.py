@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from autoshard.cli.options import check_writable_file
 from autoshard.launch.options import RunOptions, run_options
 from autoshard.launch.torchrun import rank_environment, torchrun_argv
 
@@ -39,6 +40,8 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
     from autoshard.plan.formats import load_sharding_map
 
     opts = RunOptions(**run)
+    if opts.json_path:  # before any rank starts: a finished run's report is never lost
+        check_writable_file(Path(opts.json_path), "--json")
     if is_stage_plan(plan):
         n_devices = prepare_launch(plan, model)
     else:

@@ -55,6 +55,20 @@ class ContextParallelType(click.Choice):
         return super().convert(value, param, ctx)
 
 
+class NonEmptyPath(click.Path):
+    """A path option or argument (a :class:`pathlib.Path`) that refuses an empty string,
+    which :class:`pathlib.Path` would read as the current folder (``--out ""`` wrote there
+    without a word)."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 - click's signature
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty: give a path (. for the current folder)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def mesh_options(f=None, *, mesh_required: bool = True):
     """The mesh, its links and the device (shared by solve, compare and stages);
     ``@mesh_options(mesh_required=False)`` where another option can stand for ``--mesh``
@@ -122,7 +136,7 @@ def mesh_options(f=None, *, mesh_required: bool = True):
         click.option(
             "--profile",
             "profile_path",
-            type=click.Path(path_type=Path),
+            type=NonEmptyPath(),
             default=None,
             metavar="FILE",
             help="A profile from `autoshard calibrate`: measured latency and bandwidth per "
@@ -508,10 +522,11 @@ class Progress:
         self.bar.update(self.tasks[phase], completed=done, total=total)
 
 
-def check_writable(out_dir: Path) -> None:
+def check_writable(out_dir: Path, option: str = "--out") -> None:
     """Prove a file can be written in ``--out`` (or, when it does not exist yet, in its
     nearest existing parent, where it will be created) before any work, so that a long
-    solve never ends in a folder it cannot write. Creates nothing.
+    solve never ends in a folder it cannot write. Creates nothing. ``option``: the
+    option the error names.
 
     Raises:
         AutoshardError: a file stands where a folder is needed, or the folder cannot be
@@ -528,8 +543,20 @@ def check_writable(out_dir: Path) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise AutoshardError(
-            f"cannot write to --out {out_dir}: {exc.strerror or exc}; pick a writable folder"
+            f"cannot write to {option} {out_dir}: {exc.strerror or exc}; pick a writable folder"
         ) from exc
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """:func:`check_writable` for a file an option names (``--html``, ``--json``): its
+    folder must be writable and the path no folder, checked before any work.
+
+    Raises:
+        AutoshardError: ``path`` is a folder, or its folder cannot be written.
+    """
+    if path.is_dir():
+        raise AutoshardError(f"{option} {path} is a folder: give the path of a file to write")
+    check_writable(path.parent, option)
 
 
 def refuse_overwriting_preload(preload: Path | None, out_dir: Path, stem: str) -> None:

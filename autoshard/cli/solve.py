@@ -11,8 +11,10 @@ from rich.console import Console
 from autoshard import interrupt
 from autoshard.cli.options import (
     MESH_LINK_KEYS,
+    NonEmptyPath,
     Progress,
     check_writable,
+    check_writable_file,
     config_from_options,
     mesh_options,
     plan_options,
@@ -23,7 +25,7 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
 
 
 @click.command("solve")
-@click.argument("model_file", type=click.Path(path_type=Path))
+@click.argument("model_file", type=NonEmptyPath())
 @mesh_options(mesh_required=False)
 @click.option(
     "--gpus",
@@ -69,7 +71,7 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(path_type=Path),
+    type=NonEmptyPath(),
     default=Path("solutions"),
     show_default=True,
     help="Folder for <model>_<mesh>.pkl and .json.",
@@ -95,7 +97,7 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
 )
 @click.option(
     "--preload",
-    type=click.Path(path_type=Path),
+    type=NonEmptyPath(),
     default=None,
     metavar="FILE",
     help="Skip the ILP: take the plan from a solution pickle (autoshard's or MASE's), "
@@ -112,7 +114,7 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
 @click.option(
     "--html",
     "html_path",
-    type=click.Path(path_type=Path),
+    type=NonEmptyPath(),
     default=None,
     metavar="FILE",
     help="Also write the report as one self-contained HTML page: placements per block, "
@@ -160,11 +162,16 @@ def solve_command(
     console = Console(stderr=as_json, quiet=quiet)
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     if html_path is not None:
-        check_writable(html_path.parent)
+        check_writable_file(html_path, "--html")
     if space != "free" and (algo != "ilp" or preload is not None):
         given = "--algo" if algo != "ilp" else "--preload"
         raise AutoshardError(
             f"--space {space} searches its own plans; drop {given} (or --space {space})"
+        )
+    if algo != "ilp" and preload is not None:
+        raise AutoshardError(
+            f"--preload takes its plan from the file and --algo {algo} builds one: give one "
+            "of the two"
         )
     depths = _depths(pp_depths, gpus)
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)

@@ -9,7 +9,13 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from autoshard.cli.options import Progress, mesh_and_device, mesh_options, step_options
+from autoshard.cli.options import (
+    NonEmptyPath,
+    Progress,
+    mesh_and_device,
+    mesh_options,
+    step_options,
+)
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import WORK_LIMIT, SolverOptions
 from autoshard.units import BytesType
@@ -21,7 +27,7 @@ def stages_options(f):
     f = click.option(
         "--out",
         "out_dir",
-        type=click.Path(path_type=Path),
+        type=NonEmptyPath(),
         default=Path("solutions"),
         show_default=True,
         help="Folder for <model>_<mesh>_pp<k>.stages.json.",
@@ -80,7 +86,7 @@ def stages_options(f):
     for opt in reversed(step_options()):
         f = opt(f)
     f = mesh_options(f)
-    return click.argument("model_file", type=click.Path(path_type=Path))(f)
+    return click.argument("model_file", type=NonEmptyPath())(f)
 
 
 @click.command("stages")

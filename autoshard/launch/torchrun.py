@@ -1,4 +1,5 @@
-"""The torchrun command line of a launch (``python -m torch.distributed.run``)."""
+"""The torchrun command line of a launch (``python -m autoshard.launch.torchrun``: torchrun,
+``torch.distributed.run``, with a failed rank said in one line; :func:`main`)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def torchrun_argv(
 
 
 def torchrun_prefix(torchrun_args: Sequence[str], n_devices: int) -> list[str]:
-    """``python -m torch.distributed.run [OPTIONS]`` starting ``n_devices`` processes.
+    """``python -m autoshard.launch.torchrun [OPTIONS]`` (torchrun: :func:`main`) starting
+    ``n_devices`` processes.
 
     Defaults: ``--standalone`` (one node, a free local port) unless ``torchrun_args``
     names a rendezvous or node option; ``--nproc-per-node`` = ``n_devices`` divided by
@@ -87,7 +89,7 @@ def torchrun_prefix(torchrun_args: Sequence[str], n_devices: int) -> list[str]:
         AutoshardError: the processes torchrun would start cannot match the mesh.
     """
     names = {_option_name(a) for a in torchrun_args}
-    argv = [sys.executable, "-m", "torch.distributed.run"]
+    argv = [sys.executable, "-m", "autoshard.launch.torchrun"]
     nnodes_text = _option_value(torchrun_args, "--nnodes")
     nnodes = int(nnodes_text) if nnodes_text and nnodes_text.isdigit() else None
     if "--nproc-per-node" not in names:
@@ -108,3 +110,28 @@ def torchrun_prefix(torchrun_args: Sequence[str], n_devices: int) -> list[str]:
     if not names & _RDZV_OPTIONS:
         argv.append("--standalone")
     return argv + list(torchrun_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """torchrun: ``torch.distributed.run``'s own argument parser and launcher, but a rank
+    that fails ends it with one line naming the rank and its exit code (the rank's own
+    error is printed above it) instead of the agent's traceback of ``ChildFailedError``
+    (some 35 lines after a failed ``--check``). Returns torchrun's exit code (1 when a rank
+    failed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(list(argv) if argv is not None else None))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(
+            f"torchrun: rank {rank} failed (exit code {failure.exitcode}); its error is above",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
