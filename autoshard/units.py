@@ -75,6 +75,8 @@ def _parse(text: str, units: dict[str, Decimal], what: str, hint: str, example: 
             f"bad {what} {text!r}: write a non-negative number with a unit, e.g. {example}"
         )
     number, unit = m.groups()
+    if unit == "" and Decimal(number) == 0:
+        return 0.0  # zero is zero in every unit (--bucket-size 0, as the docs write it)
     if unit == "":
         raise AutoshardError(f"{what} {text!r} has no unit: write it with one, e.g. {example}")
     if unit not in units:

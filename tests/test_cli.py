@@ -630,3 +630,19 @@ def test_an_option_that_cannot_work_is_refused_before_any_work(tmp_path, args, m
     assert message.replace("{tmp}", str(tmp_path)) in result.output, result.output
     assert "tracing" not in result.output and "running:" not in result.output
     assert not out.exists()
+
+
+def test_compare_names_each_plan_once_and_says_when_none_fits():
+    """``--plans ddp,ddp`` prints ddp once; ``--plans ,`` is refused; with a budget no plan
+    fits, the star marks the fastest of all and the legend says none fits (it read
+    "fastest that fits" over two rows marked ``fits no``)."""
+    mlp = str(ROOT / "examples" / "mlp.py")
+    base = ["compare", mlp, "--mesh", "4", "--memory-budget", "1KiB"]
+    run = CliRunner().invoke(main, [*base, "--plans", "ddp,megatron,ddp"])
+    assert run.exit_code == 0, run.output
+    rows = [line.split()[0] for line in run.stdout.splitlines() if line.strip().startswith("ddp")]
+    assert len(rows) == 3, run.stdout  # one row in each of the three tables
+    assert "* fastest (none fits in 1.00 KiB)" in run.stdout
+    assert "fastest that fits" not in run.stdout
+    empty = CliRunner().invoke(main, [*base, "--plans", ","])
+    assert empty.exit_code == 2 and "--plans names no plan" in empty.output

@@ -405,3 +405,23 @@ def test_a_two_block_solution_preloads_onto_a_deeper_model(
         assert kinds["gradients"] > 0 and kinds["optimizer_state"] > 0
     assert res.plan.extra["budget"] == config.budget()
     assert any("matched by structure" in n for n in pre.notes)
+
+
+def test_a_solution_of_another_mode_says_which_option_to_pass(solved, monkeypatch):
+    """The stored solution is an inference step; preloaded into a training step (another
+    graph: a backward and an optimizer) its nodes match none: the error names the option
+    and the value the solution was solved with, where it used to name only the
+    mismatched ops and shapes, as if the model had changed. (A precision that changes
+    the graph, bf16-mixed's casts in a training step, gets the same line; an inference
+    step in bf16-mixed has this graph's nodes and preloads.)"""
+    from dataclasses import replace
+
+    _, pkl, _ = solved
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    with pytest.raises(AutoshardError) as err:
+        plan_preloaded(replace(_config(), mode="train"), pkl)
+    assert str(err.value).endswith(
+        "the solution was solved with --mode infer and this solve traces --mode train, "
+        "another graph: pass --mode infer to preload it"
+    ), str(err.value)
+    assert "--precision" not in str(err.value)

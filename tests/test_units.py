@@ -67,6 +67,15 @@ def test_parse_bytes(text: str, expected: int) -> None:
     assert value == expected and isinstance(value, int)
 
 
+def test_zero_needs_no_unit() -> None:
+    """``--bucket-size 0`` as solve.md and ``--help`` write it (it was refused for its
+    missing unit); a zero bandwidth is still refused, as zero, not for its unit."""
+    assert parse_bytes("0") == 0 and isinstance(parse_bytes("0"), int)
+    assert parse_duration("0") == 0.0 and parse_duration("0.0") == 0.0
+    with pytest.raises(AutoshardError, match="is zero"):
+        parse_bandwidth("0")
+
+
 @pytest.mark.parametrize(
     "parse, text, message",
     [

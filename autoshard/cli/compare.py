@@ -15,6 +15,7 @@ from autoshard.cli.options import (
     mesh_options,
     plan_options,
 )
+from autoshard.errors import AutoshardError
 from autoshard.solver.options import COMPARED
 
 
@@ -58,7 +59,9 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
 
     config = config_from_options(model_file, opts)
     mesh, device = config.mesh, config.device
-    algos = tuple(a.strip() for a in plans.split(",") if a.strip())
+    algos = tuple(dict.fromkeys(a.strip() for a in plans.split(",") if a.strip()))  # once each
+    if not algos:
+        raise AutoshardError(f"--plans names no plan: give one or more of {', '.join(COMPARED)}")
     if plans == ",".join(COMPARED) and mesh.ndim < 2:  # the default: no duplicate column
         algos = tuple(a for a in algos if a not in TWO_D_ONLY)
     budget = config.budget()

@@ -189,9 +189,12 @@ def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None
             t.add_row(name, *values)
 
     recomputes = any(r.plan.recompute_s for r in done)
+    # compare_plans marks the fastest of all when none fits: the legend says which
+    within = f" in {format_bytes(budget)}" if budget is not None else ""
+    fits = any(r.fits for r in done)
+    star = f"* fastest that fits{within}" if fits else f"* fastest (none fits{within})"
     step = table(
-        "* fastest that fits"
-        + (f" in {format_bytes(budget)}" if budget is not None else "")
+        star
         + "\nstep = compute + "
         + ("recomp. + " if recomputes else "")
         + "optim. + exposed",

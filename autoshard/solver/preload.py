@@ -1005,10 +1005,11 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
             sg, solution, config.mesh, source=str(solution_path), options=config.solver
         )
     except AutoshardError as exc:  # the same error, with what to do when the offer differs
-        hint = _context_parallel_hint(solution, config)
-        if hint is None:
+        hints = [h for h in (_context_parallel_hint(solution, config),) if h is not None]
+        hints += _traced_as_hints(solution, config)
+        if not hints:
             raise
-        raise AutoshardError(f"{exc}\n{hint}") from None
+        raise AutoshardError("\n".join([str(exc), *hints])) from None
     seconds["preload"] = time.perf_counter() - t
     # the blocks the solution recomputes, matched to this graph's traced blocks
     predicted = solution.get("predicted") or {}
@@ -1078,6 +1079,22 @@ def _recomputation_notes(config: SolveConfig, solution: Mapping[str, Any], ck) -
             f"{flag} to keep the solution's"
         )
     return notes
+
+
+def _traced_as_hints(solution: Mapping[str, Any], config: SolveConfig) -> list[str]:
+    """What to do when ``solution`` was solved with another ``--mode`` or ``--precision``
+    than this solve: each changes the traced graph (a training step's backward and
+    optimizer, the casts of mixed precision), so its nodes match none of this graph's."""
+    cost = solution.get("cost_model") or {}
+    out = []
+    for key, option in (("mode", "--mode"), ("precision", "--precision")):
+        stored, here = cost.get(key), getattr(config, key)
+        if stored is not None and stored != here:
+            out.append(
+                f"the solution was solved with {option} {stored} and this solve traces "
+                f"{option} {here}, another graph: pass {option} {stored} to preload it"
+            )
+    return out
 
 
 def _context_parallel_hint(solution: Mapping[str, Any], config: SolveConfig) -> str | None:
