@@ -194,10 +194,7 @@ def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None
     fits = any(r.fits for r in done)
     star = f"* fastest that fits{within}" if fits else f"* fastest (none fits{within})"
     step = table(
-        star
-        + "\nstep = compute + "
-        + ("recomp. + " if recomputes else "")
-        + "optim. + exposed",
+        star + "\nstep = compute + " + ("recomp. + " if recomputes else "") + "optim. + exposed",
         ["step", "compute", *(["recomp."] if recomputes else []), "optim.", "exposed"]
         + ["MFU", "memory", "fits"],
         title,
