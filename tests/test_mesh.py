@@ -207,6 +207,8 @@ def test_parse_mesh_shape(text: str, shape: tuple[int, ...]) -> None:
         ("1.5x2", "bad mesh shape '1.5x2'"),
         ("0x4", "has size 0 on mesh dim 0"),
         ("2x0", "has size 0 on mesh dim 1"),
+        ("99999999999999999999", "has 99,999,999,999,999,999,999 devices: autoshard plans"),
+        ("4096x4097", "has 16,781,312 devices"),
     ],
 )
 def test_parse_mesh_shape_errors(text: str, message: str) -> None:

@@ -162,6 +162,23 @@ def test_mesh_shape_mismatch_names_both_shapes(solved):
         choice_from_solution(result.sg, tampered, MESH)
 
 
+def test_a_preload_onto_another_mesh_shape_is_refused_before_tracing(solved, monkeypatch):
+    """``plan_preloaded`` reads the mesh from the file before it traces (minutes on a large
+    model): the shape error comes first, and the tracer is never called."""
+    from dataclasses import replace
+
+    import autoshard.solver.preload as preload
+
+    _, pkl, _ = solved
+
+    def no_trace(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("traced before the mesh shape was checked")
+
+    monkeypatch.setattr(preload, "trace", no_trace)
+    with pytest.raises(AutoshardError, match=r"made for a 2x4 mesh.*mesh is 4x2"):
+        plan_preloaded(replace(_config(), mesh=MeshSpec.from_options("4x2")), pkl)
+
+
 def test_other_links_are_a_note_not_an_error(solved):
     result, _, solution = solved
     slow = MeshSpec.from_options("2x4", inter_node_bw=1e9)

@@ -267,8 +267,10 @@ def plan_options(f):
             "--time-limit",
             type=float,
             default=None,
-            help="Wall-clock seconds for the whole search (default: none). When it stops the "
-            "search, the plan may differ on a busier machine; the report says so.",
+            help="Wall-clock seconds for the search (default: none). Each later phase (the "
+            "search with the overlap savings, each memory round) still gets at least 1 s, so a "
+            "limit of a few seconds can be overrun by as much. When it stops the search, the "
+            "plan may differ on a busier machine; the report says so.",
         ),
         click.option(
             "--mip-gap",

@@ -45,7 +45,7 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
 
     Raises:
         AutoshardError: an empty part (``"2x"``), a part that is not a whole number (``"a"``),
-            or a size below 1 (``"0x4"``).
+            a size below 1 (``"0x4"``), or more than :data:`MAX_DEVICES` devices.
     """
     parts = text.strip().lower().split("x") if isinstance(text, str) else [""]
     if not all(p.strip().isdecimal() for p in parts):
@@ -58,7 +58,18 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
             raise AutoshardError(
                 f"mesh shape {text!r} has size {n} on mesh dim {i}: every size must be >= 1"
             )
+    if math.prod(shape) > MAX_DEVICES:
+        raise AutoshardError(
+            f"mesh shape {text!r} has {math.prod(shape):,} devices: autoshard plans meshes "
+            f"of up to {MAX_DEVICES:,}"
+        )
     return shape
+
+
+MAX_DEVICES = 2**24
+"""The most devices a mesh may have: far above any cluster, and well inside the 32-bit
+world size of ``torch.distributed``'s process groups (the planner's fake process group
+raised an overflow, as a traceback, for a mesh of 10**20 devices)."""
 
 
 def default_dim_names(ndim: int) -> tuple[str, ...]:

@@ -991,6 +991,7 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
             :func:`choice_from_solution`).
     """
     solution = load_solution(solution_path)  # fail on a bad file before tracing
+    _check_mesh(solution, config.mesh, [])  # and on another mesh shape (its notes come later)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     graph = trace(config, progress)
