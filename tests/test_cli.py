@@ -613,8 +613,24 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
             ["launch", "no-plan.json", "examples/mlp.py", "--json", "{tmp}/afile/r.json"],
             "cannot write to --json {tmp}/afile",
         ),
+        (
+            ["solve", "examples/mlp.py", "--mesh", "2", "--gpus-per-node", "4"],
+            "--gpus-per-node applies with --gpus N only",
+        ),
+        (
+            ["solve", "examples/mlp.py", "--gpus", "4", "--microbatches", "4"],
+            "--microbatches applies with --gpus N --pp DEPTHS only",
+        ),
     ],
-    ids=["empty-out", "preload-and-algo", "html-folder", "html-under-a-file", "launch-json"],
+    ids=[
+        "empty-out",
+        "preload-and-algo",
+        "html-folder",
+        "html-under-a-file",
+        "launch-json",
+        "gpus-per-node-alone",
+        "microbatches-alone",
+    ],
 )
 def test_an_option_that_cannot_work_is_refused_before_any_work(tmp_path, args, message):
     """Found by trying the commands as a new user: each of these used to run the whole

@@ -6,6 +6,7 @@ import contextlib
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from autoshard import interrupt
@@ -174,6 +175,9 @@ def solve_command(
             "of the two"
         )
     depths = _depths(pp_depths, gpus)
+    _refuse_unused(
+        ("--gpus-per-node", "gpus_per_node", gpus), ("--microbatches", "microbatches", depths)
+    )
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
     if meshes:  # the files are named after the best mesh once it is known
@@ -292,6 +296,27 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
     ]
     opts["mesh_shape"] = str(gpus)
     return meshes
+
+
+def _refuse_unused(*options: tuple) -> None:
+    """Refuse an option given on the command line where what it qualifies is absent
+    (``--gpus-per-node`` without ``--gpus``, ``--microbatches`` without ``--pp``), as
+    ``--pp`` without ``--gpus`` is: it would be ignored without a word.
+
+    Raises:
+        AutoshardError: such an option. Each of ``options`` is ``(flag, click's keyword,
+            the value of what it qualifies: falsy when absent)``.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    needs = {"--gpus-per-node": "--gpus N", "--microbatches": "--gpus N --pp DEPTHS"}
+    for flag, key, qualified in options:
+        if not qualified and ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE:
+            raise AutoshardError(
+                f"{flag} applies with {needs[flag]} only: add it, or drop {flag} (it would be "
+                "ignored)"
+            )
 
 
 def _depths(text: str | None, gpus: int | None) -> list[int]:
