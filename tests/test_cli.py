@@ -621,6 +621,11 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
             ["solve", "examples/mlp.py", "--gpus", "4", "--microbatches", "4"],
             "--microbatches applies with --gpus N --pp DEPTHS only",
         ),
+        (
+            ["solve", "examples/mlp.py", "--mesh", "2", "--mode", "infer"]
+            + ["--activation-checkpointing", "selective"],
+            "selective recomputes blocks in a training step's backward pass",
+        ),
     ],
     ids=[
         "empty-out",
@@ -630,6 +635,7 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
         "launch-json",
         "gpus-per-node-alone",
         "microbatches-alone",
+        "checkpointing-in-inference",
     ],
 )
 def test_an_option_that_cannot_work_is_refused_before_any_work(tmp_path, args, message):

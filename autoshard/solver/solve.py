@@ -135,6 +135,12 @@ class SolveConfig:
                 "--activation-checkpointing (activation_checkpointing) must be one of "
                 f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}"
             )
+        if self.mode == "infer" and self.activation_checkpointing in ("full", "selective"):
+            raise AutoshardError(
+                f"--activation-checkpointing (activation_checkpointing) "
+                f"{self.activation_checkpointing} recomputes blocks in a training step's "
+                "backward pass, which --mode infer has not: drop it, or plan --mode train"
+            )
         if self.context_parallel not in (False, True) + tuple(CONTEXT_PARALLEL):
             raise AutoshardError(
                 "--context-parallel (context_parallel) must be one of "
