@@ -668,3 +668,17 @@ def test_compare_names_each_plan_once_and_says_when_none_fits():
     assert "fastest that fits" not in run.stdout
     empty = CliRunner().invoke(main, [*base, "--plans", ","])
     assert empty.exit_code == 2 and "--plans names no plan" in empty.output
+
+
+def test_a_one_layer_model_is_no_pipeline_in_good_english(tmp_path):
+    """``stages --pp 2`` on the MLP (one clustered layer) said "1 layers ... use --pp 1
+    or fewer"."""
+    mlp = str(ROOT / "examples" / "mlp.py")
+    run = CliRunner().invoke(
+        main, ["stages", mlp, "--mesh", "2", "--pp", "2", "--out", str(tmp_path)]
+    )
+    assert run.exit_code == 2, run.output
+    assert run.output.strip().splitlines()[-1] == (
+        "error: cannot split 1 layer into 2 pipeline stages: the model has 1 layer "
+        "(clustered); it cannot be split into stages"
+    )

@@ -164,8 +164,11 @@ def test_atomic_write_failing_rename_is_an_error_and_leaves_target(
 
 def test_atomic_write_into_a_file_as_directory_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "plain").write_text("x")
-    with pytest.raises(AutoshardError, match="cannot write"):
+    with pytest.raises(AutoshardError, match="cannot write") as err:
         atomic_write_text(tmp_path / "plain" / "f.txt", "y")
+    assert f"{tmp_path / 'plain'} is a file, not a folder" in str(err.value)  # not "File exists"
+    with pytest.raises(AutoshardError, match="plain is a file, not a folder"):
+        atomic_write_text(tmp_path / "plain" / "deeper" / "f.txt", "y")
 
 
 # ------------------------------------------------------------------------------------------

@@ -313,10 +313,14 @@ def plan_pipeline(
 
 def _check_stages(pp: int, layers: LayerMap) -> None:
     if pp > layers.num_layers:
-        what = "repeated blocks" if layers.source == "blocks" else "layers (clustered)"
+        n = layers.num_layers
+        what = "repeated block" if layers.source == "blocks" else "layer (clustered)"
+        if n != 1:
+            what = what.replace("block", "blocks").replace("layer ", "layers ")
+        fewer = f"use --pp {n} or fewer" if n > 1 else "it cannot be split into stages"
         raise AutoshardError(
-            f"cannot split {layers.num_layers} layers into {pp} pipeline stages: the model has "
-            f"{layers.num_layers} {what}; use --pp {layers.num_layers} or fewer"
+            f"cannot split {n} layer{'s' if n != 1 else ''} into {pp} pipeline stages: the "
+            f"model has {n} {what}; {fewer}"
         )
 
 

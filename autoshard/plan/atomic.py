@@ -37,6 +37,11 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as e:
+        blocker = next((p for p in target.parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise AutoshardError(
+                f"cannot write {target}: {blocker} is a file, not a folder; pick another path"
+            ) from e
         raise AutoshardError(
             f"cannot write {target}: {e.strerror or e}; check the directory exists and is writable"
         ) from e
