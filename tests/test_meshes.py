@@ -319,6 +319,15 @@ def test_an_over_the_cap_shape_gets_the_plan_of_a_shape_with_one_dim_fewer_laid_
     assert lifted.step_time_s == min(r.step_time_s for r in rows.values())
 
 
+def _table_cells(output: str) -> dict[str, list[str]]:
+    """The ``--gpus`` table's rows: mesh -> its cells (a wide terminal: one line a row)."""
+    return {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
+        for line in output.splitlines()
+        if line.count("│") >= 8
+    }
+
+
 def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path: Path, monkeypatch):
     """``solve --gpus 4``, the cap under 2x2's program: its row names the search that
     planned it and a note gives the reason; when torchtitan's space has no plan either
@@ -330,22 +339,14 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     args = ["solve", str(model), "--gpus", "4", "--gpus-per-node", "4", "--out", str(tmp_path)]
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert run.exit_code == 0, run.output
-    cells = {
-        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
-        for line in run.output.splitlines()
-        if line.count("│") >= 8
-    }
+    cells = _table_cells(run.output)
     assert cells["4"][-1] == "ILP" and cells["2x2"][-1] == "4 ILP, lifted", cells
     assert "note: 2x2: its ILP has " in run.output
     assert "; 4's ILP plan laid onto it (its dim 0 split into dims 0 and 1) takes " in run.output
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # torchtitan's plan stays
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert run.exit_code == 0, run.output
-    cells = {
-        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
-        for line in run.output.splitlines()
-        if line.count("│") >= 8
-    }
+    cells = _table_cells(run.output)
     assert cells["4"][-1] == "ILP" and cells["2x2"][-1] == "torchtitan space", cells
     assert "note: 2x2 is planned in torchtitan's space" in run.output
     assert "its ILP has" in run.output.split("note: 2x2 is planned", 1)[1]
