@@ -310,3 +310,44 @@ def test_fold_layers_takes_only_decimal_layer_indices():
 
     # "²".isdigit() is True but int("²") fails: such a name is kept as it is
     assert fold_layers({"w.²": ("R",), "w.3": ("R",)}) == [("w.3", ("R",)), ("w.²", ("R",))]
+
+
+def test_show_reads_a_stage_plan_as_stages_writes_it(tmp_path: Path) -> None:
+    """``autoshard show`` on the stage plan ``autoshard stages`` writes (it refused it as a
+    sharding map of another format, though ``launch`` runs it): one row per stage with
+    its blocks, ranks, submesh and predicted time, send/recv and memory as the file holds
+    them, and each stage's parameters with one column per mesh dim."""
+    import json
+
+    from autoshard.cli.main import main
+    from autoshard.units import format_bytes, format_seconds
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["stages", str(root / "examples" / "blocks.py"), "--mesh", "2x2", "--pp", "2"]
+    made = CliRunner().invoke(
+        main, [*args, "--memory-budget", "8KiB", "--out", str(tmp_path), "-q"]
+    )
+    assert made.exit_code == 0, made.output
+    path = Path(made.stdout.split()[-1])
+    raw = json.loads(path.read_text())
+    out = io.StringIO()
+    assert render(path, Console(file=out, width=200)) == "stage_plan"
+    text = out.getvalue()
+    assert f"2 stages, {raw['microbatches']} micro-batches" in text
+    assert "2x2 (dp=2, tp=2), 4 devices" in text
+    for i, stage in enumerate(raw["stages"]):
+        p = stage["predicted"]
+        cells = [
+            str(i),
+            f"{stage['module_paths'][0]} .. {stage['module_paths'][-1]}",
+            ",".join(map(str, stage["ranks"])),
+            "x".join(map(str, stage["submesh"])),
+            format_seconds(p["time_s"]),
+            format_seconds(p["p2p_s"]),
+            format_bytes(p["memory_bytes"]),
+        ]
+        row = next(line for line in text.splitlines() if line.startswith(f"│ {i} "))
+        assert [c.strip() for c in row.strip("│").split("│")] == cells, row
+        assert f"Stage {i} parameters" in text
+        for name, ps in stage["parameters"].items():
+            assert name.split(".")[-2] in text and all(q in text for q in ps)

@@ -13,10 +13,12 @@ from rich.console import Console
 @click.option("--nodes", is_flag=True, help="Also list each node's arg and result placements.")
 @click.option("--all-nodes", is_flag=True, help="With --nodes: list every node, not the first 40.")
 def show_command(file: Path, nodes: bool, all_nodes: bool) -> None:
-    """Print a solution (.pkl) or a sharding map (.json) readably.
+    """Print a solution (.pkl), a sharding map (.json) or a stage plan readably.
 
-    The kind is read from the file's content. Solutions are loaded safely: a file that
-    references anything but placements and builtins is refused, and nothing in it runs.
+    The kind is read from the file's content (a stage plan is what `autoshard stages`
+    writes: its stages, their ranks and predictions, each stage's parameters). Solutions
+    are loaded safely: a file that references anything but placements and builtins is
+    refused, and nothing in it runs.
     """
     from autoshard.plan.show import render  # heavy: torch placements
 

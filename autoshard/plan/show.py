@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard.cost.collective_table import COLLECTIVES
-from autoshard.placements import placement_to_str, short
+from autoshard.placements import placement_to_str, placements_from_str, short
 from autoshard.plan.formats import ShardingMap, detect_kind, load_sharding_map, load_solution
 from autoshard.plan.report import format_ranges
 from autoshard.units import format_bandwidth, format_bytes, format_seconds
@@ -45,8 +45,12 @@ def render(
     node's arg and result placements (the first 40 unless ``all_nodes``). A sharding map
     shows its mesh, parameters, inputs and predictions.
 
+    A stage plan (``autoshard stages``) shows its mesh, depth and micro-batches, one row
+    per stage (its blocks, ranks, submesh and predicted seconds and memory) and each
+    stage's parameter placements on its submesh.
+
     Returns:
-        ``"solution"`` or ``"sharding_map"``: which kind the file was.
+        ``"solution"``, ``"sharding_map"`` or ``"stage_plan"``: which kind the file was.
 
     Raises:
         AutoshardError: when the file cannot be read or loaded (see
@@ -55,6 +59,11 @@ def render(
     """
     kind = detect_kind(path)
     if kind == "sharding_map":
+        from autoshard.pipeline.stage_plan import is_stage_plan  # the pipeline's own format
+
+        if is_stage_plan(path):
+            _render_stage_plan(Path(path), console)
+            return "stage_plan"
         _render_map(Path(path), load_sharding_map(path), console)
     else:
         _render_solution(Path(path), load_solution(path), console, nodes, all_nodes)
@@ -211,6 +220,44 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
         console.print(_placement_table("Inputs", "input", smap.inputs, smap.mesh_shape, names))
     if smap.predicted:
         console.print(_predicted_table(smap.predicted, names))
+
+
+def _render_stage_plan(path: Path, console: Console) -> None:
+    """A stage plan (validated by its loader): its summary, its stages, their parameters."""
+    import json
+
+    from autoshard.pipeline.stage_plan import load_stage_plan
+
+    plan = load_stage_plan(path)
+    raw = json.loads(path.read_text())  # the per-stage predictions the loader does not keep
+    names = list(plan.dim_names)
+    summary = _summary_table(f"Stage plan  {path}")
+    summary.add_row("model", _text(plan.model))
+    summary.add_row("mesh", _text(_mesh_text(plan.mesh_shape, names)))
+    summary.add_row("pipeline", _text(f"{plan.pp} stages, {plan.microbatches} micro-batches"))
+    if plan.step_time_s is not None:
+        summary.add_row("predicted step", _text(format_seconds(plan.step_time_s)))
+    console.print(summary)
+    table = Table(title="Stages")
+    for col in ("stage", "blocks", "ranks", "submesh", "time", "send/recv", "memory"):
+        table.add_column(col, justify="right" if col in ("time", "send/recv", "memory") else "left")
+    for stage, entry in zip(plan.stages, raw.get("stages", []), strict=False):
+        predicted = entry.get("predicted") or {}
+        paths = stage.module_paths
+        blocks = paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]}" if paths else "-"
+        table.add_row(
+            str(stage.index),
+            blocks,
+            ",".join(map(str, stage.ranks)),
+            "x".join(map(str, stage.submesh)),
+            *(format_seconds(predicted[k]) if k in predicted else "-" for k in ("time_s", "p2p_s")),
+            format_bytes(predicted["memory_bytes"]) if "memory_bytes" in predicted else "-",
+        )
+    console.print(table)
+    for stage in plan.stages:
+        title = f"Stage {stage.index} parameters (on its {'x'.join(map(str, stage.submesh))})"
+        params = {k: placements_from_str(v) for k, v in stage.parameters.items()}
+        console.print(_placement_table(title, "parameter", params, stage.submesh, names))
 
 
 # ------------------------------------------------------------------------------------------
