@@ -458,3 +458,39 @@ def test_a_mask_bound_to_gpt2_s_cache_parameter_is_one_line(tmp_path: Path) -> N
         )
     )
     assert instantiate(load_model_file(llama)).input_names == ("input_ids", "attention_mask")
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_a_tracing_error_says_whether_the_model_itself_fails(tmp_path: Path, mode: str) -> None:
+    """Inputs that do not fit the model (a new user's (8, 5) into ``Linear(4, 4)``) fail
+    in the model itself: the error says so, where it used to advise against
+    data-dependent control flow. A branch on a tensor's value fails only when traced:
+    that one keeps the tracing advice."""
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.solver.solve import SolveConfig, trace
+
+    cases = {
+        "misfit": "build_model = lambda: torch.nn.Linear(4, 4)\n"
+        "example_inputs = lambda: (torch.randn(8, 5),)\n",
+        "branch": "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x) if x.sum() > 0 else -self.fc(x)\n"
+        "build_model = M\n"
+        "example_inputs = lambda: (torch.randn(8, 4),)\n",
+    }
+    said = {}
+    for name, body in cases.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text("import torch\n" + body)
+        with pytest.raises(AutoshardError) as err:
+            trace(SolveConfig(model_path=path, mesh=MeshSpec.from_options("2"), mode=mode))
+        said[name] = str(err.value)
+    assert "reduction dim" in said["misfit"], said["misfit"]
+    assert said["misfit"].endswith(
+        "(the model raises the same on its example inputs without tracing: check "
+        "example_inputs() against build_model())"
+    )
+    assert "make the model traceable: no data-dependent Python control flow" in said["branch"]

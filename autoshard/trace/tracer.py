@@ -425,11 +425,31 @@ def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardEr
         if not _library_file(path)
     ]
     where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
-    return AutoshardError(
-        f"{what} could not trace {loaded.name}{where}: {type(exc).__name__}: {first} "
-        "(make the model traceable: no data-dependent Python control flow; "
-        "see docs/model-file.md, 'Tracing')"
+    hint = (
+        "make the model traceable: no data-dependent Python control flow; see "
+        "docs/model-file.md, 'Tracing'"
     )
+    if _raises_eagerly(loaded, type(exc), first):
+        hint = (
+            "the model raises the same on its example inputs without tracing: check "
+            "example_inputs() against build_model()"
+        )
+    return AutoshardError(
+        f"{what} could not trace {loaded.name}{where}: {type(exc).__name__}: {first} ({hint})"
+    )
+
+
+def _raises_eagerly(loaded: LoadedModel, kind: type, first: str) -> bool:
+    """Whether the model, run as it is on its example inputs (no tracing, no gradients),
+    raises ``kind`` with the first line ``first``: the export failed on the model's own
+    error (a shape that does not fit, a wrong dtype), not on something tracing refuses."""
+    try:
+        with torch.no_grad(), _quiet_torch():
+            loaded.module(*loaded.inputs)
+    except Exception as exc:  # compared with the export's error, then dropped: a diagnosis
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return isinstance(exc, kind) and bool(lines) and lines[0] == first
+    return False
 
 
 @contextlib.contextmanager
