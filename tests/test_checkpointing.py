@@ -546,6 +546,15 @@ def test_a_preloaded_recomputation_is_kept_or_its_change_is_said(tmp_path):
     lost = "the solution recomputes blocks 0-2; this run offers no recomputation of them"
     assert any(n.startswith(lost) for n in notes), notes
 
+    # a shallower model: the solution's last block is not in it (the run is auto already)
+    shallow = replace(cfg, model_path=_stack(tmp_path, 2))
+    _, fewer, notes = _preloaded(tmp_path, full, shallow)
+    assert fewer.recomputed_blocks == [0, 1]
+    assert [n for n in notes if "recomputes block" in n] == [
+        "the solution recomputes block 2, which this model has not (or which frees nothing "
+        "here): priced without its recomputation"
+    ]
+
     # another early stop: this run's is priced (the rerun reaches fc2: more seconds)
     solved, whole, notes = _preloaded(tmp_path, full, replace(cfg, checkpoint_early_stop=False))
     assert whole.recomputed_blocks == [0, 1, 2] and whole.recompute_s > solved.recompute_s

@@ -315,7 +315,9 @@ def test_an_over_the_cap_shape_gets_the_plan_of_a_shape_with_one_dim_fewer_laid_
     for name, ps in four.parameters.items():
         assert plan.parameters[name] == (ps[0], ps[0]), name
     assert 0 < plan.comm_total_s <= four.comm_total_s
-    assert lifted.result.ilp.status == "4's ILP plan, lifted (dim 0 split into dims 0 and 1)"
+    assert lifted.result.ilp.status == "4's ILP plan, lifted (4's dim 0 split into dims 0 and 1)"
+    assert lifted.result.ilp.recompute == rows[(4,)].result.ilp.recompute
+    assert plan.extra["lifted"]["from"] == [4] and plan.extra["lifted"]["split_dim"] == 0
     assert lifted.step_time_s == min(r.step_time_s for r in rows.values())
 
 
@@ -342,7 +344,12 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     cells = _table_cells(run.output)
     assert cells["4"][-1] == "ILP" and cells["2x2"][-1] == "4 ILP, lifted", cells
     assert "note: 2x2: its ILP has " in run.output
-    assert "; 4's ILP plan laid onto it (its dim 0 split into dims 0 and 1) takes " in run.output
+    assert "; 4's ILP plan laid onto it (4's dim 0 split into dims 0 and 1) takes " in run.output
+    # the written plan's report says what planned it: no ILP on 2x2, 4's plan laid onto it
+    solver = next(line for line in run.output.splitlines() if line.startswith("solver:"))
+    assert solver.startswith("solver: none on this mesh (its ILP is over the search's column ")
+    assert "4's ILP plan (" in solver and "laid onto it with 4's dim 0 split" in solver
+    assert "started from no plan" not in run.output
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # torchtitan's plan stays
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert run.exit_code == 0, run.output

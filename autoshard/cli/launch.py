@@ -40,7 +40,9 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
     from autoshard.plan.formats import load_sharding_map
 
     opts = RunOptions(**run)
-    if opts.json_path:  # before any rank starts: a finished run's report is never lost
+    if opts.json_path is not None:  # before any rank starts: a run's report is never lost
+        if not str(opts.json_path).strip():
+            raise click.UsageError("Invalid value for '--json': is empty: give a file to write")
         check_writable_file(Path(opts.json_path), "--json")
     if is_stage_plan(plan):
         n_devices = prepare_launch(plan, model)

@@ -1,7 +1,8 @@
-"""``autoshard show FILE``: print a solution or a sharding map readably."""
+"""``autoshard show FILE``: print a solution, a sharding map or a stage plan readably."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -20,6 +21,13 @@ def show_command(file: Path, nodes: bool, all_nodes: bool) -> None:
     are loaded safely: a file that references anything but placements and builtins is
     refused, and nothing in it runs.
     """
-    from autoshard.plan.show import render  # heavy: torch placements
+    from autoshard.pipeline.stage_plan import is_stage_plan, load_stage_plan
+    from autoshard.plan.show import render, render_stage_plan  # heavy: torch placements
+
+    if is_stage_plan(file):  # the pipeline's own format
+        plan = load_stage_plan(file)  # validated before its predictions are read
+        stages = json.loads(file.read_text())["stages"]
+        render_stage_plan(file, plan, [s.get("predicted") or {} for s in stages], Console())
+        return
 
     render(file, Console(), nodes=nodes or all_nodes, all_nodes=all_nodes)

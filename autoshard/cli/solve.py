@@ -21,6 +21,7 @@ from autoshard.cli.options import (
     plan_options,
     refuse_overwriting_preload,
 )
+from autoshard.cost.mesh import MAX_DEVICES
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
 
@@ -30,7 +31,7 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
 @mesh_options(mesh_required=False)
 @click.option(
     "--gpus",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_DEVICES),
     default=None,
     metavar="N",
     help="In place of --mesh: try every mesh shape of N GPUs that respects the node boundary "

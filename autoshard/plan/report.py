@@ -768,6 +768,8 @@ def print_report(
     elif "space" in plan.extra:
         for line in space_lines(plan.extra["space"], plan.extra.get("budget")):
             console.print(line, highlight=False)
+    elif "lifted" in plan.extra:
+        console.print(lifted_line(plan.extra["lifted"], ilp.objective_s), highlight=False)
     else:
         if status == "within_gap":
             status = "within the --mip-gap of the LP bound"
@@ -784,6 +786,26 @@ def print_report(
     )
     if files:
         console.print("wrote " + " and ".join(str(f) for f in files))
+
+
+def lifted_line(lifted: dict, step_s: float) -> str:
+    """A plan the mesh search laid from a shape with one dim fewer
+    (:mod:`autoshard.solver.lifting`): no ILP ran on this mesh; which ILP the plan is,
+    how that search ended and what the plan takes there and here."""
+    source = "x".join(map(str, lifted["from"]))
+    m = lifted["split_dim"]
+    status = lifted["source_status"]
+    gap = lifted["source_gap"]
+    ended = "optimal" if status == "optimal" else STOPPED_BY.get(status, status)
+    if status == "within_gap":
+        ended = "within the --mip-gap of the LP bound"
+    gap_text = "" if gap != gap else f", gap {gap:.2%}"
+    return (
+        f"solver: none on this mesh (its ILP is over the search's column cap); {source}'s "
+        f"ILP plan ({ended}{gap_text}; {format_seconds(lifted['source_step_s'])} there), "
+        f"laid onto it with {source}'s dim {m} split into dims {m} and {m + 1}: "
+        f"{format_seconds(step_s)} here"
+    )
 
 
 def space_lines(space: dict, budget: float | None) -> list[str]:

@@ -45,12 +45,10 @@ def render(
     node's arg and result placements (the first 40 unless ``all_nodes``). A sharding map
     shows its mesh, parameters, inputs and predictions.
 
-    A stage plan (``autoshard stages``) shows its mesh, depth and micro-batches, one row
-    per stage (its blocks, ranks, submesh and predicted seconds and memory) and each
-    stage's parameter placements on its submesh.
+    A stage plan is :func:`render_stage_plan`'s (the pipeline reads its format).
 
     Returns:
-        ``"solution"``, ``"sharding_map"`` or ``"stage_plan"``: which kind the file was.
+        ``"solution"`` or ``"sharding_map"``: which kind the file was.
 
     Raises:
         AutoshardError: when the file cannot be read or loaded (see
@@ -59,11 +57,6 @@ def render(
     """
     kind = detect_kind(path)
     if kind == "sharding_map":
-        from autoshard.pipeline.stage_plan import is_stage_plan  # the pipeline's own format
-
-        if is_stage_plan(path):
-            _render_stage_plan(Path(path), console)
-            return "stage_plan"
         _render_map(Path(path), load_sharding_map(path), console)
     else:
         _render_solution(Path(path), load_solution(path), console, nodes, all_nodes)
@@ -222,14 +215,14 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
         console.print(_predicted_table(smap.predicted, names))
 
 
-def _render_stage_plan(path: Path, console: Console) -> None:
-    """A stage plan (validated by its loader): its summary, its stages, their parameters."""
-    import json
-
-    from autoshard.pipeline.stage_plan import load_stage_plan
-
-    plan = load_stage_plan(path)
-    raw = json.loads(path.read_text())  # the per-stage predictions the loader does not keep
+def render_stage_plan(
+    path: Path, plan: Any, predicted: Sequence[Mapping[str, float]], console: Console
+) -> None:
+    """A stage plan (``plan``: loaded and validated by
+    :func:`autoshard.pipeline.stage_plan.load_stage_plan`), with each stage's
+    ``predicted`` entry from the file (``time_s``, ``p2p_s``, ``memory_bytes``): its mesh,
+    depth and micro-batches, one row per stage (its blocks, ranks, submesh and
+    predictions) and each stage's parameter placements on its submesh."""
     names = list(plan.dim_names)
     summary = _summary_table(f"Stage plan  {path}")
     summary.add_row("model", _text(plan.model))
@@ -241,8 +234,7 @@ def _render_stage_plan(path: Path, console: Console) -> None:
     table = Table(title="Stages")
     for col in ("stage", "blocks", "ranks", "submesh", "time", "send/recv", "memory"):
         table.add_column(col, justify="right" if col in ("time", "send/recv", "memory") else "left")
-    for stage, entry in zip(plan.stages, raw.get("stages", []), strict=False):
-        predicted = entry.get("predicted") or {}
+    for stage, entry in zip(plan.stages, predicted, strict=False):
         paths = stage.module_paths
         blocks = paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]}" if paths else "-"
         table.add_row(
@@ -250,8 +242,8 @@ def _render_stage_plan(path: Path, console: Console) -> None:
             blocks,
             ",".join(map(str, stage.ranks)),
             "x".join(map(str, stage.submesh)),
-            *(format_seconds(predicted[k]) if k in predicted else "-" for k in ("time_s", "p2p_s")),
-            format_bytes(predicted["memory_bytes"]) if "memory_bytes" in predicted else "-",
+            *(format_seconds(entry[k]) if k in entry else "-" for k in ("time_s", "p2p_s")),
+            format_bytes(entry["memory_bytes"]) if "memory_bytes" in entry else "-",
         )
     console.print(table)
     for stage in plan.stages:

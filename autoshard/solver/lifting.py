@@ -6,15 +6,18 @@ placement on both dims ``m`` and ``m + 1`` of a mesh that splits it into ``a x b
 (DTensor's order, :class:`torch.distributed.tensor.Shard`), so device ``(i, j)`` holds
 chunk ``i * b + j`` of ``a * b``, the chunk device ``i * b + j`` of the flat dim holds;
 ``Partial`` on both is a sum over all ``a * b`` devices; ``Replicate`` on both is
-replicated over them. So every plan of the 8x8 mesh is a plan of 4x2x8 (dim 0 split) and
-of 8x2x4 (dim 1 split), with the same bytes on every device and the same compute; only
-its collectives change: each runs over two mesh dims, priced there as the 3-D mesh's
-links price it (:mod:`autoshard.cost.collectives`, one step per dim).
+replicated over them. So a plan of the 8x8 mesh is, as a layout, a plan of 4x2x8 (dim 0
+split) and of 8x2x4 (dim 1 split), with the same bytes on every device and the same
+compute; only its collectives change: each runs over two mesh dims, priced there as the
+3-D mesh's links price it (:mod:`autoshard.cost.collectives`, one step per dim). Whether
+the split mesh's strategy graph offers it is up to its op rules: those that shard over
+one mesh dim only (a convolution's unnested rules, context or expert parallelism on the
+split dim) have no such strategy, and the plan is then not lifted.
 
 The mesh search (:mod:`autoshard.solver.meshes`) uses it where a 3-D shape's own ILP is
 over its column cap: the 2-D shape's ILP plan, laid onto the 3-D shape, is a plan of that
-shape that :mod:`autoshard.launch` runs like any other, and an upper bound on what the
-shape's own ILP would find.
+shape that :mod:`autoshard.launch` runs like any other, and (as its ILP prices it) an
+upper bound on what the shape's own ILP would find.
 """
 
 from __future__ import annotations
@@ -56,7 +59,12 @@ def lift_choice(
     ``target`` whose every output and input placement is ``source``'s with dim ``m``'s
     placement on dims ``m`` and ``m + 1`` (:func:`split_placements`). ``None`` when a
     representative of either graph is not one of the other's, or when ``target`` has no
-    such strategy for one (its rules do not offer the layout on the split dims)."""
+    such strategy for one (its rules do not offer the layout on the split dims).
+
+    Strategies with the same placements can differ in what the op sends itself
+    (:attr:`~autoshard.strategies.strategy.Strategy.collectives`: an attention's
+    all-gather or ring context parallelism): the match must send the same kinds of
+    collective as the source's (on whichever dims the split mesh puts them)."""
     reps = {ns.rep for ns in target.nodes.values()}
     if reps != set(choice):
         return None
@@ -67,11 +75,13 @@ def lift_choice(
             tuple(split_placements(p, m) for p in s.outputs),
             tuple(split_placements(p, m) for p in s.inputs),
         )
+        kinds = {c[0] for c in s.collectives}
         found = next(
             (
                 j
                 for j, t in enumerate(target.nodes[rep].strategies)
                 if (tuple(t.outputs), tuple(t.inputs)) == want
+                and {c[0] for c in t.collectives} == kinds
             ),
             None,
         )

@@ -54,7 +54,8 @@ class MeshRow:
     plan instead (``stages``: an :class:`autoshard.pipeline.pricing.StagesResult`, the
     layers split into ``pp`` stages over the mesh's leading dims), with its own
     ``seconds`` and MFU (``pipeline_mfu``). ``space``: the search that planned it
-    (``"free"``, the whole ILP, or ``"torchtitan"``); ``note``: why it is not the one
+    (``"free"``, the whole ILP or, with ``lifted_from``, the ILP plan of that shape laid
+    onto this one; or ``"torchtitan"``); ``note``: why it is not the one
     asked for (the free ILP over the column cap), else ``None``. ``bound_s``: a row
     skipped because a lower bound on its step (its LP relaxations) is not under the best
     plan found (``error`` says so), else ``None``."""
@@ -190,11 +191,21 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
     source = "x".join(map(str, src.mesh.shape))
     seconds = {k: v for k, v in res.seconds.items() if k != "total"}
     seconds["lift"] = time.perf_counter() - t
-    status = f"{source}'s ILP plan, lifted (dim {m} split into dims {m} and {m + 1})"
+    split = f"{source}'s dim {m} split into dims {m} and {m + 1}"
+    status = f"{source}'s ILP plan, lifted ({split})"
+    ilp = src.result.ilp
+    plan.extra["lifted"] = {
+        "from": list(src.mesh.shape),
+        "split_dim": m,
+        "source_status": ilp.status,
+        "source_gap": ilp.gap,
+        "source_step_s": src.result.plan.step_time_s,
+    }
     lifted = unsolved_result(config, res.graph, sg, plan, seconds, status)
+    lifted.ilp = replace(lifted.ilp, recompute=dict(ilp.recompute))
     note = (
-        f"{row.note}; {source}'s ILP plan laid onto it (its dim {m} split into dims {m} and "
-        f"{m + 1}) takes {format_seconds(plan.step_time_s)}, {row.space}'s space "
+        f"{row.note}; {source}'s ILP plan laid onto it ({split}) takes "
+        f"{format_seconds(plan.step_time_s)}, {row.space}'s space "
         f"{format_seconds(row.step_time_s)}"
     )
     return replace(row, result=lifted, space="free", note=note, lifted_from=src.mesh.shape)

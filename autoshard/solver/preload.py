@@ -1060,13 +1060,22 @@ def _recomputation_notes(config: SolveConfig, solution: Mapping[str, Any], ck) -
                 "written as recomputing in full (the same ops rerun)"
             )
         lost = sorted((set(recomputed) | set(selective)) - offered)
-        if lost:
+        if lost and ck is None:
             notes.append(
                 f"the solution recomputes {_ranges(lost)}; this run offers no recomputation "
                 f"of them (--activation-checkpointing {config.activation_checkpointing}), so "
                 "they are priced keeping their activations: pass --activation-checkpointing "
                 "auto to keep the solution's recomputation"
             )
+        elif lost:
+            one = len(lost) == 1
+            notes.append(
+                f"the solution recomputes {_ranges(lost)}, which this model has not (or which "
+                f"{'frees' if one else 'free'} nothing here): priced without "
+                f"{'its' if one else 'their'} recomputation"
+            )
+    if ck is None:
+        return notes  # nothing recomputes: the early stop prices nothing
     stored = stored_early_stop(solution.get("cost_model") or {}, predicted)
     if stored != config.checkpoint_early_stop:
         how = {

@@ -233,7 +233,7 @@ class SolveConfig:
             overlap=cost.get("overlap", True),
             share_reshardings=cost.get("share_reshardings", False),
             context_parallel=cost.get("context_parallel", False),
-            activation_checkpointing=cost.get("activation_checkpointing", "auto"),
+            activation_checkpointing=_stored_checkpointing(cost),
             checkpoint_early_stop=stored_early_stop(cost, solution.get("predicted") or {}),
         )
 
@@ -256,6 +256,14 @@ class SolveConfig:
             "checkpoint_early_stop": self.checkpoint_early_stop,
             "mesh": self.mesh.to_dict(),
         }
+
+
+def _stored_checkpointing(cost: Mapping[str, Any]) -> str:
+    """A solution's ``--activation-checkpointing``; an inference solution's is ``auto``
+    whatever it stored (a file written before full/selective were refused beside
+    ``--mode infer``, where they meant nothing)."""
+    stored = cost.get("activation_checkpointing", "auto")
+    return "auto" if cost.get("mode", "train") == "infer" else stored
 
 
 def stored_early_stop(cost: Mapping[str, Any], predicted: Mapping[str, Any]) -> bool:
