@@ -32,6 +32,7 @@ from autoshard.model.model_file import instantiate, load_model_file
 from autoshard.pipeline.pricing import price_pipeline
 from autoshard.pipeline.search import pipeline_rows, stage_file
 from autoshard.pipeline.stage_plan import load_stage_plan
+from autoshard.solver.lifting import lift_choice
 from autoshard.solver.meshes import search_meshes
 from autoshard.solver.solve import SolveConfig, plan_model
 from autoshard.solver.space import plan_space
@@ -372,6 +373,12 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     assert rows[(4,)].result is not None
     assert rows[(2, 2)].result is None and rows[(2, 2)].error.startswith("its ILP has ")
     assert rows[(2, 2)].error.endswith("; in torchtitan's space: planted: no plan in this space")
+    # with lifting: the shape torchtitan's space has no plan for gets 4's plan laid onto it
+    monkeypatch.setattr(searched, "lift_choice", lift_choice)
+    rows = {r.mesh.shape: r for r in search_meshes(config, meshes).rows}
+    row = rows[(2, 2)]
+    assert row.result is not None and row.error is None and row.lifted_from == (4,)
+    assert row.note.endswith("torchtitan's space has no plan (planted: no plan in this space)")
 
 
 _BLOCK = """

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoshard.cost.mesh import MeshSpec
@@ -45,6 +45,19 @@ from autoshard.solver.space import plan_space
 from autoshard.units import format_seconds
 
 Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class _OverCap:
+    """A row's shape over the column cap, without a plan: its config, strategy graph, the
+    seconds spent on it, why its ILP was not solved and why torchtitan's space has no plan
+    (``MeshRow.over_cap``)."""
+
+    config: SolveConfig
+    sg: Any
+    seconds: dict[str, float]
+    why: str
+    space_error: str  # why torchtitan's space has no plan either
 
 
 @dataclass
@@ -73,6 +86,9 @@ class MeshRow:
     # the shape whose ILP plan this row's plan is, laid onto this shape (one of its dims
     # split in two: autoshard.solver.lifting), or None
     lifted_from: tuple[int, ...] | None = None
+    # a shape over the column cap that torchtitan's space has no plan for either: what a
+    # plan laid onto it needs (its config and strategies), else None
+    over_cap: _OverCap | None = field(default=None, repr=False)
 
     @property
     def planned(self) -> bool:
@@ -155,8 +171,13 @@ def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # n
                 searched, why = "torchtitan", str(exc)
         found = plan_space(config, searched, progress, graph, sg)
     except AutoshardError as exc:  # this shape has no plan: its row says why
-        error = str(exc) if why is None else f"{why}; in torchtitan's space: {exc}"
-        return MeshRow(config.mesh, error=error, space=space)
+        if why is None:
+            return MeshRow(config.mesh, error=str(exc), space=space)
+        # over the cap and no plan in torchtitan's space: another shape's plan may still be
+        # laid onto it (_lifted), on these strategies
+        error = f"{why}; in torchtitan's space: {exc}"
+        over_cap = _OverCap(config, sg, {"strategies": built}, why, str(exc))
+        return MeshRow(config.mesh, error=error, space="torchtitan", over_cap=over_cap)
     found.seconds = {"strategies": built, **found.seconds}
     return MeshRow(config.mesh, found, space=searched, note=why)
 
@@ -167,11 +188,16 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
     (:mod:`autoshard.solver.lifting`: a dim of that shape split into two of this one),
     priced on this shape's links, when that is faster and fits the budget. The fastest
     such plan of every free row it can be laid from, with that row's recomputation."""
-    if row.space == "free" or row.note is None or row.result is None:
+    if row.result is not None and row.space != "free" and row.note is not None:
+        res = row.result
+        config, sg, graph, spent, why = res.config, res.sg, res.graph, res.seconds, row.note
+    elif row.over_cap is not None:  # no plan in torchtitan's space either
+        c = row.over_cap
+        config, sg, graph, spent, why = c.config, c.sg, c.sg.graph, c.seconds, c.why
+    else:
         return row
     t = time.perf_counter()
-    res = row.result
-    config, sg, budget = res.config, res.sg, res.config.budget()
+    budget = config.budget()
     best: tuple[Any, MeshRow, int] | None = None
     for src in rows:
         if src.space != "free" or src.result is None or src.pp != 1:
@@ -185,11 +211,11 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
                 continue
             if best is None or plan.step_time_s < best[0].step_time_s:
                 best = (plan, src, m)
-    if best is None or best[0].step_time_s >= row.step_time_s:
+    if best is None or (row.result is not None and best[0].step_time_s >= row.step_time_s):
         return row
     plan, src, m = best
     source = "x".join(map(str, src.mesh.shape))
-    seconds = {k: v for k, v in res.seconds.items() if k != "total"}
+    seconds = {k: v for k, v in spent.items() if k != "total"}
     seconds["lift"] = time.perf_counter() - t
     split = f"{source}'s dim {m} split into dims {m} and {m + 1}"
     status = f"{source}'s ILP plan, lifted ({split})"
@@ -201,14 +227,24 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
         "source_gap": ilp.gap,
         "source_step_s": src.result.plan.step_time_s,
     }
-    lifted = unsolved_result(config, res.graph, sg, plan, seconds, status)
+    lifted = unsolved_result(config, graph, sg, plan, seconds, status)
     lifted.ilp = replace(lifted.ilp, recompute=dict(ilp.recompute))
-    note = (
-        f"{row.note}; {source}'s ILP plan laid onto it ({split}) takes "
-        f"{format_seconds(plan.step_time_s)}, {row.space}'s space "
-        f"{format_seconds(row.step_time_s)}"
+    other = (
+        f"{row.space}'s space {format_seconds(row.step_time_s)}"
+        if row.result is not None
+        else f"{row.space}'s space has no plan ({row.over_cap.space_error})"
     )
-    return replace(row, result=lifted, space="free", note=note, lifted_from=src.mesh.shape)
+    note = f"{why}; {source}'s ILP plan laid onto it ({split}) takes "
+    note += f"{format_seconds(plan.step_time_s)}, {other}"
+    return replace(
+        row,
+        result=lifted,
+        space="free",
+        note=note,
+        error=None,
+        lifted_from=src.mesh.shape,
+        over_cap=None,
+    )
 
 
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
