@@ -99,7 +99,7 @@ def test_show_solution(tmp_path: Path) -> None:
     assert "2x4 (dp=2, tp=4), 8 devices" in out
     assert "50.0 GB/s, latency 10.0 us" in out  # dp
     assert "450 GB/s, latency 5.00 us" in out  # tp
-    assert "device h100, mode infer" in out
+    assert "--device h100, --mode infer" in out  # the options that set them
     assert "12.3 ms per step" in out
     assert "optimal, gap 0.00 %, solved in 1.20 s" in out
     assert "3 (aten.mm.default 2, aten.gelu.default 1)" in out
@@ -134,7 +134,7 @@ def test_show_solution_as_export_writes_it(tmp_path: Path) -> None:
     path = tmp_path / "s.pkl"
     save_solution(path, sol)
     out = show(str(path))
-    assert "device h100, mode train" in out
+    assert "--device h100, --mode train" in out
     assert "peak_flops" not in out and "bandwidth_Bps" not in out
     assert "optimal, gap 0.10 %, solved in 103 ms, build_seconds 14.9 ms, num_variables 769" in out
     assert "bound_s" not in out
@@ -351,3 +351,31 @@ def test_show_reads_a_stage_plan_as_stages_writes_it(tmp_path: Path) -> None:
         assert f"Stage {i} parameters" in text
         for name, ps in stage["parameters"].items():
             assert name.split(".")[-2] in text and all(q in text for q in ps)
+
+
+def test_a_solution_s_cost_model_reads_as_the_options_that_set_it():
+    """``show`` gives the cost model as ``autoshard solve``'s options (it printed the file's
+    keys: ``input_placement free``, ``memory_budget_bytes``); an on/off setting appears
+    only when it is not the default, as its flag."""
+    from autoshard.plan.show import _cost_model_text
+
+    cost = {
+        "device": {"name": "a100"},
+        "mode": "train",
+        "memory_budget_bytes": 2**30,
+        "input_placement": "free",
+        "overlap": False,
+        "share_reshardings": True,
+        "context_parallel": "ring",
+        "checkpoint_early_stop": False,
+        "mesh": {"shape": [2]},
+    }
+    assert _cost_model_text(cost) == (
+        "--device a100, --mode train, --memory-budget 1.00 GiB, --inputs free, --no-overlap, "
+        "--share-reshardings, --context-parallel ring, --no-checkpoint-early-stop"
+    )
+    defaults = {"overlap": True, "share_reshardings": False, "context_parallel": False}
+    assert _cost_model_text({**defaults, "checkpoint_early_stop": True}) == ""
+    assert _cost_model_text({"context_parallel": True, "future_key": 3}) == (
+        "--context-parallel, future_key 3"
+    )

@@ -93,7 +93,7 @@ def _render_solution(
             summary.add_row(f"  {name}", _text(", ".join(parts)))
     cost_model = sol.get("cost_model")
     if cost_model:
-        summary.add_row("cost model", _text(_pairs(cost_model, skip=("mesh",))))
+        summary.add_row("cost model", _text(_cost_model_text(cost_model)))
     if "objective_s" in sol:
         summary.add_row("objective", _text(f"{format_seconds(sol['objective_s'])} per step"))
     solver = sol.get("solver")
@@ -137,6 +137,53 @@ def _mesh_text(shape: Sequence[int], names: Sequence[str]) -> str:
     dims = ", ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))
     count = math.prod(shape)
     return f"{'x'.join(map(str, shape))} ({dims}), {count} device{'s' if count != 1 else ''}"
+
+
+# a solution's cost-model keys, as the options of ``autoshard solve`` that set them
+_COST_OPTIONS = {
+    "device": "--device",
+    "mode": "--mode",
+    "dtype": "--dtype",
+    "precision": "--precision",
+    "reduce_dtype": "--reduce-dtype",
+    "memory_budget_bytes": "--memory-budget",
+    "input_placement": "--inputs",
+    "output_placement": "--outputs",
+    "bucket_bytes": "--bucket-size",
+    "context_parallel": "--context-parallel",
+    "activation_checkpointing": "--activation-checkpointing",
+}
+# flags whose value is on or off: the option when on (overlap: its --no- form when off)
+_COST_FLAGS = {
+    "overlap": ("", "--no-overlap"),
+    "share_reshardings": ("--share-reshardings", ""),
+    "checkpoint_early_stop": ("", "--no-checkpoint-early-stop"),
+}
+
+
+def _cost_model_text(cost: Mapping[str, Any]) -> str:
+    """The cost model as the ``autoshard solve`` options that set it (``--device h100,
+    --mode train, --memory-budget 74.5 GiB, ...``; an on/off setting only when it is not
+    the default, as its flag); keys no option sets keep their own name."""
+    parts, rest = [], {}
+    for key, value in cost.items():
+        if key == "mesh" or value is None:
+            continue
+        if key in _COST_FLAGS:
+            on, off = _COST_FLAGS[key]
+            flag = on if value else off
+            if flag:
+                parts.append(flag)
+        elif key == "context_parallel" and isinstance(value, bool):
+            if value:
+                parts.append("--context-parallel")
+        elif key in _COST_OPTIONS:
+            if isinstance(value, Mapping):
+                value = value.get("name", "")
+            parts.append(f"{_COST_OPTIONS[key]} {_quantity(str(key), value)}")
+        else:
+            rest[key] = value
+    return ", ".join(parts + ([_pairs(rest)] if rest else []))
 
 
 def _solver_text(solver: Mapping[str, Any]) -> str:
