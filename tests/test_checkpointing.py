@@ -555,6 +555,12 @@ def test_a_preloaded_recomputation_is_kept_or_its_change_is_said(tmp_path):
         "here): priced without its recomputation"
     ]
 
+    # a deeper model: each block recomputes as the stored block it was matched with
+    deep = replace(cfg, model_path=_stack(tmp_path, 6))
+    _, deeper, notes = _preloaded(tmp_path, full, deep)
+    assert deeper.recomputed_blocks == [0, 1, 2, 3, 4, 5]
+    assert "blocks 3-5 recompute as the stored blocks they were matched with" in " ".join(notes)
+
     # another early stop: this run's is priced (the rerun reaches fc2: more seconds)
     solved, whole, notes = _preloaded(tmp_path, full, replace(cfg, checkpoint_early_stop=False))
     assert whole.recomputed_blocks == [0, 1, 2] and whole.recompute_s > solved.recompute_s

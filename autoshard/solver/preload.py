@@ -1017,8 +1017,12 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     recomputed = predicted.get("recomputed_blocks") or []
     selective = predicted.get("selective_blocks") or []
     ck = sg.checkpointing
+    notes = _recomputation_notes(config, solution, ck)
+    if ck is not None and ck.blocks and _other_depth(sg.graph, solution["nodes"]):
+        recomputed, selective, note = _recompute_by_source(ck, pre.sources, recomputed, selective)
+        notes += [note] if note else []
     recompute = ck.counts_of_blocks(recomputed, selective) if ck is not None and ck.blocks else None
-    pre.notes.extend(_recomputation_notes(config, solution, ck))
+    pre.notes.extend(notes)
     ilp = ILPResult(
         choice=pre.choice,
         recompute=recompute or {},
@@ -1034,6 +1038,38 @@ def plan_preloaded(config, solution_path: str | Path, progress=None):
     plan = finish_plan(config, sg, pre.choice, "preloaded", recompute)
     seconds["total"] = sum(seconds.values())
     return SolveResult(config, graph, sg, ilp, plan, seconds, peak_rss_bytes()), pre
+
+
+def _recompute_by_source(
+    ck,
+    sources: Mapping[int, int],
+    recomputed: list[int],
+    selective: list[int],  # noqa: ANN001
+) -> tuple[list[int], list[int], str | None]:
+    """At another depth (matched by structure) each traced block of this graph takes the
+    plan of the stored block it was matched with (``sources``, else the block of its own
+    index), and so its recomputation: all its real blocks recompute, under the stored
+    block's policy, when the stored block's first real block does. Returns the real
+    blocks that recompute in full and selectively here, and a note when blocks the
+    solution does not name recompute (a 2-block plan recomputing both, preloaded onto 6
+    blocks, recomputed 2 of them before)."""
+    full, sel = set(recomputed), set(selective)
+    out_full: set[int] = set()
+    out_sel: set[int] = set()
+    for b in ck.blocks:
+        stored = sources.get(b.layer, b.layer)
+        if stored in full:
+            out_full.update(b.real)
+        elif stored in sel and b.policy == "selective":
+            out_sel.update(b.real)
+    added = sorted((out_full | out_sel) - full - sel)
+    note = None
+    if added:
+        note = (
+            f"{_ranges(added)} recompute as the stored blocks they were matched with (the "
+            "solution names the blocks of its own depth)"
+        )
+    return sorted(out_full), sorted(out_sel), note
 
 
 def _recomputation_notes(config: SolveConfig, solution: Mapping[str, Any], ck) -> list[str]:  # noqa: ANN001
