@@ -136,7 +136,7 @@ def test_show_solution_as_export_writes_it(tmp_path: Path) -> None:
     out = show(str(path))
     assert "--device h100, --mode train" in out
     assert "peak_flops" not in out and "bandwidth_Bps" not in out
-    assert "optimal, gap 0.10 %, solved in 103 ms, build_seconds 14.9 ms, num_variables 769" in out
+    assert "optimal, gap 0.10 %, solved in 103 ms, build 14.9 ms, variables 769" in out
     assert "bound_s" not in out
 
 

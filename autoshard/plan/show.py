@@ -186,9 +186,25 @@ def _cost_model_text(cost: Mapping[str, Any]) -> str:
     return ", ".join(parts + ([_pairs(rest)] if rest else []))
 
 
+# the solver statistics' keys as the report words them (keys not listed keep their name)
+_SOLVER_LABELS = {
+    "objective_s": "objective",
+    "num_variables": "variables",
+    "num_constraints": "constraints",
+    "build_seconds": "build",
+    "bound_s": "bound",
+    "start": "started from",
+    "start_objective_s": "start's step",
+    "memory_rounds": "memory rounds",
+}
+_SOLVER_STATUS = {"within_gap": "within the --mip-gap of the LP bound"}
+
+
 def _solver_text(solver: Mapping[str, Any]) -> str:
-    """``optimal, gap 0.00 %, solved in 1.20 s, num_variables 769, ...`` (None values skipped)."""
-    parts = [str(solver.get("status", "unknown status"))]
+    """``optimal, gap 0.00 %, solved in 1.20 s, variables 769, ...`` (None values skipped;
+    the keys worded as the report words them)."""
+    status = str(solver.get("status", "unknown status"))
+    parts = [_SOLVER_STATUS.get(status, status)]
     gap = solver.get("gap")
     if _is_number(gap):
         parts.append(f"gap {gap * 100:.2f} %")
@@ -196,8 +212,11 @@ def _solver_text(solver: Mapping[str, Any]) -> str:
     if time_key:
         parts.append(f"solved in {format_seconds(solver[time_key])}")
     rest = {k: v for k, v in solver.items() if k not in ("status", "gap", time_key)}
-    if rest:
-        parts.append(_pairs(rest))
+    for key, value in rest.items():
+        if value is None or isinstance(value, Mapping):
+            continue  # a nested table (the recomputed blocks' counts) is shown elsewhere
+        label = _SOLVER_LABELS.get(key, key.replace("_", " "))
+        parts.append(f"{label} {_quantity(str(key), value)}")
     return ", ".join(p for p in parts if p)
 
 
