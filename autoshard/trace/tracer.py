@@ -439,14 +439,24 @@ def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardEr
     )
 
 
+# what a model's own forward raises on inputs it cannot take (a shape that does not fit,
+# a wrong dtype, a missing key): the errors torch.export passes on unchanged
+_MODEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AssertionError)
+
+
 def _raises_eagerly(loaded: LoadedModel, kind: type, first: str) -> bool:
     """Whether the model, run as it is on its example inputs (no tracing, no gradients),
     raises ``kind`` with the first line ``first``: the export failed on the model's own
-    error (a shape that does not fit, a wrong dtype), not on something tracing refuses."""
+    error, not on something tracing refuses. Only an export error of
+    :data:`_MODEL_ERRORS` is tried (torch's own tracing errors, such as a guard on
+    data-dependent values, are not the model's); the eager run's errors of those kinds
+    are compared with it, any other propagates."""
+    if not issubclass(kind, _MODEL_ERRORS):
+        return False
     try:
         with torch.no_grad(), _quiet_torch():
             loaded.module(*loaded.inputs)
-    except Exception as exc:  # compared with the export's error, then dropped: a diagnosis
+    except _MODEL_ERRORS as exc:  # compared with the export's error: a diagnosis
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return isinstance(exc, kind) and bool(lines) and lines[0] == first
     return False
