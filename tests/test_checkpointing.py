@@ -560,6 +560,9 @@ def test_a_preloaded_recomputation_is_kept_or_its_change_is_said(tmp_path):
     _, deeper, notes = _preloaded(tmp_path, full, deep)
     assert deeper.recomputed_blocks == [0, 1, 2, 3, 4, 5]
     assert "blocks 3-5 recompute as the stored blocks they were matched with" in " ".join(notes)
+    # solved selectively, onto the deeper model that offers only full for such blocks
+    _, deeper, _ = _preloaded(tmp_path, selective, deep)
+    assert deeper.recomputed_blocks == [0, 1, 2, 3, 4, 5] and deeper.selective_blocks == []
 
     # another early stop: this run's is priced (the rerun reaches fc2: more seconds)
     solved, whole, notes = _preloaded(tmp_path, full, replace(cfg, checkpoint_early_stop=False))

@@ -1060,7 +1060,7 @@ def _recompute_by_source(
         stored = sources.get(b.layer, b.layer)
         if stored in full:
             out_full.update(b.real)
-        elif stored in sel and b.policy == "selective":
+        elif stored in sel:  # counts_of_blocks prices it in full where selective is not offered
             out_sel.update(b.real)
     added = sorted((out_full | out_sel) - full - sel)
     note = None
