@@ -216,6 +216,14 @@ def test_parse_mesh_shape_errors(text: str, message: str) -> None:
         parse_mesh_shape(text)
 
 
+def test_a_mesh_of_the_python_api_has_the_same_device_limit() -> None:
+    """``MeshSpec`` itself refuses what ``--mesh`` refuses: an API mesh of 10**20 devices
+    reached the fake process group's overflow as a traceback."""
+    with pytest.raises(AutoshardError, match="has 100,000,000,000,000,000,000 devices"):
+        MeshSpec((10**20,), ("d0",), (1e9,), (1e-6,))
+    assert MeshSpec((2**12, 2**12), ("a", "b"), (1e9, 1e9), (1e-6, 1e-6)).num_devices == 2**24
+
+
 def test_from_options_defaults_follow_mase() -> None:
     mesh = MeshSpec.from_options("2x4")
     assert mesh.dim_names == ("dp", "tp")

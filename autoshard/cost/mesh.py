@@ -58,12 +58,22 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
             raise AutoshardError(
                 f"mesh shape {text!r} has size {n} on mesh dim {i}: every size must be >= 1"
             )
+    check_devices(shape, repr(text))
+    return shape
+
+
+def check_devices(shape: Sequence[int], text: str) -> None:
+    """Refuse a mesh of more than :data:`MAX_DEVICES` devices (``text``: how the message
+    names the shape). The parsed ``--mesh`` and every :class:`MeshSpec` check it.
+
+    Raises:
+        AutoshardError: too many devices.
+    """
     if math.prod(shape) > MAX_DEVICES:
         raise AutoshardError(
-            f"mesh shape {text!r} has {math.prod(shape):,} devices: autoshard plans meshes "
+            f"mesh shape {text} has {math.prod(shape):,} devices: autoshard plans meshes "
             f"of up to {MAX_DEVICES:,}"
         )
-    return shape
 
 
 MAX_DEVICES = 2**24
@@ -173,6 +183,7 @@ class MeshSpec:
                     f"mesh shape {shape} has size {n!r} on mesh dim {i}: "
                     "every size must be a whole number >= 1"
                 )
+        check_devices(shape, str(shape))  # the Python API's meshes too, not only --mesh
         ndim = len(shape)
         for what, values in (("dim_names", names), ("bandwidth", bandwidth), ("latency", latency)):
             if len(values) != ndim:
