@@ -115,9 +115,8 @@ def torchrun_prefix(torchrun_args: Sequence[str], n_devices: int) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """torchrun: ``torch.distributed.run``'s own argument parser and launcher, but a rank
     that fails ends it with one line naming the rank and its exit code (the rank's own
-    error is printed above it) instead of the agent's traceback of ``ChildFailedError``
-    (some 35 lines after a failed ``--check``). Returns torchrun's exit code (1 when a rank
-    failed)."""
+    error is printed above it) instead of the agent's traceback of ``ChildFailedError``.
+    Returns torchrun's exit code (1 when a rank failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -314,13 +314,17 @@ def plan_pipeline(
 def _check_stages(pp: int, layers: LayerMap) -> None:
     if pp > layers.num_layers:
         n = layers.num_layers
-        what = "repeated block" if layers.source == "blocks" else "layer (clustered)"
-        if n != 1:
-            what = what.replace("block", "blocks").replace("layer ", "layers ")
-        fewer = f"use --pp {n} or fewer" if n > 1 else "it cannot be split into stages"
+        one = n == 1
+        what = {
+            ("blocks", True): "repeated block",
+            ("blocks", False): "repeated blocks",
+            ("clustered", True): "layer (clustered)",
+            ("clustered", False): "layers (clustered)",
+        }["blocks" if layers.source == "blocks" else "clustered", one]
+        fewer = "it cannot be split into stages" if one else f"use --pp {n} or fewer"
         raise AutoshardError(
-            f"cannot split {n} layer{'s' if n != 1 else ''} into {pp} pipeline stages: the "
-            f"model has {n} {what}; {fewer}"
+            f"cannot split {n} layer{'' if one else 's'} into {pp} pipeline stages: the model "
+            f"has {n} {what}; {fewer}"
         )
 
 
