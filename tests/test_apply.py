@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import runpy
 from pathlib import Path
@@ -66,10 +67,43 @@ def test_megatron_plans_of_a_llama_are_torchtitans_styles(tmp_path: Path, algo, 
         assert sp.differences == []
     code = torchtitan_code(sp, smap.mesh_shape, smap.dim_names)
     compile(code, "export", "exec")
+    assert _unused_imports(code) == set()
     # torchtitan's shape: one layer_plan applied in a loop over the blocks
     assert "        'mlp.down_proj': RowwiseParallel(),\n" in code
     assert "for block in model.get_submodule('model.layers').children():" in code
     assert "model.layers.0" not in code and "model.layers.1" not in code
+
+
+def _unused_imports(code: str) -> set[str]:
+    """The names ``code`` imports and never reads (ruff's F401, by Python's own parser)."""
+    tree = ast.parse(code)
+    imported = {
+        a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+    }
+    return imported - {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def test_an_fsdp_only_export_imports_no_tensor_parallel_styles():
+    """A plan with no tensor-parallel dim exports ``fully_shard`` alone: it imported
+    ``ColwiseParallel``, ``RowwiseParallel`` and ``parallelize_module`` unused (the
+    checker planted here flags exactly those three on that header)."""
+    from autoshard.plan.styles import StylePlan
+
+    sp = StylePlan(None, dp_replicate=(), dp_shard=(0,))
+    sp.groups = [""]
+    code = torchtitan_code(sp, (8,), ("dp",))
+    assert "fully_shard(model, mesh=mesh['dp'])" in code
+    assert _unused_imports(code) == set()
+    assert "parallel import" not in code
+    old_header = (
+        "from torch.distributed.tensor.parallel import (\n"
+        "    ColwiseParallel,\n    RowwiseParallel,\n    parallelize_module,\n)\n"
+    )
+    assert _unused_imports(old_header + code) == {
+        "ColwiseParallel",
+        "RowwiseParallel",
+        "parallelize_module",
+    }
 
 
 def _applied_placements(model: torch.nn.Module, dim_names: tuple[str, ...]) -> dict:
@@ -320,6 +354,7 @@ def test_a_listed_export_keeps_fsdp_dims_inside_a_checkpointed_block():
     sp.blocks = ["layers.0", "layers.1"]
     code = torchtitan_code(sp, (2, 4), ("dp", "tp"))
     assert "for block in" not in code  # the listed form
+    assert _unused_imports(code) == set()
 
     class Block(nn.Module):
         def __init__(self) -> None:

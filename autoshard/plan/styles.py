@@ -34,6 +34,7 @@ the plan's own graph).
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, field
 
@@ -561,6 +562,20 @@ def _listed_body(
     return lines
 
 
+_IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", ("checkpoint_wrapper",)),
+    ("autoshard.trace.selective", ("context_fn as sac_context",)),
+    ("torch.distributed.device_mesh", ("init_device_mesh",)),
+    ("torch.distributed.fsdp", ("fully_shard",)),
+    ("torch.distributed.tensor", ("Replicate", "Shard")),
+    (
+        "torch.distributed.tensor.parallel",
+        ("ColwiseParallel", "RowwiseParallel", "parallelize_module"),
+    ),
+)
+"""What :func:`torchtitan_code`'s body may call, by module, in the order it imports them."""
+
+
 def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple[str, ...]) -> str:
     """Python that applies ``sp`` as a torchtitan user writes it: ``parallelize_module``
     with one ``layer_plan`` in a loop over the blocks (when every block is alike,
@@ -577,29 +592,12 @@ def torchtitan_code(sp: StylePlan, mesh_shape: tuple[int, ...], dim_names: tuple
     else:
         lines += _listed_body(sp, mesh_shape, dim_names)
     body = "\n".join(lines)
-    used = [n for n in ("Replicate", "Shard") if f"{n}(" in body]
-    header = [
-        "# written by `autoshard export --format torchtitan`",
-        *(
-            [
-                "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
-                "checkpoint_wrapper"
-            ]
-            if sp.recompute or sp.selective
-            else []
-        ),
-        *(
-            ["from autoshard.trace.selective import context_fn as sac_context"]
-            if sp.selective
-            else []
-        ),
-        "from torch.distributed.device_mesh import init_device_mesh",
-        "from torch.distributed.fsdp import fully_shard",
-        *([f"from torch.distributed.tensor import {', '.join(used)}"] if used else []),
-        "from torch.distributed.tensor.parallel import (",
-        "    ColwiseParallel,",
-        "    RowwiseParallel,",
-        "    parallelize_module,",
-        ")",
-    ]
+    header = ["# written by `autoshard export --format torchtitan`"]
+    names_used = {n.id for n in ast.walk(ast.parse(body)) if isinstance(n, ast.Name)}
+    for module, names in _IMPORTS:  # only what the body uses: an FSDP-only plan has no styles
+        used = [n for n in names if n.split(" as ")[-1] in names_used]
+        if len(used) > 2:
+            header += [f"from {module} import (", *(f"    {n}," for n in used), ")"]
+        elif used:
+            header.append(f"from {module} import {', '.join(used)}")
     return "\n".join(header) + "\n\n\n" + body + "\n"
