@@ -321,12 +321,17 @@ def _rerun_columns(sg: StrategyGraph, n_x: int, edge_offsets, keeps) -> tuple[li
 @dataclass(frozen=True)
 class _OverlapRows:
     """The savings part of the ILP (:mod:`autoshard.cost.overlap`): ``K`` savings, one per
-    (overlappable edge, window) pair, and the windows' compute."""
+    (overlappable edge, window, owner) triple, and ``R`` capacity rows: per window its
+    pool, and per group of savings that only some of its copies host, the group's cap."""
 
     comm: sp.csr_matrix  # (K, n_y): saving k's hideable seconds over its edge's y block
-    weight: np.ndarray  # (K,) a_ew: window compute seconds per second hidden
-    window: np.ndarray  # (K,) int: index into ``compute``'s rows
-    compute: sp.csr_matrix  # (W, n_x): each window's compute seconds per strategy
+    saved: sp.csr_matrix  # (R, K): 1 where saving k counts against row r's capacity
+    compute: sp.csr_matrix  # (R, n_x): row r's capacity, compute seconds per strategy
+
+    @property
+    def count(self) -> int:
+        """``K``: the savings variables."""
+        return self.comm.shape[0]
 
 
 def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps):
@@ -335,40 +340,45 @@ def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps)
     if not idx:
         return None
     sched = schedule(sg.graph)
-    rows, cols, data, weight, used = [], [], [], [], []
+    rows, cols, data = [], [], []
+    members: dict[tuple, list[int]] = {}  # (window,) pool or (window, owner, kind) group
+    k = 0
     for i in idx:
         e = sg.edges[i]
         start, keep = edge_offsets[i], keeps[i]
-        for w in sorted(e.hide):
-            rows.append(np.full(len(keep), len(weight)))
+        for key in sorted(e.hide):
+            rows.append(np.full(len(keep), k))
             cols.append(np.arange(start, start + len(keep)))
-            data.append(r[start : start + len(keep)] * e.hide_share(w))
-            weight.append(sched.weight(w, e.overlap))
-            used.append(w)
+            data.append(r[start : start + len(keep)] * e.hide_share(key))
+            members.setdefault((key[0],), []).append(k)
+            if sched.hosts(*key) < 1:  # only some of the window's copies host this group
+                members.setdefault((key[0], key[1], e.overlap), []).append(k)
+            k += 1
     comm = sp.csr_matrix(
         (np.concatenate(data), (np.concatenate(rows), np.concatenate(cols))),
-        shape=(len(weight), len(r)),
+        shape=(k, len(r)),
     )
-    windows = sorted(set(used))
+    order = sorted(members)
+    s_row = np.concatenate([np.full(len(members[g]), j) for j, g in enumerate(order)])
+    s_col = np.concatenate([members[g] for g in order])
+    saved = sp.csr_matrix((np.ones(len(s_col)), (s_row, s_col)), shape=(len(order), k))
     vectors = window_vectors(sg)
     crow, ccol, cval = [], [], []
-    for k, w in enumerate(windows):
-        for rep, v in vectors[w].items():
-            crow.append(np.full(len(v), k))
+    for j, g in enumerate(order):
+        share = 1.0 if len(g) == 1 else sched.hosts(g[0], g[1])
+        for rep, v in vectors[g[0]].items():
+            crow.append(np.full(len(v), j))
             ccol.append(offsets[rep] + np.arange(len(v)))
-            cval.append(v)
+            cval.append(v * share)
     compute = (
         sp.csr_matrix(
             (np.concatenate(cval), (np.concatenate(crow), np.concatenate(ccol))),
-            shape=(len(windows), n_x),
+            shape=(len(order), n_x),
         )
         if cval
-        else sp.csr_matrix((len(windows), n_x))  # no window's compute is in this graph
+        else sp.csr_matrix((len(order), n_x))  # no window's compute is in this graph
     )
-    position = {w: k for k, w in enumerate(windows)}
-    return _OverlapRows(
-        comm, np.array(weight), np.array([position[w] for w in used], dtype=np.int64), compute
-    )
+    return _OverlapRows(comm, saved, compute)
 
 
 def program_columns(sg: StrategyGraph) -> int:
@@ -551,7 +561,8 @@ def _statement(
     Rows: ``A [x; y] = b`` (one strategy per node, each edge's transport sums);
     ``M [x; ck] <= budget``; with overlap, per saving ``k`` (an overlappable edge's part
     hidden in one window) ``z_k <= SCALE comm_k . y``, and per window ``w`` one stream:
-    ``sum_{k in w} a_k z_k <= SCALE C_w . x`` (:mod:`autoshard.cost.overlap`); the
+    ``sum_{k in w} z_k <= SCALE C_w . x``, per group ``g`` of savings only some copies of
+    ``w`` host ``sum_{k in g} z_k <= SCALE h_g C_w . x`` (:mod:`autoshard.cost.overlap`); the
     checkpointing decision's rows (:func:`_add_recompute`); the shared reshardings'
     ``m_j - indicator >= 0``. The objective subtracts ``sum z`` and the shares' refunds.
     """
@@ -593,13 +604,9 @@ def _statement(
         constraints += cols.rows(ck_matrix, *map(np.concatenate, ck_rows[1:]))
     if ov is not None:
         z = cols["z"]
-        saved = sp.csr_matrix(
-            (ov.weight, (ov.window, np.arange(len(ov.weight)))),
-            shape=(ov.compute.shape[0], len(ov.weight)),
-        )
         constraints += [
             z <= SCALE * ov.comm @ cols["y"],
-            saved @ z <= SCALE * ov.compute @ cols["x"],
+            ov.saved @ z <= SCALE * ov.compute @ cols["x"],
         ]
     if sh is not None:
         constraints += cols.rows(_widened(sh.rows, cols.n), 0.0, np.inf)
@@ -766,7 +773,7 @@ def _recompute_offset(prob: _Problem) -> int:
     return (
         prob.n_x
         + prob.n_y
-        + (len(ov.weight) if ov is not None else 0)
+        + (ov.count if ov is not None else 0)
         + (rc.n_u if rc is not None else 0)
     )
 

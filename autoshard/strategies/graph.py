@@ -105,9 +105,10 @@ class Edge:
     consumer: str = ""  # the node (maybe merged) that reads it
     members: list[TensorInfo] = field(default_factory=list)  # tensors of merged edges
     overlap: str = ""  # "gradient" / "gather" when the edge can hide (autoshard.cost.overlap)
-    # the real tensor reads of ``uses`` that can hide, by the segment whose compute hides
-    # them (autoshard.strategies.hiding.Schedule.window); a read with no window stays out
-    hide: dict[int, float] = field(default_factory=dict)
+    # the real tensor reads of ``uses`` that can hide, by (the segment whose compute hides
+    # them, the segment whose copies make them): autoshard.strategies.hiding.Schedule.windows;
+    # a read with no window stays out
+    hide: dict[tuple[int, int], float] = field(default_factory=dict)
     # the real tensor reads ``cost`` counts (each member times its multiplicity), and of
     # them, per layer, the reads by one real copy of that layer's forward pass that full
     # checkpointing recomputes (what a recomputed block reads again, up to its early stop:
@@ -118,10 +119,11 @@ class Edge:
     # (autoshard.trace.selective): what a block under that policy reads again
     selective_uses: dict[int, int] = field(default_factory=dict)
 
-    def hide_share(self, window: int) -> float:
-        """The share of ``cost`` that may hide under ``window``: its reads there over all
-        its reads (merged members share one cost matrix, each times its multiplicity)."""
-        return self.hide[window] / self.uses
+    def hide_share(self, key: tuple[int, int]) -> float:
+        """The share of ``cost`` that may hide under ``key``'s window (``key``: (window,
+        owner), as in :attr:`hide`): its reads there over all its reads (merged members
+        share one cost matrix, each times its multiplicity)."""
+        return self.hide[key] / self.uses
 
 
 @dataclass
@@ -845,7 +847,7 @@ def _build_edges(
                 if f"{name}.{k}" in nodes:
                     consumers.append((f"{name}.{k}", 0, a, t))
     cost_cache: dict[tuple, np.ndarray] = {}
-    window = schedule(graph).window
+    windows = schedule(graph).windows
 
     def edge(dst_name: str, k: int, src_name: str, t: TensorInfo) -> Edge:
         src, dst = nodes[src_name], nodes[dst_name]
@@ -866,7 +868,7 @@ def _build_edges(
             cost_cache[ckey] = cost
         m = graph.mult(dst_name)
         cost_m = cost * m if m != 1 else cost
-        h = window(kind, src_name, dst_name) if kind else None
+        parts = windows(kind, src_name, dst_name) if kind else []
         reader = graph.nodes.get(dst_name)
         forward_layer = (
             reader.layer
@@ -888,7 +890,7 @@ def _build_edges(
             consumer=dst_name,
             members=[t],
             overlap=kind,
-            hide={} if h is None else {h: float(m)},
+            hide={(w, o): m * share for w, o, share in parts},
             uses=float(m),
             full_uses=_rerun_use(forward_layer, dst_name, rerun["full"]),
             selective_uses=_rerun_use(forward_layer, dst_name, rerun["selective"]),

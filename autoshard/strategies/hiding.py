@@ -17,6 +17,10 @@ step, as real schedules run them:
   under segment ``s + 1``. A gradient of the last segment (the embedding's, in a
   language model) stays exposed, as does a gather for the first.
 
+A segment traced once for ``m`` real copies (the middle blocks) is its own neighbour for
+``m - 1`` of them: copy ``k`` hides under copy ``k - 1`` of the same block
+(:meth:`Schedule.windows`).
+
 Segments (:func:`schedule`), in execution order: for a model with repeated blocks, each
 block's forward and each block's backward is one segment, the ops of a phase before its
 first block and after its last block one segment each (embedding; final norm, head and
@@ -50,26 +54,41 @@ class Schedule:
     mult: tuple[int, ...]
     labels: tuple[str, ...]
 
-    def window(self, kind: str, producer: str, consumer: str) -> int | None:
-        """The segment whose compute can hide a use of ``kind`` (``GATHER``: the one
-        before the consumer's; ``GRADIENT``: the one after the producer's), or None when
-        there is none (the use is on the critical path)."""
-        if kind == GATHER:
-            s = self.segment.get(consumer)
-            return s - 1 if s is not None and s > 0 else None
-        if kind == GRADIENT:
-            s = self.segment.get(producer)
-            return s + 1 if s is not None and s + 1 < len(self.mult) else None
-        return None
+    def windows(self, kind: str, producer: str, consumer: str) -> list[tuple[int, int, float]]:
+        """Where a use of ``kind`` hides: ``(window, owner, share)`` per part of it, the
+        ``share`` of its real reads that hide under segment ``window``'s compute; ``owner``
+        is the segment whose copies make the use (``GATHER``: the consumer's; ``GRADIENT``:
+        the producer's). ``[]`` when nothing can hide (a gather for the first segment, a
+        gradient of the last: the critical path).
 
-    def weight(self, window: int, kind: str) -> float:
-        """Seconds of window ``window``'s compute one second of hidden communication of
-        ``kind`` takes, counted over all the real copies both stand for: each real copy of
-        the segment that owns the use hides under one real copy of its neighbour, so a
-        use owned by a segment of ``a`` copies under a window of ``m`` copies weighs
-        ``m / a``."""
-        owner = window + 1 if kind == GATHER else window - 1
-        return self.mult[window] / self.mult[owner]
+        Each real copy of the owner hides under the real copy that runs next to it:
+        a gather under the one before, a reduction under the one after. For an owner of
+        ``m`` copies (a middle block traced once for ``m`` real ones) that neighbour is
+        another copy of the owner itself for ``m - 1`` of them, and the neighbouring
+        segment for one: share ``(m - 1) / m`` under the owner's own window and ``1 / m``
+        under the neighbour's (the neighbouring segment's compute hides one copy, not
+        ``m``)."""
+        if kind not in (GATHER, GRADIENT):
+            return []
+        s = self.segment.get(consumer if kind == GATHER else producer)
+        if s is None:
+            return []
+        m = self.mult[s]
+        out = []
+        n = s - 1 if kind == GATHER else s + 1
+        if 0 <= n < len(self.mult):
+            out.append((n, s, 1.0 / m))
+        if m > 1:
+            out.append((s, s, (m - 1) / m))
+        return out
+
+    def hosts(self, window: int, owner: int) -> float:
+        """The share of segment ``window``'s real copies under which the uses that segment
+        ``owner`` makes (of one kind) hide: ``(m - 1) / m`` of its own (copy ``k`` hides
+        copy ``k + 1``'s gathers, or copy ``k - 1``'s reductions), ``1 / m`` of a
+        neighbour's (one copy runs beside it), ``m = mult[window]``."""
+        m = self.mult[window]
+        return (m - 1) / m if window == owner else 1.0 / m
 
 
 def schedule(graph: TracedGraph) -> Schedule:
