@@ -255,3 +255,45 @@ def test_a100_measured_times_causal_attention_as_flash_attention_2_s_figure(seq,
         forward, 0, "bfloat16", kind="attention_forward", per=b * h
     ) + a100.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
     assert priced == pytest.approx(figure_s, rel=1e-9)
+
+
+@pytest.mark.parametrize(("seq", "tflops"), [(2048, 265), (8192, 308)])
+def test_the_fa2_profile_times_causal_attention_as_flash_attention_2_s_h100_figure(
+    tmp_path, seq, tflops
+):
+    """``scripts/fa2_profile.py`` (docs/validation.md, the attention kernel the H100 runs
+    ran) writes the second H100's profile with FlashAttention-2's H100 figure for causal
+    attention (Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png at
+    4f285b35, panel d: 265 TFLOP/s at 2k tokens, 308 at 8k, on the benchmark's causal
+    count): an attention of the figure's shape takes the figure's time for its forward and
+    backward together, and every other rate stays the measured profile's."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    from autoshard.calibrate import load_profile
+
+    measured = ROOT / "tests/data/h100b/profile.json"
+    out = tmp_path / "h100_fa2.json"
+    script = ROOT / "scripts/fa2_profile.py"
+    subprocess.run([sys.executable, script, measured, "--out", out], check=True)
+    fa2, h100 = load_profile(out).device_spec(), load_profile(measured).device_spec()
+    b, h, d = 16384 // seq, 16, 128
+    figure_s = 3.5 * (4 * b * seq**2 * h * d / 2) / (tflops * 1e12)
+    forward = 4 * b * h * seq**2 * d
+    priced = fa2.compute_time(
+        forward, 0, "bfloat16", kind="attention_forward", per=b * h
+    ) + fa2.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
+    assert priced == pytest.approx(figure_s, rel=1e-9)
+    # the measured H100's kernel ran the same attention 1.47x (2k) and 1.72x (8k) faster
+    was = h100.compute_time(
+        forward, 0, "bfloat16", kind="attention_forward", per=b * h
+    ) + h100.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
+    assert 1.4 < priced / was < 1.8
+    big = 2 * 8192**3
+    assert fa2.compute_time(big, 0, "bfloat16") == h100.compute_time(big, 0, "bfloat16")
+    assert fa2.compute_time(0, 2**31, "bfloat16", kind="other") == h100.compute_time(
+        0, 2**31, "bfloat16", kind="other"
+    )
+    assert fa2.attention_forward_rates["float32"] == h100.attention_forward_rates["float32"]
