@@ -770,3 +770,43 @@ def test_a_reduced_depth_hides_what_every_block_traced_hides(algo):
     # communication-bound, so some stays exposed
     assert full.hidden_total_s <= full.compute_s
     assert full.comm_total_s - full.hidden_total_s > 0.1 * full.comm_total_s
+
+
+def test_the_ilp_s_overlap_rows_price_a_pinned_plan_as_the_greedy_schedule_does():
+    """The ILP's own objective, with every strategy pinned to a plan, equals the step the
+    greedy schedule prices for that plan (:func:`evaluate`), and its hidden-seconds columns
+    sum to :func:`hidden_seconds`: on the 6-layer Llama on mesh 8 (blocks 2-4 traced once,
+    three copies, so the middle block's shares are in play), for FSDP, whose every
+    backward window has more collectives than compute (each window's compute binds), for
+    DDP, and for the ILP's own plan. ``ILPResult.objective_s`` is re-priced by
+    :func:`evaluate`, so only HiGHS's objective on the pinned program tests the rows
+    themselves (a review of 2026-12-04 found this gap). The per-owner caps of a window
+    some copies host do not bind here: with the blocks tied, a neighbour's collectives are
+    a middle copy's, and the window's compute binds first."""
+    from helpers import environment
+
+    from autoshard.solver import ilp
+    from autoshard.solver.highs import run
+
+    with environment(AUTOSHARD_LAYERS="6"):
+        config = SolveConfig(
+            EXAMPLES / "llama.py", MeshSpec.from_options("8"), precision="bf16-mixed"
+        )
+        sg = strategies(config, trace(config))
+        plans = {algo: plan_baseline(config, algo).plan for algo in ("fsdp", "ddp")}
+    assert sg.graph.depth.stands_for == ((0,), (1,), (2, 3, 4), (5,))
+    prob = ilp.build_problem(sg)
+    savings = prob.savings.count
+    choices = {algo: plan.choice for algo, plan in plans.items()}
+    choices["ilp"] = ilp.solve(sg).choice
+    for name, choice in choices.items():
+        fixed = np.array([prob.offsets[r] + choice[r] for r in prob.reps])
+        found = run(ilp._milp(prob, fixed=fixed), mip_rel_gap=0.0)
+        assert found.status == "optimal", name
+        hidden = found.x[prob.n_x + prob.n_y : prob.n_x + prob.n_y + savings].sum()
+        greedy = evaluate(sg, choice, ilp._found_counts(prob, found.x))
+        assert found.objective / ilp.SCALE == pytest.approx(greedy, rel=1e-9), name
+        greedy_hidden = hidden_seconds(sg, choice).total_s
+        assert hidden / ilp.SCALE == pytest.approx(greedy_hidden, rel=1e-9), name
+    fsdp = plans["fsdp"]
+    assert fsdp.comm_total_s - fsdp.hidden_total_s > 0.1 * fsdp.comm_total_s  # compute binds
