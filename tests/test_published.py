@@ -18,8 +18,9 @@ What is held:
   brings such a row within 20% fails here until it is moved to ``WITHIN``;
 - every row priced again at the rates such a GPU achieved (:data:`ACHIEVED`): an H100 row
   at the rates one H100 lent to this project reached (``--device h100-measured``), an A100
-  row at published A100 benchmarks' rates (``--device a100-measured``) with its links at
-  the bus bandwidth NCCL reaches on them; held the same way (``WITHIN_MEASURED``);
+  row at published A100 benchmarks' rates (``--device a100-measured``), each with its
+  links at the bus bandwidth NCCL reaches on them; held the same way
+  (``WITHIN_MEASURED``);
 - rows run with torchtitan's *selective* activation checkpointing are priced with it
   (``--activation-checkpointing selective``: op-level, keep attention and every other
   matmul);
@@ -78,6 +79,14 @@ DGX_A100_LINKS = ("--intra-node-bw", "300GB/s", "--inter-node-bw", "25GB/s")
 DGX_A100_NCCL_LINKS = ("--intra-node-bw", "230GB/s", "--inter-node-bw", "24GB/s")
 NCCL_LINKS = {DGX_A100_LINKS: DGX_A100_NCCL_LINKS, DGX_A100_LINKS[:2]: DGX_A100_NCCL_LINKS[:2]}
 """An A100 row's link options -> the same links at NCCL's bus bandwidth."""
+# an H100 node's links (the defaults: NVLink 4 at 450 GB/s, 400 Gb/s a GPU across nodes)
+# at the bus bandwidth NCCL reaches on them: 370 GB/s over NVLink 4 for every collective
+# but the NVLink SHARP all-reduce ("with the protocol overhead (~20%) NCCL can get an
+# effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when running
+# non-allreduce operations": the NCCL maintainer, NVIDIA/nccl-tests issue #212,
+# 2024-05-06), and 46-48 GB/s a 400 Gb/s NIC across nodes (NVIDIA's NCCL team,
+# NVIDIA/nccl-tests issue #290, 2025-03-03, NDR InfiniBand; the middle, 47, taken)
+H100_NCCL_LINKS = ("--intra-node-bw", "370GB/s", "--inter-node-bw", "47GB/s")
 ACHIEVED = {"a100": "a100-measured", "h100": "h100-measured"}
 """Per row's GPU, the preset of the rates such a GPU achieved: published benchmarks of an
 A100 (autoshard/cost/measured/a100.json), one H100 lent to this project (h100.json)."""
@@ -365,10 +374,11 @@ WITHIN = frozenset(
         "megatron-gpt-18.4b-256xa100",
     }
 )
-# the same at the rates such a GPU achieved (:data:`ACHIEVED`): every A100 row, one H100 row
-# (405B left at -20.5% once FSDP+TP's recomputation took its dp gathers back)
+# the same at the rates such a GPU achieved (:data:`ACHIEVED`): every A100 row, two H100
+# rows (405B since its links are priced at NCCL's bus bandwidth, as the A100 rows' are)
 WITHIN_MEASURED = frozenset(
     {
+        "torchtitan-llama3.1-405b-128xh100",
         "torchtitan-llama3-8b-64xa100",
         "torchtitan-llama3-70b-64xa100",
         "torchtitan-llama2-13b-64xa100",
@@ -403,8 +413,12 @@ def _compare_args(run: Run, checkpointing: str, device: str | None) -> list[str]
 
 
 def _links(run: Run, device: str | None) -> tuple[str, ...]:
-    """The run's options; at the A100's achieved rates its DGX links at NCCL's bus
-    bandwidth (:data:`DGX_A100_NCCL_LINKS`) in place of the datasheet's."""
+    """The run's options; at the achieved rates its links at NCCL's bus bandwidth in place
+    of the datasheet's: an A100 row's DGX links (:data:`DGX_A100_NCCL_LINKS`), an H100
+    row's default links (:data:`H100_NCCL_LINKS`)."""
+    if device == ACHIEVED["h100"]:
+        assert not run.options, f"{run.id}: an H100 row runs on the default links"
+        return H100_NCCL_LINKS
     if device != ACHIEVED["a100"]:
         return run.options
     assert run.options in NCCL_LINKS, f"{run.id}: an A100 row names DGX A100's links"
@@ -483,8 +497,8 @@ def test_a_published_step_priced_with_its_own_plan(run: Run):
     """The run's own plan priced at the device's datasheet, and again at the rates such a
     GPU achieved (an H100 row at the rates one H100 SXM reached: matmuls by size,
     attention, copy, ``--device h100-measured``; an A100 row at published A100 benchmarks'
-    GEMM, attention and copy rates with NCCL's bus bandwidth on its links, ``--device
-    a100-measured``;
+    GEMM, attention and copy rates, ``--device a100-measured``; each with NCCL's bus
+    bandwidth on its links;
     torchtitan's 8B H100 rows are still priced well under their measured steps:
     its H100s are 500 W parts with slower memory), each held to the measured step (within
     20% for the rows of ``WITHIN`` / ``WITHIN_MEASURED``, outside for the others); and

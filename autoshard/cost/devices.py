@@ -514,8 +514,9 @@ DEFAULT_DEVICE = "h100-measured"
 """The device the cost model assumes unless the user picks one (``--device``): an H100 SXM
 at the rates one reached (:func:`measured_device`), not at its datasheet's peaks, which no
 GPU reaches. Priced at the datasheet, the five published H100 runs of docs/validation.md
-come out 1.26-1.84x faster than they measured (mean error 36%); at the measured rates
-1.10-1.52x (mean error 23%). ``--device h100`` keeps the datasheet's peaks."""
+come out 1.34-1.86x faster than they measured (mean error 38%); at the measured rates,
+their links at NCCL's bus bandwidth, 1.17-1.52x (mean error 24.5%). ``--device h100``
+keeps the datasheet's peaks."""
 
 
 def get_device(name: str) -> DeviceSpec:
