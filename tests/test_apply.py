@@ -217,6 +217,7 @@ def test_export_prices_a_vocab_parallel_head(tmp_path: Path):
     assert "note:" not in out.stderr  # the styles place the head as the map does
 
 
+@pytest.mark.slow
 def test_a_placement_the_styles_cannot_express_is_listed(tmp_path: Path):
     """A planted fault: the Megatron map with one norm's weight sharded on tp. No style
     shards a norm: the parameter is listed with both placements."""

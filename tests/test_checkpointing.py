@@ -514,6 +514,7 @@ def _preloaded(tmp_path, solved: SolveConfig, again: SolveConfig):
     return result.plan, res.plan, pre.notes
 
 
+@pytest.mark.slow
 def test_a_preloaded_recomputation_is_kept_or_its_change_is_said(tmp_path):
     """Preloading a plan keeps the blocks it recomputes, and says so where this run
     prices them otherwise: a selective recomputation this graph offers only in full (the

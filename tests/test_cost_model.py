@@ -743,6 +743,7 @@ def test_worked_example_megatron(gpt2_params, gpt2_baselines):
     assert plan.optimizer_s == pytest.approx(28 * local / H100.memory_bandwidth, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["fsdp", "ddp"])
 def test_a_reduced_depth_hides_what_every_block_traced_hides(algo):
     """The middle blocks traced once for all of them (6 blocks as 0, 1, 2 for 2-4, 5)
@@ -772,6 +773,7 @@ def test_a_reduced_depth_hides_what_every_block_traced_hides(algo):
     assert full.comm_total_s - full.hidden_total_s > 0.1 * full.comm_total_s
 
 
+@pytest.mark.slow
 def test_the_ilp_s_overlap_rows_price_a_pinned_plan_as_the_greedy_schedule_does():
     """The ILP's own objective, with every strategy pinned to a plan, equals the step the
     greedy schedule prices for that plan (:func:`evaluate`), and its hidden-seconds columns

@@ -121,6 +121,7 @@ def test_fsdp_gathers_in_the_forward_and_again_in_the_backward_and_reduce_scatte
     assert plan.comm_s["all_reduce"] == pytest.approx(LOSS_ALL_REDUCE, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_megatron_all_reduces_twice_per_layer_in_the_forward(model_path):
     assert _counts(_plan(model_path, "megatron"))[("forward", "all_reduce")] == 2 * 2
 
@@ -144,6 +145,7 @@ def test_megatron_all_reduces_twice_per_layer_in_the_backward_and_nothing_else(m
     }
 
 
+@pytest.mark.slow
 def test_megatron_sp_gathers_and_reduce_scatters_twice_per_layer_in_the_forward(model_path):
     """Megatron-SP (Korthikanti et al., 2022, section 4.2.2: ``g`` and ``g-bar``): each
     layer all-gathers the sequence-sharded norm output before its attention and before its

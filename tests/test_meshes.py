@@ -476,6 +476,7 @@ def test_a_pipeline_depth_counts_its_candidate_stages_as_it_prices_them(tmp_path
     assert lines[3].startswith("stages of pp=2 on 2x2: done in ")
 
 
+@pytest.mark.slow
 def test_a_deep_model_s_stages_are_traced_reduced_and_priced_as_the_whole_trace_prices_them(
     tmp_path: Path,
 ):
@@ -522,6 +523,7 @@ def test_a_deep_model_s_stages_are_traced_reduced_and_priced_as_the_whole_trace_
         assert row.step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_depth_whose_lp_bound_cannot_beat_the_best_is_skipped_and_says_so(tmp_path: Path):
     """12 blocks, pp=2: each stage's LP relaxation (solved with no ILP yet) is at most its
     ILP's time, so the
@@ -569,6 +571,7 @@ def test_a_depth_whose_stage_cannot_fit_says_so_and_is_not_skipped(tmp_path: Pat
     assert row.error.startswith("the split [0, 12, 24] of 24 layers into 2 stages does not fit")
 
 
+@pytest.mark.slow
 def test_a_depth_prices_the_same_split_whatever_other_depths_are_asked(tmp_path: Path):
     """10 blocks: pp=2 splits them 5 + 5 (a stage over 4 blocks: that split alone, on a
     trace reduced to 8 blocks); pp=4 splits them 2 + 3 + 3 + 2 (no stage over 4: every
@@ -591,6 +594,7 @@ def test_a_depth_prices_the_same_split_whatever_other_depths_are_asked(tmp_path:
     assert four.step_time_s == pytest.approx(searched.stage_plan.step_time_s, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_the_table_ranks_a_skipped_depth_by_its_bound_and_says_why(tmp_path: Path, monkeypatch):
     """``solve --gpus 4 --pp 2 --json`` on 24 blocks, each stage's LP bound planted at
     1000 s: the pp=2 row is skipped after its first stage's bound (1F1B over 8

@@ -47,6 +47,7 @@ def _graph(tmp_path: Path, checkpointing: str = "full", mesh: str = "4"):  # noq
     return strategies(config, trace(config)), mesh
 
 
+@pytest.mark.slow
 def test_each_block_parameter_read_pairs_with_its_backward_read(tmp_path):
     """The 2-layer Llama: each block reads 9 parameters in its forward (7 projections
     through ``t(W)``, 2 norm weights as they are), and each pairs with its backward's read
