@@ -139,7 +139,9 @@ def test_data_parallel_cnn_is_priced_as_ddp_with_synchronised_batch_norm(tmp_pat
     reduce-scatters and 0.96 ms of all-to-alls of whole activations in the backward)."""
     c, n, bw, alpha = 128, 8, 450e9, 5e-6
     cfg = SolveConfig(
-        model_path=_cnn(tmp_path, c, 64, 56), mesh=MeshSpec.from_options("8"), mode="train"
+        model_path=_cnn(tmp_path, c, 64, 56),
+        mesh=MeshSpec.from_options("8", intra_node_bw=bw),
+        mode="train",
     )
     ddp = plan_baseline(cfg, "ddp").plan
 

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from autoshard.cost.collective_table import COLLECTIVES, FUNCTIONAL_OPS, LAUNCH_OPS
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import get_device
-from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.mesh import DATASHEET_INTER_NODE_BW, DATASHEET_INTRA_NODE_BW, MeshSpec
 from autoshard.cost.objective import evaluate
 from autoshard.cost.overlap import hidden_seconds, overlappable
 from autoshard.model.model_file import instantiate, load_model_file
@@ -37,6 +37,12 @@ from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 
 R, P = Replicate(), Partial()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# the worked examples' links: the H100 cluster's line rates (NVLink 4 450 GB/s, a 400 Gb/s
+# NIC 50 GB/s), as docs/cost-model.md works them; the defaults are NCCL's bus bandwidth
+DATASHEET_LINKS = {
+    "intra_node_bw": DATASHEET_INTRA_NODE_BW,
+    "inter_node_bw": DATASHEET_INTER_NODE_BW,
+}
 H100 = get_device("h100")
 
 
@@ -174,7 +180,9 @@ def test_ddp_gradient_sync_of_gpt2_on_2x4_is_hierarchical():
     the 2 nodes on B/4: 2 * 1/2 * B/4 / 50 GB/s = 2.4888 ms; all-gather back 0.8296 ms:
     4.148 ms. The order that starts on the slow dim costs 2 * 1/2 * B / 50 GB/s + ... =
     over 10 ms."""
-    mesh = MeshSpec.from_options("2x4", intra_node_latency=0, inter_node_latency=0)
+    mesh = MeshSpec.from_options(
+        "2x4", **DATASHEET_LINKS, intra_node_latency=0, inter_node_latency=0
+    )
     b = GPT2_PARAMS * 4
     steps = comm_model(mesh).redistribute_steps((P, P), (R, R), (GPT2_PARAMS,), 4)
     assert [(s.kind, s.mesh_dim) for s in steps] == [
@@ -190,7 +198,7 @@ def test_ddp_gradient_sync_of_gpt2_on_2x4_is_hierarchical():
 def test_gradient_sharded_on_tp_reduces_over_dp_on_its_shard():
     """Megatron's weight gradient: (Partial, Shard(0)) -> (Replicate, Shard(0)) all-reduces
     only the local quarter over dp: 2 * (2-1) * (alpha + (B/4)/(2 bw))."""
-    mesh = MeshSpec.from_options("2x4")
+    mesh = MeshSpec.from_options("2x4", **DATASHEET_LINKS)
     b = 1024 * 1024 * 4
     (step,) = comm_model(mesh).redistribute_steps((P, Shard(0)), (R, Shard(0)), (1024, 1024), 4)
     assert (step.kind, step.mesh_dim, step.bytes) == ("all_reduce", 0, b / 4)
@@ -200,7 +208,9 @@ def test_gradient_sharded_on_tp_reduces_over_dp_on_its_shard():
 def test_partial_on_both_dims_into_a_shard_reduces_each_dim_on_the_smaller_piece():
     """(P, P) -> (R, S(0)) was priced as a full-size all-reduce on dp (4x too much): now a
     reduce-scatter on tp, then the all-reduce on dp of a quarter."""
-    mesh = MeshSpec.from_options("2x4", intra_node_latency=0, inter_node_latency=0)
+    mesh = MeshSpec.from_options(
+        "2x4", **DATASHEET_LINKS, intra_node_latency=0, inter_node_latency=0
+    )
     b = 4096 * 1024 * 4
     steps = comm_model(mesh).redistribute_steps((P, P), (R, Shard(0)), (4096, 1024), 4)
     assert [(s.kind, s.mesh_dim, s.bytes) for s in steps] == [
@@ -269,7 +279,9 @@ def test_two_dim_all_gather_grows_the_tensor_on_the_fast_dim_last():
     """(S(0), S(1)) -> (R, R) of a B-byte tensor: gather the slow dim first on the B/4 piece
     each tp rank holds ((2-1) * B/8 / 50 GB/s), then the fast dim on the whole
     ((4-1) * B/4 / 450 GB/s)."""
-    mesh = MeshSpec.from_options("2x4", intra_node_latency=0, inter_node_latency=0)
+    mesh = MeshSpec.from_options(
+        "2x4", **DATASHEET_LINKS, intra_node_latency=0, inter_node_latency=0
+    )
     b = 1024 * 1024 * 4
     steps = comm_model(mesh).redistribute_steps((Shard(0), Shard(1)), (R, R), (1024, 1024), 4)
     assert [(s.kind, s.mesh_dim) for s in steps] == [("all_gather", 0), ("all_gather", 1)]
@@ -575,7 +587,9 @@ def gpt2_baselines():
     from autoshard.solver.baselines import plan_for_algo
     from autoshard.solver.solve import finish_plan
 
-    config = SolveConfig(EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4"), device=H100)
+    config = SolveConfig(
+        EXAMPLES / "gpt2.py", MeshSpec.from_options("2x4", **DATASHEET_LINKS), device=H100
+    )
     sg = strategies(config, trace(config))  # one trace for the three plans
     plans = {
         a: plan_for_algo(sg, a, config.mesh, finish=lambda g, c, n: finish_plan(config, g, c, n))[0]

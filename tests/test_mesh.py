@@ -227,21 +227,21 @@ def test_a_mesh_of_the_python_api_has_the_same_device_limit() -> None:
 def test_from_options_defaults_follow_mase() -> None:
     mesh = MeshSpec.from_options("2x4")
     assert mesh.dim_names == ("dp", "tp")
-    assert mesh.bandwidth == (DEFAULT_INTER_NODE_BW, DEFAULT_INTRA_NODE_BW) == (50e9, 450e9)
+    assert mesh.bandwidth == (DEFAULT_INTER_NODE_BW, DEFAULT_INTRA_NODE_BW) == (47e9, 370e9)
     assert mesh.latency == (DEFAULT_INTER_NODE_LATENCY, DEFAULT_INTRA_NODE_LATENCY)
     assert (mesh.ndim, mesh.num_devices, mesh.size(0), mesh.size(1)) == (2, 8, 2, 4)
     one_node = MeshSpec.from_options("8")
     assert one_node.dim_names == ("d0",)
-    assert one_node.bandwidth == (450e9,) and one_node.latency == (5e-6,)
+    assert one_node.bandwidth == (370e9,) and one_node.latency == (5e-6,)
     cube = MeshSpec.from_options((2, 2, 2), dim_names="pp,dp,tp", intra_node_bw=100e9)
     assert cube.dim_names == ("pp", "dp", "tp")
-    assert cube.bandwidth == (50e9, 100e9, 100e9)
+    assert cube.bandwidth == (47e9, 100e9, 100e9)
     assert MeshSpec.from_options("2x2x2").dim_names == ("d0", "d1", "d2")
 
 
 def test_describe() -> None:
     assert MeshSpec.from_options("2x4").describe() == (
-        "2x4 mesh (8 devices): dp=2 at 50.0 GB/s, 20.0 us; tp=4 at 450 GB/s, 5.00 us"
+        "2x4 mesh (8 devices): dp=2 at 47.0 GB/s, 20.0 us; tp=4 at 370 GB/s, 5.00 us"
     )
 
 

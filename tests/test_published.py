@@ -79,14 +79,15 @@ DGX_A100_LINKS = ("--intra-node-bw", "300GB/s", "--inter-node-bw", "25GB/s")
 DGX_A100_NCCL_LINKS = ("--intra-node-bw", "230GB/s", "--inter-node-bw", "24GB/s")
 NCCL_LINKS = {DGX_A100_LINKS: DGX_A100_NCCL_LINKS, DGX_A100_LINKS[:2]: DGX_A100_NCCL_LINKS[:2]}
 """An A100 row's link options -> the same links at NCCL's bus bandwidth."""
-# an H100 node's links (the defaults: NVLink 4 at 450 GB/s, 400 Gb/s a GPU across nodes)
-# at the bus bandwidth NCCL reaches on them: 370 GB/s over NVLink 4 for every collective
-# but the NVLink SHARP all-reduce ("with the protocol overhead (~20%) NCCL can get an
-# effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when running
-# non-allreduce operations": the NCCL maintainer, NVIDIA/nccl-tests issue #212,
-# 2024-05-06), and 46-48 GB/s a 400 Gb/s NIC across nodes (NVIDIA's NCCL team,
-# NVIDIA/nccl-tests issue #290, 2025-03-03, NDR InfiniBand; the middle, 47, taken)
+# an H100 node's links at their line rates (NVLink 4, 450 GB/s each way; a 400 Gb/s NIC
+# per GPU, 50 GB/s: NVIDIA's H100 and ConnectX-7 datasheets), and at the bus bandwidth NCCL
+# reaches on them, autoshard's default links (autoshard/cost/mesh.py, with the sources):
+# 370 GB/s over NVLink 4 for every collective but the NVLink SHARP all-reduce (the NCCL
+# maintainer, NVIDIA/nccl-tests issue #212, 2024-05-06), 47 GB/s a 400 Gb/s NIC (46-48:
+# NVIDIA's NCCL team, NVIDIA/nccl-tests issue #290, 2025-03-03)
+H100_LINKS = ("--intra-node-bw", "450GB/s", "--inter-node-bw", "50GB/s")
 H100_NCCL_LINKS = ("--intra-node-bw", "370GB/s", "--inter-node-bw", "47GB/s")
+NCCL_LINKS[H100_LINKS] = H100_NCCL_LINKS
 ACHIEVED = {"a100": "a100-measured", "h100": "h100-measured"}
 """Per row's GPU, the preset of the rates such a GPU achieved: published benchmarks of an
 A100 (autoshard/cost/measured/a100.json), one H100 lent to this project (h100.json)."""
@@ -216,6 +217,7 @@ RUNS = [
         5762,
         tokens=2 * 8192,
         memory_gib=82.4,
+        options=H100_LINKS,
     ),
     Run(
         "torchtitan-llama3.1-8b-128xh100",
@@ -231,6 +233,7 @@ RUNS = [
         5605,
         tokens=2 * 8192,
         memory_gib=67.0,
+        options=H100_LINKS,
     ),
     Run(
         "torchtitan-llama3.1-405b-128xh100",
@@ -245,6 +248,7 @@ RUNS = [
         "full",
         109,
         tokens=2 * 8192 / 8,  # a TP group of 8 shares its 2 x 8192 tokens; WPS is per GPU
+        options=H100_LINKS,
     ),
     Run(
         "mosaicml-mpt-7b-8xh100",
@@ -259,6 +263,7 @@ RUNS = [
         "none",
         85144 / 8,
         tokens=6 * 2048,
+        options=H100_LINKS,
     ),
     Run(
         "mosaicml-mpt-13b-8xh100",
@@ -273,6 +278,7 @@ RUNS = [
         "none",
         38336 / 8,
         tokens=2 * 2048,
+        options=H100_LINKS,
     ),
     Run(
         "mosaicml-mpt-7b-8xa100",
@@ -413,15 +419,12 @@ def _compare_args(run: Run, checkpointing: str, device: str | None) -> list[str]
 
 
 def _links(run: Run, device: str | None) -> tuple[str, ...]:
-    """The run's options; at the achieved rates its links at NCCL's bus bandwidth in place
-    of the datasheet's: an A100 row's DGX links (:data:`DGX_A100_NCCL_LINKS`), an H100
-    row's default links (:data:`H100_NCCL_LINKS`)."""
-    if device == ACHIEVED["h100"]:
-        assert not run.options, f"{run.id}: an H100 row runs on the default links"
-        return H100_NCCL_LINKS
-    if device != ACHIEVED["a100"]:
+    """The run's options (its links at their line rates, the datasheet's); at the achieved
+    rates its links at NCCL's bus bandwidth in place of them: an A100 row's DGX links
+    (:data:`DGX_A100_NCCL_LINKS`), an H100 row's (:data:`H100_NCCL_LINKS`)."""
+    if device not in ACHIEVED.values():
         return run.options
-    assert run.options in NCCL_LINKS, f"{run.id}: an A100 row names DGX A100's links"
+    assert run.options in NCCL_LINKS, f"{run.id}: a row names its links at their line rates"
     return NCCL_LINKS[run.options]
 
 

@@ -18,14 +18,26 @@ from typing import Any
 from autoshard.errors import AutoshardError
 from autoshard.units import format_bandwidth, format_seconds
 
-# Default link parameters (MASE's two-level cluster: NVLink inside a node, InfiniBand across).
+# Default link parameters (MASE's two-level cluster: NVLink inside a node, InfiniBand across),
+# at the bus bandwidth NCCL reaches on an H100 cluster's links, not their line rates: a
+# prediction is a claim about what a cluster runs (docs/validation.md prices published runs
+# on them).
 #
-# Intra-node bandwidth, 450 GB/s: an H100 SXM5 has 18 NVLink 4 links, 900 GB/s in total
-# counting both directions (NVIDIA H100 datasheet), i.e. 450 GB/s each way per GPU.
-DEFAULT_INTRA_NODE_BW = 450e9
-# Inter-node bandwidth, 50 GB/s: one ConnectX-7 NDR InfiniBand NIC of 400 Gb/s per GPU, as
-# in a DGX H100 (400 Gb/s / 8 bits per byte = 50 GB/s each way).
-DEFAULT_INTER_NODE_BW = 50e9
+# Line rates, each way per GPU: an H100 SXM5 has 18 NVLink 4 links, 900 GB/s in total
+# counting both directions (NVIDIA H100 datasheet), i.e. 450 GB/s; one ConnectX-7 NDR
+# InfiniBand NIC of 400 Gb/s per GPU, as in a DGX H100 (400 Gb/s / 8 = 50 GB/s).
+DATASHEET_INTRA_NODE_BW = 450e9
+DATASHEET_INTER_NODE_BW = 50e9
+# Intra-node bandwidth, 370 GB/s: "with the protocol overhead (~20%) NCCL can get an
+# effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when running
+# non-allreduce operations, or when running with NCCL_ALGO=RING" (the NCCL maintainer,
+# NVIDIA/nccl-tests issue #212, 2024-05-06, H100). NVLink SHARP all-reduce reaches about
+# 480 GB/s of bus bandwidth on 8 GPUs (the same reply); one bandwidth per mesh dim prices
+# every collective at the ring's, so an intra-node all-reduce is priced about 30% slow.
+DEFAULT_INTRA_NODE_BW = 370e9
+# Inter-node bandwidth, 47 GB/s: "for NDR @ 400Gbps you should see 46-48GB/s per NIC"
+# (NVIDIA's NCCL team, NVIDIA/nccl-tests issue #290, 2025-03-03); the middle is taken.
+DEFAULT_INTER_NODE_BW = 47e9
 # Latencies are the per-step alpha of the ring. NCCL's own tuning model (src/graph/tuning.cc,
 # Ring algorithm, Simple protocol, which NCCL uses for the megabyte-sized messages of
 # training) charges 3.4 us per NVLink step and 14 us per network step, plus 8.4 us per call.
@@ -240,8 +252,9 @@ class MeshSpec:
             shape: ``"2x4"`` or ``(2, 4)``.
             dim_names: ``"dp,tp"`` or ``("dp", "tp")``; default ``("dp", "tp")`` for a 2-D
                 mesh, else ``("d0", "d1", ...)``.
-            intra_node_bw, inter_node_bw: bytes/s (defaults 450 GB/s NVLink 4 and 50 GB/s
-                NDR InfiniBand; sources beside the constants in this module).
+            intra_node_bw, inter_node_bw: bytes/s (defaults 370 GB/s and 47 GB/s, the bus
+                bandwidth NCCL reaches on NVLink 4 and on a 400 Gb/s NDR InfiniBand NIC;
+                sources beside the constants in this module).
             intra_node_latency, inter_node_latency: seconds per ring step (defaults 5 us and
                 20 us, from NCCL's tuning model; see the constants).
 
@@ -353,7 +366,7 @@ class MeshSpec:
 
     def describe(self) -> str:
         """One line for reports, e.g.
-        ``"2x4 mesh (8 devices): dp=2 at 50.0 GB/s, 20.0 us; tp=4 at 450 GB/s, 5.00 us"``."""
+        ``"2x4 mesh (8 devices): dp=2 at 47.0 GB/s, 20.0 us; tp=4 at 370 GB/s, 5.00 us"``."""
         dims = "; ".join(
             f"{name}={n} at {format_bandwidth(bw)}, {format_seconds(lat)}"
             for name, n, bw, lat in zip(
