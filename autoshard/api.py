@@ -186,7 +186,8 @@ def solve(
     Args:
         model: the ``nn.Module``; its ``forward`` takes ``example_inputs`` positionally.
         example_inputs: tensors with the global batch's shapes (a single tensor is fine).
-        mesh: ``"2x4"`` (datasheet links: the last dim inside a node) or a :class:`MeshSpec`;
+        mesh: ``"2x4"`` (the default links, :mod:`autoshard.cost.mesh`: the last dim inside a
+            node) or a :class:`MeshSpec`;
             default ``"2x4"`` unless ``gpus`` is given.
         gpus: in place of ``mesh``: plan every mesh shape of this many GPUs that respects
             the node boundary (:func:`autoshard.cost.mesh.node_shapes`) and return the
@@ -225,7 +226,7 @@ def solve(
     links_profile = opts.profile is not None and not load_profile(opts.profile).device_only
     if gpus is not None and (mesh is not None or links_profile):
         given = "mesh" if mesh is not None else "profile"
-        raise AutoshardError(f"gpus= tries every mesh shape with datasheet links; drop {given}=")
+        raise AutoshardError(f"gpus= tries every mesh shape with the default links; drop {given}=")
     if pp and gpus is None:
         raise AutoshardError(
             "pp= tries pipeline depths beside the mesh shapes of gpus=: give gpus= (for "

@@ -78,7 +78,7 @@ DGX_A100_LINKS = ("--intra-node-bw", "300GB/s", "--inter-node-bw", "25GB/s")
 # DGX A100 nodes, 24 GB/s a GPU's rail (NVIDIA/nccl issue #812, 2023-03-31, ring)
 DGX_A100_NCCL_LINKS = ("--intra-node-bw", "230GB/s", "--inter-node-bw", "24GB/s")
 NCCL_LINKS = {DGX_A100_LINKS: DGX_A100_NCCL_LINKS, DGX_A100_LINKS[:2]: DGX_A100_NCCL_LINKS[:2]}
-"""An A100 row's link options -> the same links at NCCL's bus bandwidth."""
+"""A row's link options (at their line rates) -> the same links at NCCL's bus bandwidth."""
 # an H100 node's links at their line rates (NVLink 4, 450 GB/s each way; a 400 Gb/s NIC
 # per GPU, 50 GB/s: NVIDIA's H100 and ConnectX-7 datasheets), and at the bus bandwidth NCCL
 # reaches on them, autoshard's default links (autoshard/cost/mesh.py, with the sources):
