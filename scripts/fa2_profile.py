@@ -72,7 +72,11 @@ def main() -> None:
     profile = json.loads(args.profile.read_text())
     if profile.get("world_size") != 1:
         parser.error(f"{args.profile} is not a one-GPU profile (calibrate --mesh 1)")
-    kept = [a for a in profile["compute"]["attention"] if a["dtype"] not in ("bfloat16", "float16")]
+    kept = [  # every point but the causal bf16/fp16 ones, which the figure replaces
+        a
+        for a in profile["compute"]["attention"]
+        if a["dtype"] not in ("bfloat16", "float16") or not a.get("causal")
+    ]
     profile["compute"]["attention"] = kept + fa2_points("bfloat16") + fa2_points("float16")
     profile["source_attention"] = (
         "FlashAttention-2, H100 80GB SXM5, causal, head dim 128, forward + backward: "
@@ -80,7 +84,7 @@ def main() -> None:
     )
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(profile, indent=1) + "\n")
-    tmp.replace(args.out)  # atomic: a failed write leaves no half file
+    tmp.replace(args.out)  # atomic: --out is the whole new profile or left as it was
     print(f"wrote {args.out}")
 
 

@@ -766,7 +766,7 @@ def test_a_reduced_depth_hides_what_every_block_traced_hides(algo):
     reduce-scatters share each block's compute, and for DDP. Before 2026-12-04 the
     reduced FSDP plan hid 18.58 ms of collectives under 16.83 ms of compute (block 1 hid
     all three middle copies' gathers and, apart, all three's reductions) where the full
-    trace hides 16.51 ms: a step 7% too fast."""
+    trace hid 16.51 ms (at the line rates, the default links then): a step 7% too fast."""
     from dataclasses import replace
 
     from helpers import environment

@@ -37,7 +37,7 @@ from autoshard.units import format_bandwidth, format_bytes, format_seconds
 @click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHRUN...]")
 def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters, torchrun_args):
     """Measure the links of each mesh dim and the device's speed; write a profile that
-    `solve --profile FILE` (and compare, stages) use instead of the datasheet numbers.
+    `solve --profile FILE` (and compare, stages) use instead of the default links and device.
 
     Starts one process per device under torchrun (NCCL on GPUs, gloo on CPU). Each times
     all-gather, reduce-scatter, all-reduce and all-to-all on every mesh dim at sizes from
