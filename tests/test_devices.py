@@ -247,14 +247,27 @@ def test_a100_measured_times_causal_attention_as_flash_attention_2_s_figure(seq,
     forward, 3.5 times that with the backward). A causal attention of that shape, priced
     on PyTorch's count (FlopCounterMode: ``4 b h s^2 d`` forward, 2.5 times that backward),
     takes the figure's time for its forward and backward together."""
+    assert _attention_s(get_device("a100-measured"), seq) == pytest.approx(
+        _figure_s(seq, tflops), rel=1e-9
+    )
+
+
+def _figure_s(seq: int, tflops: float) -> float:
+    """The seconds FlashAttention-2's benchmark figures give a causal forward and backward
+    of ``seq`` tokens (16k tokens a batch, 16 heads, head dim 128) at ``tflops`` on their
+    count: ``4 b s^2 h d / 2`` the forward, 3.5 times that with the backward."""
     b, h, d = 16384 // seq, 16, 128
-    figure_s = 3.5 * (4 * b * seq**2 * h * d / 2) / (tflops * 1e12)
+    return 3.5 * (4 * b * seq**2 * h * d / 2) / (tflops * 1e12)
+
+
+def _attention_s(device: DeviceSpec, seq: int) -> float:
+    """``device``'s price of that attention on PyTorch's count (FlopCounterMode: ``4 b h
+    s^2 d`` the forward, 2.5 times that the backward)."""
+    b, h, d = 16384 // seq, 16, 128
     forward = 4 * b * h * seq**2 * d
-    a100 = get_device("a100-measured")
-    priced = a100.compute_time(
+    return device.compute_time(
         forward, 0, "bfloat16", kind="attention_forward", per=b * h
-    ) + a100.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
-    assert priced == pytest.approx(figure_s, rel=1e-9)
+    ) + device.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
 
 
 @pytest.mark.parametrize(("seq", "tflops"), [(2048, 265), (8192, 308)])
@@ -279,18 +292,10 @@ def test_the_fa2_profile_times_causal_attention_as_flash_attention_2_s_h100_figu
     script = ROOT / "scripts/fa2_profile.py"
     subprocess.run([sys.executable, script, measured, "--out", out], check=True)
     fa2, h100 = load_profile(out).device_spec(), load_profile(measured).device_spec()
-    b, h, d = 16384 // seq, 16, 128
-    figure_s = 3.5 * (4 * b * seq**2 * h * d / 2) / (tflops * 1e12)
-    forward = 4 * b * h * seq**2 * d
-    priced = fa2.compute_time(
-        forward, 0, "bfloat16", kind="attention_forward", per=b * h
-    ) + fa2.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
-    assert priced == pytest.approx(figure_s, rel=1e-9)
+    priced = _attention_s(fa2, seq)
+    assert priced == pytest.approx(_figure_s(seq, tflops), rel=1e-9)
     # the measured H100's kernel ran the same attention 1.47x (2k) and 1.72x (8k) faster
-    was = h100.compute_time(
-        forward, 0, "bfloat16", kind="attention_forward", per=b * h
-    ) + h100.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
-    assert 1.4 < priced / was < 1.8
+    assert 1.4 < priced / _attention_s(h100, seq) < 1.8
     big = 2 * 8192**3
     assert fa2.compute_time(big, 0, "bfloat16") == h100.compute_time(big, 0, "bfloat16")
     assert fa2.compute_time(0, 2**31, "bfloat16", kind="other") == h100.compute_time(

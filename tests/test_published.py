@@ -77,8 +77,6 @@ DGX_A100_LINKS = ("--intra-node-bw", "300GB/s", "--inter-node-bw", "25GB/s")
 # maintainer, 2023-07-05: 234.9 GB/s at 16 GB) and 192 GB/s per node of 8 GPUs across
 # DGX A100 nodes, 24 GB/s a GPU's rail (NVIDIA/nccl issue #812, 2023-03-31, ring)
 DGX_A100_NCCL_LINKS = ("--intra-node-bw", "230GB/s", "--inter-node-bw", "24GB/s")
-NCCL_LINKS = {DGX_A100_LINKS: DGX_A100_NCCL_LINKS, DGX_A100_LINKS[:2]: DGX_A100_NCCL_LINKS[:2]}
-"""A row's link options (at their line rates) -> the same links at NCCL's bus bandwidth."""
 # an H100 node's links at their line rates (NVLink 4, 450 GB/s each way; a 400 Gb/s NIC
 # per GPU, 50 GB/s: NVIDIA's H100 and ConnectX-7 datasheets), and at the bus bandwidth NCCL
 # reaches on them, autoshard's default links (autoshard/cost/mesh.py, with the sources):
@@ -87,7 +85,12 @@ NCCL_LINKS = {DGX_A100_LINKS: DGX_A100_NCCL_LINKS, DGX_A100_LINKS[:2]: DGX_A100_
 # NVIDIA's NCCL team, NVIDIA/nccl-tests issue #290, 2025-03-03)
 H100_LINKS = ("--intra-node-bw", "450GB/s", "--inter-node-bw", "50GB/s")
 H100_NCCL_LINKS = ("--intra-node-bw", "370GB/s", "--inter-node-bw", "47GB/s")
-NCCL_LINKS[H100_LINKS] = H100_NCCL_LINKS
+NCCL_LINKS = {
+    DGX_A100_LINKS: DGX_A100_NCCL_LINKS,
+    DGX_A100_LINKS[:2]: DGX_A100_NCCL_LINKS[:2],
+    H100_LINKS: H100_NCCL_LINKS,
+}
+"""A row's link options (at their line rates) -> the same links at NCCL's bus bandwidth."""
 ACHIEVED = {"a100": "a100-measured", "h100": "h100-measured"}
 """Per row's GPU, the preset of the rates such a GPU achieved: published benchmarks of an
 A100 (autoshard/cost/measured/a100.json), one H100 lent to this project (h100.json)."""
