@@ -614,10 +614,6 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
             "cannot write to --json {tmp}/afile",
         ),
         (
-            ["solve", "examples/mlp.py", "--mesh", "2", "--gpus-per-node", "4"],
-            "--gpus-per-node applies with --gpus N only",
-        ),
-        (
             ["solve", "examples/mlp.py", "--gpus", "4", "--microbatches", "4"],
             "--microbatches applies with --gpus N --pp DEPTHS only",
         ),
@@ -633,7 +629,6 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
         "html-folder",
         "html-under-a-file",
         "launch-json",
-        "gpus-per-node-alone",
         "microbatches-alone",
         "checkpointing-in-inference",
     ],

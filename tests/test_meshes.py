@@ -163,6 +163,61 @@ def test_solve_gpus_prints_the_ranked_shapes_and_writes_the_fastest(tmp_path: Pa
     )
 
 
+def test_mesh_with_gpus_per_node_solves_a_searched_shape_alone_as_the_search_priced_it(
+    tmp_path: Path,
+):
+    """``--mesh 2x2x2 --gpus-per-node 2`` lays the mesh over nodes of 2 as ``--gpus 8
+    --gpus-per-node 2`` lays that shape: ranks row-major, so dims 0 and 1 (groups 4 and 2
+    ranks apart) cross nodes and dim 2 (neighbours) stays inside one. The plan it writes
+    is the search's 2x2x2 row: the same links, the same step to the last digit (one trace,
+    one deterministic ILP). Plain ``--mesh 2x2x2`` keeps its convention (dim 0 across
+    nodes, the rest inside), a different price, as a user who copies the search's row
+    without the flag would find."""
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    search = _cli(
+        "solve", str(model), "--gpus", "8", "--gpus-per-node", "2", "--json", "-q",
+        "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    assert search.exit_code == 0, search.output
+    rows = {tuple(r["mesh"]): r for r in json.loads(search.stdout)["meshes"]}
+    row = rows[(2, 2, 2)]
+    assert row["inside_node"] == [False, False, True]
+    alone = _cli(
+        "solve", str(model), "--mesh", "2x2x2", "--gpus-per-node", "2", "--json", "-q",
+        "--out", str(tmp_path / "a"),
+    )  # fmt: skip
+    assert alone.exit_code == 0, alone.output
+    doc = json.loads(alone.stdout)
+    assert doc["mesh"]["bandwidth_Bps"] == [INTER, INTER, INTRA] == row["bandwidth_Bps"]
+    assert doc["mesh"]["latency_s"] == [20e-6, 20e-6, 5e-6]
+    assert doc["time_s"]["step"] == row["step_time_s"]
+    assert (tmp_path / "a" / "mlp_2x2x2.json").exists()
+    plain = _cli(
+        "solve", str(model), "--mesh", "2x2x2", "--json", "-q", "--out", str(tmp_path / "p")
+    )  # fmt: skip
+    assert plain.exit_code == 0, plain.output
+    assert json.loads(plain.stdout)["mesh"]["bandwidth_Bps"] == [INTER, INTRA, INTRA]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--mesh", "2x3", "--gpus-per-node", "4"],
+            "--mesh 2x3 has 6 devices, not a whole number of nodes of --gpus-per-node 4",
+        ),
+        (["--mesh", "4", "--microbatches", "4"], "--microbatches applies with --gpus N --pp"),
+    ],
+)
+def test_mesh_with_gpus_per_node_refuses_a_mesh_of_part_nodes(tmp_path: Path, extra, message):
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    run = _cli("solve", str(model), "--out", str(tmp_path / "out"), *extra)
+    assert run.exit_code != 0
+    assert message in run.output, run.output
+    assert len(run.output.strip().splitlines()) == 1, run.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -264,7 +319,7 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     cap = (sizes[(4,)] + sizes[(2, 2)]) // 2
     monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # no lifted plan
-    search = search_meshes(config, list(meshes.values()))
+    search = search_meshes(config, list(meshes.values()), gpus_per_node=4)
     rows = {r.mesh.shape: r for r in search.rows}
     assert rows[(4,)].space == "free" and rows[(4,)].note is None
     assert rows[(4,)].result.ilp.num_variables == sizes[(4,)]
@@ -278,8 +333,9 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     assert meshes[(2, 2)].bandwidth == (INTRA, INTRA)
     assert rows[(2, 2)].note == (
         f"its ILP has {sizes[(2, 2)]:,} columns, over the {cap:,} this search solves per "
-        "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2 with the "
-        "links it has here, per dim " + ", ".join(["370 GB/s and 5.00 us"] * 2)
+        "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2 "
+        "--gpus-per-node 4 with the links it has here, per dim "
+        + ", ".join(["370 GB/s and 5.00 us"] * 2)
     )
     # the cap is the search's: the same shape solved on its own (solve --mesh) is planned
     alone = plan_model(replace(config, mesh=meshes[(2, 2)]), graph=graph)

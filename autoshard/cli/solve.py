@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -21,7 +23,7 @@ from autoshard.cli.options import (
     plan_options,
     refuse_overwriting_preload,
 )
-from autoshard.cost.mesh import MAX_DEVICES
+from autoshard.cost.mesh import MAX_DEVICES, MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
 
@@ -48,7 +50,11 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     default=8,
     show_default=True,
     metavar="K",
-    help="With --gpus: devices per node. Mesh dims inside a node get --intra-node-bw, "
+    help="Devices per node. With --gpus: the shapes tried respect it. With --mesh: the "
+    "mesh's ranks are laid row-major over nodes of K (as --gpus lays each shape it tries), "
+    "so each mesh dim gets the links it has there: --mesh 4x2x8 --gpus-per-node 8 is the "
+    "4x2x8 row of --gpus 64 (dims 0 and 1 across nodes); without it, --mesh puts dim 0 "
+    "across nodes and the rest inside one. Mesh dims inside a node get --intra-node-bw, "
     "dims across nodes --inter-node-bw.",
 )
 @click.option(
@@ -176,11 +182,11 @@ def solve_command(
             "of the two"
         )
     depths = _depths(pp_depths, gpus)
-    _refuse_unused(
-        ("--gpus-per-node", "gpus_per_node", gpus), ("--microbatches", "microbatches", depths)
-    )
+    _refuse_unused(("--microbatches", "microbatches", depths))
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
+    if not meshes and _given("gpus_per_node"):
+        config = replace(config, mesh=mesh_on_nodes(config.mesh, gpus_per_node, opts))
     if meshes:  # the files are named after the best mesh once it is known
         with Progress(Console(stderr=True, quiet=quiet)) as progress:
             from autoshard.solver.meshes import search_meshes  # heavy, as above
@@ -297,6 +303,39 @@ def _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts) -> list:  # noqa: 
     ]
     opts["mesh_shape"] = str(gpus)
     return meshes
+
+
+def _given(key: str) -> bool:
+    """Whether option ``key`` (click's keyword) was given on the command line."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE
+
+
+def mesh_on_nodes(mesh: MeshSpec, gpus_per_node: int, opts: dict) -> MeshSpec:
+    """``--mesh``'s shape laid over nodes of ``gpus_per_node`` devices, ranks row-major (as
+    ``init_device_mesh`` and ``--gpus`` lay them): a dim whose groups lie inside one node
+    gets the intra-node links, any other the inter-node links
+    (:meth:`~autoshard.cost.mesh.MeshSpec.on_nodes`); ``--mesh-dim-names`` are kept.
+
+    Raises:
+        AutoshardError: a ``--profile`` that sets links (it names each dim's links
+            itself), or a mesh of more than one node whose devices are not a whole number
+            of nodes.
+    """
+    if _links_profile(opts.get("profile_path")):
+        raise AutoshardError(
+            "--profile sets each mesh dim's links as measured; drop --gpus-per-node"
+        )
+    n = math.prod(mesh.shape)
+    if n > gpus_per_node and n % gpus_per_node:
+        raise AutoshardError(
+            f"--mesh {'x'.join(map(str, mesh.shape))} has {n} devices, not a whole number of "
+            f"nodes of --gpus-per-node {gpus_per_node}: give a mesh of a multiple of "
+            f"{gpus_per_node} devices, or the node size the cluster has"
+        )
+    links = {k: opts[k] for k in MESH_LINK_KEYS}
+    laid = MeshSpec.on_nodes(mesh.shape, gpus_per_node, **links)
+    return replace(laid, dim_names=mesh.dim_names)
 
 
 def _refuse_unused(*options: tuple) -> None:

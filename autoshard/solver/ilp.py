@@ -390,13 +390,17 @@ def program_columns(sg: StrategyGraph) -> int:
     return n_x + sum(int(np.isfinite(e.cost).sum()) for e in sg.edges) + len(sg.shares)
 
 
-def check_size(sg: StrategyGraph, options: SolverOptions, mesh: MeshSpec) -> None:
+def check_size(
+    sg: StrategyGraph, options: SolverOptions, mesh: MeshSpec, gpus_per_node: int | None = None
+) -> None:
     """Refuses a program over ``options.max_columns`` (:class:`SolverOptions`).
+    ``gpus_per_node``: the node size a mesh search laid ``mesh`` over, if any.
 
     Raises:
-        ProgramTooLargeError: naming the count, the cap, and the links to give ``--mesh`` to
-            plan the mesh on its own (a mesh search lays a shape's dims on the cluster's
-            links, which ``--mesh``'s default of dim 0 across nodes may not match).
+        ProgramTooLargeError: naming the count, the cap, and the command that plans the
+            mesh on its own with the links it has here (``--gpus-per-node`` with ``--mesh``:
+            a mesh search lays a shape's dims on the cluster's links, which ``--mesh``'s
+            default of dim 0 across nodes may not match).
     """
     cap = options.max_columns
     if cap is None:
@@ -408,9 +412,12 @@ def check_size(sg: StrategyGraph, options: SolverOptions, mesh: MeshSpec) -> Non
             f"{format_bandwidth(b)} and {format_seconds(a)}"
             for b, a in zip(mesh.bandwidth, mesh.latency, strict=True)
         )
+        command = f"--mesh {shape}"
+        if gpus_per_node is not None:
+            command += f" --gpus-per-node {gpus_per_node}"
         raise ProgramTooLargeError(
             f"its ILP has {n:,} columns, over the {cap:,} this search solves per mesh "
-            f"(max_columns); to search it anyway, plan it on its own: --mesh {shape} with "
+            f"(max_columns); to search it anyway, plan it on its own: {command} with "
             f"the links it has here, per dim {links}",
             n,
             cap,

@@ -156,9 +156,16 @@ class MeshSearch:
         return search
 
 
-def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # noqa: ANN001
+def _plan_row(
+    config: SolveConfig,
+    space: str,
+    progress,  # noqa: ANN001
+    graph,  # noqa: ANN001
+    gpus_per_node: int | None = None,
+) -> MeshRow:
     """``config.mesh``'s row: planned in ``space``, or (the free ILP over the column cap)
-    in torchtitan's space, or why it has no plan."""
+    in torchtitan's space, or why it has no plan (``gpus_per_node``: the node size the
+    mesh was laid over, for the command that plans it alone)."""
     searched, why = space, None
     try:
         t = time.perf_counter()
@@ -166,7 +173,7 @@ def _plan_row(config: SolveConfig, space: str, progress, graph) -> MeshRow:  # n
         built = time.perf_counter() - t
         if space == "free":
             try:
-                check_size(sg, config.solver, config.mesh)
+                check_size(sg, config.solver, config.mesh, gpus_per_node)
             except ProgramTooLargeError as exc:
                 searched, why = "torchtitan", str(exc)
         found = plan_space(config, searched, progress, graph, sg)
@@ -294,7 +301,7 @@ def search_meshes(
             progress(f"{phase} on {text}", done, total)
 
         shaped = replace(config, mesh=mesh, solver=solver)
-        row = _plan_row(shaped, space, inner if progress else None, graph)
+        row = _plan_row(shaped, space, inner if progress else None, graph, gpus_per_node)
         if row.result is not None:
             # the shared trace counts in every shape's seconds, as in a solve of that shape
             seconds = row.result.seconds
