@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.distributed.tensor._redistribute import (
     _gen_transform_infos_non_cached,
+    _optimize_transform_infos,
     redistribute_local_tensor,
 )
 from torch.distributed.tensor.experimental import register_sharding
@@ -88,6 +90,38 @@ def fake_mesh(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> I
     finally:
         if owns:
             dist.destroy_process_group()
+
+
+def flatten_mesh_groups(mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
+    """Flatten every group of two or more of ``mesh``'s dims of size above one
+    (``DeviceMesh._flatten``, private), so that DTensor runs a resharding's like
+    collectives over several mesh dims as one over their flattened group
+    (``_optimize_transform_infos`` in ``torch.distributed.tensor._redistribute``, which
+    looks the group up by layout), as the cost model prices them
+    (:meth:`autoshard.cost.collectives.CommModel._merged`). Collective on every rank of
+    ``mesh`` (each flattened group is a new process group).
+
+    Returns:
+        The process group name of each flattened group -> its mesh dims, ascending.
+
+    Raises:
+        ValueError: ``mesh`` has no dim names (DTensor finds a flattened group by them);
+            the launcher names every mesh dim.
+    """
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"the {tuple(mesh.shape)} mesh has no dim names: DTensor finds a flattened group "
+            "of mesh dims by its names"
+        )
+    dims = [i for i in range(mesh.ndim) if mesh.size(i) > 1]
+    groups: dict[str, tuple[int, ...]] = {}
+    for r in range(2, len(dims) + 1):
+        for group in itertools.combinations(dims, r):
+            picked = tuple(names[g] for g in group)
+            flat = mesh[picked]._flatten("_".join(picked) + "_flat")
+            groups[flat.get_group().group_name] = group
+    return groups
 
 
 def checkpoint_block(
@@ -434,18 +468,22 @@ def redistribute_step(value: DTensor, placements: Sequence[Placement]) -> DTenso
 
 def dtensor_transform_steps(
     mesh: DeviceMesh, src: Sequence[Placement], dst: Sequence[Placement], shape: Sequence[int]
-) -> list[tuple[int, Placement, Placement]]:
-    """The single-mesh-dim steps DTensor's redistribute planner takes from ``src`` to
-    ``dst`` for a float32 tensor of ``shape``: ``(mesh dim, from, to)`` in order.
+) -> list[tuple[int | tuple[int, ...], Placement, Placement]]:
+    """The steps DTensor's redistribute takes from ``src`` to ``dst`` for a float32 tensor
+    of ``shape``, as ``redistribute_local_tensor`` runs them: ``(mesh dim, from, to)`` in
+    order, the mesh dim a tuple (ascending) for a collective DTensor runs over a flattened
+    group of mesh dims (those :func:`flatten_mesh_groups` made).
 
-    ``torch.distributed.tensor._redistribute._gen_transform_infos_non_cached`` (private);
-    tests compare autoshard's priced reshardings with it.
+    ``torch.distributed.tensor._redistribute._gen_transform_infos_non_cached`` and
+    ``_optimize_transform_infos`` (private); tests compare autoshard's priced reshardings
+    with them.
     """
     meta = TensorMeta(torch.Size(shape), torch.empty(tuple(shape)).stride(), torch.float32)
     infos = _gen_transform_infos_non_cached(
         DTensorSpec(mesh, tuple(src), meta), DTensorSpec(mesh, tuple(dst), meta)
     )
-    return [(t.mesh_dim, *t.src_dst_placements) for t in infos]
+    infos = _optimize_transform_infos(infos, mesh, tuple(src), tuple(dst))
+    return [(getattr(t, "original_mesh_dims", t.mesh_dim), *t.src_dst_placements) for t in infos]
 
 
 @contextlib.contextmanager

@@ -307,8 +307,14 @@ def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
     B-byte fp32 (64, 64) tensor:
 
     - (S0, R, R) -> (R, R, R): one all-gather on dim 0, (2-1)/2 * B / 25 GB/s;
-    - (S0, S0, R) -> (R, R, R): the nested shard is gathered inner dim first (DTensor's
-      order): dim 1 on the B/2 each dim-0 rank holds, 1/2 * B/2 / 100 GB/s, then dim 0;
+    - (S0, S0, R) -> (R, R, R): the nested shard gathered over dims 0 and 1 at once, one
+      ring over their flattened group of 4 (as DTensor runs it where the launcher
+      flattened the group, and FSDP2 over a flattened mesh): (4-1)/4 * B at the group's
+      narrowest cut, dim 0's 25 GB/s links crossed by 2 rings at once (a block of dim 1's
+      2 devices, each with its own link), 50 GB/s, under dim 1's 100 GB/s;
+    - (S0, R, R) -> (R, S0, R): cheaper than gathering dim 0 and slicing dim 1 (1/2 * B
+      / 25 GB/s): slice dim 1 first, gather the nested shard over the flattened group as
+      above, slice dim 1 again: 3/4 * B / 50 GB/s;
     - (P, R, R) -> (R, R, R): a ring all-reduce on dim 0, 2 (2-1)/2 * B / 25 GB/s;
     - anything -> a Shard of what it holds whole: a local slice, free;
     - a Shard into Partial: impossible (inf).
@@ -322,9 +328,10 @@ def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
     dsts = [(R, R, R), (R, s0, R), (P, R, R)]
     got = comm_model(mesh).redistribute_costs(srcs, dsts, shape, 4)
     gather0 = 0.5 * b / 25e9
+    flat01 = 0.75 * b / min(2 * 25e9, 100e9)
     hand = [
-        [gather0, 0.5 * b / 25e9 + 0.0, math.inf],  # (S0,R,R) -> (R,S0,R): gather, slice
-        [0.5 * (b / 2) / 100e9 + gather0, None, math.inf],
+        [gather0, flat01, math.inf],  # (S0,R,R) -> (R,S0,R): slice, gather 0+1, slice
+        [flat01, None, math.inf],
         [b / 25e9, None, 0.0],
         [0.0, 0.0, 0.0],
     ]
@@ -637,7 +644,9 @@ def test_worked_example_ddp(gpt2_params, gpt2_baselines):
     shares = sum(min(1.0, 4 * n / MIB25) for n in gpt2_params.values())
     assert shares == pytest.approx(14.0985, abs=1e-4)
     rs = 0.75 * b / BW_TP + 3 * A_TP * shares
-    ar = 2 * 0.5 * (b / 4) / BW_DP + 2 * A_DP * shares + 2 * A_DP + 2 * 3 * A_TP  # + loss
+    # + the loss scalar's, one ring of 8 over the flattened dp+tp group (the same
+    # bandwidth per byte as per dim, for 0 bytes; every ring step at dp's 20 us)
+    ar = 2 * 0.5 * (b / 4) / BW_DP + 2 * A_DP * shares + 2 * 7 * A_DP
     assert plan.comm_s["reduce_scatter"] == pytest.approx(rs, abs=1e-6)  # 1.041 ms
     assert plan.comm_s["all_reduce"] == pytest.approx(ar, abs=1e-6)  # 3.093 ms
     # the all-gathers back inside the node equal the reduce-scatters; 28 us more come from
@@ -699,31 +708,33 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     wte = gpt2_params["transformer.wte.weight"]
     rest = sum(gpt2_params.values()) - wte
     b = 4 * rest
-    # reduce-scatter on dp at full size, then on tp on a half: (S(0), S(0)) nests tp's
-    # pieces inside dp's, so tp first would leave pieces DTensor must gather again
-    rs = 0.5 * b / BW_DP + 0.75 * (b / 2) / BW_TP + (3 * A_TP + A_DP) * b / MIB25
+    # one reduce-scatter over the flattened dp+tp group of 8 (as FSDP2 over a flattened
+    # mesh; DTensor where the launcher flattened the group): 7/8 of the bytes at the
+    # group's narrowest cut, dp's 50 GB/s links crossed by 4 rings at once (a node's 4
+    # GPUs, each with its own link: 200 GB/s, under tp's 450), 7 steps at dp's 20 us
+    flat = min(4 * BW_DP, BW_TP)
+    rs = 0.875 * b / flat + 7 * A_DP * b / MIB25
     wte_ar = 1.5 * 4 * wte / BW_TP + wte / BW_DP + 70e-6
     assert plan.comm_s["reduce_scatter"] == pytest.approx(rs + wte_s_rs(wte), abs=1e-6)
     # the embedding's all-reduce across nodes, on the quarter left by the reduce-scatter,
-    # and the loss scalar's on both dims: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2 x 40 us
-    # latency across nodes + 2 x 3 x 5 us inside
-    assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 40e-6 + 30e-6, abs=1e-6)
+    # and the loss scalar's over the flattened group: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2
+    # x 20 us latency across nodes + 2 x 7 x 20 us
+    assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 280e-6, abs=1e-6)
     assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
-    # gathers (S(0), S(0)) -> (R, R): the inner (fast) dim first, as DTensor must,
-    # 3 (B/8) / 450 GB/s, then the slow dim, (B/2) / 50 GB/s, and the latency
-    # (20 + 3 x 5 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
+    # gathers (S(0), S(0)) -> (R, R): one all-gather over the flattened group, 7/8 B /
+    # 200 GB/s, and the latency (7 x 20 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
     # the forward and again for the backward (2 x 339.7 MB), the position embedding once
     # (its backward does not read it); the norms' and biases' few KiB are left out
     # (~10 us). Then the embedding's all-reduce ends in an all-gather inside the node
     # (0.257 ms + 15 us), and propagation gathers one activation (28 us).
-    per_byte = 3 * (1 / 8) / BW_TP + (1 / 2) / BW_DP
+    per_byte = (7 / 8) / flat
     blocks = sum(
         n
         for k, n in gpt2_params.items()
         if k.startswith("transformer.h.") and k.endswith(".weight") and "ln_" not in k
     )
     gathered = 2 * 4 * blocks + 4 * gpt2_params["transformer.wpe.weight"]
-    ag = gathered * per_byte + (A_DP + 3 * A_TP) * gathered / MIB25
+    ag = gathered * per_byte + 7 * A_DP * gathered / MIB25
     ag += 0.75 * 4 * wte / BW_TP + 3 * A_TP + 28e-6
     assert plan.comm_s["all_gather"] == pytest.approx(ag, abs=12e-6)
     assert plan.optimizer_s == pytest.approx(

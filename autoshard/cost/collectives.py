@@ -80,6 +80,9 @@ _COST_CACHE_SIZE = 1 << 20
 # strategy generation under cProfile). A 2-D mesh needs a few thousand.
 _SEQUENCE_CACHE_SIZE = 1 << 17
 
+# Collectives DTensor runs as one over a flattened group of mesh dims (CommModel._merged).
+_FLATTENED = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
+
 # Placement codes used inside the cost model: Replicate -> -1, Shard(d) -> d (>= 0),
 # Partial(op) -> the reduce op's name (a str).
 _R = -1
@@ -151,9 +154,35 @@ class CommModel:
             raise AutoshardError(f"collective of {nbytes!r} bytes: the size must be >= 0")
         return self._collective(kind, nbytes, mesh_dim)
 
-    def _collective(self, kind: str, nbytes: float, i: int, latency_share: float = 1.0) -> float:
-        alpha, bw = self.mesh.latency[i] * latency_share, self.mesh.bandwidth[i]
-        return COLLECTIVES[kind].seconds(self.mesh.shape[i], alpha, bw, nbytes)
+    def _collective(
+        self, kind: str, nbytes: float, i: int | tuple[int, ...], latency_share: float = 1.0
+    ) -> float:
+        n, alpha, bw = self._links(i)
+        return COLLECTIVES[kind].seconds(n, alpha * latency_share, bw, nbytes)
+
+    def _links(self, i: int | tuple[int, ...]) -> tuple[int, float, float]:
+        """``(devices, latency, bandwidth)`` of mesh dim ``i``, or of the flattened group
+        of mesh dims ``i`` (a tuple, ascending) that one collective spans.
+
+        A flattened group is one NCCL ring over all its ``n`` devices, ranks row-major
+        (as ``DeviceMesh._flatten`` lays them). Each ring step waits for its slowest hop:
+        the largest latency of the group's dims. Its bandwidth is that of its narrowest
+        cut: the links of group dim ``g`` join blocks of ``m`` devices (the product of
+        the group's dims after ``g``), each device with its own link (one NIC per GPU,
+        NCCL opening one channel per NIC), so ``m`` rings cross the cut at once, ``m *
+        bw_g``; the ring runs at ``min_g m * bw_g``. Across DGX A100 nodes of 8 GPUs with
+        8 HDR NICs (24 GB/s each) that is 192 GB/s, the all-reduce bus bandwidth NCCL's
+        maintainer measures there (NVIDIA/nccl issue #812); over NVLink alone it is the
+        NVLink's.
+        """
+        if isinstance(i, int):
+            return self.mesh.shape[i], self.mesh.latency[i], self.mesh.bandwidth[i]
+        n = math.prod(self.mesh.shape[g] for g in i)
+        alpha = max(self.mesh.latency[g] for g in i)
+        bw = min(
+            self.mesh.bandwidth[g] * math.prod(self.mesh.shape[h] for h in i if h > g) for g in i
+        )
+        return n, alpha, bw
 
     # ----------------------------------------------------------------------------------------
     # Resharding
@@ -187,8 +216,8 @@ class CommModel:
                 kind other than Shard/Replicate/Partial, a Shard dim outside the tensor, or a
                 bad itemsize.
         """
-        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
-        return self._cost_of(s, d, ndim, total)
+        s, d, form, total = self._encoded(src, dst, shape, itemsize)
+        return self._cost_of(s, d, form, total)
 
     def redistribute_costs(
         self,
@@ -224,9 +253,10 @@ class CommModel:
         """``price(source codes, destination codes, ndim, bytes)`` of every pair, each
         placement encoded once."""
         total, ndim = self._total_bytes(shape, itemsize)
+        form = (ndim, self._divisors(shape))
         s_codes = [self._encode(p, ndim, "source") for p in srcs]
         d_codes = [self._encode(q, ndim, "destination") for q in dsts]
-        return [[price(s, d, ndim, total) for d in d_codes] for s in s_codes]
+        return [[price(s, d, form, total) for d in d_codes] for s in s_codes]
 
     def redistribute_steps(
         self,
@@ -273,8 +303,9 @@ class CommModel:
         d = self._encode(dst, len(shape), "destination")
         current = list(src)
         path: list[tuple[Placement, ...]] = []
-        for _, i, code in self._sequence(s, d, len(shape)):
-            current[i] = _placement(code, dst[i])
+        for _, i, code in self._sequence(s, d, (len(shape), self._divisors(shape))):
+            for g in (i,) if isinstance(i, int) else i:  # a flattened group: all its dims
+                current[g] = _placement(code, dst[g])
             path.append(tuple(current))
         if tuple(current) != tuple(dst):
             path.append(tuple(dst))
@@ -296,15 +327,15 @@ class CommModel:
 
         Returns ``math.inf`` when the change is impossible.
         """
-        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
-        return self._bucketed_of_codes(s, d, ndim, total, bucket_bytes)
+        s, d, form, total = self._encoded(src, dst, shape, itemsize)
+        return self._bucketed_of_codes(s, d, form, total, bucket_bytes)
 
     def _bucketed_of_codes(
-        self, s: tuple, d: tuple, ndim: int, total: int, bucket_bytes: float
+        self, s: tuple, d: tuple, form: tuple, total: int, bucket_bytes: float
     ) -> float:
-        """:meth:`bucketed_cost` of codes ``s`` to ``d`` of an ``ndim``-D tensor of
-        ``total`` bytes."""
-        template = self._template(s, d, ndim)
+        """:meth:`bucketed_cost` of codes ``s`` to ``d`` of a tensor of ``form`` (its
+        dims and their divisors, :meth:`_encoded`) and ``total`` bytes."""
+        template = self._template(s, d, form)
         plan = self._replay(template, total)
         if isinstance(plan, str):
             return math.inf
@@ -350,10 +381,10 @@ class CommModel:
             CommStep(kind, i, b, self._collective(kind, b, i, latency_share)) for kind, i, b in plan
         ]
 
-    def _cost_of_codes(self, s: tuple, d: tuple, ndim: int, total: int) -> float:
-        """Seconds of the resharding from codes ``s`` to ``d`` of an ``ndim``-D tensor of
-        ``total`` bytes (``math.inf`` when impossible)."""
-        plan = self._replay(self._template(s, d, ndim), total)
+    def _cost_of_codes(self, s: tuple, d: tuple, form: tuple, total: int) -> float:
+        """Seconds of the resharding from codes ``s`` to ``d`` of a tensor of ``form``
+        (:meth:`_encoded`) and ``total`` bytes (``math.inf`` when impossible)."""
+        plan = self._replay(self._template(s, d, form), total)
         if isinstance(plan, str):
             return math.inf
         return sum(self._collective(kind, b, i) for kind, i, b in plan)
@@ -364,16 +395,25 @@ class CommModel:
         dst: Sequence[Placement],
         shape: Sequence[int],
         itemsize: int,
-    ) -> tuple[tuple, tuple, int, int]:
-        """``(source codes, destination codes, ndim, bytes)`` of one resharding's arguments
-        (:meth:`_total_bytes`, :meth:`_encode`; their errors)."""
+    ) -> tuple[tuple, tuple, tuple, int]:
+        """``(source codes, destination codes, form, bytes)`` of one resharding's
+        arguments (:meth:`_total_bytes`, :meth:`_encode`; their errors); ``form`` is
+        ``(ndim, divisors)`` (:meth:`_divisors`): what the steps depend on besides the
+        codes."""
         total, ndim = self._total_bytes(shape, itemsize)
         return (
             self._encode(src, ndim, "source"),
             self._encode(dst, ndim, "destination"),
-            ndim,
+            (ndim, self._divisors(shape)),
             total,
         )
+
+    def _divisors(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """Per tensor dim, ``gcd(size, devices)``: a group of mesh dims (a divisor of the
+        mesh's device count) splits the dim evenly exactly when it divides this. What a
+        flattened reduce-scatter needs (:meth:`_merged`)."""
+        devices = math.prod(self.mesh.shape)
+        return tuple(math.gcd(int(n), devices) for n in shape)
 
     def _total_bytes(self, shape: Sequence[int], itemsize: int) -> tuple[int, int]:
         """``(bytes, ndim)`` of a tensor of global ``shape``, ``itemsize`` bytes each.
@@ -400,15 +440,16 @@ class CommModel:
     ) -> list[tuple[CollectiveKind, int, float]] | str:
         """``(kind, mesh dim, bytes)`` per collective in the order they run (see the module
         docstring), or why the resharding is impossible."""
-        s, d, ndim, total = self._encoded(src, dst, shape, itemsize)
-        return self._replay(self._template(s, d, ndim), total)
+        s, d, form, total = self._encoded(src, dst, shape, itemsize)
+        return self._replay(self._template(s, d, form), total)
 
     def _template_uncached(
-        self, s: tuple, d: tuple, ndim: int
-    ) -> tuple[int, tuple[tuple[str, int, int], ...]] | str:
-        """What the resharding from codes ``s`` to ``d`` does to any tensor of ``ndim``
-        dims: the number of pieces the source cuts it into and the steps as ``(kind, mesh
-        dim, devices on it)``; or why the resharding is impossible."""
+        self, s: tuple, d: tuple, form: tuple
+    ) -> tuple[int, tuple[tuple[str, Any, int], ...]] | str:
+        """What the resharding from codes ``s`` to ``d`` does to any tensor of ``form``
+        (:meth:`_encoded`): the number of pieces the source cuts it into and the steps as
+        ``(kind, mesh dim or flattened group, devices on it)``; or why the resharding is
+        impossible."""
         for i, (a, b) in enumerate(zip(s, d, strict=True)):
             if isinstance(b, str) and a != b and a != _R:  # Shard -> Partial, P(op1) -> P(op2)
                 return (
@@ -417,7 +458,7 @@ class CommModel:
                     "or from Replicate"
                 )
         pieces = self._pieces_of(s)
-        steps = tuple((kind, i, self.mesh.shape[i]) for kind, i, _ in self._sequence(s, d, ndim))
+        steps = tuple((kind, i, self._links(i)[0]) for kind, i, _ in self._sequence(s, d, form))
         return pieces, steps
 
     @staticmethod
@@ -443,13 +484,15 @@ class CommModel:
                 local /= n
         return plan
 
-    def _sequence(self, s: tuple, d: tuple, ndim: int) -> tuple[tuple[str, int, _Code], ...]:
+    def _sequence(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple[str, Any, _Code], ...]:
         """:meth:`_sequence_uncached`, memoised up to a renaming of the tensor dims: the
-        steps depend on which codes are equal, never on the dims' numbers, except that a
-        split all-reduce shards the first free dim. So the dims ``s`` and ``d`` shard are
-        renamed 0, 1, ... in order of appearance, the first free dim (if any) gets the next
-        number, and the steps found for those codes are renamed back (the Llama-70B shape
-        on 8x4x2 asks for 100,749 distinct ``(s, d, ndim)``)."""
+        steps depend on which codes are equal and on the named dims' divisors, never on
+        the dims' numbers, except that a split all-reduce shards the first free dim. So
+        the dims ``s`` and ``d`` shard are renamed 0, 1, ... in order of appearance, the
+        first free dim (if any) gets the next number, and the steps found for those codes
+        are renamed back (the Llama-70B shape on 8x4x2 asks for 100,749 distinct
+        ``(s, d, ndim)``). ``form``: ``(ndim, divisors)`` (:meth:`_encoded`)."""
+        ndim, divisors = form
         names: dict[int, int] = {}
         for c in (*s, *d):
             if type(c) is int and c >= 0 and c not in names:
@@ -462,17 +505,21 @@ class CommModel:
         def rename(codes: tuple) -> tuple:
             return tuple(names[c] if type(c) is int and c >= 0 else c for c in codes)
 
-        steps = self._canonical_sequence(rename(s), rename(d), len(names) + (free is not None))
+        canonical = (len(back), tuple(divisors[back[k]] for k in range(len(back))))
+        steps = self._canonical_sequence(rename(s), rename(d), canonical)
         return tuple((kind, i, back[c] if type(c) is int and c >= 0 else c) for kind, i, c in steps)
 
     def _sequence_uncached(
-        self, s: tuple, d: tuple, ndim: int = 1
-    ) -> tuple[tuple[str, int, _Code], ...]:
-        """The cheapest sequence of single-dim steps from codes ``s`` to ``d`` of a tensor
-        with ``ndim`` dims, each ``(kind, mesh dim, code after)``, as DTensor runs them
-        (:meth:`_nested`). A split all-reduce's reduce-scatter shards the first tensor dim
-        that no mesh dim shards in ``s`` or ``d`` (so it nests with nothing); without one
-        (a 0-d loss, or every dim taken) all-reduces are never split.
+        self, s: tuple, d: tuple, form: tuple
+    ) -> tuple[tuple[str, Any, _Code], ...]:
+        """The cheapest sequence of steps from codes ``s`` to ``d`` of a tensor of
+        ``form`` (``(ndim, divisors)``, :meth:`_encoded`), each ``(kind, mesh dim, code
+        after)``, as DTensor runs them (:meth:`_nested`), consecutive like steps on several
+        mesh dims run as one collective over their flattened group (:meth:`_merged`: the
+        step's mesh dim is then the group, a tuple). A split all-reduce's reduce-scatter
+        shards the first tensor dim that no mesh dim shards in ``s`` or ``d`` (so it nests
+        with nothing); without one (a 0-d loss, or every dim taken) all-reduces are never
+        split.
 
         Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
         (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
@@ -480,11 +527,13 @@ class CommModel:
         and an all-gather (NCCL's hierarchical all-reduce). Every split choice and every
         order of the steps (a split dim's reduce-scatter before its all-gather) is priced
         on a unit tensor after the nested-sharding steps are added; the cheapest wins, ties
-        to fewer steps, then to the conventional order (slices, reduce-scatters fastest
+        to the least latency (:meth:`_latency`), then to fewer steps, then to the
+        conventional order (slices, reduce-scatters fastest
         link first, all-reduces and all-to-alls, all-gathers fastest link last). Beyond 6
         steps only the conventional order is tried. The choice depends on the placements
         and the links only: every byte term is linear in the tensor's size.
         """
+        ndim, divisors = form
         base: list[tuple[str, int]] = []
         splittable: list[int] = []
         taken = {c for c in (*s, *d) if not isinstance(c, str) and c >= 0}
@@ -524,7 +573,7 @@ class CommModel:
             return True
 
         best: tuple[tuple[str, int, _Code], ...] = ()
-        best_key: tuple[float, int, int] = (math.inf, 0, 0)
+        best_key: tuple[float, float, int, int] = (math.inf, 0.0, 0, 0)
         for split in itertools.product((False, True), repeat=len(splittable)):
             steps = list(base)
             for i, sp in zip(splittable, split, strict=True):
@@ -534,19 +583,36 @@ class CommModel:
             if len(steps) <= 6:
                 orders += [o for o in itertools.permutations(first) if o != first and valid(o)]
             for rank_of_order, order in enumerate(orders):
-                expanded = self._nested(s, d, order, rs_dim)
-                key = (self._unit_cost(expanded), len(expanded), rank_of_order)
-                if key[0] < best_key[0] * (1 - 1e-12) or (
-                    key[0] <= best_key[0] * (1 + 1e-12) and key[1:] < best_key[1:]
-                ):
-                    best, best_key = expanded, key
+                apart = self._nested(s, d, order, rs_dim)
+                for expanded in {apart: None, self._merged(s, apart, divisors): None}:
+                    key = (
+                        self._unit_cost(expanded),
+                        self._latency(expanded),
+                        len(expanded),
+                        rank_of_order,
+                    )
+                    if key[0] < best_key[0] * (1 - 1e-12) or (
+                        key[0] <= best_key[0] * (1 + 1e-12) and key[1:] < best_key[1:]
+                    ):
+                        best, best_key = expanded, key
         return best
 
-    def _unit_cost(self, steps: Sequence[tuple[str, int, _Code]]) -> float:
+    def _latency(self, steps: Sequence[tuple[str, Any, _Code]]) -> float:
+        """Latency seconds of ``steps`` (their alpha terms, whatever the bytes): between
+        two sequences of equal bandwidth, the one with fewer or faster steps (a scalar's
+        all-reduce over two mesh dims runs per dim, 1 + 3 steps, not as one ring of 7)."""
+        total = 0.0
+        for kind, i, _ in steps:
+            if kind != "slice":
+                n, alpha, _ = self._links(i)
+                total += (2 if kind == "all_reduce" else 1) * (n - 1) * alpha
+        return total
+
+    def _unit_cost(self, steps: Sequence[tuple[str, Any, _Code]]) -> float:
         """Bandwidth seconds of ``steps`` on a tensor of one byte per device at the start."""
         local, total = 1.0, 0.0
         for kind, i, _ in steps:
-            n, bw = self.mesh.shape[i], self.mesh.bandwidth[i]
+            n, _, bw = self._links(i)
             if kind == "slice":
                 local /= n
             elif kind == "all_gather":
@@ -559,6 +625,59 @@ class CommModel:
                 factor = 2 if kind == "all_reduce" else 1
                 total += factor * (n - 1) * local / (n * bw)
         return total
+
+    def _merged(
+        self, s: tuple, steps: Sequence[tuple[str, int, _Code]], divisors: tuple[int, ...]
+    ) -> tuple[tuple[str, Any, _Code], ...]:
+        """``steps`` (from codes ``s``) with each run of consecutive like collectives on
+        several mesh dims made one collective over their flattened group, as DTensor runs
+        them where the mesh has that group flattened (``_optimize_transform_infos`` in
+        ``torch.distributed.tensor._redistribute``; the launcher flattens every group of
+        mesh dims, :func:`autoshard._torch_private.flatten_mesh_groups`), and as FSDP2
+        runs its collectives over a flattened data-parallel mesh: ``(S(0), S(0)) -> (R,
+        R)``, one all-gather over both dims. DTensor's rule: the same kind (all-gather,
+        reduce-scatter or all-reduce), the same placement before and after on each dim,
+        all-gathers innermost dim first, reduce-scatters outermost first, and a
+        reduce-scatter only when its tensor dim splits evenly over the group; here, over
+        every mesh dim that shards it afterwards (``divisors``, :meth:`_divisors`), which
+        implies DTensor's condition. The merged step's mesh dim is the group, ascending.
+        """
+        current = list(s)
+        out: list[tuple[str, Any, _Code]] = []
+        k = 0
+        while k < len(steps):
+            kind, i, after = steps[k]
+            j = k + 1
+            if kind in _FLATTENED:
+                while j < len(steps) and steps[j][0] == kind and steps[j][2] == after:
+                    if current[steps[j][1]] != current[i]:
+                        break
+                    j += 1
+            group = [step[1] for step in steps[k:j]]
+            ordered = {
+                "all_gather": group == sorted(group, reverse=True),
+                "reduce_scatter": group == sorted(group),
+                "all_reduce": True,
+            }.get(kind, False)
+            if len(group) > 1 and ordered and kind == "reduce_scatter":
+                # DTensor's greedy planner keeps a multi-dim reduce-scatter whole only
+                # where every other mesh dim is replicated (from (S(0), P, P) it
+                # all-reduces one dim and slices it again), and flattens it only where
+                # the tensor dim splits evenly over the group
+                others = [m for m in range(len(current)) if m not in group]
+                ordered = all(current[m] == _R or self.mesh.shape[m] == 1 for m in others)
+                splits = math.prod(self.mesh.shape[m] for m in group)
+                ordered = ordered and divisors[after] % splits == 0
+            if len(group) > 1 and ordered:
+                out.append((kind, tuple(sorted(group)), after))
+                for g in group:
+                    current[g] = after
+                k = j
+                continue
+            out.append((kind, i, after))
+            current[i] = after
+            k += 1
+        return tuple(out)
 
     def _nested(
         self, s: tuple, d: tuple, order: Sequence[tuple[str, int]], rs_dim: int | None = None

@@ -99,6 +99,38 @@ def default_dim_names(ndim: int) -> tuple[str, ...]:
     return ("dp", "tp") if ndim == 2 else tuple(f"d{i}" for i in range(ndim))
 
 
+MeshDims = int | tuple[int, ...]
+"""Where a collective runs: one mesh dim, or a flattened group of mesh dims (ascending),
+over which DTensor runs one collective (:meth:`autoshard.cost.collectives.CommModel._merged`);
+``-1`` for a group that is neither."""
+
+
+def mesh_dims_of(value: Any) -> MeshDims:
+    """A collective's mesh dim as a solution or a sharding map stores it (an int, or a list
+    of ints for a flattened group) as :data:`MeshDims`."""
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    return int(value)
+
+
+def mesh_dims_json(dims: MeshDims) -> int | list[int]:
+    """:data:`MeshDims` as JSON holds it (the inverse of :func:`mesh_dims_of`)."""
+    return list(dims) if isinstance(dims, tuple) else int(dims)
+
+
+def mesh_dims_name(dims: MeshDims, names: Sequence[str]) -> str | None:
+    """``"dp"``, or ``"dp+tp"`` for a flattened group; ``None`` for a dim not in ``names``."""
+    group = dims if isinstance(dims, tuple) else (dims,)
+    if not all(0 <= g < len(names) for g in group):
+        return None
+    return "+".join(names[g] for g in group)
+
+
+def mesh_dims_order(dims: MeshDims) -> tuple[int, ...]:
+    """A sort key that orders single mesh dims and flattened groups together."""
+    return dims if isinstance(dims, tuple) else (dims,)
+
+
 def inside_node(shape: Sequence[int], gpus_per_node: int) -> list[bool]:
     """Per mesh dim of ``shape`` (ranks row-major over nodes of ``gpus_per_node``): whether
     its groups lie inside one node, i.e. its span ``prod(shape[i:])`` fits in a node."""

@@ -32,15 +32,23 @@ def collective_kind(op: Any) -> str | None:
 
 
 class CollectiveLog(TorchDispatchMode):
-    """Counts the collectives issued under it, keyed ``(kind, mesh dim)``.
+    """Counts the collectives issued under it, keyed ``(kind, mesh dim)``; a collective
+    over a flattened group of mesh dims (``flattened``: its process group name -> the
+    dims, :func:`autoshard._torch_private.flatten_mesh_groups`) is keyed with the dims, a
+    tuple.
 
     Use as a context manager; :meth:`take` returns and clears the counts. A collective on
-    a group that is not one of ``mesh``'s dims is keyed with mesh dim ``-1``.
+    any other group is keyed with mesh dim ``-1``.
     """
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, flattened: dict[str, tuple[int, ...]] | None = None
+    ) -> None:
         super().__init__()
-        self.dims = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
+        self.dims: dict[str, int | tuple[int, ...]] = {
+            mesh.get_group(i).group_name: i for i in range(mesh.ndim)
+        }
+        self.dims.update(flattened or {})  # a flattened group of mesh dims: the dims
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor import zeros as dtensor_zeros
 
 from autoshard import _torch_private as tp
-from autoshard._torch_private import tree_flatten, tree_map, tree_unflatten
+from autoshard._torch_private import flatten_mesh_groups, tree_flatten, tree_map, tree_unflatten
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
@@ -468,7 +468,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.dtype_map = dict(dtype_map or {})
         self.log = log if log is not None else RunLog()
         self.comm = comm_model(program.mesh)
-        self._collectives = CollectiveLog(mesh)
+        # one collective over several mesh dims where the plan priced one (CommModel._merged)
+        self._collectives = CollectiveLog(mesh, flatten_mesh_groups(mesh))
         self.fault = Fault.from_env()
         # reads that share a resharding: (producer, phase, layer) -> target -> (the
         # value moved, its moved copy), dropped after the group's last reader

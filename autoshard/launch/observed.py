@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from autoshard.cost.collective_table import COLLECTIVES
-from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.mesh import (
+    MeshSpec,
+    mesh_dims_json,
+    mesh_dims_name,
+    mesh_dims_of,
+    mesh_dims_order,
+)
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import say
 from autoshard.launch.graph_run import GraphProgram, program_from_solution
@@ -152,7 +158,9 @@ def predicted_steps(smap: ShardingMap) -> Counter:
     """The map's ``predicted.collective_steps`` as ``(phase, kind, mesh dim) -> count``."""
     out: Counter = Counter()
     for row in smap.predicted.get("collective_steps") or []:
-        out[(str(row["phase"]), str(row["kind"]), int(row["mesh_dim"]))] += int(row["count"])
+        out[(str(row["phase"]), str(row["kind"]), mesh_dims_of(row["mesh_dim"]))] += int(
+            row["count"]
+        )
     return out
 
 
@@ -162,13 +170,16 @@ def observed_rows(result: PlanStepResult, smap: ShardingMap, device: torch.devic
     expected = _expected(smap, device)
     seen = result.observed
     names = smap.dim_names or tuple(str(i) for i in range(smap.ndim))
-    keys = sorted(set(expected) | set(seen), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))
+    keys = sorted(
+        set(expected) | set(seen),
+        key=lambda k: (PHASES.index(k[0]), k[1], mesh_dims_order(k[2])),
+    )
     return [
         {
             "phase": ph,
             "kind": kind,
-            "mesh_dim": dim,
-            "mesh_dim_name": names[dim] if 0 <= dim < len(names) else None,
+            "mesh_dim": mesh_dims_json(dim),
+            "mesh_dim_name": mesh_dims_name(dim, names),
             "seen": seen[(ph, kind, dim)],
             "predicted": expected[(ph, kind, dim)],
         }
@@ -184,7 +195,7 @@ def _expected(smap: ShardingMap, device: torch.device) -> Counter:
     for row in smap.predicted.get("collective_steps") or []:
         kind = str(row["kind"])
         kind = kind if row.get("in_op") else subst.get(kind, kind)
-        expected[(str(row["phase"]), kind, int(row["mesh_dim"]))] += int(row["count"])
+        expected[(str(row["phase"]), kind, mesh_dims_of(row["mesh_dim"]))] += int(row["count"])
     return expected
 
 
@@ -270,14 +281,17 @@ def lowered_report(result: PlanStepResult, smap: ShardingMap, device: torch.devi
         {k: n for k, n in _expected(smap, device).items() if k[0] != "optimizer" and n}
     )
     graph = step.collectives()
-    keys = sorted(set(graph) | set(expected), key=lambda k: (PHASES.index(k[0]), k[1], k[2]))
+    keys = sorted(
+        set(graph) | set(expected),
+        key=lambda k: (PHASES.index(k[0]), k[1], mesh_dims_order(k[2])),
+    )
     return {
         "ops": step.num_ops,
         "collectives": [
             {
                 "phase": ph,
                 "kind": kind,
-                "mesh_dim": dim,
+                "mesh_dim": mesh_dims_json(dim),
                 "count": graph[(ph, kind, dim)],
                 "predicted": expected[(ph, kind, dim)],
             }

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard.cost.collective_table import COLLECTIVES
+from autoshard.cost.mesh import mesh_dims_name, mesh_dims_of
 from autoshard.placements import placement_to_str, placements_from_str, short
 from autoshard.plan.formats import ShardingMap, detect_kind, load_sharding_map, load_solution
 from autoshard.plan.report import format_ranges
@@ -424,8 +425,8 @@ def _collective_steps_text(rows: Sequence[Mapping[str, Any]], dim_names: Sequenc
     op issues itself, such as the experts' token exchange)."""
     phases: dict[str, list[str]] = {}
     for r in rows:
-        dim = int(r.get("mesh_dim", -1))
-        where = dim_names[dim] if 0 <= dim < len(dim_names) else f"dim {dim}"
+        dim = mesh_dims_of(r.get("mesh_dim", -1))
+        where = mesh_dims_name(dim, dim_names) or f"dim {dim}"
         kind = COLLECTIVES[r["kind"]].title if r.get("kind") in COLLECTIVES else str(r.get("kind"))
         own = " in op" if r.get("in_op") else ""
         phases.setdefault(str(r.get("phase")), []).append(f"{kind} on {where}{own} x{r['count']}")
