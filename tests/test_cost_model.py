@@ -722,11 +722,12 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 280e-6, abs=1e-6)
     assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
     # gathers (S(0), S(0)) -> (R, R): one all-gather over the flattened group, 7/8 B /
-    # 200 GB/s, and the latency (7 x 20 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
-    # the forward and again for the backward (2 x 339.7 MB), the position embedding once
-    # (its backward does not read it); the norms' and biases' few KiB are left out
-    # (~10 us). Then the embedding's all-reduce ends in an all-gather inside the node
-    # (0.257 ms + 15 us), and propagation gathers one activation (28 us).
+    # 200 GB/s, and the latency (7 x 20 us) per 25 MiB gathered. The blocks' 48 weight
+    # matrices are gathered for the forward and again for the backward (2 x 339.7 MB),
+    # the position embedding once (its backward does not read it); the norms' and
+    # biases' few KiB are left out (~10 us). Then the embedding's all-reduce ends in an
+    # all-gather inside the node (0.257 ms + 15 us), and propagation gathers one
+    # activation (28 us).
     per_byte = (7 / 8) / flat
     blocks = sum(
         n

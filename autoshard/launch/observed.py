@@ -333,9 +333,11 @@ def report_lowered(
     if not info["agree"]:
         for r in info["collectives"]:
             if r["count"] != r["predicted"]:
+                dims = mesh_dims_order(mesh_dims_of(r["mesh_dim"]))
                 say(
-                    f"  lowered graph: {r['phase']} {r['kind']} on mesh dim {r['mesh_dim']}: "
-                    f"{r['count']}, predicted {r['predicted']}  <- differs"
+                    f"  lowered graph: {r['phase']} {r['kind']} on mesh dim "
+                    f"{'+'.join(map(str, dims))}: {r['count']}, predicted {r['predicted']}"
+                    "  <- differs"
                 )
     if opts.check:
         say(
