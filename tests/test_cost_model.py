@@ -309,9 +309,10 @@ def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
     - (S0, R, R) -> (R, R, R): one all-gather on dim 0, (2-1)/2 * B / 25 GB/s;
     - (S0, S0, R) -> (R, R, R): the nested shard gathered over dims 0 and 1 at once, one
       ring over their flattened group of 4 (as DTensor runs it where the launcher
-      flattened the group, and FSDP2 over a flattened mesh): (4-1)/4 * B at the group's
-      narrowest cut, dim 0's 25 GB/s links crossed by 2 rings at once (a block of dim 1's
-      2 devices, each with its own link), 50 GB/s, under dim 1's 100 GB/s;
+      flattened the group, and FSDP2 over a flattened mesh; with no latency, cheaper
+      than a gather per dim at any size): (4-1)/4 * B at the group's narrowest cut, dim
+      0's 25 GB/s links crossed by 2 rings at once (a block of dim 1's 2 devices, each
+      with its own link), 50 GB/s, under dim 1's 100 GB/s;
     - (S0, R, R) -> (R, S0, R): cheaper than gathering dim 0 and slicing dim 1 (1/2 * B
       / 25 GB/s): slice dim 1 first, gather the nested shard over the flattened group as
       above, slice dim 1 again: 3/4 * B / 50 GB/s;
@@ -347,6 +348,43 @@ def test_an_edge_s_cost_matrix_on_a_3d_mesh_is_the_ring_formulas_by_hand():
     grad = comm_model(slow).bucketed_costs([(P, R, R)], [(R, R, R)], shape, 4, bucket)
     assert grad[0][0] == pytest.approx(2 * 5e-6 * b / bucket + b / 25e9, rel=1e-12)
     assert grad[0][0] == comm_model(slow).bucketed_cost((P, R, R), (R, R, R), shape, 4, bucket)
+
+
+def test_a_large_gather_over_two_mesh_dims_is_one_ring_over_their_flattened_group():
+    """FSDP over 8 nodes of 8 A100s (DGX A100 at NCCL's bus bandwidth: 230 GB/s NVLink, 24
+    GB/s per GPU's HDR rail; 5 and 20 us), one (28672, 8192) bf16 weight of Llama-70B,
+    B = 469.8 MB, gathered from (S(0), S(0)) to (R, R). FSDP2 shards over one flattened
+    mesh of 64 ranks and gathers with one NCCL ring; DTensor does the same where the
+    launcher flattened the two dims. By hand: 63 ring steps at the slower latency, 63/64
+    of B at the narrowest cut, the 8 rails of a node crossed at once: min(8 x 24, 230) =
+    192 GB/s, the all-reduce bus bandwidth NCCL's maintainer measures across DGX A100
+    nodes (NVIDIA/nccl issue #812): 1.26 + 2.41 = 3.67 ms. One gather per dim, as the
+    nested layout runs without a flattened group, would be 17.5 ms: the node's 8 GPUs
+    each fetch the same 7/8 of B through their own rails. A 16 KiB norm weight keeps one
+    gather per dim (175 us of latency, not 1.26 ms), the cheaper there; so does a
+    reduction of the 0-d loss."""
+    mesh = MeshSpec((8, 8), ("dp", "node"), (24e9, 230e9), (20e-6, 5e-6))
+    cm = comm_model(mesh)
+    s0, shape = Shard(0), (28672, 8192)
+    b = 28672 * 8192 * 2
+    (step,) = cm.redistribute_steps((s0, s0), (R, R), shape, 2)
+    flat = 63 * 20e-6 + (63 / 64) * b / min(8 * 24e9, 230e9)
+    assert (step.kind, step.mesh_dim) == ("all_gather", (0, 1))
+    assert step.seconds == pytest.approx(flat, rel=1e-12)
+    assert flat == pytest.approx(3.668e-3, abs=1e-6)
+    apart = 7 * 5e-6 + (7 / 64) * b / 230e9 + 7 * 20e-6 + (7 / 8) * b / 24e9
+    assert apart == pytest.approx(17.525e-3, abs=1e-6)
+    assert cm.redistribute_path((s0, s0), (R, R), shape) == [(R, R)]  # one step: one call
+    # the reduction of its gradient: one reduce-scatter over the group, the same price
+    (rs,) = cm.redistribute_steps((P, P), (s0, s0), shape, 2)
+    assert (rs.kind, rs.mesh_dim, rs.seconds) == ("reduce_scatter", (0, 1), step.seconds)
+    small = cm.redistribute_steps((s0, s0), (R, R), (8192,), 2)
+    assert [(st.kind, st.mesh_dim) for st in small] == [("all_gather", 1), ("all_gather", 0)]
+    assert sum(st.seconds for st in small) == pytest.approx(
+        7 * 5e-6 + (7 / 64) * 16384 / 230e9 + 7 * 20e-6 + (7 / 8) * 16384 / 24e9, rel=1e-12
+    )
+    loss = cm.redistribute_steps((P, P), (R, R), (), 4)
+    assert sorted((st.kind, st.mesh_dim) for st in loss) == [("all_reduce", 0), ("all_reduce", 1)]
 
 
 # ---- a training plan: optimizer, overlap, MFU ----------------------------------------------
@@ -644,9 +682,7 @@ def test_worked_example_ddp(gpt2_params, gpt2_baselines):
     shares = sum(min(1.0, 4 * n / MIB25) for n in gpt2_params.values())
     assert shares == pytest.approx(14.0985, abs=1e-4)
     rs = 0.75 * b / BW_TP + 3 * A_TP * shares
-    # + the loss scalar's, one ring of 8 over the flattened dp+tp group (the same
-    # bandwidth per byte as per dim, for 0 bytes; every ring step at dp's 20 us)
-    ar = 2 * 0.5 * (b / 4) / BW_DP + 2 * A_DP * shares + 2 * 7 * A_DP
+    ar = 2 * 0.5 * (b / 4) / BW_DP + 2 * A_DP * shares + 2 * A_DP + 2 * 3 * A_TP  # + loss
     assert plan.comm_s["reduce_scatter"] == pytest.approx(rs, abs=1e-6)  # 1.041 ms
     assert plan.comm_s["all_reduce"] == pytest.approx(ar, abs=1e-6)  # 3.093 ms
     # the all-gathers back inside the node equal the reduce-scatters; 28 us more come from
@@ -708,34 +744,31 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     wte = gpt2_params["transformer.wte.weight"]
     rest = sum(gpt2_params.values()) - wte
     b = 4 * rest
-    # one reduce-scatter over the flattened dp+tp group of 8 (as FSDP2 over a flattened
-    # mesh; DTensor where the launcher flattened the group): 7/8 of the bytes at the
-    # group's narrowest cut, dp's 50 GB/s links crossed by 4 rings at once (a node's 4
-    # GPUs, each with its own link: 200 GB/s, under tp's 450), 7 steps at dp's 20 us
-    flat = min(4 * BW_DP, BW_TP)
-    rs = 0.875 * b / flat + 7 * A_DP * b / MIB25
+    # reduce-scatter on dp at full size, then on tp on a half: (S(0), S(0)) nests tp's
+    # pieces inside dp's, so tp first would leave pieces DTensor must gather again
+    rs = 0.5 * b / BW_DP + 0.75 * (b / 2) / BW_TP + (3 * A_TP + A_DP) * b / MIB25
     wte_ar = 1.5 * 4 * wte / BW_TP + wte / BW_DP + 70e-6
     assert plan.comm_s["reduce_scatter"] == pytest.approx(rs + wte_s_rs(wte), abs=1e-6)
     # the embedding's all-reduce across nodes, on the quarter left by the reduce-scatter,
-    # and the loss scalar's over the flattened group: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2
-    # x 20 us latency across nodes + 2 x 7 x 20 us
-    assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 280e-6, abs=1e-6)
+    # and the loss scalar's on both dims: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2 x 40 us
+    # latency across nodes + 2 x 3 x 5 us inside
+    assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 40e-6 + 30e-6, abs=1e-6)
     assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
-    # gathers (S(0), S(0)) -> (R, R): one all-gather over the flattened group, 7/8 B /
-    # 200 GB/s, and the latency (7 x 20 us) per 25 MiB gathered. The blocks' 48 weight
-    # matrices are gathered for the forward and again for the backward (2 x 339.7 MB),
-    # the position embedding once (its backward does not read it); the norms' and
-    # biases' few KiB are left out (~10 us). Then the embedding's all-reduce ends in an
-    # all-gather inside the node (0.257 ms + 15 us), and propagation gathers one
-    # activation (28 us).
-    per_byte = (7 / 8) / flat
+    # gathers (S(0), S(0)) -> (R, R): the inner (fast) dim first, as DTensor must,
+    # 3 (B/8) / 450 GB/s, then the slow dim, (B/2) / 50 GB/s, and the latency
+    # (20 + 3 x 5 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
+    # the forward and again for the backward (2 x 339.7 MB), the position embedding once
+    # (its backward does not read it); the norms' and biases' few KiB are left out
+    # (~10 us). Then the embedding's all-reduce ends in an all-gather inside the node
+    # (0.257 ms + 15 us), and propagation gathers one activation (28 us).
+    per_byte = 3 * (1 / 8) / BW_TP + (1 / 2) / BW_DP
     blocks = sum(
         n
         for k, n in gpt2_params.items()
         if k.startswith("transformer.h.") and k.endswith(".weight") and "ln_" not in k
     )
     gathered = 2 * 4 * blocks + 4 * gpt2_params["transformer.wpe.weight"]
-    ag = gathered * per_byte + 7 * A_DP * gathered / MIB25
+    ag = gathered * per_byte + (A_DP + 3 * A_TP) * gathered / MIB25
     ag += 0.75 * 4 * wte / BW_TP + 3 * A_TP + 28e-6
     assert plan.comm_s["all_gather"] == pytest.approx(ag, abs=12e-6)
     assert plan.optimizer_s == pytest.approx(

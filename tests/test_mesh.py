@@ -306,9 +306,10 @@ def test_every_priced_resharding_is_what_dtensor_runs(mesh_shape, bandwidth) -> 
     mesh whose groups of dims are flattened as the launcher flattens them: like
     collectives over several mesh dims run as one over their group (DTensor's own
     ``_optimize_transform_infos``), keyed by the group. An independent reference: torch's
-    planner and optimizer, not autoshard's. Two shapes: one every group splits evenly,
-    and one (6 rows) that no group of more than 2 devices splits evenly, where DTensor
-    keeps a reduce-scatter over several dims as one per dim."""
+    planner and optimizer, not autoshard's. Two shapes, large enough that one ring over a
+    group is chosen wherever it moves fewer bytes over the slow links: one every group
+    splits evenly, and one (6006 rows) that no group of more than 2 devices splits
+    evenly, where DTensor keeps a reduce-scatter over several dims as one per dim."""
     from autoshard import _torch_private as tp
 
     def kind(a, b):
@@ -325,7 +326,7 @@ def test_every_priced_resharding_is_what_dtensor_runs(mesh_shape, bandwidth) -> 
     with tp.fake_mesh(mesh_shape, names) as mesh:
         tp.flatten_mesh_groups(mesh)
         for shape, src in itertools.product(
-            ((8, 8), (6, 8)), itertools.product(options, repeat=len(mesh_shape))
+            ((8192, 8192), (6006, 8192)), itertools.product(options, repeat=len(mesh_shape))
         ):
             for dst in itertools.product(options, repeat=len(mesh_shape)):
                 if math.isinf(model.redistribute_cost(src, dst, shape, 4)):
@@ -349,7 +350,7 @@ def test_every_priced_resharding_is_what_dtensor_runs(mesh_shape, bandwidth) -> 
 
 
 def test_the_step_memo_renames_tensor_dims_without_changing_a_step() -> None:
-    """``CommModel._sequence`` memoises the step search up to a renaming of tensor dims;
+    """``CommModel._candidates`` memoises the step search up to a renaming of tensor dims;
     for 4,000 pairs of placement codes of a 4-D tensor on a 3-D mesh of three link speeds
     (seeded), each tensor dim with a divisor of the 64 devices drawn at random (whether a
     flattened reduce-scatter splits it evenly), the steps equal the search run on the
@@ -366,6 +367,6 @@ def test_the_step_memo_renames_tensor_dims_without_changing_a_step() -> None:
         used = max((c for c in s + d if isinstance(c, int)), default=-1)
         ndim = rng.randint(max(used + 1, 1), 4)  # a tensor with every dim the codes name
         form = (ndim, tuple(rng.choice((1, 2, 8, 64)) for _ in range(ndim)))
-        assert model._sequence(s, d, form) == model._sequence_uncached(s, d, form), (s, d, form)
+        assert model._candidates(s, d, form) == model._sequence_uncached(s, d, form), (s, d, form)
         renamed += any(isinstance(c, int) and c >= 0 for c in s + d)
     assert renamed > 3000

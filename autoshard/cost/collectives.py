@@ -83,6 +83,10 @@ _SEQUENCE_CACHE_SIZE = 1 << 17
 # Collectives DTensor runs as one over a flattened group of mesh dims (CommModel._merged).
 _FLATTENED = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
 
+# Bytes per element at which one ring over a flattened group is weighed against one
+# collective per mesh dim (CommModel._choose): bf16, what training moves.
+_CHOICE_ITEMSIZE = 2
+
 # Placement codes used inside the cost model: Replicate -> -1, Shard(d) -> d (>= 0),
 # Partial(op) -> the reduce op's name (a str).
 _R = -1
@@ -253,7 +257,7 @@ class CommModel:
         """``price(source codes, destination codes, ndim, bytes)`` of every pair, each
         placement encoded once."""
         total, ndim = self._total_bytes(shape, itemsize)
-        form = (ndim, self._divisors(shape))
+        form = (ndim, self._divisors(shape), math.prod(shape))
         s_codes = [self._encode(p, ndim, "source") for p in srcs]
         d_codes = [self._encode(q, ndim, "destination") for q in dsts]
         return [[price(s, d, form, total) for d in d_codes] for s in s_codes]
@@ -303,7 +307,8 @@ class CommModel:
         d = self._encode(dst, len(shape), "destination")
         current = list(src)
         path: list[tuple[Placement, ...]] = []
-        for _, i, code in self._sequence(s, d, (len(shape), self._divisors(shape))):
+        form = (len(shape), self._divisors(shape), math.prod(shape))
+        for _, i, code in self._sequence(s, d, form):
             for g in (i,) if isinstance(i, int) else i:  # a flattened group: all its dims
                 current[g] = _placement(code, dst[g])
             path.append(tuple(current))
@@ -398,13 +403,13 @@ class CommModel:
     ) -> tuple[tuple, tuple, tuple, int]:
         """``(source codes, destination codes, form, bytes)`` of one resharding's
         arguments (:meth:`_total_bytes`, :meth:`_encode`; their errors); ``form`` is
-        ``(ndim, divisors)`` (:meth:`_divisors`): what the steps depend on besides the
-        codes."""
+        ``(ndim, divisors, elements)`` (:meth:`_divisors`; the element count,
+        :meth:`_choose`): what the steps depend on besides the codes."""
         total, ndim = self._total_bytes(shape, itemsize)
         return (
             self._encode(src, ndim, "source"),
             self._encode(dst, ndim, "destination"),
-            (ndim, self._divisors(shape)),
+            (ndim, self._divisors(shape), math.prod(shape)),
             total,
         )
 
@@ -485,6 +490,30 @@ class CommModel:
         return plan
 
     def _sequence(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple[str, Any, _Code], ...]:
+        """The steps from codes ``s`` to ``d`` of a tensor of ``form`` (``(ndim, divisors,
+        elements)``, :meth:`_encoded`): of :meth:`_candidates`, the cheaper at the tensor's
+        size (:meth:`_choose`)."""
+        apart, flat = self._candidates(s, d, form[:2])
+        return apart if flat == apart else self._choose(s, (apart, flat), form[2])
+
+    def _choose(self, s: tuple, candidates: Sequence[tuple], elements: int) -> tuple:
+        """Of ``candidates`` (step sequences from codes ``s``), the cheapest for a tensor of
+        ``elements`` at 2 bytes each (bandwidth and latency, no bucket share; the first on
+        a tie): whether like collectives over several mesh dims run as one ring over their
+        flattened group (more latency steps, at the group's narrowest cut) or one per dim
+        is a matter of size, and the launcher, which knows the tensor's shape and not the
+        bytes the plan moved it in, makes the same choice (:meth:`redistribute_path`).
+        """
+        total = elements * _CHOICE_ITEMSIZE
+        best, best_s = candidates[0], math.inf
+        for steps in candidates:
+            template = (self._pieces_of(s), tuple((k, i, self._links(i)[0]) for k, i, _ in steps))
+            seconds = sum(self._collective(k, b, i) for k, i, b in self._replay(template, total))
+            if seconds < best_s * (1 - 1e-12):
+                best, best_s = steps, seconds
+        return best
+
+    def _candidates(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple, tuple]:
         """:meth:`_sequence_uncached`, memoised up to a renaming of the tensor dims: the
         steps depend on which codes are equal and on the named dims' divisors, never on
         the dims' numbers, except that a split all-reduce shards the first free dim. So
@@ -506,20 +535,23 @@ class CommModel:
             return tuple(names[c] if type(c) is int and c >= 0 else c for c in codes)
 
         canonical = (len(back), tuple(divisors[back[k]] for k in range(len(back))))
-        steps = self._canonical_sequence(rename(s), rename(d), canonical)
-        return tuple((kind, i, back[c] if type(c) is int and c >= 0 else c) for kind, i, c in steps)
+        found = self._canonical_sequence(rename(s), rename(d), canonical)
+        return tuple(
+            tuple((kind, i, back[c] if type(c) is int and c >= 0 else c) for kind, i, c in steps)
+            for steps in found
+        )
 
-    def _sequence_uncached(
-        self, s: tuple, d: tuple, form: tuple
-    ) -> tuple[tuple[str, Any, _Code], ...]:
-        """The cheapest sequence of steps from codes ``s`` to ``d`` of a tensor of
-        ``form`` (``(ndim, divisors)``, :meth:`_encoded`), each ``(kind, mesh dim, code
-        after)``, as DTensor runs them (:meth:`_nested`), consecutive like steps on several
+    def _sequence_uncached(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple, tuple]:
+        """Two candidate sequences of steps from codes ``s`` to ``d`` of a tensor of
+        ``form`` (``(ndim, divisors)``, :meth:`_encoded`), each step ``(kind, mesh dim,
+        code after)``, as DTensor runs them (:meth:`_nested`): the cheapest with one
+        collective per mesh dim, and the cheapest where consecutive like steps on several
         mesh dims run as one collective over their flattened group (:meth:`_merged`: the
-        step's mesh dim is then the group, a tuple). A split all-reduce's reduce-scatter
-        shards the first tensor dim that no mesh dim shards in ``s`` or ``d`` (so it nests
-        with nothing); without one (a 0-d loss, or every dim taken) all-reduces are never
-        split.
+        step's mesh dim is then the group, a tuple), the first again when no step merges.
+        Which runs is a matter of the tensor's size (:meth:`_choose`). A split
+        all-reduce's reduce-scatter shards the first tensor dim that no mesh dim shards in
+        ``s`` or ``d`` (so it nests with nothing); without one (a 0-d loss, or every dim
+        taken) all-reduces are never split.
 
         Each mesh dim whose placement changes (size > 1) gives one step: ``slice``
         (Replicate -> Shard, free), ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or
@@ -572,8 +604,8 @@ class CommModel:
                     return False
             return True
 
-        best: tuple[tuple[str, int, _Code], ...] = ()
-        best_key: tuple[float, float, int, int] = (math.inf, 0.0, 0, 0)
+        best: list[tuple] = [(), ()]  # one collective per mesh dim; flattened groups
+        best_key: list[tuple] = [(math.inf, 0.0, 0, 0), (math.inf, 0.0, 0, 0)]
         for split in itertools.product((False, True), repeat=len(splittable)):
             steps = list(base)
             for i, sp in zip(splittable, split, strict=True):
@@ -584,18 +616,18 @@ class CommModel:
                 orders += [o for o in itertools.permutations(first) if o != first and valid(o)]
             for rank_of_order, order in enumerate(orders):
                 apart = self._nested(s, d, order, rs_dim)
-                for expanded in {apart: None, self._merged(s, apart, divisors): None}:
+                for k, expanded in enumerate((apart, self._merged(s, apart, divisors))):
                     key = (
                         self._unit_cost(expanded),
                         self._latency(expanded),
                         len(expanded),
                         rank_of_order,
                     )
-                    if key[0] < best_key[0] * (1 - 1e-12) or (
-                        key[0] <= best_key[0] * (1 + 1e-12) and key[1:] < best_key[1:]
+                    if key[0] < best_key[k][0] * (1 - 1e-12) or (
+                        key[0] <= best_key[k][0] * (1 + 1e-12) and key[1:] < best_key[k][1:]
                     ):
-                        best, best_key = expanded, key
-        return best
+                        best[k], best_key[k] = expanded, key
+        return best[0], best[1]
 
     def _latency(self, steps: Sequence[tuple[str, Any, _Code]]) -> float:
         """Latency seconds of ``steps`` (their alpha terms, whatever the bytes): between
