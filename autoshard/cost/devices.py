@@ -515,7 +515,7 @@ DEFAULT_DEVICE = "h100-measured"
 at the rates one reached (:func:`measured_device`), not at its datasheet's peaks, which no
 GPU reaches. Priced at the datasheet, the five published H100 runs of docs/validation.md
 come out 1.34-1.86x faster than they measured (mean error 38%); at the measured rates,
-their links at NCCL's bus bandwidth, 1.17-1.52x (mean error 24.5%). ``--device h100``
+their links at NCCL's bus bandwidth, 1.17-1.54x (mean error 25.1%). ``--device h100``
 keeps the datasheet's peaks."""
 
 
