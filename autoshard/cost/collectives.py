@@ -616,7 +616,9 @@ class CommModel:
                 orders += [o for o in itertools.permutations(first) if o != first and valid(o)]
             for rank_of_order, order in enumerate(orders):
                 apart = self._nested(s, d, order, rs_dim)
-                for k, expanded in enumerate((apart, self._merged(s, apart, divisors))):
+                merging = sum(step[0] in _FLATTENED for step in apart) >= 2
+                flat = self._merged(s, apart, divisors) if merging else apart
+                for k, expanded in enumerate((apart, flat) if flat != apart else (apart,)):
                     key = (
                         self._unit_cost(expanded),
                         self._latency(expanded),
@@ -627,7 +629,7 @@ class CommModel:
                         key[0] <= best_key[k][0] * (1 + 1e-12) and key[1:] < best_key[k][1:]
                     ):
                         best[k], best_key[k] = expanded, key
-        return best[0], best[1]
+        return best[0], best[1] or best[0]
 
     def _latency(self, steps: Sequence[tuple[str, Any, _Code]]) -> float:
         """Latency seconds of ``steps`` (their alpha terms, whatever the bytes): between
