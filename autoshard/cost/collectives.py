@@ -118,7 +118,8 @@ class CommModel:
         # A resharding's price, memoised by placement codes and bytes; its steps, by codes
         # alone (see redistribute_cost's docstring).
         self._cost_of = functools.lru_cache(maxsize=_COST_CACHE_SIZE)(self._cost_of_codes)
-        self._template = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(self._template_uncached)
+        self._templates = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(self._template_uncached)
+        self._links = functools.lru_cache(maxsize=None)(self._links_uncached)
         self._canonical_sequence = functools.lru_cache(maxsize=_SEQUENCE_CACHE_SIZE)(
             self._sequence_uncached
         )
@@ -164,7 +165,7 @@ class CommModel:
         n, alpha, bw = self._links(i)
         return COLLECTIVES[kind].seconds(n, alpha * latency_share, bw, nbytes)
 
-    def _links(self, i: int | tuple[int, ...]) -> tuple[int, float, float]:
+    def _links_uncached(self, i: int | tuple[int, ...]) -> tuple[int, float, float]:
         """``(devices, latency, bandwidth)`` of mesh dim ``i``, or of the flattened group
         of mesh dims ``i`` (a tuple, ascending) that one collective spans.
 
@@ -448,13 +449,44 @@ class CommModel:
         s, d, form, total = self._encoded(src, dst, shape, itemsize)
         return self._replay(self._template(s, d, form), total)
 
-    def _template_uncached(
-        self, s: tuple, d: tuple, form: tuple
-    ) -> tuple[int, tuple[tuple[str, Any, int], ...]] | str:
-        """What the resharding from codes ``s`` to ``d`` does to any tensor of ``form``
+    def _template(self, s: tuple, d: tuple, form: tuple) -> tuple | str:
+        """What the resharding from codes ``s`` to ``d`` does to a tensor of ``form``
         (:meth:`_encoded`): the number of pieces the source cuts it into and the steps as
-        ``(kind, mesh dim or flattened group, devices on it)``; or why the resharding is
-        impossible."""
+        ``(kind, mesh dim or flattened group, devices on it)``, of the candidates
+        (:meth:`_template_uncached`, memoised without the size) the one :meth:`_choose`
+        takes for its element count; or why the resharding is impossible."""
+        ndim, divisors = form[:2]
+        taken = {c for c in (*s, *d) if type(c) is int and c >= 0}
+        free = next((t for t in range(ndim) if t not in taken), None)
+        lands = {c for c in d if type(c) is int and c >= 0} | {free}
+        key = (ndim, tuple(n if t in lands else 0 for t, n in enumerate(divisors)))
+        found = self._templates(s, d, key)  # a divisor matters only where a scatter lands
+        if isinstance(found, str) or len(found[1]) == 1:
+            return found if isinstance(found, str) else (found[0], found[1][0])
+        pieces, candidates = found
+        return pieces, candidates[self._cheapest(pieces, candidates, form[2])]
+
+    def _cheapest(self, pieces: int, candidates: Sequence[tuple], elements: int) -> int:
+        """Of ``candidates`` (step templates ``(kind, mesh dim, devices)`` from a source
+        that cuts the tensor into ``pieces``), the index of the cheapest for a tensor of
+        ``elements`` at 2 bytes each (bandwidth and latency, no bucket share; the first
+        on a tie): whether like collectives over several mesh dims run as one ring over
+        their flattened group (more latency steps, at the group's narrowest cut) or one
+        per dim is a matter of size, and the launcher, which knows the tensor's shape and
+        not the bytes the plan moved it in, makes the same choice (:meth:`_sequence`)."""
+        total = elements * _CHOICE_ITEMSIZE
+        best, best_s = 0, math.inf
+        for k, steps in enumerate(candidates):
+            plan = self._replay((pieces, steps), total)
+            seconds = sum(self._collective(kind, b, i) for kind, i, b in plan)
+            if seconds < best_s * (1 - 1e-12):
+                best, best_s = k, seconds
+        return best
+
+    def _template_uncached(self, s: tuple, d: tuple, form: tuple) -> tuple | str:
+        """:meth:`_template` for every size: the pieces and the candidates' step templates
+        (one, or two where one ring over a flattened group may run, :meth:`_candidates`);
+        ``form`` is ``(ndim, divisors)``."""
         for i, (a, b) in enumerate(zip(s, d, strict=True)):
             if isinstance(b, str) and a != b and a != _R:  # Shard -> Partial, P(op1) -> P(op2)
                 return (
@@ -463,8 +495,11 @@ class CommModel:
                     "or from Replicate"
                 )
         pieces = self._pieces_of(s)
-        steps = tuple((kind, i, self._links(i)[0]) for kind, i, _ in self._sequence(s, d, form))
-        return pieces, steps
+        apart, flat = self._candidates(s, d, form)
+        return pieces, tuple(
+            tuple((kind, i, self._links(i)[0]) for kind, i, _ in steps)
+            for steps in ((apart,) if flat == apart else (apart, flat))
+        )
 
     @staticmethod
     def _replay(template, total: int) -> list[tuple[CollectiveKind, int, float]] | str:
@@ -497,21 +532,11 @@ class CommModel:
         return apart if flat == apart else self._choose(s, (apart, flat), form[2])
 
     def _choose(self, s: tuple, candidates: Sequence[tuple], elements: int) -> tuple:
-        """Of ``candidates`` (step sequences from codes ``s``), the cheapest for a tensor of
-        ``elements`` at 2 bytes each (bandwidth and latency, no bucket share; the first on
-        a tie): whether like collectives over several mesh dims run as one ring over their
-        flattened group (more latency steps, at the group's narrowest cut) or one per dim
-        is a matter of size, and the launcher, which knows the tensor's shape and not the
-        bytes the plan moved it in, makes the same choice (:meth:`redistribute_path`).
-        """
-        total = elements * _CHOICE_ITEMSIZE
-        best, best_s = candidates[0], math.inf
-        for steps in candidates:
-            template = (self._pieces_of(s), tuple((k, i, self._links(i)[0]) for k, i, _ in steps))
-            seconds = sum(self._collective(k, b, i) for k, i, b in self._replay(template, total))
-            if seconds < best_s * (1 - 1e-12):
-                best, best_s = steps, seconds
-        return best
+        """Of ``candidates`` (step sequences from codes ``s``), the one :meth:`_cheapest`
+        takes for a tensor of ``elements``: what the launcher runs (:meth:`redistribute_path`)
+        and the price counts (:meth:`_template`)."""
+        templates = [tuple((k, i, self._links(i)[0]) for k, i, _ in c) for c in candidates]
+        return candidates[self._cheapest(self._pieces_of(s), templates, elements)]
 
     def _candidates(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple, tuple]:
         """:meth:`_sequence_uncached`, memoised up to a renaming of the tensor dims: the
@@ -534,7 +559,13 @@ class CommModel:
         def rename(codes: tuple) -> tuple:
             return tuple(names[c] if type(c) is int and c >= 0 else c for c in codes)
 
-        canonical = (len(back), tuple(divisors[back[k]] for k in range(len(back))))
+        # a divisor matters only where a reduce-scatter may land: a dim d shards, or the
+        # free dim a split all-reduce scatters (the memo then serves every other size)
+        lands = {names[c] for c in d if type(c) is int and c >= 0} | {len(names)}
+        canonical = (
+            len(back),
+            tuple(divisors[back[k]] if k in lands else 0 for k in range(len(back))),
+        )
         found = self._canonical_sequence(rename(s), rename(d), canonical)
         return tuple(
             tuple((kind, i, back[c] if type(c) is int and c >= 0 else c) for kind, i, c in steps)
