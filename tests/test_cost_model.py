@@ -374,6 +374,9 @@ def test_a_large_gather_over_two_mesh_dims_is_one_ring_over_their_flattened_grou
     assert flat == pytest.approx(3.668e-3, abs=1e-6)
     apart = 7 * 5e-6 + (7 / 64) * b / 230e9 + 7 * 20e-6 + (7 / 8) * b / 24e9
     assert apart == pytest.approx(17.525e-3, abs=1e-6)
+    # the model's own single-dim collectives give the same per-dim price: dim 1 gathers the
+    # B/8 each node's slice holds, then dim 0 the whole B
+    assert cm.all_gather(b / 8, 1) + cm.all_gather(b, 0) == pytest.approx(apart, rel=1e-12)
     assert cm.redistribute_path((s0, s0), (R, R), shape) == [(R, R)]  # one step: one call
     # the reduction of its gradient: one reduce-scatter over the group, the same price
     (rs,) = cm.redistribute_steps((P, P), (s0, s0), shape, 2)

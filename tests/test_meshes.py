@@ -206,6 +206,15 @@ def test_mesh_with_gpus_per_node_solves_a_searched_shape_alone_as_the_search_pri
             ["--mesh", "2x3", "--gpus-per-node", "4"],
             "--mesh 2x3 has 6 devices, not a whole number of nodes of --gpus-per-node 4",
         ),
+        # dim 1's groups of 3 ranks ({3, 4, 5}) would span two nodes of 4 (review finding)
+        (
+            ["--mesh", "8x3", "--gpus-per-node", "4"],
+            "--mesh 8x3 over nodes of --gpus-per-node 4 splits a mesh dim between a node and",
+        ),
+        (
+            ["--mesh", "4x16", "--gpus-per-node", "8"],
+            "--mesh 4x16 over nodes of --gpus-per-node 8 splits a mesh dim between a node and",
+        ),
         (["--mesh", "4", "--microbatches", "4"], "--microbatches applies with --gpus N --pp"),
     ],
 )

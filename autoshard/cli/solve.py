@@ -319,8 +319,9 @@ def mesh_on_nodes(mesh: MeshSpec, gpus_per_node: int, opts: dict) -> MeshSpec:
 
     Raises:
         AutoshardError: a ``--profile`` that sets links (it names each dim's links
-            itself), or a mesh of more than one node whose devices are not a whole number
-            of nodes.
+            itself), a mesh of more than one node whose devices are not a whole number
+            of nodes, or a mesh dim split between a node and the network
+            (:func:`~autoshard.cost.mesh.node_shapes`).
     """
     if _links_profile(opts.get("profile_path")):
         raise AutoshardError(
@@ -332,6 +333,23 @@ def mesh_on_nodes(mesh: MeshSpec, gpus_per_node: int, opts: dict) -> MeshSpec:
             f"--mesh {'x'.join(map(str, mesh.shape))} has {n} devices, not a whole number of "
             f"nodes of --gpus-per-node {gpus_per_node}: give a mesh of a multiple of "
             f"{gpus_per_node} devices, or the node size the cluster has"
+        )
+    shape = tuple(mesh.shape)
+    if (
+        len(shape) > 1
+        and any(  # node_shapes' rule: a dim's span divides a node, or its
+            # stride is whole nodes (a 1-D mesh is one group over every device)
+            shape[i] > 1
+            and gpus_per_node % math.prod(shape[i:])
+            and math.prod(shape[i + 1 :]) % gpus_per_node
+            for i in range(len(shape))
+        )
+    ):
+        raise AutoshardError(
+            f"--mesh {'x'.join(map(str, mesh.shape))} over nodes of --gpus-per-node "
+            f"{gpus_per_node} splits a mesh dim between a node and the network (each dim must "
+            "lie inside a node or span whole nodes, as --gpus's shapes do): see the shapes "
+            f"--gpus {n} --gpus-per-node {gpus_per_node} tries"
         )
     links = {k: opts[k] for k in MESH_LINK_KEYS}
     laid = MeshSpec.on_nodes(mesh.shape, gpus_per_node, **links)

@@ -58,7 +58,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
 from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoshard._torch_private import tree_map_only
+from autoshard._torch_private import flatten_mesh_groups, tree_map_only
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import (
     CheckResult,
@@ -744,6 +744,9 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
     del pipe
     if mesh is not None:
         inner = mesh[layout.inner_names]
+        # like collectives over several stage dims run as one, as the stage plans price
+        # the large ones (CommModel._merged); DTensor runs the stage's reshardings itself
+        flatten_mesh_groups(inner)
         placements = stage_placements(me, layout.inner_dims)
         distribute_parameters(stage.submod, inner, placements, canonical)
         run_on_mesh(stage.submod, inner)
