@@ -48,6 +48,14 @@ exchange argument: every byte term is linear in the local size, a shrinking step
 earlier never costs more, and two reduce-scatters on links ``i, j`` cost less with the
 higher bandwidth first (where nesting allows).
 
+Consecutive like collectives of one resharding on several mesh dims (all-gathers,
+reduce-scatters, all-reduces) may instead run as one ring over the flattened group of those
+dims, as DTensor runs them where the mesh has the group flattened and FSDP2 runs its
+gathers over a flattened data-parallel mesh (:meth:`CommModel._merged`): ``n - 1`` steps
+at the group's largest latency, at the bandwidth of its narrowest cut (:meth:`CommModel._links`).
+Each resharding weighs the two (:meth:`CommModel._cheapest`, by the tensor's element count);
+the launcher flattens every group and walks the same choice.
+
 Gradient reductions go in buckets (PyTorch DDP's ``bucket_cap_mb``, 25 MiB by default), and
 so do parameter all-gathers (FSDP gathers a whole block's parameters in one collective; a
 25 MiB bucket stands for that group): a tensor of ``G`` bytes on one device fills
