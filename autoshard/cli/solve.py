@@ -23,7 +23,7 @@ from autoshard.cli.options import (
     plan_options,
     refuse_overwriting_preload,
 )
-from autoshard.cost.mesh import MAX_DEVICES, MeshSpec
+from autoshard.cost.mesh import MAX_DEVICES, MeshSpec, respects_nodes
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
 
@@ -321,7 +321,7 @@ def mesh_on_nodes(mesh: MeshSpec, gpus_per_node: int, opts: dict) -> MeshSpec:
         AutoshardError: a ``--profile`` that sets links (it names each dim's links
             itself), a mesh of more than one node whose devices are not a whole number
             of nodes, or a mesh dim split between a node and the network
-            (:func:`~autoshard.cost.mesh.node_shapes`).
+            (:func:`~autoshard.cost.mesh.respects_nodes`, as ``--gpus``'s shapes).
     """
     if _links_profile(opts.get("profile_path")):
         raise AutoshardError(
@@ -334,17 +334,7 @@ def mesh_on_nodes(mesh: MeshSpec, gpus_per_node: int, opts: dict) -> MeshSpec:
             f"nodes of --gpus-per-node {gpus_per_node}: give a mesh of a multiple of "
             f"{gpus_per_node} devices, or the node size the cluster has"
         )
-    shape = tuple(mesh.shape)
-    if (
-        len(shape) > 1
-        and any(  # node_shapes' rule: a dim's span divides a node, or its
-            # stride is whole nodes (a 1-D mesh is one group over every device)
-            shape[i] > 1
-            and gpus_per_node % math.prod(shape[i:])
-            and math.prod(shape[i + 1 :]) % gpus_per_node
-            for i in range(len(shape))
-        )
-    ):
+    if not respects_nodes(mesh.shape, gpus_per_node):
         raise AutoshardError(
             f"--mesh {'x'.join(map(str, mesh.shape))} over nodes of --gpus-per-node "
             f"{gpus_per_node} splits a mesh dim between a node and the network (each dim must "
@@ -358,19 +348,16 @@ def mesh_on_nodes(mesh: MeshSpec, gpus_per_node: int, opts: dict) -> MeshSpec:
 
 def _refuse_unused(*options: tuple) -> None:
     """Refuse an option given on the command line where what it qualifies is absent
-    (``--gpus-per-node`` without ``--gpus``, ``--microbatches`` without ``--pp``), as
-    ``--pp`` without ``--gpus`` is: it would be ignored without a word.
+    (``--microbatches`` without ``--pp``), as ``--pp`` without ``--gpus`` is: it would be
+    ignored without a word.
 
     Raises:
         AutoshardError: such an option. Each of ``options`` is ``(flag, click's keyword,
             the value of what it qualifies: falsy when absent)``.
     """
-    ctx = click.get_current_context(silent=True)
-    if ctx is None:
-        return
-    needs = {"--gpus-per-node": "--gpus N", "--microbatches": "--gpus N --pp DEPTHS"}
+    needs = {"--microbatches": "--gpus N --pp DEPTHS"}
     for flag, key, qualified in options:
-        if not qualified and ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE:
+        if not qualified and _given(key):
             raise AutoshardError(
                 f"{flag} applies with {needs[flag]} only: add it, or drop {flag} (it would be "
                 "ignored)"

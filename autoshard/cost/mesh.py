@@ -120,14 +120,15 @@ def mesh_dims_json(dims: MeshDims) -> int | list[int]:
 
 def mesh_dims_name(dims: MeshDims, names: Sequence[str]) -> str | None:
     """``"dp"``, or ``"dp+tp"`` for a flattened group; ``None`` for a dim not in ``names``."""
-    group = dims if isinstance(dims, tuple) else (dims,)
+    group = mesh_dims_tuple(dims)
     if not all(0 <= g < len(names) for g in group):
         return None
     return "+".join(names[g] for g in group)
 
 
-def mesh_dims_order(dims: MeshDims) -> tuple[int, ...]:
-    """A sort key that orders single mesh dims and flattened groups together."""
+def mesh_dims_tuple(dims: MeshDims) -> tuple[int, ...]:
+    """The mesh dims as a tuple (one for a single dim): what a step changes, and a sort
+    key that orders single mesh dims and flattened groups together."""
     return dims if isinstance(dims, tuple) else (dims,)
 
 
@@ -135,6 +136,23 @@ def inside_node(shape: Sequence[int], gpus_per_node: int) -> list[bool]:
     """Per mesh dim of ``shape`` (ranks row-major over nodes of ``gpus_per_node``): whether
     its groups lie inside one node, i.e. its span ``prod(shape[i:])`` fits in a node."""
     return [math.prod(shape[i:]) <= gpus_per_node for i in range(len(shape))]
+
+
+def respects_nodes(shape: Sequence[int], gpus_per_node: int) -> bool:
+    """Whether ``shape``, ranks row-major over nodes of ``gpus_per_node``, keeps each mesh
+    dim (of 2 or more devices) inside a node (its span, ``prod(shape[i:])`` ranks, divides
+    ``gpus_per_node``) or across whole nodes (its stride, ``prod(shape[i+1:])``, is a
+    multiple of ``gpus_per_node``), never half of each. A 1-D mesh, or one that fits in a
+    node, always does."""
+    shape = tuple(shape)
+    if len(shape) == 1 or math.prod(shape) <= gpus_per_node:
+        return True
+    return all(
+        shape[i] == 1
+        or gpus_per_node % math.prod(shape[i:]) == 0
+        or math.prod(shape[i + 1 :]) % gpus_per_node == 0
+        for i in range(len(shape))
+    )
 
 
 def node_shapes(gpus: int, gpus_per_node: int, max_dims: int = 3) -> list[tuple[int, ...]]:
@@ -174,16 +192,12 @@ def node_shapes(gpus: int, gpus_per_node: int, max_dims: int = 3) -> list[tuple[
             for rest in factorizations(n // d, dims - 1)
         ]
 
-    def respects(shape: tuple[int, ...]) -> bool:
-        if len(shape) == 1 or gpus <= gpus_per_node:
-            return True
-        for i in range(len(shape)):
-            span, stride = math.prod(shape[i:]), math.prod(shape[i + 1 :])
-            if not (gpus_per_node % span == 0 or stride % gpus_per_node == 0):
-                return False
-        return True
-
-    shapes = [s for k in range(1, max_dims + 1) for s in factorizations(gpus, k) if respects(s)]
+    shapes = [
+        s
+        for k in range(1, max_dims + 1)
+        for s in factorizations(gpus, k)
+        if respects_nodes(s, gpus_per_node)
+    ]
     return sorted(shapes, key=lambda s: (len(s), tuple(-d for d in s)))
 
 
