@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autoshard._torch_private import TorchDispatchMode
+from autoshard._torch_private import TorchDispatchMode, flatten_mesh_groups
 from autoshard.cost.collective_table import LAUNCH_OPS
 
 _NAMESPACES = ("_c10d_functional", "_dtensor", "autoshard")  # autoshard::p2p_exchange
@@ -31,24 +31,28 @@ def collective_kind(op: Any) -> str | None:
     return LAUNCH_OPS[name] if ns in _NAMESPACES and name in LAUNCH_OPS else None
 
 
+def group_dims(mesh: DeviceMesh) -> dict[str, int | tuple[int, ...]]:
+    """Process group name -> the mesh dim it runs on, or the dims of a flattened group
+    (:func:`autoshard._torch_private.flatten_mesh_groups`, which the launcher calls before
+    a run; here the same call only looks them up)."""
+    dims: dict[str, int | tuple[int, ...]] = {
+        mesh.get_group(i).group_name: i for i in range(mesh.ndim)
+    }
+    dims.update(flatten_mesh_groups(mesh))
+    return dims
+
+
 class CollectiveLog(TorchDispatchMode):
-    """Counts the collectives issued under it, keyed ``(kind, mesh dim)``; a collective
-    over a flattened group of mesh dims (``flattened``: its process group name -> the
-    dims, :func:`autoshard._torch_private.flatten_mesh_groups`) is keyed with the dims, a
-    tuple.
+    """Counts the collectives issued under it, keyed ``(kind, mesh dim)``, a collective
+    over a flattened group of mesh dims with the dims, a tuple (:func:`group_dims`).
 
     Use as a context manager; :meth:`take` returns and clears the counts. A collective on
     any other group is keyed with mesh dim ``-1``.
     """
 
-    def __init__(
-        self, mesh: DeviceMesh, flattened: dict[str, tuple[int, ...]] | None = None
-    ) -> None:
+    def __init__(self, mesh: DeviceMesh) -> None:
         super().__init__()
-        self.dims: dict[str, int | tuple[int, ...]] = {
-            mesh.get_group(i).group_name: i for i in range(mesh.ndim)
-        }
-        self.dims.update(flattened or {})  # a flattened group of mesh dims: the dims
+        self.dims = group_dims(mesh)
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -469,7 +469,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.log = log if log is not None else RunLog()
         self.comm = comm_model(program.mesh)
         # one collective over several mesh dims where the plan priced one (CommModel._merged)
-        self._collectives = CollectiveLog(mesh, flatten_mesh_groups(mesh))
+        flatten_mesh_groups(mesh)
+        self._collectives = CollectiveLog(mesh)
         self.fault = Fault.from_env()
         # reads that share a resharding: (producer, phase, layer) -> target -> (the
         # value moved, its moved copy), dropped after the group's last reader

@@ -41,9 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoshard._torch_private import flatten_mesh_groups
 from autoshard.errors import AutoshardError
-from autoshard.launch.collective_log import collective_kind
+from autoshard.launch.collective_log import collective_kind, group_dims
 from autoshard.strategies.rules import op_rule
 
 PHASE = "phase"
@@ -135,10 +134,7 @@ class LoweredStep:
     def collectives(self) -> Counter:
         """The recorded graph's collectives, ``(phase, kind, mesh dim) -> count`` (mesh
         dim ``-1``: a group that is not one of the mesh's dims)."""
-        dims: dict[str, int | tuple[int, ...]] = {
-            self.mesh.get_group(i).group_name: i for i in range(self.mesh.ndim)
-        }
-        dims.update(flatten_mesh_groups(self.mesh))  # made by the run (GraphRun): a lookup
+        dims = group_dims(self.mesh)
         counts: Counter = Counter()
         for node in self.graph_module.graph.nodes:
             kind = collective_kind(node.target) if node.op == "call_function" else None

@@ -22,7 +22,7 @@ from autoshard.cost.mesh import (
     mesh_dims_json,
     mesh_dims_name,
     mesh_dims_of,
-    mesh_dims_order,
+    mesh_dims_tuple,
 )
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import say
@@ -172,7 +172,7 @@ def observed_rows(result: PlanStepResult, smap: ShardingMap, device: torch.devic
     names = smap.dim_names or tuple(str(i) for i in range(smap.ndim))
     keys = sorted(
         set(expected) | set(seen),
-        key=lambda k: (PHASES.index(k[0]), k[1], mesh_dims_order(k[2])),
+        key=lambda k: (PHASES.index(k[0]), k[1], mesh_dims_tuple(k[2])),
     )
     return [
         {
@@ -283,7 +283,7 @@ def lowered_report(result: PlanStepResult, smap: ShardingMap, device: torch.devi
     graph = step.collectives()
     keys = sorted(
         set(graph) | set(expected),
-        key=lambda k: (PHASES.index(k[0]), k[1], mesh_dims_order(k[2])),
+        key=lambda k: (PHASES.index(k[0]), k[1], mesh_dims_tuple(k[2])),
     )
     return {
         "ops": step.num_ops,
@@ -333,7 +333,7 @@ def report_lowered(
     if not info["agree"]:
         for r in info["collectives"]:
             if r["count"] != r["predicted"]:
-                dims = mesh_dims_order(mesh_dims_of(r["mesh_dim"]))
+                dims = mesh_dims_tuple(mesh_dims_of(r["mesh_dim"]))
                 say(
                     f"  lowered graph: {r['phase']} {r['kind']} on mesh dim "
                     f"{'+'.join(map(str, dims))}: {r['count']}, predicted {r['predicted']}"

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard._torch_private import flatten_mesh_groups
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import relative_error
 from autoshard.launch.collective_log import CollectiveLog
@@ -227,7 +226,7 @@ def _optimizer_step(
 ) -> None:
     """One optimizer step (and zeroed gradients), its collectives counted into ``log`` as
     the ``optimizer`` phase (and by ``CommDebugMode`` into ``modes`` when counting)."""
-    opt_log = CollectiveLog(mesh, flatten_mesh_groups(mesh))  # made by the run: a lookup
+    opt_log = CollectiveLog(mesh)
     with counting(modes), opt_log:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
