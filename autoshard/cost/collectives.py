@@ -92,7 +92,7 @@ _SEQUENCE_CACHE_SIZE = 1 << 17
 _FLATTENED = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
 
 # Bytes per element at which one ring over a flattened group is weighed against one
-# collective per mesh dim (CommModel._choose): bf16, what training moves.
+# collective per mesh dim (CommModel._cheapest): bf16, what training moves.
 _CHOICE_ITEMSIZE = 2
 
 # Placement codes used inside the cost model: Replicate -> -1, Shard(d) -> d (>= 0),
@@ -413,7 +413,7 @@ class CommModel:
         """``(source codes, destination codes, form, bytes)`` of one resharding's
         arguments (:meth:`_total_bytes`, :meth:`_encode`; their errors); ``form`` is
         ``(ndim, divisors, elements)`` (:meth:`_divisors`; the element count,
-        :meth:`_choose`): what the steps depend on besides the codes."""
+        :meth:`_pick`): what the steps depend on besides the codes."""
         total, ndim = self._total_bytes(shape, itemsize)
         return (
             self._encode(src, ndim, "source"),
@@ -460,19 +460,28 @@ class CommModel:
     def _template(self, s: tuple, d: tuple, form: tuple) -> tuple | str:
         """What the resharding from codes ``s`` to ``d`` does to a tensor of ``form``
         (:meth:`_encoded`): the number of pieces the source cuts it into and the steps as
-        ``(kind, mesh dim or flattened group, devices on it)``, of the candidates
-        (:meth:`_template_uncached`, memoised without the size) the one :meth:`_choose`
-        takes for its element count; or why the resharding is impossible."""
-        ndim, divisors = form[:2]
+        ``(kind, mesh dim or flattened group, devices on it)``, the candidate
+        :meth:`_pick` takes; or why the resharding is impossible."""
+        key, k = self._pick(s, d, form)
+        found = self._templates(s, d, key)
+        return found if isinstance(found, str) else (found[0], found[1][k])
+
+    def _pick(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple, int]:
+        """``(key, k)``: the step search's key for codes ``s`` to ``d`` of a tensor of
+        ``form`` (``(ndim, divisors)``, a divisor kept only where a reduce-scatter may land:
+        a dim ``d`` shards, or the first free dim a split all-reduce scatters, so that the
+        memo serves every other size), and which of its candidates runs (:meth:`_cheapest`
+        at the tensor's element count). The one choice the price (:meth:`_template`) and
+        the launcher's path (:meth:`_sequence`) both read."""
+        ndim, divisors, elements = form
         taken = {c for c in (*s, *d) if type(c) is int and c >= 0}
         free = next((t for t in range(ndim) if t not in taken), None)
         lands = {c for c in d if type(c) is int and c >= 0} | {free}
         key = (ndim, tuple(n if t in lands else 0 for t, n in enumerate(divisors)))
-        found = self._templates(s, d, key)  # a divisor matters only where a scatter lands
+        found = self._templates(s, d, key)
         if isinstance(found, str) or len(found[1]) == 1:
-            return found if isinstance(found, str) else (found[0], found[1][0])
-        pieces, candidates = found
-        return pieces, candidates[self._cheapest(pieces, candidates, form[2])]
+            return key, 0
+        return key, self._cheapest(found[0], found[1], elements)
 
     def _cheapest(self, pieces: int, candidates: Sequence[tuple], elements: int) -> int:
         """Of ``candidates`` (step templates ``(kind, mesh dim, devices)`` from a source
@@ -481,7 +490,7 @@ class CommModel:
         on a tie): whether like collectives over several mesh dims run as one ring over
         their flattened group (more latency steps, at the group's narrowest cut) or one
         per dim is a matter of size, and the launcher, which knows the tensor's shape and
-        not the bytes the plan moved it in, makes the same choice (:meth:`_sequence`)."""
+        not the bytes the plan moved it in, makes the same choice (:meth:`_pick`)."""
         total = elements * _CHOICE_ITEMSIZE
         best, best_s = 0, math.inf
         for k, steps in enumerate(candidates):
@@ -534,17 +543,10 @@ class CommModel:
 
     def _sequence(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple[str, Any, _Code], ...]:
         """The steps from codes ``s`` to ``d`` of a tensor of ``form`` (``(ndim, divisors,
-        elements)``, :meth:`_encoded`): of :meth:`_candidates`, the cheaper at the tensor's
-        size (:meth:`_choose`)."""
-        apart, flat = self._candidates(s, d, form[:2])
-        return apart if flat == apart else self._choose(s, (apart, flat), form[2])
-
-    def _choose(self, s: tuple, candidates: Sequence[tuple], elements: int) -> tuple:
-        """Of ``candidates`` (step sequences from codes ``s``), the one :meth:`_cheapest`
-        takes for a tensor of ``elements``: what the launcher runs (:meth:`redistribute_path`)
-        and the price counts (:meth:`_template`)."""
-        templates = [tuple((k, i, self._links(i)[0]) for k, i, _ in c) for c in candidates]
-        return candidates[self._cheapest(self._pieces_of(s), templates, elements)]
+        elements)``, :meth:`_encoded`): the candidate of :meth:`_candidates` that
+        :meth:`_pick` takes, as the price does."""
+        key, k = self._pick(s, d, form)
+        return self._candidates(s, d, key)[k]
 
     def _candidates(self, s: tuple, d: tuple, form: tuple) -> tuple[tuple, tuple]:
         """:meth:`_sequence_uncached`, memoised up to a renaming of the tensor dims: the
@@ -553,7 +555,7 @@ class CommModel:
         the dims ``s`` and ``d`` shard are renamed 0, 1, ... in order of appearance, the
         first free dim (if any) gets the next number, and the steps found for those codes
         are renamed back (the Llama-70B shape on 8x4x2 asks for 100,749 distinct
-        ``(s, d, ndim)``). ``form``: ``(ndim, divisors)`` (:meth:`_encoded`)."""
+        ``(s, d, ndim)``). ``form``: ``(ndim, divisors)``, the key :meth:`_pick` makes."""
         ndim, divisors = form
         names: dict[int, int] = {}
         for c in (*s, *d):
@@ -567,13 +569,7 @@ class CommModel:
         def rename(codes: tuple) -> tuple:
             return tuple(names[c] if type(c) is int and c >= 0 else c for c in codes)
 
-        # a divisor matters only where a reduce-scatter may land: a dim d shards, or the
-        # free dim a split all-reduce scatters (the memo then serves every other size)
-        lands = {names[c] for c in d if type(c) is int and c >= 0} | {len(names)}
-        canonical = (
-            len(back),
-            tuple(divisors[back[k]] if k in lands else 0 for k in range(len(back))),
-        )
+        canonical = (len(back), tuple(divisors[back[k]] for k in range(len(back))))
         found = self._canonical_sequence(rename(s), rename(d), canonical)
         return tuple(
             tuple((kind, i, back[c] if type(c) is int and c >= 0 else c) for kind, i, c in steps)
@@ -587,7 +583,7 @@ class CommModel:
         collective per mesh dim, and the cheapest where consecutive like steps on several
         mesh dims run as one collective over their flattened group (:meth:`_merged`: the
         step's mesh dim is then the group, a tuple), the first again when no step merges.
-        Which runs is a matter of the tensor's size (:meth:`_choose`). A split
+        Which runs is a matter of the tensor's size (:meth:`_pick`). A split
         all-reduce's reduce-scatter shards the first tensor dim that no mesh dim shards in
         ``s`` or ``d`` (so it nests with nothing); without one (a 0-d loss, or every dim
         taken) all-reduces are never split.
@@ -727,21 +723,7 @@ class CommModel:
                         break
                     j += 1
             group = [step[1] for step in steps[k:j]]
-            ordered = {
-                "all_gather": group == sorted(group, reverse=True),
-                "reduce_scatter": group == sorted(group),
-                "all_reduce": True,
-            }.get(kind, False)
-            if len(group) > 1 and ordered and kind == "reduce_scatter":
-                # DTensor's greedy planner keeps a multi-dim reduce-scatter whole only
-                # where every other mesh dim is replicated (from (S(0), P, P) it
-                # all-reduces one dim and slices it again), and flattens it only where
-                # the tensor dim splits evenly over the group
-                others = [m for m in range(len(current)) if m not in group]
-                ordered = all(current[m] == _R or self.mesh.shape[m] == 1 for m in others)
-                splits = math.prod(self.mesh.shape[m] for m in group)
-                ordered = ordered and divisors[after] % splits == 0
-            if len(group) > 1 and ordered:
+            if len(group) > 1 and self._flattens(kind, group, current, after, divisors):
                 out.append((kind, tuple(sorted(group)), after))
                 for g in group:
                     current[g] = after
@@ -751,6 +733,26 @@ class CommModel:
             current[i] = after
             k += 1
         return tuple(out)
+
+    def _flattens(
+        self, kind: str, group: list[int], current: list, after: _Code, divisors: tuple
+    ) -> bool:
+        """Whether DTensor runs ``kind`` on mesh dims ``group`` (in this order, from the
+        codes ``current``, each to ``after``) as one collective over their flattened group:
+        all-gathers innermost dim first, reduce-scatters outermost first; a reduce-scatter
+        only where every other mesh dim is replicated (from ``(S(0), P, P)`` DTensor's
+        greedy planner all-reduces one dim and slices it again) and the tensor dim splits
+        evenly over the group (``divisors``)."""
+        if kind == "all_gather":
+            return group == sorted(group, reverse=True)
+        if kind != "reduce_scatter":
+            return True  # all-reduces, in any order
+        others = (m for m in range(len(current)) if m not in group)
+        return (
+            group == sorted(group)
+            and all(current[m] == _R or self.mesh.shape[m] == 1 for m in others)
+            and divisors[after] % math.prod(self.mesh.shape[m] for m in group) == 0
+        )
 
     def _nested(
         self, s: tuple, d: tuple, order: Sequence[tuple[str, int]], rs_dim: int | None = None
