@@ -12,7 +12,7 @@ from typing import Any
 
 from autoshard import __version__
 from autoshard.cost.checkpointing import rerun_takes_gather
-from autoshard.cost.mesh import mesh_dims_json, mesh_dims_order
+from autoshard.cost.mesh import mesh_dims_json, mesh_dims_tuple
 from autoshard.errors import AutoshardError
 from autoshard.placements import placements_to_str
 from autoshard.plan.formats import (
@@ -177,7 +177,7 @@ def collective_steps(plan: Plan) -> list[dict[str, Any]]:
     ``"in_op": true``."""
     rows = []
     for (ph, kind, dim), n in sorted(
-        plan.collective_steps.items(), key=lambda kv: (*kv[0][:2], mesh_dims_order(kv[0][2]))
+        plan.collective_steps.items(), key=lambda kv: (*kv[0][:2], mesh_dims_tuple(kv[0][2]))
     ):
         own = plan.own_steps.get((ph, kind, dim), 0)
         row = {"phase": ph, "kind": kind, "mesh_dim": mesh_dims_json(dim)}
