@@ -554,3 +554,57 @@ def test_a_plan_laid_onto_a_mesh_with_one_dim_more_runs_as_predicted(
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert_runs_the_plan(run.stdout)
     assert {dim for _, _, dim, _, _ in observed_rows(run.stdout)} == {"dp", "tp"}, run.stdout
+
+
+def test_a_mesh_dim_of_one_device_holds_every_tensor_whole(tmp_path: Path) -> None:
+    """``--mesh 1x4``: a shard over one device is the whole tensor. The solver gives every
+    tensor ``Replicate`` on that dim, and a plan that names shards and partial sums there
+    (as the solver chose among equal-cost strategies before) still runs as predicted: the
+    launcher relabels its placements on that dim, never redistributes them. Planted here:
+    every tensor placed on dim 0 as on dim 1, the nested shards that made DTensor gather
+    and shard again (this Llama's backward ran 89 all-gathers where 17 were priced)."""
+    from torch.distributed.tensor import Replicate
+
+    from autoshard.placements import placements_to_str
+
+    model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
+    plan = solve(model, tmp_path, "1x4")
+    sol = load_solution(plan.with_suffix(".pkl"))
+    tensors = [
+        *sol["parameters"].values(),
+        *sol["inputs"].values(),
+        *(
+            ps
+            for e in sol["nodes"].values()
+            for k in ("args", "results")
+            for ps in (e.get(k) or {}).values()
+        ),
+    ]
+    assert tensors and all(isinstance(ps[0], Replicate) for ps in tensors if ps)
+    assert any(not isinstance(ps[1], Replicate) for ps in tensors if ps)
+
+    def nested(ps):  # dim 1's placement on the dim of one device as well
+        return (ps[1], ps[1]) if ps else ps
+
+    for key in ("parameters", "inputs"):
+        sol[key] = {k: nested(ps) for k, ps in sol[key].items()}
+    for e in sol["nodes"].values():
+        for k in ("args", "results"):
+            if e.get(k):
+                e[k] = {name: nested(ps) for name, ps in e[k].items()}
+    planted = tmp_path / "planted.pkl"
+    save_solution(planted, sol)
+    smap = json.loads(plan.read_text())
+    for key in ("parameters", "inputs"):
+        smap[key] = {k: placements_to_str(ps) for k, ps in sol[key].items()}
+    smap["solution"] = {
+        "file": planted.name,
+        "plan_sha256": solution_digest(load_solution(planted)),
+    }
+    planted_map = tmp_path / "planted.json"
+    planted_map.write_text(json.dumps(smap))
+    for path in (plan, planted_map):
+        run = ranks(4, str(path), str(model), "--train", "--check", "--steps", "2")
+        assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+        assert_runs_the_plan(run.stdout)
+        assert LOWERED_OK in run.stdout, run.stdout

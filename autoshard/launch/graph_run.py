@@ -36,7 +36,7 @@ import operator
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
 from autoshard.launch.lowered import PHASE, local_shard
+from autoshard.placements import whole_on_single
 from autoshard.strategies.registry import KernelContext
 from autoshard.strategies.rules import OpRule, op_rule
 from autoshard.strategies.strategy import Strategy
@@ -189,6 +190,9 @@ def program_from_solution(
     if missing or changed or extra:
         raise _mismatch(missing, extra, changed)
     sinks, grad_of = _output_sinks(graph, sol_nodes, alias, reduced, nodes)
+    # a mesh dim of one device holds every tensor whole, whatever the solver chose there
+    nodes = {name: _whole_on_single(plan, mesh.shape) for name, plan in nodes.items()}
+    sinks = [None if s is None else whole_on_single(s, mesh.shape) for s in sinks]
     predicted = solution.get("predicted") or {}
     recompute = frozenset(int(b) for b in predicted.get("recomputed_blocks") or ())
     selective = frozenset(int(b) for b in predicted.get("selective_blocks") or ())
@@ -202,6 +206,22 @@ def program_from_solution(
         recompute=recompute,
         selective=selective,
         early_stop=early_stop,
+    )
+
+
+def _whole_on_single(plan: NodePlan, mesh_shape: Sequence[int]) -> NodePlan:
+    """``plan`` with ``Replicate`` on the mesh dims of one device
+    (:func:`autoshard.placements.whole_on_single`)."""
+    if plan.free:
+        return plan
+
+    def whole(ps: Placements | None) -> Placements | None:
+        return None if ps is None else whole_on_single(ps, mesh_shape)
+
+    return replace(
+        plan,
+        inputs=tuple(whole(p) for p in plan.inputs),
+        outputs=tuple(whole(p) for p in plan.outputs),
     )
 
 
@@ -506,6 +526,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         to ``target`` along the cost model's path, one mesh dim per step."""
         if not isinstance(value, DTensor):
             value = DTensor.from_local(value, self.mesh, _replicate(self.mesh), run_check=False)
+        value = self._whole(value)
+        target = whole_on_single(target, self.mesh.shape)
         src = tuple(value.placements)
         if src == tuple(target):
             return value
@@ -525,6 +547,23 @@ class PlanInterpreter(torch.fx.Interpreter):
                     continue
                 value = tp.redistribute_step(value, step)
         return value
+
+    def _whole(self, value: DTensor) -> DTensor:
+        """``value`` relabelled ``Replicate`` on the mesh dims of one device, where DTensor's
+        rule for an op chose a shard or a partial sum (the same local tensor: no
+        communication; :func:`autoshard.placements.whole_on_single`)."""
+        src = tuple(value.placements)
+        whole = whole_on_single(src, self.mesh.shape)
+        if whole == src:
+            return value
+        return DTensor.from_local(
+            value.to_local(),
+            self.mesh,
+            list(whole),
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
 
     def _place_shared(self, value: Any, target: Placements, key: tuple) -> Any:
         """:meth:`place` for a read that shares its resharding: the copy an earlier reader
@@ -740,6 +779,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         for k, (value, want) in enumerate(zip(outs, plan.outputs, strict=False)):
             if want is None or not isinstance(value, DTensor):
                 continue
+            outs[k] = value = self._whole(value)
             if tuple(value.placements) != tuple(want):
                 if n.target in ZEROS_OPS:
                     # zeros are zeros under any placement: made as planned, locally

@@ -14,6 +14,7 @@ import math
 import os
 import resource
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from autoshard.launch.steps import (
 from autoshard.launch.validate import check_plan, check_world_size, listing
 from autoshard.model.materialize import build_skeleton, init_parameters, make_inputs, materialize
 from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
+from autoshard.placements import whole_on_single
 from autoshard.plan.atomic import atomic_write_text
 from autoshard.plan.formats import ShardingMap, load_sharding_map
 from autoshard.trace.batchnorm import train_batch_norms
@@ -125,12 +127,13 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
         n: (torch.empty((), dtype=weights) if weights is not None else p).element_size()
         for n, p in skeleton.module.named_parameters()
     }
-    fallback = _place_weights(skeleton.module, smap, mesh, opts, device, held)
+    placed = _whole_on_single(smap)
+    fallback = _place_weights(skeleton.module, placed, mesh, opts, device, held)
     loaded = _loaded_model(skeleton, opts, device, cast)
     if rank == 0:
         _announce(smap, mf, world, device, opts, program, fallback)
 
-    d_inputs = distribute_inputs(loaded, mesh, smap.inputs)
+    d_inputs = distribute_inputs(loaded, mesh, placed.inputs)
     local = sum(
         p.to_local().numel() * itemsize_by_name[n] for n, p in loaded.module.named_parameters()
     )
@@ -160,6 +163,18 @@ def _run_in_group(smap: ShardingMap, model: Path, opts: RunOptions, device: torc
     if rank == 0 and opts.json_path:
         write_report(opts.json_path, report)
     return code
+
+
+def _whole_on_single(smap: ShardingMap) -> ShardingMap:
+    """``smap`` as the run places its weights and inputs: ``Replicate`` on the mesh dims of
+    one device, as the plan's graph runs them (:func:`autoshard.placements.whole_on_single`:
+    the same local tensors)."""
+    shape = smap.mesh_shape
+    return replace(
+        smap,
+        parameters={k: whole_on_single(ps, shape) for k, ps in smap.parameters.items()},
+        inputs={k: whole_on_single(ps, shape) for k, ps in smap.inputs.items()},
+    )
 
 
 def _dtype_policy(

@@ -22,7 +22,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from torch.distributed.tensor import Replicate
 
 from autoshard import __version__, interrupt
 from autoshard.cost.mesh import MeshSpec
@@ -41,7 +40,7 @@ from autoshard.pipeline.stages import (
     submesh_shape,
     usable_stages,
 )
-from autoshard.placements import placements_to_str
+from autoshard.placements import placements_to_str, whole_on_single
 from autoshard.plan.export import output_stem
 from autoshard.plan.formats import STAGE_PLAN_FORMAT
 from autoshard.plan.plan import build_plan
@@ -212,10 +211,7 @@ class PipelineCosts:
         the submesh's size-1 dims (a shard over one device is the whole tensor)."""
         stage, choice = self.pricer.choice(i, j)
         plan = build_plan(stage.sg, choice, self.mesh, name=f"stage {i}..{j - 1}")
-        return {
-            name: tuple(p if n > 1 else Replicate() for p, n in zip(ps, self.submesh, strict=True))
-            for name, ps in plan.parameters.items()
-        }
+        return {name: whole_on_single(ps, self.submesh) for name, ps in plan.parameters.items()}
 
 
 def price_pipeline(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from autoshard.placements import is_partial, is_replicate, is_shard, short
+from autoshard.placements import is_partial, is_replicate, is_shard, short, whole_on_single
 from autoshard.strategies.graph import Edge, NodeStrategies, StrategyGraph
 from autoshard.strategies.sharing import SharedResharding
 
@@ -252,6 +252,7 @@ def produced(sg: StrategyGraph, rep: str, i: int) -> Placements:
 def pin_placeholder(
     r: Restriction, sg: StrategyGraph, rep: str, want: Placements, kind: str
 ) -> None:
+    want = whole_on_single(want, sg.mesh_shape)  # as the strategies hold it
     if not r.allow(sg, rep, lambda i: produced(sg, rep, i) == want, kind):
         info = sg.graph.nodes[rep]
         have = ", ".join(

@@ -43,11 +43,18 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_private as tp
+from autoshard.placements import whole_on_single
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 from autoshard.strategies.registry import roofline
 from autoshard.strategies.rules import op_rule
 from autoshard.strategies.sharing import build_shares, share_key
-from autoshard.strategies.strategy import Placements, Strategy, all_placements, local_shape
+from autoshard.strategies.strategy import (
+    Placements,
+    Strategy,
+    all_placements,
+    local_shape,
+    whole_strategy,
+)
 from autoshard.trace.ops import is_view
 from autoshard.trace.rerun_reads import shared_rerun_reads
 from autoshard.trace.selective import recomputed_ops
@@ -447,7 +454,7 @@ class _Builder:
             self.param_node.setdefault(self.tied.get(info.fqn, info.fqn), name)
         shape = info.results[0].shape
         if info.kind == "input" and self.fixed_inputs is not None:
-            cands = [tuple(self.fixed_inputs)]
+            cands = [whole_on_single(self.fixed_inputs, self.mesh_shape)]
         elif info.kind == "tangent":
             cands = [(Replicate(),) * self.ndim]
         else:
@@ -480,7 +487,7 @@ class _Builder:
                 )
                 continue
             if self.fixed_outputs is not None:
-                cands = [tuple(self.fixed_outputs)]
+                cands = [whole_on_single(self.fixed_outputs, self.mesh_shape)]
             else:
                 cands = all_placements(t.shape, self.mesh_shape)
             strategies = [Strategy((), (c,)) for c in cands]
@@ -629,6 +636,7 @@ def _generate(
     out = []
     seen = set()
     for s in found:
+        s = whole_strategy(s, mesh_shape)  # one strategy per whole layout
         if len(s.inputs) != n_in or s in seen:
             continue
         if not _even(s, info, mesh_shape):
