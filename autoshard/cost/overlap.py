@@ -38,6 +38,17 @@ saving ``0 <= z_ew``, with
   backward hid both under one block's compute counted twice, Llama-2 13B on 64 A100
   3.83 s of collectives under 3.09 s of compute.)
 
+Hidden communication is not free: compute that runs beside a collective runs slower
+(the collective's kernels take SMs and memory bandwidth from it). Lee et al.,
+"Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+Learning: Performance and Power Implications" (arXiv 2507.03114, 2025), measured GPT and
+Llama training on 4 A100s, H100s, MI250s and MI210s: overlapped compute ran on average
+18.9% slower (40.0% at most) than alone (:data:`OVERLAP_SLOWDOWN`). So ``c`` seconds of
+communication overlapped with compute stretch that compute by ``s c``, and the step
+saves ``c - s c / (1 + s) = c / (1 + s)`` (:func:`saving`), while a window's compute
+``C`` overlaps at most ``(1 + s) C`` of communication, which saves ``C``. Each ``c_ew``
+above is the saving, ``c / (1 + s)``; the caps keep ``C_w``.
+
 The objective subtracts ``sum z``. For a fixed plan each window is a fractional
 knapsack with unit weights and nested caps (the groups inside the window's pool), whose
 optimum the greedy fill gives (:func:`hidden_seconds`: each saving takes what its group
@@ -54,10 +65,23 @@ import numpy as np
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 
+OVERLAP_SLOWDOWN = 0.189
+"""How much slower compute runs while a collective runs beside it: the mean of Lee et
+al.'s measurements (arXiv 2507.03114, abstract: "an average computational slowdown of
+18.9%, with a maximum of 40.0%"; GPT and Llama on 4 A100, H100, MI250 and MI210 GPUs)."""
+
+
+def saving(seconds: float | np.ndarray) -> float | np.ndarray:
+    """What ``seconds`` of communication overlapped with compute save on the step:
+    ``seconds / (1 + OVERLAP_SLOWDOWN)`` (the module docstring): the compute beside it
+    runs :data:`OVERLAP_SLOWDOWN` slower."""
+    return seconds / (1.0 + OVERLAP_SLOWDOWN)
+
 
 @dataclass(frozen=True)
 class Overlap:
-    """What a plan hides: seconds per overlappable edge (index into ``sg.edges``)."""
+    """What a plan hides: seconds saved per overlappable edge (index into ``sg.edges``),
+    :func:`saving` of the communication it overlaps."""
 
     hidden_s: dict[int, float]
 
@@ -108,7 +132,7 @@ def hidden_seconds(sg: StrategyGraph, choice: dict[str, int]) -> Overlap:
         e = sg.edges[i]
         a, b = e.src_groups[choice[e.src]], e.dst_groups[choice[e.dst]]
         for key in sorted(e.hide):
-            u = float(e.cost[a, b]) * e.hide_share(key)
+            u = saving(float(e.cost[a, b]) * e.hide_share(key))
             if u > 0:
                 items[key[0]].append(((key[1], e.overlap), i, u))
     hidden: dict[int, float] = {}

@@ -58,7 +58,7 @@ from autoshard.cost.checkpointing import POLICIES, Columns, columns
 from autoshard.cost.liveness import local_bytes
 from autoshard.cost.mesh import MeshSpec
 from autoshard.cost.objective import evaluate
-from autoshard.cost.overlap import overlappable, window_vectors
+from autoshard.cost.overlap import overlappable, saving, window_vectors
 from autoshard.errors import AutoshardError, MemoryBudgetError, ProgramTooLargeError
 from autoshard.solver.cvx import Layout, compile_program
 from autoshard.solver.highs import LIMIT_STATUSES, MILP, HighsRun, count_compile, run
@@ -324,7 +324,7 @@ class _OverlapRows:
     (overlappable edge, window, owner) triple, and ``R`` capacity rows: per window its
     pool, and per group of savings that only some of its copies host, the group's cap."""
 
-    comm: sp.csr_matrix  # (K, n_y): saving k's hideable seconds over its edge's y block
+    comm: sp.csr_matrix  # (K, n_y): saving k's most seconds saved over its edge's y block
     saved: sp.csr_matrix  # (R, K): 1 where saving k counts against row r's capacity
     compute: sp.csr_matrix  # (R, n_x): row r's capacity, compute seconds per strategy
 
@@ -349,7 +349,7 @@ def _overlap_rows(sg: StrategyGraph, reps, offsets, n_x, r, edge_offsets, keeps)
         for key in sorted(e.hide):
             rows.append(np.full(len(keep), k))
             cols.append(np.arange(start, start + len(keep)))
-            data.append(r[start : start + len(keep)] * e.hide_share(key))
+            data.append(saving(r[start : start + len(keep)] * e.hide_share(key)))
             members.setdefault((key[0],), []).append(k)
             if sched.hosts(*key) < 1:  # only some of the window's copies host this group
                 members.setdefault((key[0], key[1], e.overlap), []).append(k)
