@@ -420,3 +420,21 @@ def test_data_parallel_activations_follow_the_batch_shard(model_files, algo):
         if local_bytes(t, s.outputs[0], sg.mesh_shape) > t.nbytes / 4:
             whole.append((name, str(info.target), t.shape, s.outputs[0]))
     assert whole == []
+
+
+def test_fsdp_tp_over_a_data_parallel_dim_of_one_device_is_megatron_sp(tmp_path):
+    """On ``--mesh 1x4`` the data-parallel dim holds every parameter whole (a shard over one
+    device is the whole tensor), so torchtitan's FSDP + TP is tensor parallelism with
+    sequence parallelism alone: the same price as ``megatron_sp``, every parameter pinned.
+    (It left every parameter unpinned, one note each, when it asked for a shard there.)"""
+    from helpers import LLAMA_SMALL, write_model
+
+    from autoshard.cli.compare import compare_command
+
+    model = write_model(tmp_path, LLAMA_SMALL, "llama_small")
+    args = [str(model), "--mesh", "1x4", "--plans", "fsdp_tp,megatron_sp", "--json"]
+    result = CliRunner().invoke(compare_command, args)
+    assert result.exit_code == 0, result.output
+    by = {p["name"]: p for p in json.loads(result.stdout)["plans"]}
+    assert not by["fsdp_tp"].get("notes") and not by["megatron_sp"].get("notes")
+    assert by["fsdp_tp"]["step_time_s"] == pytest.approx(by["megatron_sp"]["step_time_s"])

@@ -442,3 +442,31 @@ def test_a_solution_of_another_mode_says_which_option_to_pass(solved, monkeypatc
         "another graph: pass --mode infer to preload it"
     ), str(err.value)
     assert "--precision" not in str(err.value)
+
+
+def test_a_solution_naming_shards_on_a_dim_of_one_device_preloads(tmp_path):
+    """A solution written before the strategies held a mesh dim of one device whole may
+    name shards and partial sums there; it maps onto the strategies (``Replicate`` on that
+    dim) to the same choice and objective. Planted: every tensor of a 2-layer GPT-2's
+    solution on 1x4 placed on dim 0 as on dim 1."""
+    mesh = MeshSpec.from_options("1x4")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSHARD_LAYERS", "2")
+        config = SolveConfig(model_path=GPT2, mesh=mesh, mode="infer", tie=False)
+        result = plan_model(config)
+    pkl, _ = write_outputs(result.plan, tmp_path, "gpt2_1x4", config.cost_model(), {})
+    solution = load_solution(pkl)
+
+    def nested(ps):
+        return (ps[1], ps[1]) if ps else ps
+
+    planted = 0
+    for entry in solution["nodes"].values():
+        for key in ("args", "results"):
+            for name, ps in (entry.get(key) or {}).items():
+                entry[key][name] = nested(ps)
+                planted += ps is not None and not isinstance(ps[1], Replicate)
+    assert planted > 10
+    pre = choice_from_solution(result.sg, solution, mesh)
+    assert pre.choice == result.ilp.choice
+    assert evaluate(result.sg, pre.choice) == pytest.approx(result.ilp.objective_s, rel=1e-12)

@@ -78,12 +78,15 @@ class Plan:
 
     @property
     def hidden_total_s(self) -> float:
-        """Seconds of communication hidden under compute (:mod:`autoshard.cost.overlap`)."""
+        """Seconds the overlap of communication with compute saves: the communication
+        overlapped over ``1 + OVERLAP_SLOWDOWN``, since the compute beside it runs slower
+        (:mod:`autoshard.cost.overlap`). Per kind in :attr:`hidden_s`."""
         return sum(self.hidden_s.values())
 
     @property
     def exposed_s(self) -> dict[str, float]:
-        """Seconds per collective kind left on the critical path (total less hidden)."""
+        """Seconds per collective kind the step pays for (total less what overlap saves:
+        overlapped communication still costs the compute it slows)."""
         return {k: v - self.hidden_s.get(k, 0.0) for k, v in self.comm_s.items()}
 
     @property

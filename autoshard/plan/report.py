@@ -244,7 +244,9 @@ def block_differences(plan: Plan) -> list[str]:
 
 def cost_table(plan: Plan) -> Table:
     """Predicted step time split into compute, the optimizer step and each collective
-    kind (its total, the part hidden under compute, and the part left exposed)."""
+    kind (its total, what hiding it under compute saves, and the rest, exposed: a
+    collective overlapped whole still costs ``OVERLAP_SLOWDOWN`` of its seconds over ``1 +
+    OVERLAP_SLOWDOWN``, the compute it slows; :mod:`autoshard.cost.overlap`)."""
     table = Table(title="Predicted time per step (one device)")
     table.add_column("part")
     table.add_column("time", justify="right")

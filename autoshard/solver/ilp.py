@@ -30,8 +30,9 @@ Mathematics (the method that builds each part is named in brackets):
   (roofline of its local shard, plus every node merged into it, plus the AdamW step of
   a parameter's shard), ``r`` the resharding seconds of each (produced, wanted) pair
   (alpha-beta ring model in sequence, gradients bucketed, :mod:`autoshard.cost.mesh`).
-* Overlap [``_overlap_rows``]: ``z >= 0`` the seconds of gradient reductions and
-  parameter gathers hidden under compute, bounded by each edge's communication and, per
+* Overlap [``_overlap_rows``]: ``z >= 0`` the seconds gradient reductions and parameter
+  gathers overlapped with compute save, bounded by each edge's communication over
+  ``1 + OVERLAP_SLOWDOWN`` (the compute beside it runs slower) and, per
   window (the neighbouring block's forward or backward), by that window's compute: one
   stream (:mod:`autoshard.cost.overlap`, after autoparallel's PR #353).
 

@@ -68,6 +68,7 @@ from autoshard.solver.solve import (
 )
 from autoshard.strategies.graph import Strategy, StrategyGraph
 from autoshard.strategies.rules import op_rule
+from autoshard.strategies.strategy import whole_strategy
 from autoshard.trace.tracer import NodeInfo, TracedGraph, path_within_block
 
 Placements = tuple[Placement, ...]
@@ -389,7 +390,7 @@ def _stored_strategy(
         ps = entry.get("args", {}).get(f"data_in_{k}")
         if ps is None:
             return None
-        return f"{sname}.{k}", Strategy((), (tuple(ps),))
+        return f"{sname}.{k}", whole_strategy(Strategy((), (tuple(ps),)), sg.mesh_shape)
     hit = matched.get(node)
     if hit is None:
         return None
@@ -410,7 +411,10 @@ def _stored_strategy(
         for k in range(n_out)
     )
     inputs = tuple(tuple(args[f"data_in_{k}"]) for k in range(n_in))
-    return sname, Strategy(outputs, inputs, _stored_collectives(node, sg, entry))
+    # as the graph holds it: Replicate on a mesh dim of one device (a solution written
+    # before the strategies were so may name a shard there)
+    stored = Strategy(outputs, inputs, _stored_collectives(node, sg, entry))
+    return sname, whole_strategy(stored, sg.mesh_shape)
 
 
 def _stored_collectives(node: str, sg: StrategyGraph, entry: Mapping[str, Any]) -> tuple:

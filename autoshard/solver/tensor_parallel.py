@@ -464,7 +464,8 @@ def _pin_tp_params(
 
         def param_ok(i: int, rep=rep) -> bool:
             ps = produced(sg, rep, i)
-            on_dp = all((is_s(ps[d]) if fsdp else is_r(ps[d])) for d in dp)
+            # a DP dim of one device holds the parameter whole (Replicate: whole_strategy)
+            on_dp = all((is_s(ps[d]) if fsdp else is_r(ps[d])) or sg.mesh_shape[d] == 1 for d in dp)
             return on_dp and (rep in feeds_role or is_r(ps[t]))
 
         if not r.allow(sg, rep, param_ok, "parameters") and fsdp:

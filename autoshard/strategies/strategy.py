@@ -47,13 +47,28 @@ def whole_strategy(s: Strategy, mesh_shape: Sequence[int]) -> Strategy:
         s,
         outputs=tuple(None if p is None else whole_on_single(p, mesh_shape) for p in s.outputs),
         inputs=tuple(whole_on_single(p, mesh_shape) for p in s.inputs),
-        collectives=tuple(c for c in s.collectives if _devices(c[1], mesh_shape) > 1),
+        collectives=tuple(
+            (kind, _without_single(dims, mesh_shape), nbytes)
+            for kind, dims, nbytes in s.collectives
+            if _devices(dims, mesh_shape) > 1
+        ),
     )
 
 
 def _devices(dims: int | tuple[int, ...], mesh_shape: Sequence[int]) -> int:
     """Devices of one mesh dim, or of a flattened group of them (a tuple)."""
     return math.prod(mesh_shape[d] for d in (dims if isinstance(dims, tuple) else (dims,)))
+
+
+def _without_single(
+    dims: int | tuple[int, ...], mesh_shape: Sequence[int]
+) -> int | tuple[int, ...]:
+    """A flattened group of mesh dims without its dims of one device (a single dim when one
+    is left), so that it is priced on the links its devices have."""
+    if not isinstance(dims, tuple):
+        return dims
+    kept = tuple(d for d in dims if mesh_shape[d] > 1)
+    return kept[0] if len(kept) == 1 else kept
 
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
