@@ -457,6 +457,18 @@ def _has_float64(args: Any) -> bool:
     return any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in leaves)
 
 
+def _relabelled(value: DTensor, placements: Placements) -> DTensor:
+    """``value``'s local tensor as a DTensor placed ``placements``: no communication."""
+    return DTensor.from_local(
+        value.to_local(),
+        value.device_mesh,
+        list(placements),
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
 def _replicate(mesh: DeviceMesh) -> list[Placement]:
     return [Replicate()] * mesh.ndim
 
@@ -536,14 +548,7 @@ class PlanInterpreter(torch.fx.Interpreter):
             for step in path:
                 if self.fault.drops(value.placements, step):
                     # a planted fault (AUTOSHARD_FAULT=drop:<kind>): relabel, skip the collective
-                    value = DTensor.from_local(
-                        value.to_local(),
-                        self.mesh,
-                        list(step),
-                        run_check=False,
-                        shape=value.shape,
-                        stride=value.stride(),
-                    )
+                    value = _relabelled(value, step)
                     continue
                 value = tp.redistribute_step(value, step)
         return value
@@ -554,16 +559,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         communication; :func:`autoshard.placements.whole_on_single`)."""
         src = tuple(value.placements)
         whole = whole_on_single(src, self.mesh.shape)
-        if whole == src:
-            return value
-        return DTensor.from_local(
-            value.to_local(),
-            self.mesh,
-            list(whole),
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        return value if whole == src else _relabelled(value, whole)
 
     def _place_shared(self, value: Any, target: Placements, key: tuple) -> Any:
         """:meth:`place` for a read that shares its resharding: the copy an earlier reader
