@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,22 @@ def test_an_mfu_over_100_percent_says_the_count_has_the_masked_half():
     under = SimpleNamespace(step_flops=2.99e17, mfu=0.831, peak_flops=989.5e12, mesh=mesh)
     assert "MFU 116.1%" in flops_line(over) and "masked half" in flops_line(over)
     assert "MFU 83.1%" in flops_line(under) and "masked" not in flops_line(under)
+
+
+def test_the_time_table_says_what_hidden_means_when_a_plan_hides(monkeypatch):
+    """A training plan of a 2-block GPT-2 on 2x4 hides its gradient reductions: the time
+    table's caption says that "hidden" is what the overlap saves, with the compute beside a
+    collective 18.9% slower (Lee et al.); a plan that hides nothing has no caption."""
+    from rich.console import Console
+
+    from autoshard.plan.report import cost_table
+
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "2")
+    cfg = SolveConfig(model_path=GPT2, mesh=MeshSpec.from_options("2x4"), mode="train")
+    plan = plan_model(cfg).plan
+    assert plan.hidden_total_s > 0
+    console = Console(width=200, record=True)
+    console.print(cost_table(plan))
+    assert "runs 18.9% slower (Lee et al., arXiv 2507.03114)" in console.export_text()
+    none = cost_table(dataclasses.replace(plan, hidden_s={}))
+    assert none.caption is None

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autoshard.cost.collective_table import COLLECTIVES
+from autoshard.cost.overlap import OVERLAP_SLOWDOWN
 from autoshard.placements import placements_to_str, short
 from autoshard.plan.plan import Plan
 from autoshard.strategies.strategy import local_shape
@@ -271,6 +272,11 @@ def cost_table(plan: Plan) -> Table:
     table.add_row(
         "[bold]step[/bold]", f"[bold]{format_seconds(plan.step_time_s)}[/bold]", "", "", ""
     )
+    if plan.hidden_total_s > 0:
+        table.caption = (
+            f"hidden: what overlapping with compute saves; the compute beside a collective "
+            f"runs {OVERLAP_SLOWDOWN:.1%} slower (Lee et al., arXiv 2507.03114)"
+        )
     return table
 
 
