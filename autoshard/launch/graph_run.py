@@ -538,8 +538,6 @@ class PlanInterpreter(torch.fx.Interpreter):
         to ``target`` along the cost model's path, one mesh dim per step."""
         if not isinstance(value, DTensor):
             value = DTensor.from_local(value, self.mesh, _replicate(self.mesh), run_check=False)
-        value = self._whole(value)
-        target = whole_on_single(target, self.mesh.shape)
         src = tuple(value.placements)
         if src == tuple(target):
             return value
@@ -556,7 +554,11 @@ class PlanInterpreter(torch.fx.Interpreter):
     def _whole(self, value: DTensor) -> DTensor:
         """``value`` relabelled ``Replicate`` on the mesh dims of one device, where DTensor's
         rule for an op chose a shard or a partial sum (the same local tensor: no
-        communication; :func:`autoshard.placements.whole_on_single`)."""
+        communication; :func:`autoshard.placements.whole_on_single`). Every placement the
+        plan asks for is whole there already (:func:`program_from_solution`), and so are
+        the weights and inputs as placed (``spmd``)."""
+        if 1 not in self.mesh.shape:
+            return value
         src = tuple(value.placements)
         whole = whole_on_single(src, self.mesh.shape)
         return value if whole == src else _relabelled(value, whole)

@@ -292,7 +292,9 @@ def megatron_restriction(
     r = Restriction()
     ndim = mesh.ndim
     t = ndim - 1
-    dp = range(ndim - 1)
+    # the data-parallel dims: every dim but the last, of more than one device (a dim of one
+    # holds every tensor whole: whole_strategy)
+    dp = [d for d in range(ndim - 1) if mesh.shape[d] > 1]
     tp = find_tensor_parallel(sg)
     # training graphs: the backward's matmuls get no role (they follow the weights'
     # placements); the backward outside the regions is pinned as the forward
@@ -454,7 +456,7 @@ def _pin_roles(
 
 
 def _pin_tp_params(
-    r: Restriction, sg: StrategyGraph, roles: dict[str, str], dp: range, t: int, fsdp: bool
+    r: Restriction, sg: StrategyGraph, roles: dict[str, str], dp: list[int], t: int, fsdp: bool
 ) -> None:
     """Pin the parameters' placements and uses for tensor parallelism; returns None."""
     # parameters: R on the DP dims; on the TP dim R unless they feed a tensor-parallel matmul
@@ -464,8 +466,7 @@ def _pin_tp_params(
 
         def param_ok(i: int, rep=rep) -> bool:
             ps = produced(sg, rep, i)
-            # a DP dim of one device holds the parameter whole (Replicate: whole_strategy)
-            on_dp = all((is_s(ps[d]) if fsdp else is_r(ps[d])) or sg.mesh_shape[d] == 1 for d in dp)
+            on_dp = all((is_s(ps[d]) if fsdp else is_r(ps[d])) for d in dp)
             return on_dp and (rep in feeds_role or is_r(ps[t]))
 
         if not r.allow(sg, rep, param_ok, "parameters") and fsdp:

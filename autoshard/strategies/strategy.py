@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -33,7 +32,7 @@ class Strategy:
 
 
 def whole_strategy(s: Strategy, mesh_shape: Sequence[int]) -> Strategy:
-    """``s`` with ``Replicate`` on every mesh dim of one device and no collective there.
+    """``s`` with ``Replicate`` on every mesh dim of one device.
 
     On such a dim every placement is the whole tensor (:func:`whole_on_single`): the same
     local computation, compute time and memory, and no step to price or run. Strategies
@@ -47,28 +46,7 @@ def whole_strategy(s: Strategy, mesh_shape: Sequence[int]) -> Strategy:
         s,
         outputs=tuple(None if p is None else whole_on_single(p, mesh_shape) for p in s.outputs),
         inputs=tuple(whole_on_single(p, mesh_shape) for p in s.inputs),
-        collectives=tuple(
-            (kind, _without_single(dims, mesh_shape), nbytes)
-            for kind, dims, nbytes in s.collectives
-            if _devices(dims, mesh_shape) > 1
-        ),
     )
-
-
-def _devices(dims: int | tuple[int, ...], mesh_shape: Sequence[int]) -> int:
-    """Devices of one mesh dim, or of a flattened group of them (a tuple)."""
-    return math.prod(mesh_shape[d] for d in (dims if isinstance(dims, tuple) else (dims,)))
-
-
-def _without_single(
-    dims: int | tuple[int, ...], mesh_shape: Sequence[int]
-) -> int | tuple[int, ...]:
-    """A flattened group of mesh dims without its dims of one device (a single dim when one
-    is left), so that it is priced on the links its devices have."""
-    if not isinstance(dims, tuple):
-        return dims
-    kept = tuple(d for d in dims if mesh_shape[d] > 1)
-    return kept[0] if len(kept) == 1 else kept
 
 
 def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
