@@ -355,23 +355,25 @@ def test_a_large_gather_over_two_mesh_dims_is_one_ring_over_their_flattened_grou
     GB/s per GPU's HDR rail; 5 and 20 us), one (28672, 8192) bf16 weight of Llama-70B,
     B = 469.8 MB, gathered from (S(0), S(0)) to (R, R). FSDP2 shards over one flattened
     mesh of 64 ranks and gathers with one NCCL ring; DTensor does the same where the
-    launcher flattened the two dims. By hand: 63 ring steps at the slower latency, 63/64
-    of B at the narrowest cut, the 8 rails of a node crossed at once: min(8 x 24, 230) =
-    192 GB/s, the all-reduce bus bandwidth NCCL's maintainer measures across DGX A100
-    nodes (NVIDIA/nccl issue #812): 1.26 + 2.41 = 3.67 ms. One gather per dim, as the
-    nested layout runs without a flattened group, would be 17.5 ms: the node's 8 GPUs
-    each fetch the same 7/8 of B through their own rails. A 16 KiB norm weight keeps one
-    gather per dim (175 us of latency, not 1.26 ms), the cheaper there; so does a
-    reduction of the 0-d loss."""
+    launcher flattened the two dims. By hand: 63 ring steps, the 7 between nodes at the
+    network's latency and the 56 inside them at NVLink's (NCCL's ring model,
+    ``src/graph/tuning.cc``: ``(nsteps - nInterSteps) * intraLat + nInterSteps *
+    interLat``, ``nInterSteps = nNodes - 1``), 63/64 of B at the narrowest cut, the 8
+    rails of a node crossed at once: min(8 x 24, 230) = 192 GB/s, the all-reduce bus
+    bandwidth NCCL's maintainer measures across DGX A100 nodes (NVIDIA/nccl issue #812):
+    0.42 + 2.41 = 2.83 ms. One gather per dim, as the nested layout runs without a
+    flattened group, would be 17.5 ms: the node's 8 GPUs each fetch the same 7/8 of B
+    through their own rails. A 16 KiB norm weight keeps one gather per dim (175 us of
+    latency, not 420 us), the cheaper there; so does a reduction of the 0-d loss."""
     mesh = MeshSpec((8, 8), ("dp", "node"), (24e9, 230e9), (20e-6, 5e-6))
     cm = comm_model(mesh)
     s0, shape = Shard(0), (28672, 8192)
     b = 28672 * 8192 * 2
     (step,) = cm.redistribute_steps((s0, s0), (R, R), shape, 2)
-    flat = 63 * 20e-6 + (63 / 64) * b / min(8 * 24e9, 230e9)
+    flat = (63 - 7) * 5e-6 + 7 * 20e-6 + (63 / 64) * b / min(8 * 24e9, 230e9)
     assert (step.kind, step.mesh_dim) == ("all_gather", (0, 1))
     assert step.seconds == pytest.approx(flat, rel=1e-12)
-    assert flat == pytest.approx(3.668e-3, abs=1e-6)
+    assert flat == pytest.approx(2.828e-3, abs=1e-6)
     apart = 7 * 5e-6 + (7 / 64) * b / 230e9 + 7 * 20e-6 + (7 / 8) * b / 24e9
     assert apart == pytest.approx(17.525e-3, abs=1e-6)
     # the model's own single-dim collectives give the same per-dim price: dim 1 gathers the
@@ -753,40 +755,52 @@ def test_worked_example_fsdp(gpt2_params, gpt2_baselines):
     """FSDP: parameters (S(0), S(0)) where 8 divides dim 0 (the 50257-row embedding cannot:
     it stays replicated and all-reduces its gradient as DDP does); each other weight is
     gathered for the forward and again for the backward, each other parameter once or
-    twice; gradients reduce-scattered to (S(0), S(0)); AdamW on a shard."""
+    twice; gradients reduce-scattered to (S(0), S(0)); AdamW on a shard.
+
+    Each gather and reduce-scatter over both dims runs either one collective per dim or
+    one ring over the 8 ranks, whichever is cheaper for the tensor at 2 bytes an element
+    (the launcher's choice). The ring: 7 steps, 1 between the 2 nodes at 20 us and 6 inside
+    them at 5 us (NCCL's ring model, ``src/graph/tuning.cc``), 7/8 of B at the narrowest
+    cut, min(4 x 50, 450) = 200 GB/s. One per dim: 20 + 3 x 5 us; B/2 over the nodes at
+    50 GB/s and 3 (B/8) inside at 450 GB/s. The ring is the cheaper above 1.16M elements
+    (15 us against 6.46e-12 s a byte): the blocks' c_attn, c_fc and MLP c_proj matrices;
+    the attention's c_proj (768 x 768) and the position embedding keep one per dim."""
     plan = gpt2_baselines["fsdp"]
     wte = gpt2_params["transformer.wte.weight"]
-    rest = sum(gpt2_params.values()) - wte
-    b = 4 * rest
-    # reduce-scatter on dp at full size, then on tp on a half: (S(0), S(0)) nests tp's
-    # pieces inside dp's, so tp first would leave pieces DTensor must gather again
-    rs = 0.5 * b / BW_DP + 0.75 * (b / 2) / BW_TP + (3 * A_TP + A_DP) * b / MIB25
-    wte_ar = 1.5 * 4 * wte / BW_TP + wte / BW_DP + 70e-6
+    flat_alpha, apart_alpha = A_DP + 6 * A_TP, A_DP + 3 * A_TP
+    flat_byte, apart_byte = (7 / 8) / (4 * BW_DP), 3 * (1 / 8) / BW_TP + (1 / 2) / BW_DP
+
+    def moved(n: int) -> float:
+        """Seconds to gather (or reduce-scatter) a float32 tensor of n elements, its
+        latency paid per 25 MiB (a bucket's share)."""
+        flat = flat_alpha + flat_byte * 2 * n < apart_alpha + apart_byte * 2 * n
+        alpha, per_byte = (flat_alpha, flat_byte) if flat else (apart_alpha, apart_byte)
+        return 4 * n * per_byte + alpha * 4 * n / MIB25
+
+    assert moved(768 * 2304) < 4 * 768 * 2304 * apart_byte  # c_attn: the ring
+    assert 768 * 768 * 2 * (apart_byte - flat_byte) < flat_alpha - apart_alpha  # one per dim
+    rest = {k: n for k, n in gpt2_params.items() if k != "transformer.wte.weight"}
+    rs = sum(moved(n) for n in rest.values())
     assert plan.comm_s["reduce_scatter"] == pytest.approx(rs + wte_s_rs(wte), abs=1e-6)
     # the embedding's all-reduce across nodes, on the quarter left by the reduce-scatter,
     # and the loss scalar's on both dims: 2 * 1/2 * (4 wte / 4) / 50 GB/s + 2 x 40 us
     # latency across nodes + 2 x 3 x 5 us inside
     assert plan.comm_s["all_reduce"] == pytest.approx(wte / BW_DP + 40e-6 + 40e-6 + 30e-6, abs=1e-6)
-    assert wte_ar == pytest.approx(1.357e-3, abs=1e-6)
-    # gathers (S(0), S(0)) -> (R, R): the inner (fast) dim first, as DTensor must,
-    # 3 (B/8) / 450 GB/s, then the slow dim, (B/2) / 50 GB/s, and the latency
-    # (20 + 3 x 5 us) per 25 MiB gathered. The blocks' 48 weight matrices are gathered for
-    # the forward and again for the backward (2 x 339.7 MB), the position embedding once
-    # (its backward does not read it); the norms' and biases' few KiB are left out
-    # (~10 us). Then the embedding's all-reduce ends in an all-gather inside the node
-    # (0.257 ms + 15 us), and propagation gathers one activation (28 us).
-    per_byte = 3 * (1 / 8) / BW_TP + (1 / 2) / BW_DP
-    blocks = sum(
+    # gathers (S(0), S(0)) -> (R, R). The blocks' 48 weight matrices are gathered for the
+    # forward and again for the backward, the position embedding once (its backward does
+    # not read it); the norms' and biases' few KiB are left out (~10 us). Then the
+    # embedding's all-reduce ends in an all-gather inside the node (0.257 ms + 15 us), and
+    # propagation gathers one activation (28 us).
+    blocks = [
         n
         for k, n in gpt2_params.items()
         if k.startswith("transformer.h.") and k.endswith(".weight") and "ln_" not in k
-    )
-    gathered = 2 * 4 * blocks + 4 * gpt2_params["transformer.wpe.weight"]
-    ag = gathered * per_byte + (A_DP + 3 * A_TP) * gathered / MIB25
+    ]
+    ag = 2 * sum(moved(n) for n in blocks) + moved(gpt2_params["transformer.wpe.weight"])
     ag += 0.75 * 4 * wte / BW_TP + 3 * A_TP + 28e-6
     assert plan.comm_s["all_gather"] == pytest.approx(ag, abs=12e-6)
     assert plan.optimizer_s == pytest.approx(
-        28 * (rest / 8 + wte) / H100.memory_bandwidth, abs=1e-6
+        28 * (sum(rest.values()) / 8 + wte) / H100.memory_bandwidth, abs=1e-6
     )
 
 

@@ -51,8 +51,10 @@ higher bandwidth first (where nesting allows).
 Consecutive like collectives of one resharding on several mesh dims (all-gathers,
 reduce-scatters, all-reduces) may instead run as one ring over the flattened group of those
 dims, as DTensor runs them where the mesh has the group flattened and FSDP2 runs its
-gathers over a flattened data-parallel mesh (:meth:`CommModel._merged`): ``n - 1`` steps
-at the group's largest latency, at the bandwidth of its narrowest cut (:meth:`CommModel._links`).
+gathers over a flattened data-parallel mesh (:meth:`CommModel._merged`): ``n - 1`` steps,
+each at the latency of the link it crosses (NCCL's ring model: the network's on the steps
+between nodes, the NVLink's on the rest), at the bandwidth of its narrowest cut
+(:meth:`CommModel._links`).
 Each resharding weighs the two (:meth:`CommModel._cheapest`, by the tensor's element count);
 the launcher flattens every group and walks the same choice.
 
@@ -177,21 +179,30 @@ class CommModel:
         """``(devices, latency, bandwidth)`` of mesh dim ``i``, or of the flattened group
         of mesh dims ``i`` (a tuple, ascending) that one collective spans.
 
-        A flattened group is one NCCL ring over all its ``n`` devices, ranks row-major
-        (as ``DeviceMesh._flatten`` lays them). Each ring step waits for its slowest hop:
-        the largest latency of the group's dims. Its bandwidth is that of its narrowest
-        cut: the links of group dim ``g`` join blocks of ``m`` devices (the product of
-        the group's dims after ``g``), each device with its own link (one NIC per GPU,
-        NCCL opening one channel per NIC), so ``m`` rings cross the cut at once, ``m *
-        bw_g``; the ring runs at ``min_g m * bw_g``. Across DGX A100 nodes of 8 GPUs with
-        8 HDR NICs (24 GB/s each) that is 192 GB/s, the all-reduce bus bandwidth NCCL's
+        A flattened group is one NCCL ring over all its ``n`` devices, ranks row-major (as
+        ``DeviceMesh._flatten`` lays them). Its latency is NCCL's ring model's
+        (``ncclTopoTuneModel`` in NCCL's ``src/graph/tuning.cc``: ``(nsteps - nInterSteps) *
+        intraLat + nInterSteps * interLat``, a ring over several nodes paying the network's
+        latency on its ``nNodes - 1`` steps between nodes and the NVLink's on the rest): of
+        the ``n - 1`` steps, ``prod(group dims before g) * (n_g - 1)`` move along dim ``g``
+        (the outermost index that changes), each at dim ``g``'s latency; the alpha returned
+        is their mean, so that ``(n - 1) * alpha`` is the sum. Its bandwidth is that of its
+        narrowest cut: the links of group dim ``g`` join blocks of ``m`` devices (the
+        product of the group's dims after ``g``), each device with its own link (one NIC per
+        GPU, NCCL opening one channel per NIC), so ``m`` rings cross the cut at once, ``m *
+        bw_g``; the ring runs at ``min_g m * bw_g``. Across DGX A100 nodes of 8 GPUs with 8
+        HDR NICs (24 GB/s each) that is 192 GB/s, the all-reduce bus bandwidth NCCL's
         maintainer measures there (NVIDIA/nccl issue #812); over NVLink alone it is the
         NVLink's.
         """
         if isinstance(i, int):
             return self.mesh.shape[i], self.mesh.latency[i], self.mesh.bandwidth[i]
         n = math.prod(self.mesh.shape[g] for g in i)
-        alpha = max(self.mesh.latency[g] for g in i)
+        steps, outer = 0.0, 1
+        for g in i:  # ascending: outermost dim first
+            steps += outer * (self.mesh.shape[g] - 1) * self.mesh.latency[g]
+            outer *= self.mesh.shape[g]
+        alpha = steps / (n - 1)
         bw = min(
             self.mesh.bandwidth[g] * math.prod(self.mesh.shape[h] for h in i if h > g) for g in i
         )
