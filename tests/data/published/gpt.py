@@ -45,7 +45,7 @@ MODEL = os.environ.get("AUTOSHARD_MODEL", "")
 MEGATRON = MODEL.startswith("gpt_")
 ATTENTION = "eager" if MEGATRON else "sdpa"
 # The MLP's activation, one kernel as each system runs it (HuggingFace's GPT-2 default,
-# ``gelu_new``, is eight unfused ATen ops: 22% of MPT-7B's priced compute and half of its
+# ``gelu_new``, is eight unfused ATen ops: 19% of MPT-7B's priced compute and half of its
 # activation memory, neither of which these systems spend). Megatron-LM fuses the bias and
 # the tanh approximation into one TorchScript kernel (``megatron/model/fused_bias_gelu.py``,
 # ``bias_gelu``); llm-foundry's MPT MLP runs ``nn.GELU(approximate="none")``
