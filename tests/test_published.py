@@ -95,6 +95,15 @@ ACHIEVED = {"a100": "a100-measured", "h100": "h100-measured"}
 """Per row's GPU, the preset of the rates such a GPU achieved: published benchmarks of an
 A100 (autoshard/cost/measured/a100.json), one H100 lent to this project (h100.json)."""
 
+FA2_H100 = "tests/data/h100b/profile_fa2.json"
+"""The second H100's profile (h100-measured's rates) with FlashAttention-2's published H100
+figure for causal attention in place of the cuDNN attention torch 2.11 ran there
+(``python scripts/fa2_profile.py tests/data/h100b/profile.json --out`` this file): the
+kernel ``scaled_dot_product_attention`` picked on an H100 in the torch torchtitan's Tables
+1 and 3 name (``1963fc8``, 2024-12-23), after cuDNN attention was made opt-in
+(pytorch/pytorch#138522, 2024-10-22; #142132: a nightly of 2024-12-04 ran SDPA at 329
+TFLOP/s where cuDNN reached 631)."""
+
 
 @dataclass(frozen=True)
 class Run:
@@ -126,6 +135,10 @@ class Run:
     # --no-checkpoint-early-stop; torchtitan's (checkpoint_wrapper, non-reentrant) stops
     # early, torch's default
     reentrant: bool = False
+    # the achieved rates as the run's software reached them, where its source names a
+    # software whose kernels differ from the measured preset's (a one-GPU --profile in
+    # place of ACHIEVED's --device)
+    achieved_profile: str | None = None
 
     @property
     def measured_s(self) -> float:
@@ -221,6 +234,7 @@ RUNS = [
         tokens=2 * 8192,
         memory_gib=82.4,
         options=H100_LINKS,
+        achieved_profile=FA2_H100,
     ),
     Run(
         "torchtitan-llama3.1-8b-128xh100",
@@ -237,6 +251,7 @@ RUNS = [
         tokens=2 * 8192,
         memory_gib=67.0,
         options=H100_LINKS,
+        achieved_profile=FA2_H100,
     ),
     Run(
         "torchtitan-llama3.1-405b-128xh100",
@@ -298,6 +313,9 @@ RUNS = [
         4951479 / 512,
         tokens=6 * 2048,
         options=H100_LINKS,
+        # its sweep (llm-foundry 5e85bd6) installed flash-attn 2.4.2 (.[gpu-flash2]) and ran
+        # attn_impl flash: FlashAttention-2
+        achieved_profile=FA2_H100,
         notes="the 8-GPU row's model and micro-batch on 64 nodes; the source names no links",
     ),
     Run(
@@ -439,7 +457,11 @@ def price(run: Run, checkpointing: str, device: str | None = None) -> dict:
 
 def _compare_args(run: Run, checkpointing: str, device: str | None) -> list[str]:
     args = ["compare", f"tests/data/published/{run.model}.py", "--mesh", run.mesh]
-    args += ["--plans", run.plan, "--precision", "bf16-mixed", "--device", device or run.device]
+    args += ["--plans", run.plan, "--precision", "bf16-mixed"]
+    if device in ACHIEVED.values() and run.achieved_profile:
+        args += ["--profile", run.achieved_profile]
+    else:
+        args += ["--device", device or run.device]
     args += ["--activation-checkpointing", checkpointing]
     args += ["--no-checkpoint-early-stop"] if run.reentrant else []
     return [*args, *_links(run, device), "--json"]
