@@ -102,6 +102,14 @@ def whole_on_single(ps: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple
     return tuple(p if n > 1 else Replicate() for p, n in zip(ps, mesh_shape, strict=True))
 
 
+def each_whole_on_single(
+    pss: Sequence[Sequence[Placement] | None], mesh_shape: Sequence[int]
+) -> tuple[tuple[Placement, ...] | None, ...]:
+    """:func:`whole_on_single` of each of ``pss`` (an op's inputs or outputs), ``None``
+    kept (a non-tensor value)."""
+    return tuple(None if ps is None else whole_on_single(ps, mesh_shape) for ps in pss)
+
+
 def short(ps: Sequence[Placement]) -> str:
     """Compact display form, e.g. ``S(0)·R``."""
     return "·".join(placement_to_str(p) for p in ps)

@@ -202,7 +202,7 @@ class CommModel:
         for g in i:  # ascending: outermost dim first
             steps += outer * (self.mesh.shape[g] - 1) * self.mesh.latency[g]
             outer *= self.mesh.shape[g]
-        alpha = steps / (n - 1) if n > 1 else 0.0
+        alpha = steps / (n - 1)  # a group spans 2+ devices: no step runs on a dim of one
         bw = min(
             self.mesh.bandwidth[g] * math.prod(self.mesh.shape[h] for h in i if h > g) for g in i
         )

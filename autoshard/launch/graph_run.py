@@ -54,7 +54,7 @@ from autoshard.errors import AutoshardError
 from autoshard.launch.check import NO_FLOAT64, run_narrowed
 from autoshard.launch.collective_log import CollectiveLog
 from autoshard.launch.lowered import PHASE, local_shard
-from autoshard.placements import whole_on_single
+from autoshard.placements import each_whole_on_single, whole_on_single
 from autoshard.strategies.registry import KernelContext
 from autoshard.strategies.rules import OpRule, op_rule
 from autoshard.strategies.strategy import Strategy
@@ -192,7 +192,7 @@ def program_from_solution(
     sinks, grad_of = _output_sinks(graph, sol_nodes, alias, reduced, nodes)
     # a mesh dim of one device holds every tensor whole, whatever the solver chose there
     nodes = {name: _whole_on_single(plan, mesh.shape) for name, plan in nodes.items()}
-    sinks = [None if s is None else whole_on_single(s, mesh.shape) for s in sinks]
+    sinks = list(each_whole_on_single(sinks, mesh.shape))
     predicted = solution.get("predicted") or {}
     recompute = frozenset(int(b) for b in predicted.get("recomputed_blocks") or ())
     selective = frozenset(int(b) for b in predicted.get("selective_blocks") or ())
@@ -214,14 +214,10 @@ def _whole_on_single(plan: NodePlan, mesh_shape: Sequence[int]) -> NodePlan:
     (:func:`autoshard.placements.whole_on_single`)."""
     if plan.free:
         return plan
-
-    def whole(ps: Placements | None) -> Placements | None:
-        return None if ps is None else whole_on_single(ps, mesh_shape)
-
     return replace(
         plan,
-        inputs=tuple(whole(p) for p in plan.inputs),
-        outputs=tuple(whole(p) for p in plan.outputs),
+        inputs=each_whole_on_single(plan.inputs, mesh_shape),
+        outputs=each_whole_on_single(plan.outputs, mesh_shape),
     )
 
 

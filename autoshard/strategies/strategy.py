@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from autoshard.placements import whole_on_single
+from autoshard.placements import each_whole_on_single
 
 Placements = tuple[Placement, ...]
 
@@ -34,7 +34,8 @@ class Strategy:
 def whole_strategy(s: Strategy, mesh_shape: Sequence[int]) -> Strategy:
     """``s`` with ``Replicate`` on every mesh dim of one device.
 
-    On such a dim every placement is the whole tensor (:func:`whole_on_single`): the same
+    On such a dim every placement is the whole tensor
+    (:func:`~autoshard.placements.whole_on_single`): the same
     local computation, compute time and memory, and no step to price or run. Strategies
     that differ only there are one strategy: without this, a mesh dim of one device
     multiplied an op's strategies and its edges' pairs (``--mesh 1x4`` took a 2-layer
@@ -44,8 +45,8 @@ def whole_strategy(s: Strategy, mesh_shape: Sequence[int]) -> Strategy:
         return s
     return replace(
         s,
-        outputs=tuple(None if p is None else whole_on_single(p, mesh_shape) for p in s.outputs),
-        inputs=tuple(whole_on_single(p, mesh_shape) for p in s.inputs),
+        outputs=each_whole_on_single(s.outputs, mesh_shape),
+        inputs=each_whole_on_single(s.inputs, mesh_shape),
     )
 
 
@@ -54,7 +55,8 @@ def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Plac
 
     A tensor dim may be sharded over several mesh dims (its size must divide by
     their product). Partial is excluded: only ops produce partial values. A mesh dim of
-    one device holds the tensor whole: ``Replicate`` alone there (:func:`whole_on_single`).
+    one device holds the tensor whole: ``Replicate`` alone there
+    (:func:`~autoshard.placements.whole_on_single`).
     """
     per_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
     out = []
