@@ -1,5 +1,7 @@
 """Device table and roofline compute time: exact values worked by hand from the datasheets."""
 
+import json
+
 import pytest
 import torch
 
@@ -302,3 +304,65 @@ def test_the_fa2_profile_times_causal_attention_as_flash_attention_2_s_h100_figu
         0, 2**31, "bfloat16", kind="other"
     )
     assert fa2.attention_forward_rates["float32"] == h100.attention_forward_rates["float32"]
+
+
+def _part_profile(tmp_path, *args: str):
+    """``scripts/memory_part_profile.py ARGS --out FILE``'s profile, loaded."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    from autoshard.calibrate import load_profile
+
+    out = tmp_path / "part.json"
+    script = ROOT / "scripts/memory_part_profile.py"
+    subprocess.run([sys.executable, script, *args, "--out", out], check=True, cwd=ROOT)
+    return out, load_profile(out).device_spec()
+
+
+def test_a_datasheet_profile_prices_what_its_preset_does(tmp_path):
+    """``scripts/memory_part_profile.py --device h100`` with the preset's own bandwidth and
+    capacity (NVIDIA's H100 SXM datasheet: 3.35 TB/s, 80 GB) is ``--device h100``: the same
+    peaks, and the same seconds for a matmul, an attention and a memory-bound op."""
+    _, part = _part_profile(tmp_path, "--device", "h100", "--peak", "3.35TB/s", "--memory", "80GB")
+    h100 = DEVICES["h100"]
+    assert part.peak_flops == h100.peak_flops and part.memory_bytes == 80 * 10**9
+    assert part.memory_bandwidth == h100.memory_bandwidth == 3.35e12
+    for flops, moved, kind in ((2 * 8192**3, 3 * 2 * 8192**2, "matmul"), (0, 2**31, "other")):
+        assert part.compute_time(flops, moved, "bfloat16", kind=kind) == h100.compute_time(
+            flops, moved, "bfloat16", kind=kind
+        )
+    assert _attention_s(part, 8192) == _attention_s(h100, 8192)
+
+
+def test_torchtitan_s_hbm2e_h100_copies_at_2_4_over_3_35_of_the_measured_h100(tmp_path):
+    """torchtitan's H100s (its docs/performance.md at d4c86e3: "96GB HBM2e with 2.4 TB/sec
+    peak memory bandwidth") priced from the measured H100 SXM (3.35 TB/s, NVIDIA's
+    datasheet): a memory-bound op takes 3.35 / 2.4 of its time there, a large matmul and
+    an attention the same time; the files tests/test_published.py prices the rows with
+    are what the script writes."""
+    from helpers import ROOT
+
+    from autoshard.calibrate import load_profile
+
+    fa2 = "tests/data/h100b/profile_fa2.json"
+    args = (fa2, "--measured-peak", "3.35TB/s", "--peak", "2.4TB/s", "--memory", "96GB")
+    out, part = _part_profile(tmp_path, *args)
+    h100 = load_profile(ROOT / fa2).device_spec()
+    moved = 2**31
+    slow = part.compute_time(0, moved, "bfloat16", kind="other")
+    assert slow == pytest.approx(h100.compute_time(0, moved, "bfloat16", kind="other") * 3.35 / 2.4)
+    assert slow == pytest.approx(moved / (2.4e12 * 2939836453488.2915 / 3.35e12))  # 88% of peak
+    big = 2 * 8192**3
+    assert part.compute_time(big, 0, "bfloat16") == h100.compute_time(big, 0, "bfloat16")
+    assert _attention_s(part, 8192) == _attention_s(h100, 8192)
+    assert part.memory_bytes == 96 * 10**9
+    kept = json.loads((ROOT / "tests/data/h100b/profile_fa2_hbm2e.json").read_text())
+    assert kept == json.loads(out.read_text())
+    out, sheet = _part_profile(
+        tmp_path, "--device", "h100", "--peak", "2.4TB/s", "--memory", "96GB"
+    )
+    kept = json.loads((ROOT / "tests/data/h100b/datasheet_hbm2e.json").read_text())
+    assert kept == json.loads(out.read_text())
+    assert (sheet.memory_bandwidth, sheet.peak_flops) == (2.4e12, DEVICES["h100"].peak_flops)

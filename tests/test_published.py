@@ -104,6 +104,20 @@ kernel ``scaled_dot_product_attention`` picked on an H100 in the torch torchtita
 (pytorch/pytorch#138522, 2024-10-22; #142132: a nightly of 2024-12-04 ran SDPA at 329
 TFLOP/s where cuDNN reached 631)."""
 
+HBM2E = "torchtitan's Grand Teton H100: 96GB HBM2e, 2.4 TB/s, 500 W (d4c86e3)"
+FA2_H100_HBM2E = "tests/data/h100b/profile_fa2_hbm2e.json"
+""":data:`FA2_H100` on the H100 torchtitan's Tables 1 and 3 ran on: "96GB HBM2e with 2.4
+TB/sec peak memory bandwidth", "the default 500W power limit" (``docs/performance.md`` at
+``d4c86e3``), where the measured H100 has 80 GB of HBM3 at 3.35 TB/s and 700 W
+(``python scripts/memory_part_profile.py tests/data/h100b/profile_fa2.json --measured-peak
+3.35TB/s --peak 2.4TB/s --memory 96GB --out`` this file): its copy and elementwise
+bandwidths times 2.4 / 3.35, its matmul and attention rates the 700 W part's (the source:
+the part's peak FLOP/s lies "between SXM and NVL", value unknown)."""
+DATASHEET_HBM2E = "tests/data/h100b/datasheet_hbm2e.json"
+"""``--device h100``'s datasheet with that part's 2.4 TB/s and 96 GB (``python
+scripts/memory_part_profile.py --device h100 --peak 2.4TB/s --memory 96GB --out`` this
+file): the datasheet column of the rows that ran on it."""
+
 
 @dataclass(frozen=True)
 class Run:
@@ -139,6 +153,9 @@ class Run:
     # software whose kernels differ from the measured preset's (a one-GPU --profile in
     # place of ACHIEVED's --device)
     achieved_profile: str | None = None
+    # the datasheet of the run's GPU where it is not the preset's (a --profile in place of
+    # --device h100 or a100): a part with another memory than the preset's
+    datasheet_profile: str | None = None
 
     @property
     def measured_s(self) -> float:
@@ -234,7 +251,9 @@ RUNS = [
         tokens=2 * 8192,
         memory_gib=82.4,
         options=H100_LINKS,
-        achieved_profile=FA2_H100,
+        achieved_profile=FA2_H100_HBM2E,
+        datasheet_profile=DATASHEET_HBM2E,
+        notes=HBM2E,
     ),
     Run(
         "torchtitan-llama3.1-8b-128xh100",
@@ -251,7 +270,9 @@ RUNS = [
         tokens=2 * 8192,
         memory_gib=67.0,
         options=H100_LINKS,
-        achieved_profile=FA2_H100,
+        achieved_profile=FA2_H100_HBM2E,
+        datasheet_profile=DATASHEET_HBM2E,
+        notes=HBM2E,
     ),
     Run(
         "torchtitan-llama3.1-405b-128xh100",
@@ -460,6 +481,8 @@ def _compare_args(run: Run, checkpointing: str, device: str | None) -> list[str]
     args += ["--plans", run.plan, "--precision", "bf16-mixed"]
     if device in ACHIEVED.values() and run.achieved_profile:
         args += ["--profile", run.achieved_profile]
+    elif device is None and run.datasheet_profile:
+        args += ["--profile", run.datasheet_profile]
     else:
         args += ["--device", device or run.device]
     args += ["--activation-checkpointing", checkpointing]
@@ -551,9 +574,9 @@ def test_a_published_step_priced_with_its_own_plan(run: Run):
     GPU achieved (an H100 row at the rates one H100 SXM reached: matmuls by size,
     attention, copy, ``--device h100-measured``; an A100 row at published A100 benchmarks'
     GEMM, attention and copy rates, ``--device a100-measured``; each with NCCL's bus
-    bandwidth on its links;
-    torchtitan's 8B H100 rows are still priced well under their measured steps:
-    its H100s are 500 W parts with slower memory), each held to the measured step (within
+    bandwidth on its links; torchtitan's 8B H100 rows on their GPUs' 2.4 TB/s HBM2e, and
+    still priced under their measured steps: those are 500 W parts whose peak FLOP/s the
+    source does not know), each held to the measured step (within
     20% for the rows of ``WITHIN`` / ``WITHIN_MEASURED``, outside for the others); and
     docs/validation.md's table shows the prices. One test per row: its trace is made
     once, in one process, for every price of the row."""
