@@ -272,16 +272,30 @@ def _attention_s(device: DeviceSpec, seq: int) -> float:
     ) + device.compute_time(2.5 * forward, 0, "bfloat16", kind="attention_backward", per=b * h)
 
 
-@pytest.mark.parametrize(("seq", "tflops"), [(2048, 265), (8192, 308)])
-def test_the_fa2_profile_times_causal_attention_as_flash_attention_2_s_h100_figure(
-    tmp_path, seq, tflops
+H100B = "tests/data/h100b/profile.json"
+
+
+@pytest.mark.parametrize(
+    ("base", "figure", "seq", "tflops", "kept"),
+    [
+        (H100B, ("h100", "fa2"), 2048, 265, "tests/data/h100b/profile_fa2.json"),
+        (H100B, ("h100", "fa2"), 8192, 308, None),
+        (H100B, ("h100", "fa1"), 2048, 108, "tests/data/h100b/profile_fa1.json"),
+        ("a100-measured", ("a100", "fa1"), 2048, 69, "tests/data/published/profiles/a100_fa1.json"),
+    ],
+)
+def test_an_attention_profile_times_causal_attention_as_its_figure(
+    tmp_path, base, figure, seq, tflops, kept
 ):
-    """``scripts/fa2_profile.py`` (docs/validation.md, the attention kernel the H100 runs
-    ran) writes the second H100's profile with FlashAttention-2's H100 figure for causal
-    attention (Dao-AILab/flash-attention, assets/flash2_h100_fwd_bwd_benchmark.png at
-    4f285b35, panel d: 265 TFLOP/s at 2k tokens, 308 at 8k, on the benchmark's causal
-    count): an attention of the figure's shape takes the figure's time for its forward and
-    backward together, and every other rate stays the measured profile's."""
+    """``scripts/attention_profile.py`` (docs/validation.md, the attention kernel the H100
+    runs ran; the Triton attention the MPT rows ran) writes a measured profile with a
+    FlashAttention kernel's published figure for causal attention (Dao-AILab/
+    flash-attention, assets/flash2_{h100,a100}_fwd_bwd_benchmark.png at 4f285b35, panel d:
+    FlashAttention-2 265 TFLOP/s at 2k tokens and 308 at 8k on the H100; FlashAttention
+    108 on the H100 and 69 on the A100 at 2k; on the benchmark's causal count): an
+    attention of the figure's shape takes the figure's time for its forward and backward
+    together, every other rate stays the base's, and the files the published rows are
+    priced with are what the script writes."""
     import subprocess
     import sys
 
@@ -289,21 +303,48 @@ def test_the_fa2_profile_times_causal_attention_as_flash_attention_2_s_h100_figu
 
     from autoshard.calibrate import load_profile
 
-    measured = ROOT / "tests/data/h100b/profile.json"
-    out = tmp_path / "h100_fa2.json"
-    script = ROOT / "scripts/fa2_profile.py"
-    subprocess.run([sys.executable, script, measured, "--out", out], check=True)
-    fa2, h100 = load_profile(out).device_spec(), load_profile(measured).device_spec()
-    priced = _attention_s(fa2, seq)
+    gpu, kernel = figure
+    out = tmp_path / "attention.json"
+    source = ["--device", base] if base.endswith("-measured") else [ROOT / base]
+    args = [*source, "--gpu", gpu, "--kernel", kernel, "--out", out]
+    subprocess.run([sys.executable, ROOT / "scripts/attention_profile.py", *args], check=True)
+    priced_on = load_profile(out).device_spec()
+    measured = (
+        DEVICES[base] if base.endswith("-measured") else load_profile(ROOT / base).device_spec()
+    )
+    priced = _attention_s(priced_on, seq)
     assert priced == pytest.approx(_figure_s(seq, tflops), rel=1e-9)
-    # the measured H100's kernel ran the same attention 1.47x (2k) and 1.72x (8k) faster
-    assert 1.4 < priced / _attention_s(h100, seq) < 1.8
+    if (gpu, kernel) == ("h100", "fa2"):  # the measured H100's cuDNN kernel: 1.47x, 1.72x
+        assert 1.4 < priced / _attention_s(measured, seq) < 1.8
     big = 2 * 8192**3
-    assert fa2.compute_time(big, 0, "bfloat16") == h100.compute_time(big, 0, "bfloat16")
-    assert fa2.compute_time(0, 2**31, "bfloat16", kind="other") == h100.compute_time(
+    assert priced_on.compute_time(big, 0, "bfloat16") == measured.compute_time(big, 0, "bfloat16")
+    assert priced_on.compute_time(0, 2**31, "bfloat16", kind="other") == measured.compute_time(
         0, 2**31, "bfloat16", kind="other"
     )
-    assert fa2.attention_forward_rates["float32"] == h100.attention_forward_rates["float32"]
+    if kept:
+        assert json.loads((ROOT / kept).read_text()) == json.loads(out.read_text())
+
+
+def test_a100_measured_s_attention_is_flash_attention_2_s_a100_figure(tmp_path):
+    """The FlashAttention-2 A100 figure typed into ``scripts/attention_profile.py`` and
+    a100-measured's file (typed from the same figure apart) price every op alike: the
+    profile the script writes from ``--device a100-measured --kernel fa2`` holds the
+    preset's matmul, attention and copy rates, peaks and memory."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    from autoshard.calibrate import load_profile
+
+    out = tmp_path / "a100_fa2.json"
+    args = ["--device", "a100-measured", "--gpu", "a100", "--kernel", "fa2", "--out", out]
+    subprocess.run([sys.executable, ROOT / "scripts/attention_profile.py", *args], check=True)
+    spec, preset = load_profile(out).device_spec(), DEVICES["a100-measured"]
+    for field_ in ("matmul_rates", "attention_forward_rates", "attention_backward_rates"):
+        assert getattr(spec, field_) == getattr(preset, field_), field_
+    assert (spec.peak_flops, spec.memory_bandwidth) == (preset.peak_flops, preset.memory_bandwidth)
+    assert spec.memory_bytes == preset.memory_bytes
 
 
 def _part_profile(tmp_path, *args: str):
