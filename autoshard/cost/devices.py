@@ -513,10 +513,10 @@ for _path in sorted(MEASURED_DIR.glob("*.json")):
 DEFAULT_DEVICE = "h100-measured"
 """The device the cost model assumes unless the user picks one (``--device``): an H100 SXM
 at the rates one reached (:func:`measured_device`), not at its datasheet's peaks, which no
-GPU reaches. Priced at the datasheet, the five published H100 runs of docs/validation.md
-come out 1.34-1.86x faster than they measured (mean error 38%); at the measured rates,
-their links at NCCL's bus bandwidth, 1.17-1.54x (mean error 25.1%). ``--device h100``
-keeps the datasheet's peaks."""
+GPU reaches. Priced at the datasheet, the six published H100 runs of docs/validation.md
+come out 1.35-1.99x faster than they measured; at the measured rates (with the attention
+kernel and the memory each run had, their links at NCCL's bus bandwidth), 1.15-1.32x
+(docs/validation.md keeps the table). ``--device h100`` keeps the datasheet's peaks."""
 
 
 def get_device(name: str) -> DeviceSpec:
