@@ -101,39 +101,47 @@ def figure_points(dtype: str, gpu: str = "h100", kernel: str = "fa2") -> list[di
     return points
 
 
+def one_gpu_profile(device: str, compute: dict, **extra) -> dict:
+    """A profile of one GPU (format :data:`PROFILE_FORMAT`, a mesh of one, no link timed)
+    holding ``compute`` (its ``peak_flops``, ``matmuls``, ``attention``,
+    ``memory_bandwidth_Bps`` and ``memory_bytes``), ``extra`` fields beside."""
+    link = {"dim": 0, "name": "d0", "size": 1, "samples": [], "latency_s": None}
+    return {
+        "format": PROFILE_FORMAT,
+        "device": device,
+        "backend": "nccl",
+        "world_size": 1,
+        "mesh": {"shape": [1], "dim_names": ["d0"]},
+        "links": [link | {"bandwidth_Bps": None, "residual": None}],
+        "compute": compute,
+        **extra,
+    }
+
+
+def write_profile(profile: dict, out: Path) -> None:
+    """Write ``profile`` to ``out`` atomically: ``out`` is the whole new profile or is left
+    as it was."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(profile, indent=1) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
 def preset_profile(name: str) -> dict:
     """A one-GPU profile holding measured preset ``name``'s rates (``a100-measured``): its
     file's matmuls, attention and copy bandwidth, the datasheet's peaks and memory."""
     base = name.removesuffix("-measured")
     d = json.loads((MEASURED_DIR / f"{base}.json").read_text())
     spec = DEVICES[base]
-    return {
-        "format": PROFILE_FORMAT,
-        "device": f"{name}: {d.get('measured_on', '')}",
-        "backend": "nccl",
-        "torch": d.get("torch"),
-        "world_size": 1,
-        "mesh": {"shape": [1], "dim_names": ["d0"]},
-        "links": [
-            {
-                "dim": 0,
-                "name": "d0",
-                "size": 1,
-                "samples": [],
-                "latency_s": None,
-                "bandwidth_Bps": None,
-                "residual": None,
-            }
-        ],
-        "compute": {
-            "peak_flops": dict(spec.peak_flops),
-            "matmuls": d["matmuls"],
-            "attention": d["attention"],
-            "memory_bandwidth_Bps": d["memory_bandwidth_Bps"],
-            "memory_bytes": spec.memory_bytes,
-        },
-        "source": d.get("source"),
+    compute = {
+        "peak_flops": dict(spec.peak_flops),
+        "matmuls": d["matmuls"],
+        "attention": d["attention"],
+        "memory_bandwidth_Bps": d["memory_bandwidth_Bps"],
+        "memory_bytes": spec.memory_bytes,
     }
+    device = f"{name}: {d.get('measured_on', '')}"
+    return one_gpu_profile(device, compute, torch=d.get("torch"), source=d.get("source"))
 
 
 def main() -> None:
@@ -166,10 +174,7 @@ def main() -> None:
         f"{KERNELS[args.kernel]}, {SOURCES[args.gpu]} @4f285b35, panel d "
         "(causal, head dim 128, forward + backward)"
     )
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=1) + "\n")
-    tmp.replace(args.out)  # atomic: --out is the whole new profile or left as it was
-    print(f"wrote {args.out}")
+    write_profile(profile, args.out)
 
 
 if __name__ == "__main__":

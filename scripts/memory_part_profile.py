@@ -36,8 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: autoshard's presets and units
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from autoshard.calibrate import PROFILE_FORMAT  # noqa: E402
+from attention_profile import one_gpu_profile, write_profile  # noqa: E402
+
 from autoshard.cost.devices import get_device  # noqa: E402
 from autoshard.units import parse_bandwidth, parse_bytes  # noqa: E402
 
@@ -49,32 +51,14 @@ def datasheet_profile(name: str) -> dict:
     """A one-GPU profile holding preset ``name``'s datasheet: its peaks, its bandwidth and
     capacity, no timed matmul or attention (so every op is priced at the peaks)."""
     spec = get_device(name)
-    return {
-        "format": PROFILE_FORMAT,
-        "device": f"{spec.name} datasheet",
-        "backend": "nccl",
-        "torch": None,
-        "world_size": 1,
-        "mesh": {"shape": [1], "dim_names": ["d0"]},
-        "links": [
-            {
-                "dim": 0,
-                "name": "d0",
-                "size": 1,
-                "samples": [],
-                "latency_s": None,
-                "bandwidth_Bps": None,
-                "residual": None,
-            }
-        ],
-        "compute": {
-            "peak_flops": dict(spec.peak_flops),
-            "matmuls": [],
-            "attention": [],
-            "memory_bandwidth_Bps": spec.memory_bandwidth,
-            "memory_bytes": spec.memory_bytes,
-        },
+    compute = {
+        "peak_flops": dict(spec.peak_flops),
+        "matmuls": [],
+        "attention": [],
+        "memory_bandwidth_Bps": spec.memory_bandwidth,
+        "memory_bytes": spec.memory_bytes,
     }
+    return one_gpu_profile(f"{spec.name} datasheet", compute, torch=None)
 
 
 def on_part(profile: dict, measured_peak: float, peak: float, memory: int, source: str) -> dict:
@@ -119,10 +103,7 @@ def main() -> None:
         measured_peak = args.measured_peak
     source = f"{args.source}: {args.peak / 1e12:g} TB/s peak, {args.memory / 1e9:g} GB"
     out = on_part(profile, measured_peak, args.peak, args.memory, source)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.out)  # atomic: --out is the whole new profile or left as it was
-    print(f"wrote {args.out}")
+    write_profile(out, args.out)
 
 
 if __name__ == "__main__":
