@@ -29,8 +29,9 @@ them), at 512 to 16k tokens, 16k tokens a batch, 16 heads:
   llm-foundry's Triton kernel (``llmfoundry/models/layers/flash_attn_triton.py``, a copy
   of ``flash_attn/flash_attn_triton.py`` at ``eff9fe6``), whose author writes in its
   docstring: "Overall Triton forward + backward is slightly slower than CUDA forward +
-  backward" (the CUDA kernel of then: FlashAttention); no figure times that kernel, so
-  its rate is at most this one.
+  backward" (the CUDA kernel of then: FlashAttention); no figure times that kernel. Its
+  author tested it on the A100 only ("This implementation has only been tested on
+  A100"): there its rate is at most this one; on the H100 that is assumed.
 
 The figures count a causal forward as ``4 b s^2 h d / 2`` and its backward as 2.5 times the
 forward (``benchmarks/benchmark_flash_attention.py``). PyTorch's count, which a profile's
@@ -151,18 +152,27 @@ def main() -> None:
         "profile", nargs="?", type=Path, help="a one-GPU profile (calibrate --mesh 1)"
     )
     what.add_argument("--device", help="a measured preset to start from, e.g. a100-measured")
-    parser.add_argument("--gpu", choices=sorted(SOURCES), default="h100", help="whose figure")
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(SOURCES),
+        help="whose figure (default: --device's GPU, else h100)",
+    )
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="fa2", help="which series")
     parser.add_argument("--out", type=Path, required=True, help="where to write the new one")
     args = parser.parse_args()
     if args.device:
         if not args.device.endswith("-measured") or args.device not in DEVICES:
             parser.error(f"--device {args.device}: name a measured preset, e.g. a100-measured")
+        gpu = args.device.removesuffix("-measured")
+        if args.gpu not in (None, gpu):
+            parser.error(f"--gpu {args.gpu} with --device {args.device}: one GPU's figure")
+        args.gpu = gpu
         profile = preset_profile(args.device)
     else:
         profile = json.loads(args.profile.read_text())
         if profile.get("world_size") != 1:
             parser.error(f"{args.profile} is not a one-GPU profile (calibrate --mesh 1)")
+        args.gpu = args.gpu or "h100"
     kept = [  # every point but the causal bf16/fp16 ones, which the figure replaces
         a
         for a in profile["compute"]["attention"]

@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where to write the profile")
     args = parser.parse_args()
     if args.device:
+        if args.measured_peak is not None:
+            parser.error("--measured-peak is the profile's GPU's; --device takes its datasheet's")
         profile = datasheet_profile(args.device)
         measured_peak = profile["compute"]["memory_bandwidth_Bps"]
     else:

@@ -407,3 +407,36 @@ def test_torchtitan_s_hbm2e_h100_copies_at_2_4_over_3_35_of_the_measured_h100(tm
     kept = json.loads((ROOT / "tests/data/h100b/datasheet_hbm2e.json").read_text())
     assert kept == json.loads(out.read_text())
     assert (sheet.memory_bandwidth, sheet.peak_flops) == (2.4e12, DEVICES["h100"].peak_flops)
+
+
+def test_a_softmax_over_a_long_row_reads_it_as_pytorch_s_kernel_does():
+    """``softmax_rereads``, worked by hand from ``cunn_SoftMaxForward`` (PyTorch's
+    ``SoftMax.cu``: a row it cannot keep in a block's 48 KiB of shared memory is read for
+    its max, for its sum of exponentials, and to write the result): a vocabulary's float32
+    logits (8 x 128256, 501 KiB a row) are read twice more forward; the backward reads the
+    gradient once more for its sum (log-softmax) or the gradient and the output (softmax);
+    a row that fits (8 x 2048 bfloat16, 4 KiB), a softmax over dim 0, and a matmul read
+    nothing more."""
+    from types import SimpleNamespace
+
+    from autoshard.strategies.registry import softmax_rereads
+    from autoshard.trace.tracer import TensorInfo
+
+    aten = torch.ops.aten
+    logits = TensorInfo((8, 128256), torch.float32)
+    row = 8 * 128256 * 4
+
+    def node(target, *args):
+        return SimpleNamespace(target=target, args=args)
+
+    assert softmax_rereads(node(aten._log_softmax.default, "x", -1, False), [logits]) == 2 * row
+    assert softmax_rereads(node(aten._softmax.default, "x", 1, False), [logits]) == 2 * row
+    assert softmax_rereads(node(aten._safe_softmax.default, "x", -1), [logits]) == 2 * row
+    back = node(aten._log_softmax_backward_data.default, "g", "y", 1, torch.float32)
+    assert softmax_rereads(back, [logits, logits]) == row
+    back = node(aten._softmax_backward_data.default, "g", "y", -1, torch.float32)
+    assert softmax_rereads(back, [logits, logits]) == 2 * row
+    scores = TensorInfo((8, 2048), torch.bfloat16)
+    assert softmax_rereads(node(aten._softmax.default, "x", -1, False), [scores]) == 0
+    assert softmax_rereads(node(aten._softmax.default, "x", 0, False), [logits]) == 0
+    assert softmax_rereads(node(aten.mm.default, "a", "b"), [logits, logits]) == 0

@@ -21,6 +21,10 @@ What is held:
   row at published A100 benchmarks' rates (``--device a100-measured``), each with its
   links at the bus bandwidth NCCL reaches on them; held the same way
   (``WITHIN_MEASURED``);
+- where the source names a GPU or kernels other than the preset's, a one-GPU profile in
+  place of ``--device`` (``Run.datasheet_profile``, ``Run.achieved_profile``: torchtitan's
+  2.4 TB/s HBM2e H100s, FlashAttention-2 or the first FlashAttention's attention); an FSDP
+  row priced with FSDP's one collective per block (``Run.bucket_bytes``, ``--bucket-size``);
 - rows run with torchtitan's *selective* activation checkpointing are priced with it
   (``--activation-checkpointing selective``: op-level, keep attention and every other
   matmul);
@@ -472,14 +476,15 @@ WITHIN = frozenset(
         "megatron-gpt-18.4b-256xa100",
     }
 )
-# the same at the rates such a GPU achieved (:data:`ACHIEVED`): every A100 row but MPT-7B's,
-# one H100 row (405B since its links are priced at NCCL's bus bandwidth, as the A100 rows'
-# are); the 8-GPU MPT
+# the same at the rates such a GPU achieved (:data:`ACHIEVED`): every A100 row, two H100
+# rows (405B since its links are priced at NCCL's bus bandwidth, as the A100 rows' are;
+# MPT-7B on 8); the 8-GPU MPT
 # rows left it (1.25x, 1.39x) once their GELU ran as one kernel, as MPT's ``nn.GELU``
 # does: their agreement rested on HuggingFace's unfused ``gelu_new``; MPT-7B on 512 left
 # it (0.88x -> 1.28x) once FSDP paid one collective's latency per block, not per weight;
-# MPT-7B on 8 H100 and on 8 A100 came back (1.18x, 1.15x) once their attention was priced
-# as the Triton kernel they ran (at most FlashAttention's rates), MPT-13B not (1.32x)
+# MPT-7B on 8 H100 and on 8 A100 came back (1.17x, 1.15x) once their attention was priced
+# at FlashAttention's rates, an upper bound for the Triton kernel they ran; MPT-13B not
+# (1.31x)
 WITHIN_MEASURED = frozenset(
     {
         "mosaicml-mpt-7b-8xh100",

@@ -347,7 +347,13 @@ SOFTMAX_ROW_ON_CHIP = 48 * 1024
 float32 values are 501 KiB) runs ``cunn_SoftMaxForward``, which reads it from memory three
 times: for its max, for its sum of exponentials, and to write the result."""
 
-_SOFTMAX_FORWARD = frozenset({torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
+_SOFTMAX_FORWARD = frozenset(
+    {
+        torch.ops.aten._softmax.default,
+        torch.ops.aten._log_softmax.default,
+        torch.ops.aten._safe_softmax.default,  # the softmax kernel, then a masked fill
+    }
+)
 _SOFTMAX_BACKWARD = {  # backward -> whether its sum reads the output too (softmax's does)
     torch.ops.aten._softmax_backward_data.default: True,
     torch.ops.aten._log_softmax_backward_data.default: False,
@@ -356,12 +362,17 @@ _SOFTMAX_BACKWARD = {  # backward -> whether its sum reads the output too (softm
 
 def softmax_rereads(node: Any, args: Sequence[TensorInfo]) -> int:
     """Bytes a softmax over rows too long to keep on chip (:data:`SOFTMAX_ROW_ON_CHIP`)
-    reads beyond its inputs once: the forward (``_softmax``, ``_log_softmax``) reads its
+    reads beyond its inputs once: the forward (``_softmax``, ``_log_softmax``,
+    ``_safe_softmax``) reads its
     input twice more (its max and its sum pass), the backward reads its gradient once more
     for the sum (``_log_softmax_backward_data``: the sum of the gradient;
     ``_softmax_backward_data``: of the gradient times the output, so the output too). 0
     for every other op, a row that fits, or a softmax over another dim than the last (a
-    spatial kernel). ``args`` are the op's local tensor arguments.
+    spatial kernel). ``args`` are the op's local tensor arguments. The threshold is
+    PyTorch's shared-memory bound; its register path for rows of a few thousand elements
+    and its alignment conditions are not modelled (errs by a few rows' bytes, never on a
+    vocabulary), and the backward's extra read of the output under ``_softmax`` is the
+    kernel's sum, not measured here.
 
     Measured on an H100 SXM (tests/data/h100b, torch.profiler): ``_log_softmax`` over 16384
     x 128256 float32 logits took 11.05 ms and its backward 11.34 ms, four passes of the
