@@ -119,6 +119,25 @@ def one_gpu_profile(device: str, compute: dict, **extra) -> dict:
     }
 
 
+def source_arguments(parser: argparse.ArgumentParser, device_help: str) -> None:
+    """A profile script's arguments: what it starts from (a one-GPU profile, or
+    ``--device``, which ``device_help`` describes) and ``--out``."""
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "profile", nargs="?", type=Path, help="a one-GPU profile (calibrate --mesh 1)"
+    )
+    what.add_argument("--device", help=device_help)
+    parser.add_argument("--out", type=Path, required=True, help="where to write the new one")
+
+
+def read_one_gpu(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """The profile at ``path``; a usage error unless it is of one GPU."""
+    profile = json.loads(path.read_text())
+    if profile.get("world_size") != 1:
+        parser.error(f"{path} is not a one-GPU profile (calibrate --mesh 1)")
+    return profile
+
+
 def write_profile(profile: dict, out: Path) -> None:
     """Write ``profile`` to ``out`` atomically: ``out`` is the whole new profile or is left
     as it was."""
@@ -147,18 +166,13 @@ def preset_profile(name: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument(
-        "profile", nargs="?", type=Path, help="a one-GPU profile (calibrate --mesh 1)"
-    )
-    what.add_argument("--device", help="a measured preset to start from, e.g. a100-measured")
+    source_arguments(parser, "a measured preset to start from, e.g. a100-measured")
     parser.add_argument(
         "--gpu",
         choices=sorted(SOURCES),
         help="whose figure (default: --device's GPU, else h100)",
     )
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="fa2", help="which series")
-    parser.add_argument("--out", type=Path, required=True, help="where to write the new one")
     args = parser.parse_args()
     if args.device:
         if not args.device.endswith("-measured") or args.device not in DEVICES:
@@ -169,9 +183,7 @@ def main() -> None:
         args.gpu = gpu
         profile = preset_profile(args.device)
     else:
-        profile = json.loads(args.profile.read_text())
-        if profile.get("world_size") != 1:
-            parser.error(f"{args.profile} is not a one-GPU profile (calibrate --mesh 1)")
+        profile = read_one_gpu(parser, args.profile)
         args.gpu = args.gpu or "h100"
     kept = [  # every point but the causal bf16/fp16 ones, which the figure replaces
         a

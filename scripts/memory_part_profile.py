@@ -38,7 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: autoshard's presets and units
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from attention_profile import one_gpu_profile, write_profile  # noqa: E402
+from attention_profile import (  # noqa: E402
+    one_gpu_profile,
+    read_one_gpu,
+    source_arguments,
+    write_profile,
+)
 
 from autoshard.cost.devices import get_device  # noqa: E402
 from autoshard.units import parse_bandwidth, parse_bytes  # noqa: E402
@@ -76,11 +81,7 @@ def on_part(profile: dict, measured_peak: float, peak: float, memory: int, sourc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument(
-        "profile", nargs="?", type=Path, help="a one-GPU profile (calibrate --mesh 1)"
-    )
-    what.add_argument("--device", help="a preset whose datasheet to start from, e.g. h100")
+    source_arguments(parser, "a preset whose datasheet to start from, e.g. h100")
     parser.add_argument(
         "--measured-peak",
         type=parse_bandwidth,
@@ -89,7 +90,6 @@ def main() -> None:
     parser.add_argument("--peak", type=parse_bandwidth, required=True, help="the other part's")
     parser.add_argument("--memory", type=parse_bytes, required=True, help="its capacity, e.g. 96GB")
     parser.add_argument("--source", default="torchtitan docs/performance.md @d4c86e3")
-    parser.add_argument("--out", type=Path, required=True, help="where to write the profile")
     args = parser.parse_args()
     if args.device:
         if args.measured_peak is not None:
@@ -97,9 +97,7 @@ def main() -> None:
         profile = datasheet_profile(args.device)
         measured_peak = profile["compute"]["memory_bandwidth_Bps"]
     else:
-        profile = json.loads(args.profile.read_text())
-        if profile.get("world_size") != 1:
-            parser.error(f"{args.profile} is not a one-GPU profile (calibrate --mesh 1)")
+        profile = read_one_gpu(parser, args.profile)
         if args.measured_peak is None:
             parser.error("--measured-peak: the measured GPU's datasheet bandwidth is needed")
         measured_peak = args.measured_peak

@@ -275,6 +275,22 @@ def _attention_s(device: DeviceSpec, seq: int) -> float:
 H100B = "tests/data/h100b/profile.json"
 
 
+def _script_profile(tmp_path, script: str, *args: str):
+    """``scripts/SCRIPT ARGS --out FILE`` run from the checkout: the file and its profile,
+    loaded."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    from autoshard.calibrate import load_profile
+
+    out = tmp_path / "profile.json"
+    command = [sys.executable, ROOT / "scripts" / script, *args, "--out", out]
+    subprocess.run(command, check=True, cwd=ROOT)
+    return out, load_profile(out).device_spec()
+
+
 @pytest.mark.parametrize(
     ("base", "figure", "seq", "tflops", "kept"),
     [
@@ -296,19 +312,14 @@ def test_an_attention_profile_times_causal_attention_as_its_figure(
     attention of the figure's shape takes the figure's time for its forward and backward
     together, every other rate stays the base's, and the files the published rows are
     priced with are what the script writes."""
-    import subprocess
-    import sys
-
     from helpers import ROOT
 
     from autoshard.calibrate import load_profile
 
     gpu, kernel = figure
-    out = tmp_path / "attention.json"
-    source = ["--device", base] if base.endswith("-measured") else [ROOT / base]
-    args = [*source, "--gpu", gpu, "--kernel", kernel, "--out", out]
-    subprocess.run([sys.executable, ROOT / "scripts/attention_profile.py", *args], check=True)
-    priced_on = load_profile(out).device_spec()
+    source = ("--device", base) if base.endswith("-measured") else (base,)
+    args = (*source, "--gpu", gpu, "--kernel", kernel)
+    out, priced_on = _script_profile(tmp_path, "attention_profile.py", *args)
     measured = (
         DEVICES[base] if base.endswith("-measured") else load_profile(ROOT / base).device_spec()
     )
@@ -330,43 +341,29 @@ def test_a100_measured_s_attention_is_flash_attention_2_s_a100_figure(tmp_path):
     a100-measured's file (typed from the same figure apart) price every op alike: the
     profile the script writes from ``--device a100-measured --kernel fa2`` holds the
     preset's matmul, attention and copy rates, peaks and memory."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
-    from autoshard.calibrate import load_profile
-
-    out = tmp_path / "a100_fa2.json"
-    args = ["--device", "a100-measured", "--gpu", "a100", "--kernel", "fa2", "--out", out]
-    subprocess.run([sys.executable, ROOT / "scripts/attention_profile.py", *args], check=True)
-    spec, preset = load_profile(out).device_spec(), DEVICES["a100-measured"]
+    args = ("--device", "a100-measured", "--gpu", "a100", "--kernel", "fa2")
+    _, spec = _script_profile(tmp_path, "attention_profile.py", *args)
+    preset = DEVICES["a100-measured"]
     for field_ in ("matmul_rates", "attention_forward_rates", "attention_backward_rates"):
         assert getattr(spec, field_) == getattr(preset, field_), field_
     assert (spec.peak_flops, spec.memory_bandwidth) == (preset.peak_flops, preset.memory_bandwidth)
     assert spec.memory_bytes == preset.memory_bytes
 
 
-def _part_profile(tmp_path, *args: str):
-    """``scripts/memory_part_profile.py ARGS --out FILE``'s profile, loaded."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
-    from autoshard.calibrate import load_profile
-
-    out = tmp_path / "part.json"
-    script = ROOT / "scripts/memory_part_profile.py"
-    subprocess.run([sys.executable, script, *args, "--out", out], check=True, cwd=ROOT)
-    return out, load_profile(out).device_spec()
-
-
 def test_a_datasheet_profile_prices_what_its_preset_does(tmp_path):
     """``scripts/memory_part_profile.py --device h100`` with the preset's own bandwidth and
     capacity (NVIDIA's H100 SXM datasheet: 3.35 TB/s, 80 GB) is ``--device h100``: the same
     peaks, and the same seconds for a matmul, an attention and a memory-bound op."""
-    _, part = _part_profile(tmp_path, "--device", "h100", "--peak", "3.35TB/s", "--memory", "80GB")
+    _, part = _script_profile(
+        tmp_path,
+        "memory_part_profile.py",
+        "--device",
+        "h100",
+        "--peak",
+        "3.35TB/s",
+        "--memory",
+        "80GB",
+    )
     h100 = DEVICES["h100"]
     assert part.peak_flops == h100.peak_flops and part.memory_bytes == 80 * 10**9
     assert part.memory_bandwidth == h100.memory_bandwidth == 3.35e12
@@ -389,7 +386,7 @@ def test_torchtitan_s_hbm2e_h100_copies_at_2_4_over_3_35_of_the_measured_h100(tm
 
     fa2 = "tests/data/h100b/profile_fa2.json"
     args = (fa2, "--measured-peak", "3.35TB/s", "--peak", "2.4TB/s", "--memory", "96GB")
-    out, part = _part_profile(tmp_path, *args)
+    out, part = _script_profile(tmp_path, "memory_part_profile.py", *args)
     h100 = load_profile(ROOT / fa2).device_spec()
     moved = 2**31
     slow = part.compute_time(0, moved, "bfloat16", kind="other")
@@ -401,8 +398,15 @@ def test_torchtitan_s_hbm2e_h100_copies_at_2_4_over_3_35_of_the_measured_h100(tm
     assert part.memory_bytes == 96 * 10**9
     kept = json.loads((ROOT / "tests/data/h100b/profile_fa2_hbm2e.json").read_text())
     assert kept == json.loads(out.read_text())
-    out, sheet = _part_profile(
-        tmp_path, "--device", "h100", "--peak", "2.4TB/s", "--memory", "96GB"
+    out, sheet = _script_profile(
+        tmp_path,
+        "memory_part_profile.py",
+        "--device",
+        "h100",
+        "--peak",
+        "2.4TB/s",
+        "--memory",
+        "96GB",
     )
     kept = json.loads((ROOT / "tests/data/h100b/datasheet_hbm2e.json").read_text())
     assert kept == json.loads(out.read_text())

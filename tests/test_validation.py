@@ -242,7 +242,8 @@ def test_a_vocabulary_log_softmax_takes_the_four_passes_the_h100_measured():
 
     from autoshard.solver.solve import strategies
 
-    text = (DATA / "h100b/ops_llama31_8b_ce_L1_bf16.txt").read_text()
+    gpu, row = "h100b", "llama31_8b_ce_L1_bf16"  # the row the profiler table was taken on
+    text = (DATA / gpu / f"ops_{row}.txt").read_text()
     measured = {}
     for name in ("_log_softmax", "_log_softmax_backward_data"):
         line = next(s for s in text.splitlines() if s.strip().startswith(f"aten::{name} "))
@@ -250,11 +251,11 @@ def test_a_vocabulary_log_softmax_takes_the_four_passes_the_h100_measured():
     assert measured == pytest.approx(
         {"_log_softmax": 11.049e-3, "_log_softmax_backward_data": 11.338e-3}
     )
-    profile = str(DATA / "h100b/profile.json")
-    args = ("solve", "tests/data/llama31_8b.py", "--mesh", "1", "--precision", "bf16-mixed")
-    with environment(AUTOSHARD_LAYERS="1"):
-        config = cli_config(*args, "--profile", profile)
-        graph = trace(config)
+    model_file, precision, _ = ROWS[row]
+    env = _measured(gpu, row)["environment"]
+    config = cli_config(*_solve_args(row, "--profile", str(DATA / PROFILE[gpu] / "profile.json")))
+    with environment(**env):
+        graph = _traced(model_file, precision, tuple(sorted(env.items())))  # the rows' trace
         sg = strategies(config, graph)
     targets = {n.name: str(n.target) for n in graph.graph_module.graph.nodes}
     priced = {}

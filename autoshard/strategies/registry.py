@@ -377,7 +377,7 @@ def softmax_rereads(node: Any, args: Sequence[TensorInfo]) -> int:
     Measured on an H100 SXM (tests/data/h100b, torch.profiler): ``_log_softmax`` over 16384
     x 128256 float32 logits took 11.05 ms and its backward 11.34 ms, four passes of the
     8.4 GB each at the 2.94 TB/s the GPU copied at (11.4 ms), not two (5.7 ms) or three."""
-    target = getattr(node, "target", None)
+    target = node.target
     forward = target in _SOFTMAX_FORWARD
     if not forward and target not in _SOFTMAX_BACKWARD:
         return 0
