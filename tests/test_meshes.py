@@ -400,7 +400,7 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     assert "; 4's ILP plan laid onto it (4's dim 0 split into dims 0 and 1) takes " in run.output
     # the written plan's report says what planned it: no ILP on 2x2, 4's plan laid onto it
     solver = next(line for line in run.output.splitlines() if line.startswith("solver:"))
-    assert solver.startswith("solver: none on this mesh (its ILP is over the search's column ")
+    assert solver.startswith("solver: no whole ILP on this mesh (its ILP is over the search's ")
     assert "4's ILP plan (" in solver and "laid onto it with 4's dim 0 split" in solver
     assert "started from no plan" not in run.output
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # torchtitan's plan stays

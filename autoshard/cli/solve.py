@@ -42,7 +42,8 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     f"{MESH_SEARCH_COLUMNS:,} columns (a 3-D mesh, often) is searched in torchtitan's space "
     "instead (as --space torchtitan), and also gets the ILP plan of a shape with one dim "
     "fewer laid onto it (8x8's on 4x2x8: the same layout on two dims); its row says which "
-    "is faster.",
+    "is faster. When such a lifted plan is the fastest row, the ILP over its "
+    "neighbourhoods (each pair of mesh dims free, the third kept) improves it.",
 )
 @click.option(
     "--gpus-per-node",
@@ -486,7 +487,11 @@ def _search_cell(row) -> str:  # noqa: ANN001 - a MeshRow
     if row.pp > 1:
         return "stages"
     if row.lifted_from is not None:
-        return f"{'x'.join(map(str, row.lifted_from))} ILP, lifted"
+        improved = row.result.plan.extra["lifted"].get("improved")
+        better = improved is not None and improved["after_s"] < improved["before_s"]
+        return f"{'x'.join(map(str, row.lifted_from))} ILP, lifted" + (
+            ", improved" if better else ""
+        )
     return "ILP" if row.space == "free" else f"{row.space} space"
 
 

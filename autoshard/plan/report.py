@@ -798,8 +798,10 @@ def print_report(
 
 def lifted_line(lifted: dict, step_s: float) -> str:
     """A plan the mesh search laid from a shape with one dim fewer
-    (:mod:`autoshard.solver.lifting`): no ILP ran on this mesh; which ILP the plan is,
-    how that search ended and what the plan takes there and here."""
+    (:mod:`autoshard.solver.lifting`): its whole ILP did not run on this mesh; which ILP
+    the plan is, how that search ended and what the plan takes there and here; when the
+    search improved it (:mod:`autoshard.solver.neighbourhood`), each neighbourhood's ILP,
+    how it ended and the step after it."""
     source = "x".join(map(str, lifted["from"]))
     m = lifted["split_dim"]
     status = lifted["source_status"]
@@ -808,11 +810,28 @@ def lifted_line(lifted: dict, step_s: float) -> str:
     if status == "within_gap":
         ended = "within the --mip-gap of the LP bound"
     gap_text = "" if gap != gap else f", gap {gap:.2%}"
-    return (
+    line = (
         f"solver: none on this mesh (its ILP is over the search's column cap); {source}'s "
         f"ILP plan ({ended}{gap_text}; {format_seconds(lifted['source_step_s'])} there), "
-        f"laid onto it with {source}'s dim {m} split into dims {m} and {m + 1}: "
-        f"{format_seconds(step_s)} here"
+        f"laid onto it with {source}'s dim {m} split into dims {m} and {m + 1}"
+    )
+    improved = lifted.get("improved")
+    if improved is None:
+        return f"{line}: {format_seconds(step_s)} here"
+    if improved["skipped"] is not None:
+        return f"{line}: {format_seconds(step_s)} here, not improved ({improved['skipped']})"
+    tried = "; ".join(
+        f"dims {','.join(map(str, s['free']))} free: {s['status']}, {format_seconds(s['step_s'])}"
+        for s in improved["steps"]
+    )
+    line = line.replace("solver: none on this mesh", "solver: no whole ILP on this mesh", 1)
+    ended = (
+        format_seconds(step_s) if improved["after_s"] < improved["before_s"] else "nothing faster"
+    )
+    return (
+        f"{line}: {format_seconds(improved['before_s'])} here; then the ILP over its "
+        f"neighbourhoods (the other dims' placements kept), each from the best so far "
+        f"({tried}): {ended}"
     )
 
 

@@ -14,6 +14,8 @@ plan of each shape with one dim fewer that it splits (8x8's on 4x2x8: dim 0 spli
 two, :mod:`autoshard.solver.lifting`), priced on its own links, and keeps the faster of
 the two (on the Llama-70B shape of 64 GPUs, 8x8's plan laid onto 4x2x8 is faster than
 on 8x8 itself: its collectives over the two inter-node dims take fewer latency steps).
+When the fastest row holds such a lifted plan, the ILP over its neighbourhoods improves
+it (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third kept).
 Each shape is planned by
 :func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in
 the cluster (which can differ from ``--mesh``'s convention, dim 0 across nodes and the
@@ -29,14 +31,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import check_size
 from autoshard.solver.lifting import lift_choice, splits
+from autoshard.solver.neighbourhood import NEIGHBOURHOOD_WORK, improve
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
 from autoshard.solver.solve import (
     SolveConfig,
     SolveResult,
     finish_plan,
+    solve_within_memory,
     strategies,
     trace,
     unsolved_result,
@@ -254,6 +259,54 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
     )
 
 
+def _improved(row: MeshRow, progress: Progress | None) -> MeshRow:
+    """``row``'s lifted plan improved by the ILP over its neighbourhoods
+    (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third kept as
+    the plan has it), each ILP without the overlap savings, within
+    :data:`NEIGHBOURHOOD_WORK` work units and the memory budget, its plan kept when its
+    price (with the savings) is lower; the row as it was when none is. Only the search's
+    fastest row gets it: each neighbourhood's ILP is a 2-D mesh's."""
+    res = row.result
+    config, sg = res.config, res.sg
+    t = time.perf_counter()
+    solver = replace(config.solver, work_limit=min(config.solver.work_limit, NEIGHBOURHOOD_WORK))
+    limited = replace(config, solver=solver)
+    plain = replace(sg, checkpointing=None)
+
+    def solve_in(sub, start):  # noqa: ANN001, ANN202
+        # without the overlap savings: with them the 4x2x8 neighbourhood of dims 1 and 2 of
+        # the Llama-70B shape took 166.7 s at 20 work units, without them 32.5 s at 5, to
+        # the same plan (docs/performance.md); its plan is priced with them
+        return solve_within_memory(replace(sub, overlap=False), limited, {"the plan": start})
+
+    def inner(phase: str, done: int, total: int) -> None:
+        progress(f"{phase} on {row.mesh.shape_str}", done, total)
+
+    found = improve(
+        sg,
+        res.plan.choice,
+        lambda choice: evaluate(plain, choice),
+        solve_in,
+        res.ilp.recompute,
+        progress=inner if progress else None,
+    )
+    lifted = dict(res.plan.extra["lifted"])
+    lifted["improved"] = found.to_dict()
+    seconds = {k: v for k, v in res.seconds.items() if k != "total"}
+    seconds["neighbourhoods"] = time.perf_counter() - t
+    if not found.improved:
+        res.plan.extra["lifted"] = lifted
+        res.seconds = {**seconds, "total": sum(seconds.values())}
+        return row
+    plan = finish_plan(config, sg, found.choice, "ilp", res.ilp.recompute)
+    plan.extra["lifted"] = lifted
+    status = f"{res.ilp.status}, improved over {len(found.steps)} neighbourhood ILPs"
+    better = unsolved_result(config, res.graph, sg, plan, seconds, status)
+    better.ilp = replace(better.ilp, recompute=dict(res.ilp.recompute))
+    note = f"{row.note}; improved in its neighbourhoods to {format_seconds(plan.step_time_s)}"
+    return replace(row, result=better, note=note)
+
+
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
     """Fastest first (ties: fewer mesh dims, then no pipeline, then the order tried), a
     skipped row by its lower bound (after the plans it ties with); rows without a plan
@@ -313,6 +366,11 @@ def search_meshes(
     if progress:
         progress("meshes", len(meshes), len(meshes))
     rows = [_lifted(row, rows) for row in rows]
+    planned = [r for r in rows if r.result is not None]
+    if planned:
+        fastest = min(planned, key=lambda r: r.step_time_s)
+        if fastest.lifted_from is not None:  # a lifted plan is a start, not an optimum
+            rows = [_improved(r, progress) if r is fastest else r for r in rows]
     if all(r.result is None for r in rows):
         reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: {r.error}" for r in rows)
         raise AutoshardError(f"no mesh shape has a plan ({reasons})")

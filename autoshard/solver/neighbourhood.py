@@ -1,0 +1,189 @@
+"""Improving a plan by solving the ILP over its neighbourhoods (large neighbourhood search).
+
+A 3-D mesh's ILP pairs up to ``6^3 = 216`` placements on each side of an edge: the
+Llama-70B shape on 4x2x8 has 2,870,566 columns, more than this machine solves
+(docs/performance.md). A plan of that mesh (the 2-D ILP's plan laid onto it,
+:mod:`autoshard.solver.lifting`) fixes every tensor's placement on every mesh dim. Its
+*neighbourhood on the mesh dims* ``D`` is every plan that keeps those placements on the
+dims outside ``D`` (:func:`neighbourhood`): per representative, the strategies whose every
+output and input placement equals the plan's strategy's on each dim outside ``D`` and
+whose own collectives on those dims are of the plan's kinds (an attention's context
+parallelism over a fixed dim stays; over a free dim it may go or come); per edge, the
+(produced, wanted) placement pairs whose sides such strategies produce and want (any
+other pair's column would be held at zero). With one dim of 4x2x8 fixed it
+has about 250,000 columns, an ILP of a 2-D mesh's size.
+
+The ILP over a neighbourhood (:func:`autoshard.solver.restriction.restrict`, the full
+graph's costs, the memory budget's rows) starts from the plan, which lies in it, so its
+plan is never slower than the plan as the ILP prices it. :func:`improve` takes the
+neighbourhood of each set in ``free`` in turn, each from the best plan so far, for one
+pass: every ILP stops at its own work limit (:data:`NEIGHBOURHOOD_WORK`: work counted,
+never seconds, so the same plan on every run). The method is large neighbourhood search
+(Shaw, "Using constraint programming and local search methods to solve vehicle routing
+problems", CP 1998; Pisinger and Ropke, "Large neighborhood search", Handbook of
+Metaheuristics, 2010): a local optimum, with no bound on the whole mesh's optimum.
+
+Recomputation is left as the plan has it: a plan that recomputes some block is not
+improved (the restricted graph has no checkpointing decision, :func:`restrict`), and
+:func:`improve` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from autoshard.errors import AutoshardError
+from autoshard.solver.ilp import ILPResult
+from autoshard.solver.restriction import Restriction, restrict, unrestrict_choice
+from autoshard.strategies.graph import StrategyGraph
+from autoshard.strategies.strategy import Strategy
+
+Progress = Callable[[str, int, int], None]
+
+NEIGHBOURHOOD_WORK = 5
+"""Work units (:data:`autoshard.solver.options.WORK_LIMIT`'s) each neighbourhood's ILP may
+take in the mesh search. The Llama-70B shape's neighbourhood of dims 1 and 2 of 8x8's
+plan laid onto 4x2x8 (253,765 columns, solved without the overlap savings) took 32.5 s
+at 5 units to a plan of 1.2596 s from 1.6741 s; with the savings, 911 s at the default
+200 units reached 1.2415 s (docs/performance.md)."""
+
+
+@dataclass
+class Improvement:
+    """What :func:`improve` did. ``steps``: per neighbourhood tried, its free mesh dims,
+    the columns of its ILP, the ILP's status and the step time (s) of the best plan after
+    it; ``before_s`` / ``after_s``: the step time of the plan given and returned;
+    ``skipped``: why nothing was tried, or None."""
+
+    choice: dict[str, int]
+    before_s: float
+    after_s: float
+    steps: list[dict] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def improved(self) -> bool:
+        """Whether the plan returned is faster than the one given."""
+        return self.after_s < self.before_s
+
+    def to_dict(self) -> dict:
+        """Plain data for the plan's ``extra`` (JSON)."""
+        return {
+            "before_s": self.before_s,
+            "after_s": self.after_s,
+            "steps": self.steps,
+            "skipped": self.skipped,
+        }
+
+
+def _differs_only_on(s: Strategy, s0: Strategy, fixed: Sequence[int]) -> bool:
+    """Whether ``s`` has ``s0``'s placement on every mesh dim in ``fixed``, for every
+    output and input (a missing one, ``None``, on both), and sends the same kinds of its
+    own collective (:attr:`~autoshard.strategies.strategy.Strategy.collectives`) on those
+    dims."""
+    if len(s.outputs) != len(s0.outputs) or len(s.inputs) != len(s0.inputs):
+        return False
+    for a, b in zip((*s.outputs, *s.inputs), (*s0.outputs, *s0.inputs), strict=True):
+        if a is None or b is None:
+            if a is not b:
+                return False
+            continue
+        if any(a[d] != b[d] for d in fixed):
+            return False
+    on_fixed = set(fixed)
+    own = {(c[0], c[1]) for c in s.collectives if c[1] in on_fixed}
+    return own == {(c[0], c[1]) for c in s0.collectives if c[1] in on_fixed}
+
+
+def neighbourhood(sg: StrategyGraph, choice: dict[str, int], free: Sequence[int]) -> Restriction:
+    """The plans that keep ``choice``'s placements on every mesh dim not in ``free``, as a
+    :class:`~autoshard.solver.restriction.Restriction` of ``sg`` (``choice``: a strategy
+    index per representative; it lies in the restriction).
+
+    Raises:
+        AutoshardError: a mesh dim in ``free`` outside ``sg``'s mesh.
+    """
+    ndim = len(sg.mesh_shape)
+    if not set(free) <= set(range(ndim)):
+        raise AutoshardError(f"mesh dims {sorted(free)} are not all dims of a {ndim}-D mesh")
+    fixed = [d for d in range(ndim) if d not in set(free)]
+    r = Restriction()
+    for rep in sg.reps:
+        strategies = sg.nodes[rep].strategies
+        s0 = strategies[choice[rep]]
+        keep = [i for i, s in enumerate(strategies) if _differs_only_on(s, s0, fixed)]
+        r.allowed[rep] = np.array(keep, dtype=np.int64)
+    for index, e in enumerate(sg.edges):
+        produced = np.zeros(e.cost.shape[0], dtype=bool)
+        produced[e.src_groups[r.allowed[e.src]]] = True
+        wanted = np.zeros(e.cost.shape[1], dtype=bool)
+        wanted[e.dst_groups[r.allowed[e.dst]]] = True
+        r.forbid_mask(index, ~(produced[:, None] & wanted[None, :]))
+    return r
+
+
+def pairs_of_dims(ndim: int) -> list[tuple[int, ...]]:
+    """The neighbourhoods :func:`improve` takes by default: each pair of mesh dims free
+    (one dim on a 2-D mesh), the last dims first."""
+    if ndim < 3:
+        return [(d,) for d in reversed(range(ndim))]
+    return [(a, b) for a in reversed(range(ndim)) for b in reversed(range(a + 1, ndim))]
+
+
+def improve(
+    sg: StrategyGraph,
+    choice: dict[str, int],
+    step_s: Callable[[dict[str, int]], float],
+    solve_in: Callable[[StrategyGraph, dict[str, int]], ILPResult],
+    recompute: dict | None = None,
+    free: Sequence[Sequence[int]] | None = None,
+    progress: Progress | None = None,
+) -> Improvement:
+    """``choice`` improved by the ILP over each of its neighbourhoods ``free`` in turn
+    (default :func:`pairs_of_dims`), each from the best plan so far, one pass.
+
+    Args:
+        sg: the strategy graph ``choice`` indexes (its mesh's).
+        step_s: the predicted step (s) of a choice of ``sg`` (the plan's price).
+        solve_in: solves the ILP of a restricted graph from a start (a choice of it):
+            :func:`autoshard.solver.solve.solve_within_memory` with the caller's budget and
+            limits.
+        recompute: the plan's recomputed blocks per traced block; a plan that recomputes
+            any is returned as it is (``skipped`` says why).
+
+    A neighbourhood whose ILP raises :class:`~autoshard.errors.AutoshardError` (no plan
+    within its limits) is passed over; its step in the result says why.
+    """
+    before = step_s(choice)
+    found = Improvement(dict(choice), before, before)
+    if recompute and any(recompute.values()):
+        found.skipped = "the plan recomputes blocks (the neighbourhoods have no checkpointing)"
+        return found
+    sets = [tuple(f) for f in (free if free is not None else pairs_of_dims(len(sg.mesh_shape)))]
+    plain = replace(sg, checkpointing=None)
+    for k, dims in enumerate(sets):
+        if progress:
+            progress("neighbourhoods", k, len(sets))
+        r = neighbourhood(plain, found.choice, dims)
+        sub = restrict(plain, r)
+        start = {rep: int(np.searchsorted(r.allowed[rep], i)) for rep, i in found.choice.items()}
+        step: dict = {"free": list(dims)}
+        try:
+            result = solve_in(sub, start)
+        except AutoshardError as exc:
+            step.update(status=f"no plan: {exc}", step_s=found.after_s)
+            found.steps.append(step)
+            continue
+        step.update(columns=result.num_variables, status=result.status)
+        new = unrestrict_choice(r, result.choice)
+        s = step_s(new)
+        if s < found.after_s:
+            found.choice, found.after_s = new, s
+        step.update(step_s=found.after_s)
+        found.steps.append(step)
+    if progress:
+        progress("neighbourhoods", len(sets), len(sets))
+    return found

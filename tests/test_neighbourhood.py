@@ -1,0 +1,211 @@
+"""Improving a plan by the ILP over its neighbourhoods (autoshard.solver.neighbourhood),
+held against the whole mesh's ILP solved to optimality on meshes small enough to solve."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.objective import evaluate
+from autoshard.errors import AutoshardError
+from autoshard.solver.lifting import lift_choice
+from autoshard.solver.neighbourhood import improve, neighbourhood, pairs_of_dims
+from autoshard.solver.options import SolverOptions
+from autoshard.solver.solve import (
+    SolveConfig,
+    finish_plan,
+    plan_model,
+    solve_within_memory,
+    trace,
+)
+from autoshard.units import format_seconds
+from tests.helpers import write_mlp_mse
+
+
+def _four_and_two_by_two(tmp_path: Path, b: int, d: int, h: int):
+    """Alpa's MSE MLP on 4 GPUs in nodes of 2: 4's and 2x2's ILPs solved to optimality
+    (dim 0 of 2x2 across nodes, dim 1 inside one; 4 across nodes)."""
+    model = write_mlp_mse(tmp_path, b, d, h)
+    config = SolveConfig(
+        model_path=model, mesh=MeshSpec.on_nodes((4,), 2), solver=SolverOptions(mip_gap=0)
+    )
+    graph = trace(config)
+    four = plan_model(config, graph=graph)
+    config22 = replace(config, mesh=MeshSpec.on_nodes((2, 2), 2))
+    own = plan_model(config22, graph=graph)
+    return config22, four, own
+
+
+def _improve(config, sg, choice, free=None):  # noqa: ANN001, ANN202
+    plain = replace(sg, checkpointing=None)
+    return improve(
+        sg,
+        choice,
+        lambda c: evaluate(plain, c),
+        lambda sub, start: solve_within_memory(sub, config, {"start": start}),
+        free=free,
+    )
+
+
+def _placements(sg, choice, dims):  # noqa: ANN001, ANN202
+    """Every representative's output and input placements on mesh dims ``dims``."""
+    out = {}
+    for rep, i in choice.items():
+        s = sg.nodes[rep].strategies[i]
+        out[rep] = [
+            None if p is None else tuple(p[d] for d in dims) for p in (*s.outputs, *s.inputs)
+        ]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("b", "d", "h"),
+    [
+        (64, 256, 1024),  # 4 keeps it whole (replicated); 2x2 is R x Megatron
+        (1024, 4096, 16384),  # Megatron over 4 laid onto 2x2: not 2x2's optimum
+    ],
+)
+def test_the_neighbourhoods_of_a_lifted_plan_reach_the_whole_ilp_s_optimum(
+    tmp_path: Path, b: int, d: int, h: int
+):
+    """4's optimal plan laid onto 2x2 (dim 0 split) is slower there than 2x2's own optimum
+    (the whole ILP, mip_gap 0). The ILP over the plan's neighbourhood of dim 1 (dim 0's
+    placements kept), then of dim 0, reaches that optimum exactly: on the small MLP, from
+    replicating everything (what 4's plan is over the network's links) to Megatron on dim
+    1, Alpa's hand-known answer for a slow dim 0. Each step keeps the fixed dim's
+    placements of the plan it started from."""
+    config, four, own = _four_and_two_by_two(tmp_path, b, d, h)
+    sg = own.sg
+    lifted = lift_choice(four.sg, four.plan.choice, sg, 0)
+    assert lifted is not None
+    plain = replace(sg, checkpointing=None)
+    before = evaluate(plain, lifted)
+    assert before > own.plan.step_time_s * (1 + 1e-9)
+    first = _improve(config, sg, lifted, free=[(1,)])
+    assert _placements(sg, first.choice, [0]) == _placements(sg, lifted, [0])
+    found = _improve(config, sg, first.choice, free=[(0,)])
+    assert _placements(sg, found.choice, [1]) == _placements(sg, first.choice, [1])
+    assert found.after_s == pytest.approx(own.plan.step_time_s, rel=1e-9)
+    assert found.after_s == pytest.approx(evaluate(plain, found.choice), rel=1e-12)
+    if b == 64:  # replicated on the slow dim, Megatron's column-then-row pair on the fast one
+        params = finish_plan(config, sg, found.choice, "improved").parameters
+        assert params["fc1.weight"] == (Replicate(), Shard(0))
+        assert params["fc2.weight"] == (Replicate(), Shard(1))
+        lifted_params = finish_plan(config, sg, lifted, "lifted").parameters
+        assert set(lifted_params.values()) == {(Replicate(), Replicate())}
+
+
+def test_a_neighbourhood_keeps_the_fixed_dims_and_frees_the_others(tmp_path: Path):
+    """Free on every dim: every strategy (no dim is fixed, so no own collective is held);
+    free on none: only the start's own placements; a pair of a neighbourhood's edge is
+    forbidden exactly when no kept strategy produces its one side or wants its other."""
+    config, four, own = _four_and_two_by_two(tmp_path, 64, 256, 1024)
+    sg = own.sg
+    choice = own.plan.choice
+    everything = neighbourhood(sg, choice, (0, 1))
+    assert all(len(everything.allowed[r]) == len(sg.nodes[r].strategies) for r in sg.reps)
+    nothing = neighbourhood(sg, choice, ())
+    for r in sg.reps:
+        kept = [sg.nodes[r].strategies[i] for i in nothing.allowed[r]]
+        s0 = sg.nodes[r].strategies[choice[r]]
+        assert choice[r] in nothing.allowed[r]
+        assert all((s.outputs, s.inputs) == (s0.outputs, s0.inputs) for s in kept)
+    one = neighbourhood(sg, choice, (1,))
+    for i, e in enumerate(sg.edges):
+        produced = set(e.src_groups[one.allowed[e.src]])
+        wanted = set(e.dst_groups[one.allowed[e.dst]])
+        mask = one.forbidden.get(i)
+        for a in range(e.cost.shape[0]):
+            for b in range(e.cost.shape[1]):
+                used = a in produced and b in wanted
+                assert bool(mask is not None and mask[a, b]) is not used
+    with pytest.raises(AutoshardError, match=r"mesh dims \[2\] are not all dims of a 2-D mesh"):
+        neighbourhood(sg, choice, (2,))
+
+
+def test_a_plan_that_recomputes_is_left_as_it_is(tmp_path: Path):
+    """The neighbourhoods have no checkpointing decision: a plan recomputing a block is
+    returned unchanged, and the result says why (planted: a recompute count of 1)."""
+    config, four, own = _four_and_two_by_two(tmp_path, 64, 256, 1024)
+    sg = own.sg
+    plain = replace(sg, checkpointing=None)
+    found = improve(
+        sg,
+        own.plan.choice,
+        lambda c: evaluate(plain, c),
+        lambda sub, start: pytest.fail("no ILP may run"),
+        recompute={(0, "full"): 1},
+    )
+    assert not found.improved and found.choice == own.plan.choice and found.steps == []
+    assert found.skipped.startswith("the plan recomputes blocks")
+
+
+def test_the_default_neighbourhoods_free_each_pair_of_dims():
+    """Two dims free of three (one fixed) on a 3-D mesh, one dim on a 2-D mesh."""
+    assert pairs_of_dims(3) == [(1, 2), (0, 2), (0, 1)]
+    assert pairs_of_dims(2) == [(1,), (0,)]
+    assert pairs_of_dims(1) == [(0,)]
+
+
+def test_the_mesh_search_improves_its_fastest_lifted_plan_to_the_shape_s_own_optimum(
+    tmp_path: Path, monkeypatch
+):
+    """``--gpus 4 --gpus-per-node 2`` with 2x2's program over the search's column cap
+    (planted): 4's plan laid onto 2x2 is the fastest row, and the search improves it in
+    its neighbourhoods to 2x2's own optimum, what ``solve --mesh 2x2 --gpus-per-node 2``
+    finds on its own (mip_gap 0 both). The row, the table and the plan's report say so."""
+    from click.testing import CliRunner
+
+    import autoshard.solver.meshes as searched
+    from autoshard.cli.main import main
+    from autoshard.cost.mesh import node_shapes
+    from autoshard.solver.ilp import program_columns
+    from autoshard.solver.meshes import search_meshes
+
+    config, four, own = _four_and_two_by_two(tmp_path, 1024, 4096, 16384)
+    cap = (program_columns(four.sg) + program_columns(own.sg)) // 2
+    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    search = search_meshes(replace(config, mesh=meshes[0]), meshes, gpus_per_node=2)
+    row = next(r for r in search.rows if r.mesh.shape == (2, 2))
+    assert row.lifted_from == (4,) and search.best is row
+    lifted = row.result.plan.extra["lifted"]["improved"]
+    assert lifted["after_s"] < lifted["before_s"]
+    assert [s["free"] for s in lifted["steps"]] == [[1], [0]]
+    assert row.step_time_s == pytest.approx(own.plan.step_time_s, rel=1e-9)
+    assert row.result.ilp.status.endswith("improved over 2 neighbourhood ILPs")
+    assert row.note.endswith(f"improved in its neighbourhoods to {format_seconds(row.step_time_s)}")
+    args = ["solve", str(config.model_path), "--gpus", "4", "--gpus-per-node", "2"]
+    args += ["--mip-gap", "0", "--out", str(tmp_path)]
+    run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
+    assert run.exit_code == 0, run.output
+    assert "4 ILP, lifted, improved" in run.output
+    words = " ".join(run.output.split())
+    assert "solver: no whole ILP on this mesh (its ILP is over the search's column cap); " in words
+    assert "laid onto it with 4's dim 0 split into dims 0 and 1: " in words
+    assert "then the ILP over its neighbourhoods (the other dims' placements kept)" in words
+    assert f"dims 1 free: optimal, {format_seconds(row.step_time_s)}" in words
+
+
+def test_an_own_collective_is_held_on_a_fixed_dim_and_free_on_a_free_one():
+    """A strategy's own collectives (context parallelism's key/value all-gather over a
+    mesh dim) must be the plan's on the fixed dims: dropping the plan's all-gather over
+    dim 1 is in the neighbourhood that frees dim 1, not in the one that fixes it; the same
+    placements with an all-gather added over fixed dim 0 are in neither."""
+    from autoshard.solver.neighbourhood import _differs_only_on
+    from autoshard.strategies.strategy import Strategy
+
+    ps = ((Shard(0), Shard(1)),)
+    plan = Strategy(ps, ps, (("all_gather", 1, 1e6),))
+    none = Strategy(ps, ps, ())
+    over_0 = Strategy(ps, ps, (("all_gather", 1, 1e6), ("all_gather", 0, 2e6)))
+    assert _differs_only_on(none, plan, fixed=[0])
+    assert not _differs_only_on(none, plan, fixed=[1])
+    assert not _differs_only_on(over_0, plan, fixed=[0])
+    assert _differs_only_on(over_0, plan, fixed=[])
+    moved = Strategy(((Shard(0), Replicate()),), ps, (("all_gather", 1, 1e6),))
+    assert _differs_only_on(moved, plan, fixed=[0]) and not _differs_only_on(moved, plan, [1])
