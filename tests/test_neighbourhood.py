@@ -90,7 +90,10 @@ def test_the_neighbourhoods_of_a_lifted_plan_reach_the_whole_ilp_s_optimum(
     found = _improve(config, sg, first.choice, free=[(0,)])
     assert _placements(sg, found.choice, [1]) == _placements(sg, first.choice, [1])
     assert found.after_s == pytest.approx(own.plan.step_time_s, rel=1e-9)
-    assert found.after_s == pytest.approx(evaluate(plain, found.choice), rel=1e-12)
+    # the plan built from the choice (autoshard.plan) prices what the ILP's objective did
+    assert finish_plan(config, sg, found.choice, "x").step_time_s == pytest.approx(
+        found.after_s, rel=1e-9
+    )
     if b == 64:  # replicated on the slow dim, Megatron's column-then-row pair on the fast one
         params = finish_plan(config, sg, found.choice, "improved").parameters
         assert params["fc1.weight"] == (Replicate(), Shard(0))
@@ -177,7 +180,7 @@ def test_the_mesh_search_improves_its_fastest_lifted_plan_to_the_shape_s_own_opt
     assert lifted["after_s"] < lifted["before_s"]
     assert [s["free"] for s in lifted["steps"]] == [[1], [0]]
     assert row.step_time_s == pytest.approx(own.plan.step_time_s, rel=1e-9)
-    assert row.result.ilp.status.endswith("improved over 2 neighbourhood ILPs")
+    assert row.result.ilp.status.endswith("improved in its neighbourhoods (2 ILPs)")
     assert row.note.endswith(f"improved in its neighbourhoods to {format_seconds(row.step_time_s)}")
     args = ["solve", str(config.model_path), "--gpus", "4", "--gpus-per-node", "2"]
     args += ["--mip-gap", "0", "--out", str(tmp_path)]
@@ -209,3 +212,33 @@ def test_an_own_collective_is_held_on_a_fixed_dim_and_free_on_a_free_one():
     assert _differs_only_on(over_0, plan, fixed=[])
     moved = Strategy(((Shard(0), Replicate()),), ps, (("all_gather", 1, 1e6),))
     assert _differs_only_on(moved, plan, fixed=[0]) and not _differs_only_on(moved, plan, [1])
+
+
+def test_an_optimal_plan_is_not_improved_and_the_report_says_so(tmp_path: Path):
+    """From 2x2's own optimum (mip_gap 0) no neighbourhood finds a faster plan: the plan
+    comes back as it was and the report's line ends "nothing faster"; a skipped plan's
+    line says why it was not tried."""
+    from autoshard.plan.report import lifted_line
+
+    config, four, own = _four_and_two_by_two(tmp_path, 1024, 4096, 16384)
+    sg = own.sg
+    found = _improve(config, sg, own.plan.choice)
+    assert not found.improved and found.choice == own.plan.choice
+    assert found.before_s == found.after_s == pytest.approx(own.plan.step_time_s, rel=1e-9)
+    assert [s["free"] for s in found.steps] == [[1], [0]]
+    lifted = {
+        "from": [4],
+        "split_dim": 0,
+        "source_status": "optimal",
+        "source_gap": 0.0,
+        "source_step_s": four.plan.step_time_s,
+        "improved": found.to_dict(),
+    }
+    line = lifted_line(lifted, own.plan.step_time_s)
+    assert line.startswith("solver: no whole ILP on this mesh")
+    assert "dims 1 free: optimal, " in line and line.endswith("): nothing faster")
+    lifted["improved"] = {"before_s": None, "after_s": None, "steps": [], "skipped": "planted"}
+    line = lifted_line(lifted, own.plan.step_time_s)
+    assert line.startswith("solver: none on this mesh") and line.endswith(
+        ", not improved (planted)"
+    )

@@ -488,7 +488,8 @@ def _search_cell(row) -> str:  # noqa: ANN001 - a MeshRow
         return "stages"
     if row.lifted_from is not None:
         improved = row.result.plan.extra["lifted"].get("improved")
-        better = improved is not None and improved["after_s"] < improved["before_s"]
+        better = improved is not None and improved["skipped"] is None
+        better = better and improved["after_s"] < improved["before_s"]
         return f"{'x'.join(map(str, row.lifted_from))} ILP, lifted" + (
             ", improved" if better else ""
         )

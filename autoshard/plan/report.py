@@ -821,7 +821,8 @@ def lifted_line(lifted: dict, step_s: float) -> str:
     if improved["skipped"] is not None:
         return f"{line}: {format_seconds(step_s)} here, not improved ({improved['skipped']})"
     tried = "; ".join(
-        f"dims {','.join(map(str, s['free']))} free: {s['status']}, {format_seconds(s['step_s'])}"
+        f"dims {','.join(map(str, s['free']))} free: {_neighbourhood_ended(s['status'])}, "
+        f"{format_seconds(s['step_s'])}"
         for s in improved["steps"]
     )
     line = line.replace("solver: none on this mesh", "solver: no whole ILP on this mesh", 1)
@@ -833,6 +834,16 @@ def lifted_line(lifted: dict, step_s: float) -> str:
         f"neighbourhoods (the other dims' placements kept), each from the best so far "
         f"({tried}): {ended}"
     )
+
+
+def _neighbourhood_ended(status: str) -> str:
+    """How one neighbourhood's ILP ended, in words (its work limit is the search's own,
+    :data:`autoshard.solver.neighbourhood.NEIGHBOURHOOD_WORK`, not ``--work-limit``)."""
+    if status == "work_limit":
+        return "stopped at the neighbourhood's work limit"
+    if status == "within_gap":
+        return "within the --mip-gap"
+    return STOPPED_BY.get(status, status)
 
 
 def space_lines(space: dict, budget: float | None) -> list[str]:

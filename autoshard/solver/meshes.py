@@ -261,11 +261,11 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
 
 def _improved(row: MeshRow, progress: Progress | None) -> MeshRow:
     """``row``'s lifted plan improved by the ILP over its neighbourhoods
-    (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third kept as
-    the plan has it), each ILP without the overlap savings, within
-    :data:`NEIGHBOURHOOD_WORK` work units and the memory budget, its plan kept when its
-    price (with the savings) is lower; the row as it was when none is. Only the search's
-    fastest row gets it: each neighbourhood's ILP is a 2-D mesh's."""
+    (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the others kept
+    as the plan has them), each ILP under the search's column cap, without the overlap
+    savings, within :data:`NEIGHBOURHOOD_WORK` work units per MIP and the memory budget,
+    its plan kept when its price (with the savings) is lower; the row as it was when none
+    is. Only the search's fastest row gets it: each neighbourhood's ILP is a 2-D mesh's."""
     res = row.result
     config, sg = res.config, res.sg
     t = time.perf_counter()
@@ -275,8 +275,10 @@ def _improved(row: MeshRow, progress: Progress | None) -> MeshRow:
 
     def solve_in(sub, start):  # noqa: ANN001, ANN202
         # without the overlap savings: with them the 4x2x8 neighbourhood of dims 1 and 2 of
-        # the Llama-70B shape took 166.7 s at 20 work units, without them 32.5 s at 5, to
-        # the same plan (docs/performance.md); its plan is priced with them
+        # the Llama-70B shape (every traced block apart) took 166.7 s at 20 work units,
+        # without them 32.5 s at 5, to the same plan (docs/performance.md); its plan is
+        # priced with them
+        check_size(sub, limited.solver, config.mesh)
         return solve_within_memory(replace(sub, overlap=False), limited, {"the plan": start})
 
     def inner(phase: str, done: int, total: int) -> None:
@@ -293,14 +295,15 @@ def _improved(row: MeshRow, progress: Progress | None) -> MeshRow:
     lifted = dict(res.plan.extra["lifted"])
     lifted["improved"] = found.to_dict()
     seconds = {k: v for k, v in res.seconds.items() if k != "total"}
-    seconds["neighbourhoods"] = time.perf_counter() - t
     if not found.improved:
-        res.plan.extra["lifted"] = lifted
+        res.plan.extra["lifted"] = lifted  # this row's own result (_lifted built it)
+        seconds["neighbourhoods"] = time.perf_counter() - t
         res.seconds = {**seconds, "total": sum(seconds.values())}
         return row
     plan = finish_plan(config, sg, found.choice, "ilp", res.ilp.recompute)
     plan.extra["lifted"] = lifted
-    status = f"{res.ilp.status}, improved over {len(found.steps)} neighbourhood ILPs"
+    seconds["neighbourhoods"] = time.perf_counter() - t
+    status = f"{res.ilp.status}, improved in its neighbourhoods ({len(found.steps)} ILPs)"
     better = unsolved_result(config, res.graph, sg, plan, seconds, status)
     better.ilp = replace(better.ilp, recompute=dict(res.ilp.recompute))
     note = f"{row.note}; improved in its neighbourhoods to {format_seconds(plan.step_time_s)}"

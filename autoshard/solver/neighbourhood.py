@@ -10,8 +10,8 @@ output and input placement equals the plan's strategy's on each dim outside ``D`
 whose own collectives on those dims are of the plan's kinds (an attention's context
 parallelism over a fixed dim stays; over a free dim it may go or come); per edge, the
 (produced, wanted) placement pairs whose sides such strategies produce and want (any
-other pair's column would be held at zero). With one dim of 4x2x8 fixed it
-has about 250,000 columns, an ILP of a 2-D mesh's size.
+other pair's column would be held at zero). With one dim of 4x2x8 fixed it has 134,111
+columns on the Llama-70B shape (its traced blocks tied), an ILP of a 2-D mesh's size.
 
 The ILP over a neighbourhood (:func:`autoshard.solver.restriction.restrict`, the full
 graph's costs, the memory budget's rows) starts from the plan, which lies in it, so its
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import ILPResult
 from autoshard.solver.restriction import Restriction, restrict, unrestrict_choice
 from autoshard.strategies.graph import StrategyGraph
@@ -45,10 +45,12 @@ Progress = Callable[[str, int, int], None]
 
 NEIGHBOURHOOD_WORK = 5
 """Work units (:data:`autoshard.solver.options.WORK_LIMIT`'s) each neighbourhood's ILP may
-take in the mesh search. The Llama-70B shape's neighbourhood of dims 1 and 2 of 8x8's
-plan laid onto 4x2x8 (253,765 columns, solved without the overlap savings) took 32.5 s
-at 5 units to a plan of 1.2596 s from 1.6741 s; with the savings, 911 s at the default
-200 units reached 1.2415 s (docs/performance.md)."""
+take in the mesh search (each MIP of it: each memory round gets its own). The Llama-70B
+shape's neighbourhood of dims 1 and 2 of 8x8's plan laid onto 4x2x8 (134,111 columns,
+without the overlap savings) took 14.4 s at 5 units, from 1.6741 s to 1.4074 s; on the
+graph with every traced block apart (253,765 columns) 32.5 s to 1.2596 s, and with the
+savings 166.7 s at 20 units to the same plan, 911 s at the default 200 to 1.2415 s
+(docs/performance.md)."""
 
 
 @dataclass
@@ -56,18 +58,18 @@ class Improvement:
     """What :func:`improve` did. ``steps``: per neighbourhood tried, its free mesh dims,
     the columns of its ILP, the ILP's status and the step time (s) of the best plan after
     it; ``before_s`` / ``after_s``: the step time of the plan given and returned;
-    ``skipped``: why nothing was tried, or None."""
+    ``skipped``: why nothing was tried, or None (both times None then)."""
 
     choice: dict[str, int]
-    before_s: float
-    after_s: float
+    before_s: float | None
+    after_s: float | None
     steps: list[dict] = field(default_factory=list)
     skipped: str | None = None
 
     @property
     def improved(self) -> bool:
         """Whether the plan returned is faster than the one given."""
-        return self.after_s < self.before_s
+        return self.skipped is None and self.after_s < self.before_s
 
     def to_dict(self) -> dict:
         """Plain data for the plan's ``extra`` (JSON)."""
@@ -126,8 +128,8 @@ def neighbourhood(sg: StrategyGraph, choice: dict[str, int], free: Sequence[int]
 
 
 def pairs_of_dims(ndim: int) -> list[tuple[int, ...]]:
-    """The neighbourhoods :func:`improve` takes by default: each pair of mesh dims free
-    (one dim on a 2-D mesh), the last dims first."""
+    """The neighbourhoods :func:`improve` takes by default: each pair of mesh dims free,
+    the others kept (one dim on a 2-D mesh), the last dims first."""
     if ndim < 3:
         return [(d,) for d in reversed(range(ndim))]
     return [(a, b) for a in reversed(range(ndim)) for b in reversed(range(a + 1, ndim))]
@@ -154,14 +156,16 @@ def improve(
         recompute: the plan's recomputed blocks per traced block; a plan that recomputes
             any is returned as it is (``skipped`` says why).
 
-    A neighbourhood whose ILP raises :class:`~autoshard.errors.AutoshardError` (no plan
-    within its limits) is passed over; its step in the result says why.
+    A neighbourhood whose ILP ``solve_in`` refuses for its size
+    (:class:`~autoshard.errors.ProgramTooLargeError`) is passed over; its step in the
+    result says why. Any other error is raised: the start lies in every neighbourhood and
+    fits the budget, so a neighbourhood always has a plan.
     """
+    if recompute and any(recompute.values()):
+        why = "the plan recomputes blocks (the neighbourhoods have no checkpointing)"
+        return Improvement(dict(choice), None, None, skipped=why)
     before = step_s(choice)
     found = Improvement(dict(choice), before, before)
-    if recompute and any(recompute.values()):
-        found.skipped = "the plan recomputes blocks (the neighbourhoods have no checkpointing)"
-        return found
     sets = [tuple(f) for f in (free if free is not None else pairs_of_dims(len(sg.mesh_shape)))]
     plain = replace(sg, checkpointing=None)
     for k, dims in enumerate(sets):
@@ -173,8 +177,8 @@ def improve(
         step: dict = {"free": list(dims)}
         try:
             result = solve_in(sub, start)
-        except AutoshardError as exc:
-            step.update(status=f"no plan: {exc}", step_s=found.after_s)
+        except ProgramTooLargeError as exc:  # counted in the result, never a silent pass
+            step.update(status=f"not solved: {exc}", step_s=found.after_s)
             found.steps.append(step)
             continue
         step.update(columns=result.num_variables, status=result.status)
