@@ -810,25 +810,24 @@ def lifted_line(lifted: dict, step_s: float) -> str:
     if status == "within_gap":
         ended = "within the --mip-gap of the LP bound"
     gap_text = "" if gap != gap else f", gap {gap:.2%}"
+    improved = lifted.get("improved")
+    tried_any = improved is not None and improved["skipped"] is None
+    solver = "no whole ILP" if tried_any else "none"  # its neighbourhoods' ILPs ran here
     line = (
-        f"solver: none on this mesh (its ILP is over the search's column cap); {source}'s "
+        f"solver: {solver} on this mesh (its ILP is over the search's column cap); {source}'s "
         f"ILP plan ({ended}{gap_text}; {format_seconds(lifted['source_step_s'])} there), "
         f"laid onto it with {source}'s dim {m} split into dims {m} and {m + 1}"
     )
-    improved = lifted.get("improved")
     if improved is None:
         return f"{line}: {format_seconds(step_s)} here"
-    if improved["skipped"] is not None:
+    if not tried_any:
         return f"{line}: {format_seconds(step_s)} here, not improved ({improved['skipped']})"
     tried = "; ".join(
         f"dims {','.join(map(str, s['free']))} free: {_neighbourhood_ended(s['status'])}, "
         f"{format_seconds(s['step_s'])}"
         for s in improved["steps"]
     )
-    line = line.replace("solver: none on this mesh", "solver: no whole ILP on this mesh", 1)
-    ended = (
-        format_seconds(step_s) if improved["after_s"] < improved["before_s"] else "nothing faster"
-    )
+    ended = format_seconds(step_s) if improved["improved"] else "nothing faster"
     return (
         f"{line}: {format_seconds(improved['before_s'])} here; then the ILP over its "
         f"neighbourhoods (the other dims' placements kept), each from the best so far "

@@ -31,17 +31,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoshard.cost.mesh import MeshSpec
-from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import check_size
 from autoshard.solver.lifting import lift_choice, splits
-from autoshard.solver.neighbourhood import NEIGHBOURHOOD_WORK, improve
+from autoshard.solver.neighbourhood import improve
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
 from autoshard.solver.solve import (
     SolveConfig,
     SolveResult,
     finish_plan,
-    solve_within_memory,
     strategies,
     trace,
     unsolved_result,
@@ -261,50 +259,31 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
 
 def _improved(row: MeshRow, progress: Progress | None) -> MeshRow:
     """``row``'s lifted plan improved by the ILP over its neighbourhoods
-    (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the others kept
-    as the plan has them), each ILP under the search's column cap, without the overlap
-    savings, within :data:`NEIGHBOURHOOD_WORK` work units per MIP and the memory budget,
-    its plan kept when its price (with the savings) is lower; the row as it was when none
-    is. Only the search's fastest row gets it: each neighbourhood's ILP is a 2-D mesh's."""
+    (:func:`autoshard.solver.neighbourhood.improve`: each pair of mesh dims free, the
+    others kept as the plan has them), or the row as it was when none is faster, its
+    report saying so. Only the search's fastest row gets it: each neighbourhood's ILP is
+    a 2-D mesh's."""
     res = row.result
-    config, sg = res.config, res.sg
     t = time.perf_counter()
-    solver = replace(config.solver, work_limit=min(config.solver.work_limit, NEIGHBOURHOOD_WORK))
-    limited = replace(config, solver=solver)
-    plain = replace(sg, checkpointing=None)
-
-    def solve_in(sub, start):  # noqa: ANN001, ANN202
-        # without the overlap savings: with them the 4x2x8 neighbourhood of dims 1 and 2 of
-        # the Llama-70B shape (every traced block apart) took 166.7 s at 20 work units,
-        # without them 32.5 s at 5, to the same plan (docs/performance.md); its plan is
-        # priced with them
-        check_size(sub, limited.solver, config.mesh)
-        return solve_within_memory(replace(sub, overlap=False), limited, {"the plan": start})
 
     def inner(phase: str, done: int, total: int) -> None:
         progress(f"{phase} on {row.mesh.shape_str}", done, total)
 
     found = improve(
-        sg,
-        res.plan.choice,
-        lambda choice: evaluate(plain, choice),
-        solve_in,
-        res.ilp.recompute,
-        progress=inner if progress else None,
+        res.config, res.sg, res.plan.choice, res.ilp.recompute, progress=inner if progress else None
     )
-    lifted = dict(res.plan.extra["lifted"])
-    lifted["improved"] = found.to_dict()
-    seconds = {k: v for k, v in res.seconds.items() if k != "total"}
-    if not found.improved:
-        res.plan.extra["lifted"] = lifted  # this row's own result (_lifted built it)
-        seconds["neighbourhoods"] = time.perf_counter() - t
-        res.seconds = {**seconds, "total": sum(seconds.values())}
-        return row
-    plan = finish_plan(config, sg, found.choice, "ilp", res.ilp.recompute)
+    lifted = {**res.plan.extra["lifted"], "improved": found.to_dict()}
+    plan = res.plan
+    if found.improved:
+        plan = finish_plan(res.config, res.sg, found.choice, "ilp", res.ilp.recompute)
     plan.extra["lifted"] = lifted
+    seconds = {k: v for k, v in res.seconds.items() if k != "total"}
     seconds["neighbourhoods"] = time.perf_counter() - t
+    if not found.improved:
+        res.seconds = {**seconds, "total": sum(seconds.values())}  # _lifted built res
+        return row
     status = f"{res.ilp.status}, improved in its neighbourhoods ({len(found.steps)} ILPs)"
-    better = unsolved_result(config, res.graph, sg, plan, seconds, status)
+    better = unsolved_result(res.config, res.graph, res.sg, plan, seconds, status)
     better.ilp = replace(better.ilp, recompute=dict(res.ilp.recompute))
     note = f"{row.note}; improved in its neighbourhoods to {format_seconds(plan.step_time_s)}"
     return replace(row, result=better, note=note)

@@ -18,7 +18,8 @@ graph's costs, the memory budget's rows) starts from the plan, which lies in it,
 plan is never slower than the plan as the ILP prices it. :func:`improve` takes the
 neighbourhood of each set in ``free`` in turn, each from the best plan so far, for one
 pass: every ILP stops at its own work limit (:data:`NEIGHBOURHOOD_WORK`: work counted,
-never seconds, so the same plan on every run). The method is large neighbourhood search
+never seconds, so the same plan on every run), solved without the overlap savings and
+kept when the plan it gives is cheaper with them. The method is large neighbourhood search
 (Shaw, "Using constraint programming and local search methods to solve vehicle routing
 problems", CP 1998; Pisinger and Ropke, "Large neighborhood search", Handbook of
 Metaheuristics, 2010): a local optimum, with no bound on the whole mesh's optimum.
@@ -30,22 +31,22 @@ improved (the restricted graph has no checkpointing decision, :func:`restrict`),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError, ProgramTooLargeError
-from autoshard.solver.ilp import ILPResult
+from autoshard.solver.ilp import check_size
 from autoshard.solver.restriction import Restriction, restrict, unrestrict_choice
+from autoshard.solver.solve import Progress, SolveConfig, solve_within_memory
 from autoshard.strategies.graph import StrategyGraph
 from autoshard.strategies.strategy import Strategy
 
-Progress = Callable[[str, int, int], None]
-
 NEIGHBOURHOOD_WORK = 5
 """Work units (:data:`autoshard.solver.options.WORK_LIMIT`'s) each neighbourhood's ILP may
-take in the mesh search (each MIP of it: each memory round gets its own). The Llama-70B
+take (each MIP of it: each memory round gets its own). The Llama-70B
 shape's neighbourhood of dims 1 and 2 of 8x8's plan laid onto 4x2x8 (134,111 columns,
 without the overlap savings) took 14.4 s at 5 units, from 1.6741 s to 1.4074 s; on the
 graph with every traced block apart (253,765 columns) 32.5 s to 1.2596 s, and with the
@@ -78,6 +79,7 @@ class Improvement:
             "after_s": self.after_s,
             "steps": self.steps,
             "skipped": self.skipped,
+            "improved": self.improved,
         }
 
 
@@ -136,27 +138,33 @@ def pairs_of_dims(ndim: int) -> list[tuple[int, ...]]:
 
 
 def improve(
+    config: SolveConfig,
     sg: StrategyGraph,
     choice: dict[str, int],
-    step_s: Callable[[dict[str, int]], float],
-    solve_in: Callable[[StrategyGraph, dict[str, int]], ILPResult],
     recompute: dict | None = None,
     free: Sequence[Sequence[int]] | None = None,
     progress: Progress | None = None,
+    overlap: bool = False,
 ) -> Improvement:
     """``choice`` improved by the ILP over each of its neighbourhoods ``free`` in turn
     (default :func:`pairs_of_dims`), each from the best plan so far, one pass.
 
+    Each neighbourhood's ILP is :func:`~autoshard.solver.solve.solve_within_memory`'s
+    under ``config``'s budget, column cap and gap, within :data:`NEIGHBOURHOOD_WORK` work
+    units per MIP (or ``config``'s own limit, if lower), and without the overlap savings
+    unless ``overlap`` (the exact optimum of each neighbourhood, slower): with them the
+    Llama-70B shape's 4x2x8 neighbourhood of dims 1 and 2 (every traced
+    block apart) took 166.7 s at 20 units, without them 32.5 s at 5, to the same plan
+    (docs/performance.md). A plan is kept when its price with the savings
+    (:func:`~autoshard.cost.objective.evaluate`, the plan's step) is lower.
+
     Args:
-        sg: the strategy graph ``choice`` indexes (its mesh's).
-        step_s: the predicted step (s) of a choice of ``sg`` (the plan's price).
-        solve_in: solves the ILP of a restricted graph from a start (a choice of it):
-            :func:`autoshard.solver.solve.solve_within_memory` with the caller's budget and
-            limits.
+        config: the solve's options (its mesh is ``sg``'s).
+        sg: the strategy graph ``choice`` indexes.
         recompute: the plan's recomputed blocks per traced block; a plan that recomputes
             any is returned as it is (``skipped`` says why).
 
-    A neighbourhood whose ILP ``solve_in`` refuses for its size
+    A neighbourhood over ``config``'s column cap
     (:class:`~autoshard.errors.ProgramTooLargeError`) is passed over; its step in the
     result says why. Any other error is raised: the start lies in every neighbourhood and
     fits the budget, so a neighbourhood always has a plan.
@@ -164,10 +172,14 @@ def improve(
     if recompute and any(recompute.values()):
         why = "the plan recomputes blocks (the neighbourhoods have no checkpointing)"
         return Improvement(dict(choice), None, None, skipped=why)
-    before = step_s(choice)
+    solver = config.solver
+    limited = replace(
+        config, solver=replace(solver, work_limit=min(solver.work_limit, NEIGHBOURHOOD_WORK))
+    )
+    plain = replace(sg, checkpointing=None)
+    before = evaluate(plain, choice)
     found = Improvement(dict(choice), before, before)
     sets = [tuple(f) for f in (free if free is not None else pairs_of_dims(len(sg.mesh_shape)))]
-    plain = replace(sg, checkpointing=None)
     for k, dims in enumerate(sets):
         if progress:
             progress("neighbourhoods", k, len(sets))
@@ -176,14 +188,16 @@ def improve(
         start = {rep: int(np.searchsorted(r.allowed[rep], i)) for rep, i in found.choice.items()}
         step: dict = {"free": list(dims)}
         try:
-            result = solve_in(sub, start)
+            check_size(sub, limited.solver, config.mesh)
         except ProgramTooLargeError as exc:  # counted in the result, never a silent pass
             step.update(status=f"not solved: {exc}", step_s=found.after_s)
             found.steps.append(step)
             continue
+        sub = replace(sub, overlap=sub.overlap and overlap)
+        result = solve_within_memory(sub, limited, {"the plan": start})
         step.update(columns=result.num_variables, status=result.status)
         new = unrestrict_choice(r, result.choice)
-        s = step_s(new)
+        s = evaluate(plain, new)
         if s < found.after_s:
             found.choice, found.after_s = new, s
         step.update(step_s=found.after_s)
