@@ -7,20 +7,33 @@ swallowed interruption is kept off the screen: it is not an error), and :func:`c
 raises again where it matters: at every progress step and HiGHS poll, so the work stops
 within seconds, and before any file is written, so an interrupted solve never writes a
 solution (``autoshard`` exits 130).
+
+Work started on a second thread (the mesh search's ILPs) stops the same way when the
+thread that started it fails (:func:`stoppable`): :func:`check` raises :class:`Stopped`
+there once the starter has set its event.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["check", "installed", "requested"]
+__all__ = ["Stopped", "check", "installed", "requested", "stoppable"]
 
 _requested = False
+_stop: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "autoshard_stop", default=None
+)
+
+
+class Stopped(Exception):  # noqa: N818 - what happened, as KeyboardInterrupt says it
+    """The work was stopped by the thread that started it (:func:`stoppable`), which has
+    failed and raises its own error: nothing to report."""
 
 
 def _on_sigint(signum: int, frame: object) -> None:
@@ -73,8 +86,25 @@ def requested() -> bool:
     return _requested
 
 
+@contextlib.contextmanager
+def stoppable(event: threading.Event) -> Iterator[None]:
+    """Within the block, work that runs in a copy of this context
+    (``contextvars.copy_context().run``, on another thread) stops at its next
+    :func:`check` once ``event`` is set: the starter sets it when it fails, so that its
+    worker does not run on unseen."""
+    token = _stop.set(event)
+    try:
+        yield
+    finally:
+        _stop.reset(token)
+
+
 def check() -> None:
     """Raise :class:`KeyboardInterrupt` if Ctrl-C was pressed, even if a library swallowed
-    the first one."""
+    the first one; :class:`Stopped` if the thread that started this work has failed
+    (:func:`stoppable`)."""
     if _requested:
         raise KeyboardInterrupt
+    stop = _stop.get()
+    if stop is not None and stop.is_set():
+        raise Stopped("stopped: the work that started this one failed")

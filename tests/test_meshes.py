@@ -126,6 +126,53 @@ def test_the_search_keeps_the_fastest_of_the_shapes_solved_one_by_one(tmp_path: 
     assert steps == sorted(steps)
 
 
+def test_a_failure_while_an_ilp_runs_on_the_second_thread_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The search builds the next shape's strategies while the last shape's ILP runs on
+    its second thread. Planted: the ILP of the first shape (4) runs until it is stopped
+    (its progress checks, as HiGHS's polls make them), and the strategies of the second
+    (2x2) fail. The search raises that failure, and only after the ILP has stopped
+    (``interrupt.Stopped`` at its check), well before the 60 s it would otherwise run."""
+    import threading
+    import time
+
+    from autoshard import interrupt
+    from autoshard.solver import meshes as meshes_module
+
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    running, seen = threading.Event(), []
+    real = meshes_module.strategies
+
+    def endless_ilp(config, progress, graph, sg):  # noqa: ANN001
+        running.set()
+        end = time.monotonic() + 60
+        try:
+            while time.monotonic() < end:
+                interrupt.check()
+                time.sleep(0.01)
+        except interrupt.Stopped as exc:
+            seen.append(exc)
+            raise
+        raise AssertionError("the ILP was never stopped")
+
+    def failing_strategies(config, graph, progress):  # noqa: ANN001
+        if config.mesh.ndim == 2:
+            assert running.wait(10), "the first shape's ILP did not start beside this one"
+            raise RuntimeError("planted: strategies failed")
+        return real(config, graph, progress)
+
+    monkeypatch.setattr(meshes_module, "plan_model", endless_ilp)
+    monkeypatch.setattr(meshes_module, "strategies", failing_strategies)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="planted"):
+        search_meshes(config, meshes)
+    assert len(seen) == 1  # stopped at its check, and before search_meshes returned
+    assert time.monotonic() - t < 30
+
+
 def _cli(*args: str):
     return CliRunner().invoke(main, list(args))
 

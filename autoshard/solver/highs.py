@@ -31,6 +31,7 @@ import contextvars
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -397,7 +398,39 @@ def run(
 
     Raises:
         KeyboardInterrupt: Ctrl-C, after HiGHS has stopped.
+        autoshard.interrupt.Stopped: the thread that started this work failed
+            (:func:`autoshard.interrupt.stoppable`), after HiGHS has stopped.
+
+    One run at a time in the process (a second thread's waits): highspy resets HiGHS's
+    task scheduler, which the process shares, after each run.
     """
+    with _ONE_RUN:
+        return _run(
+            milp,
+            time_limit,
+            mip_rel_gap,
+            start,
+            objective_bound,
+            seconds_per_unit,
+            work_limit,
+            iteration_limit,
+        )
+
+
+_ONE_RUN = threading.Lock()
+
+
+def _run(  # noqa: PLR0913 - run()'s arguments, as run() documents them
+    milp: MILP,
+    time_limit: float | None,
+    mip_rel_gap: float | None,
+    start: tuple[np.ndarray, np.ndarray] | None,
+    objective_bound: float | None,
+    seconds_per_unit: float | None,
+    work_limit: int | None,
+    iteration_limit: int | None,
+) -> HighsRun:
+    """:func:`run`'s work, under its lock."""
     h = new_highs()
     options: list[tuple[str, object]] = [
         ("output_flag", bool(os.environ.get("AUTOSHARD_HIGHS_LOG"))),

@@ -16,7 +16,8 @@ the two (on the Llama-70B shape of 64 GPUs, 8x8's plan laid onto 4x2x8 is faster
 on 8x8 itself: its collectives over the two inter-node dims take fewer latency steps).
 When the fastest row holds such a lifted plan, the ILP over its neighbourhoods improves
 it (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third kept).
-Each shape is planned by
+The shapes' ILPs run on a second thread while the next shapes'
+strategies are built on this one (:func:`_plan_rows`). Each shape is planned by
 :func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in
 the cluster (which can differ from ``--mesh``'s convention, dim 0 across nodes and the
 rest inside one: the written files record the links each dim was priced with).
@@ -24,12 +25,17 @@ rest inside one: the written files record the links each dim was priced with).
 
 from __future__ import annotations
 
+import contextvars
 import math
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autoshard import interrupt
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import check_size
@@ -40,6 +46,7 @@ from autoshard.solver.solve import (
     SolveConfig,
     SolveResult,
     finish_plan,
+    plan_model,
     strategies,
     trace,
     unsolved_result,
@@ -48,6 +55,13 @@ from autoshard.solver.space import plan_space
 from autoshard.units import format_seconds
 
 Progress = Callable[[str, int, int], None]
+
+SWITCH_INTERVAL_S = 1e-4
+"""Python's thread switch interval (s) while the search's ILPs run beside its strategies
+(:func:`_plan_rows`). HiGHS holds no GIL while it searches, but calls back into Python
+(its simplex and MIP interrupt callbacks: Ctrl-C, the work limit, the progress) many
+times a second, and each call waits for the GIL: up to Python's default 5 ms behind
+the thread building strategies."""
 
 
 @dataclass
@@ -159,37 +173,133 @@ class MeshSearch:
         return search
 
 
-def _plan_row(
+@dataclass
+class _Begun:
+    """A row whose strategies are built and whose plan is still to come: ``future``, its
+    ILP running on the search's second thread; else (``future`` None) planned in
+    ``space`` by :meth:`finish`, on this thread. ``why``: why its free ILP is not solved
+    (over the column cap), else None."""
+
+    config: SolveConfig
+    space: str
+    sg: Any
+    built: float  # seconds its strategies took
+    why: str | None = None
+    future: Future | None = None
+
+    def finish(self, progress, graph) -> MeshRow:  # noqa: ANN001
+        """The row: its ILP's plan (waited for), or its plan in ``space`` found now, or
+        why it has none."""
+        config, why = self.config, self.why
+        try:
+            if self.future is not None:
+                found = self.future.result()
+            else:
+                found = plan_space(config, self.space, progress, graph, self.sg)
+        except AutoshardError as exc:  # this shape has no plan: its row says why
+            if why is None:
+                return MeshRow(config.mesh, error=str(exc), space=self.space)
+            # over the cap and no plan in torchtitan's space: another shape's plan may
+            # still be laid onto it (_lifted), on these strategies
+            error = f"{why}; in torchtitan's space: {exc}"
+            over_cap = _OverCap(config, self.sg, {"strategies": self.built}, why, str(exc))
+            return MeshRow(config.mesh, error=error, space=self.space, over_cap=over_cap)
+        found.seconds = {"strategies": self.built, **found.seconds}
+        return MeshRow(config.mesh, found, space=self.space, note=why)
+
+
+def _begin_row(
     config: SolveConfig,
     space: str,
     progress,  # noqa: ANN001
     graph,  # noqa: ANN001
+    pool: ThreadPoolExecutor,
     gpus_per_node: int | None = None,
-) -> MeshRow:
-    """``config.mesh``'s row: planned in ``space``, or (the free ILP over the column cap)
-    in torchtitan's space, or why it has no plan (``gpus_per_node``: the node size the
-    mesh was laid over, for the command that plans it alone)."""
-    searched, why = space, None
+) -> _Begun | MeshRow:
+    """``config.mesh``'s strategies (built here), and its plan begun: the free ILP, when
+    it is asked for and within the column cap, on ``pool``'s thread; otherwise
+    (torchtitan's space, or the free ILP over the cap) left to :meth:`_Begun.finish`.
+    A shape without strategies is a row at once, saying why (``gpus_per_node``: the node
+    size the mesh was laid over, for the command that plans it alone)."""
     try:
         t = time.perf_counter()
         sg = strategies(config, graph, progress)  # once, whichever space plans the shape
         built = time.perf_counter() - t
-        if space == "free":
-            try:
-                check_size(sg, config.solver, config.mesh, gpus_per_node)
-            except ProgramTooLargeError as exc:
-                searched, why = "torchtitan", str(exc)
-        found = plan_space(config, searched, progress, graph, sg)
-    except AutoshardError as exc:  # this shape has no plan: its row says why
-        if why is None:
-            return MeshRow(config.mesh, error=str(exc), space=space)
-        # over the cap and no plan in torchtitan's space: another shape's plan may still be
-        # laid onto it (_lifted), on these strategies
-        error = f"{why}; in torchtitan's space: {exc}"
-        over_cap = _OverCap(config, sg, {"strategies": built}, why, str(exc))
-        return MeshRow(config.mesh, error=error, space="torchtitan", over_cap=over_cap)
-    found.seconds = {"strategies": built, **found.seconds}
-    return MeshRow(config.mesh, found, space=searched, note=why)
+    except AutoshardError as exc:
+        return MeshRow(config.mesh, error=str(exc), space=space)
+    if space != "free":
+        return _Begun(config, space, sg, built)
+    try:
+        check_size(sg, config.solver, config.mesh, gpus_per_node)
+    except ProgramTooLargeError as exc:
+        return _Begun(config, "torchtitan", sg, built, why=str(exc))
+    run = contextvars.copy_context().run  # the listener, the tally, the stop event
+    future = pool.submit(run, plan_model, config, progress, graph, sg)
+    return _Begun(config, space, sg, built, future=future)
+
+
+def _on(progress: Progress | None, mesh: MeshSpec) -> Progress | None:
+    """``progress`` with each phase named after ``mesh`` ("solve on 8x8")."""
+    if progress is None:
+        return None
+    text = "x".join(map(str, mesh.shape))
+
+    def inner(phase: str, done: int, total: int) -> None:
+        progress(f"{phase} on {text}", done, total)
+
+    return inner
+
+
+def _plan_rows(
+    config: SolveConfig,
+    meshes: Sequence[MeshSpec],
+    space: str,
+    progress: Progress | None,
+    graph,  # noqa: ANN001
+    gpus_per_node: int | None,
+) -> list[MeshRow]:
+    """Each of ``meshes``' rows, in order, planned in ``space`` (the free ILP over the
+    search's column cap: in torchtitan's space).
+
+    Strategies are built on this thread, shape after shape; each free ILP runs on a
+    second thread as soon as its shape's strategies are built (HiGHS holds no GIL while
+    it searches: the Llama-70B shape's 8x8 ILP, about 50 s, runs while the 3-D shapes'
+    strategies are built); the shapes planned in torchtitan's space follow on this thread
+    once the ILPs have ended (one HiGHS run at a time, :func:`autoshard.solver.highs.run`).
+    Every plan is what the shapes planned one after another give: each ILP stops at its
+    own work limit, never at the clock. If this thread fails, the ILP running stops at
+    its next progress check (:func:`autoshard.interrupt.stoppable`).
+    """
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-ilp")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch, SWITCH_INTERVAL_S))
+    try:
+        with interrupt.stoppable(stop):
+            begun = []
+            for k, mesh in enumerate(meshes):
+                if progress:
+                    progress("meshes", k, len(meshes))
+                shaped = replace(config, mesh=mesh)
+                on = _on(progress, mesh)
+                begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node))
+            # the ILPs first: a row planned here may run HiGHS too
+            for b in begun:
+                if isinstance(b, _Begun) and b.future is not None:
+                    b.future.exception()
+            rows = []
+            for b, mesh in zip(begun, meshes, strict=True):
+                done = b if isinstance(b, MeshRow) else b.finish(_on(progress, mesh), graph)
+                rows.append(done)
+            if progress:
+                progress("meshes", len(meshes), len(meshes))
+            return rows
+    except BaseException:
+        stop.set()  # the ILP running stops at its next check; those queued never start
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        sys.setswitchinterval(switch)
 
 
 def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
@@ -323,20 +433,12 @@ def search_meshes(
     t = time.perf_counter()
     graph = trace(config, progress)
     trace_s = time.perf_counter() - t
-    rows: list[MeshRow] = []
     solver = config.solver
     if solver.max_columns is None:  # one shape's program must not hold up the others
         solver = replace(solver, max_columns=MESH_SEARCH_COLUMNS)
-    for k, mesh in enumerate(meshes):
-        if progress:
-            progress("meshes", k, len(meshes))
-        text = "x".join(map(str, mesh.shape))
-
-        def inner(phase: str, done: int, total: int, text: str = text) -> None:
-            progress(f"{phase} on {text}", done, total)
-
-        shaped = replace(config, mesh=mesh, solver=solver)
-        row = _plan_row(shaped, space, inner if progress else None, graph, gpus_per_node)
+    shaped = replace(config, solver=solver)
+    rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node)
+    for row in rows:
         if row.result is not None:
             # the shared trace counts in every shape's seconds, as in a solve of that shape
             seconds = row.result.seconds
@@ -344,9 +446,6 @@ def search_meshes(
             row.result.seconds["total"] = sum(
                 v for k, v in row.result.seconds.items() if k != "total"
             )
-        rows.append(row)
-    if progress:
-        progress("meshes", len(meshes), len(meshes))
     rows = [_lifted(row, rows) for row in rows]
     planned = [r for r in rows if r.result is not None]
     if planned:
