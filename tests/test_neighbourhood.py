@@ -240,3 +240,40 @@ def test_an_optimal_plan_is_not_improved_and_the_report_says_so(tmp_path: Path):
     assert line.startswith("solver: none on this mesh") and line.endswith(
         ", not improved (planted)"
     )
+
+
+def test_every_lifted_row_is_improved_as_its_shape_alone_would_be(tmp_path: Path, monkeypatch):
+    """16 GPUs in nodes of 4, the 3-D shapes' programs over the search's column cap
+    (planted): 4x2x2 and 2x2x4 each get 4x4's plan laid onto them and improved in its
+    neighbourhoods, the fastest row and the others alike. Each row's step equals that
+    shape planned alone the same way: 4x4 solved on its own (``plan_model``), its plan
+    laid onto the shape and improved. 4x2x2's row is not the fastest and is improved."""
+    import autoshard.solver.meshes as searched
+    from autoshard.cost.mesh import node_shapes
+    from autoshard.solver.lifting import splits
+    from autoshard.solver.meshes import search_meshes
+    from autoshard.solver.solve import strategies
+
+    model = write_mlp_mse(tmp_path, 1024, 4096, 16384)
+    config = SolveConfig(
+        model_path=model, mesh=MeshSpec.on_nodes((16,), 4), solver=SolverOptions(mip_gap=0)
+    )
+    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 10_000)
+    meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(16, 4)]
+    assert [m.shape for m in meshes] == [(16,), (4, 4), (4, 2, 2), (2, 2, 4)]
+    search = search_meshes(config, meshes, gpus_per_node=4)
+    graph = trace(config)
+    source = plan_model(replace(config, mesh=meshes[1]), graph=graph)  # 4x4 alone
+    lifted = {r.mesh.shape: r for r in search.rows if r.lifted_from is not None}
+    assert set(lifted) == {(4, 2, 2), (2, 2, 4)}
+    for mesh in meshes[2:]:
+        row = lifted[mesh.shape]
+        shaped = replace(config, mesh=mesh)
+        sg = strategies(shaped, graph)
+        (m,) = splits((4, 4), mesh.shape)
+        start = lift_choice(source.sg, source.plan.choice, sg, m)
+        alone = improve(shaped, sg, start, source.ilp.recompute)
+        assert row.step_time_s == pytest.approx(alone.after_s, rel=1e-12)
+    assert search.rows[0].mesh.shape != (4, 2, 2)
+    steps = lifted[(4, 2, 2)].result.plan.extra["lifted"]["improved"]
+    assert steps["after_s"] < steps["before_s"]

@@ -42,8 +42,8 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     f"{MESH_SEARCH_COLUMNS:,} columns (a 3-D mesh, often) is searched in torchtitan's space "
     "instead (as --space torchtitan), and also gets the ILP plan of a shape with one dim "
     "fewer laid onto it (8x8's on 4x2x8: the same layout on two dims); its row says which "
-    "is faster. When such a lifted plan is the fastest row, the ILP over its "
-    "neighbourhoods (each pair of mesh dims free, the third kept) improves it.",
+    "is faster, after the ILP over the lifted plan's neighbourhoods (each pair of mesh dims "
+    "free, the third kept) has improved it.",
 )
 @click.option(
     "--gpus-per-node",
@@ -190,15 +190,30 @@ def solve_command(
         config = replace(config, mesh=mesh_on_nodes(config.mesh, gpus_per_node, opts))
     if meshes:  # the files are named after the best mesh once it is known
         with Progress(Console(stderr=True, quiet=quiet)) as progress:
+            from autoshard.pipeline.search import pipeline_rows, prepare_depths  # heavy
             from autoshard.solver.meshes import search_meshes  # heavy, as above
 
-            search = search_meshes(config, meshes, progress, gpus_per_node, space)
-            if depths:
-                from autoshard.pipeline.search import pipeline_rows  # heavy, as above
+            prepared = {}
 
+            def beside() -> None:  # the depths' stage costs, while lifted plans improve
+                prepared.update(
+                    prepare_depths(config, meshes, depths, microbatches, gpus_per_node, progress)
+                )
+
+            search = search_meshes(
+                config, meshes, progress, gpus_per_node, space, beside if depths else None
+            )
+            if depths:
                 best = search.fastest.step_time_s  # a depth that cannot beat it: skipped
                 extra = pipeline_rows(
-                    config, meshes, depths, microbatches, gpus_per_node, progress, beat=best
+                    config,
+                    meshes,
+                    depths,
+                    microbatches,
+                    gpus_per_node,
+                    progress,
+                    beat=best,
+                    prepared=prepared,
                 )
                 search = search.with_rows(extra)
         result = search.best.result

@@ -89,6 +89,72 @@ def pipeline_mesh(
     return min(fits, key=second_choice) if fits else None
 
 
+@dataclass
+class PreparedDepth:
+    """One pipeline depth before any of its ILPs (:func:`prepare_depths`): the mesh its
+    stages split (None: none does), its micro-batch's graph and layers, the split
+    torchtitan makes (None: every split searched), the stage costs
+    (:func:`~autoshard.pipeline.pricing.price_pipeline`) or why they could not be
+    priced (``error``), and the seconds it took."""
+
+    mesh: MeshSpec | None
+    graph: Any = None
+    layers: Any = None
+    split: Any = None
+    costs: PipelineCosts | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _staged(config: SolveConfig) -> SolveConfig:
+    """The configuration a stage is planned in: untied (each stage cuts its own layers),
+    without activation checkpointing (a stage's budget holds its micro-batches'
+    activations, as ``autoshard stages`` prices it) and without context parallelism (a
+    stage runs as DTensor places it, and DTensor's attention rule splits no sequence)."""
+    return replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
+
+
+def prepare_depths(
+    config: SolveConfig,
+    meshes: Sequence[MeshSpec],
+    depths: Sequence[int],
+    microbatches: int,
+    gpus_per_node: int | None = None,
+    progress: Progress | None = None,
+) -> dict[int, PreparedDepth]:
+    """Each depth of ``depths``'s traced micro-batch and stage costs, what
+    :func:`pipeline_rows` starts from, before it knows the step to beat: the mesh search
+    prices them while its second thread improves its lifted plans
+    (:func:`~autoshard.solver.meshes.search_meshes`'s ``beside``).
+
+    Raises:
+        AutoshardError: a depth below 2, or a model that cannot be traced.
+    """
+    if any(pp < 2 for pp in depths):
+        raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
+    staged = _staged(config)
+    placed = {pp: pipeline_mesh(meshes, pp, gpus_per_node) for pp in depths}
+    traces = _StagedTraces(staged, [pp for pp, m in placed.items() if m], microbatches, config.tie)
+    prepared = {}
+    for k, pp in enumerate(depths):
+        mesh = placed[pp]
+        if mesh is None:
+            prepared[pp] = PreparedDepth(None)
+            continue
+        if progress:
+            progress(f"pipeline pp={pp} on {'x'.join(map(str, mesh.shape))}", k, len(depths))
+        t = time.perf_counter()
+        graph, layers, split = traces.of(pp)  # a model that cannot be traced: raised
+        done = PreparedDepth(mesh, graph, layers, split)
+        try:
+            done.costs = price_pipeline(replace(staged, mesh=mesh), graph, layers, pp, microbatches)
+        except AutoshardError as exc:  # this depth has no plan: its row says why
+            done.error = str(exc)
+        done.seconds = time.perf_counter() - t
+        prepared[pp] = done
+    return prepared
+
+
 def pipeline_rows(
     config: SolveConfig,
     meshes: Sequence[MeshSpec],
@@ -97,6 +163,7 @@ def pipeline_rows(
     gpus_per_node: int | None = None,
     progress: Progress | None = None,
     beat: float | None = None,
+    prepared: dict[int, PreparedDepth] | None = None,
 ) -> list[MeshRow]:
     """One row per depth in ``depths`` (module docstring): its stage plan, or why it has
     none (no mesh splits into that many stages, more stages than layers, no split within
@@ -111,32 +178,31 @@ def pipeline_rows(
     ``beat``: the step (s) of the fastest plan already found (the mesh shapes'). A depth
     whose stages' LP relaxations (:meth:`~autoshard.pipeline.stage_ilp.StagePricer.bound`)
     already give a 1F1B step at or above it cannot win: its stage ILPs are not solved, and
-    its row holds that bound (``bound_s``) and says why.
+    its row holds that bound (``bound_s``) and says why. ``prepared``: the depths' traces
+    and stage costs already priced (:func:`prepare_depths`, with the same arguments),
+    else priced here.
 
     Raises:
         AutoshardError: a depth below 2, or a batch the micro-batches do not divide.
     """
-    if any(pp < 2 for pp in depths):
-        raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
-    # a stage runs under DTensor's own placement (--mode propagate), whose attention rule
-    # has no sequence split: context parallelism is not offered to the stages' ILPs
-    staged = replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
-    placed = {pp: pipeline_mesh(meshes, pp, gpus_per_node) for pp in depths}
-    traces = _StagedTraces(staged, [pp for pp, m in placed.items() if m], microbatches, config.tie)
+    if prepared is None:
+        prepared = prepare_depths(config, meshes, depths, microbatches, gpus_per_node, progress)
+    staged = _staged(config)
     rows = []
-    for k, pp in enumerate(depths):
-        mesh = placed[pp]
+    for pp in depths:
+        ready = prepared[pp]
+        mesh = ready.mesh
         if mesh is None:
             text = f"no mesh shape's leading dims split into {pp} stages"
             rows.append(MeshRow(meshes[0], error=text, pp=pp))
             continue
+        if ready.error is not None:
+            rows.append(MeshRow(mesh, error=ready.error, pp=pp))
+            continue
         where = f"pp={pp} on {'x'.join(map(str, mesh.shape))}"
-        if progress:
-            progress(f"pipeline {where}", k, len(depths))
-        t = time.perf_counter()
-        graph, layers, split = traces.of(pp)  # a model that cannot be traced: raised
+        t = time.perf_counter() - ready.seconds
+        graph, layers, split, costs = ready.graph, ready.layers, ready.split, ready.costs
         try:
-            costs = price_pipeline(replace(staged, mesh=mesh), graph, layers, pp, microbatches)
             if beat is not None and split is not None:
 
                 def bound_progress(done: int, total: int, where: str = where) -> None:

@@ -14,10 +14,12 @@ plan of each shape with one dim fewer that it splits (8x8's on 4x2x8: dim 0 spli
 two, :mod:`autoshard.solver.lifting`), priced on its own links, and keeps the faster of
 the two (on the Llama-70B shape of 64 GPUs, 8x8's plan laid onto 4x2x8 is faster than
 on 8x8 itself: its collectives over the two inter-node dims take fewer latency steps).
-When the fastest row holds such a lifted plan, the ILP over its neighbourhoods improves
-it (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third kept).
-The shapes' ILPs run on a second thread while the next shapes'
-strategies are built on this one (:func:`_plan_rows`). Each shape is planned by
+Each such lifted plan is improved by the ILP over its neighbourhoods before the two are
+compared (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third
+kept), every row alike, so that each row holds what its shape planned alone this way
+would. The shapes' ILPs and neighbourhoods run on a second thread while this one builds
+the next shapes' strategies and prices torchtitan's space (:func:`_plan_rows`). Each
+shape is planned by
 :func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in
 the cluster (which can differ from ``--mesh``'s convention, dim 0 across nodes and the
 rest inside one: the written files record the links each dim was priced with).
@@ -257,18 +259,23 @@ def _plan_rows(
     progress: Progress | None,
     graph,  # noqa: ANN001
     gpus_per_node: int | None,
+    beside: Callable[[], None] | None = None,
 ) -> list[MeshRow]:
     """Each of ``meshes``' rows, in order, planned in ``space`` (the free ILP over the
-    search's column cap: in torchtitan's space).
+    search's column cap: in torchtitan's space, or the plan of a free row laid onto it
+    and improved in its neighbourhoods, the faster).
 
     Strategies are built on this thread, shape after shape; each free ILP runs on a
     second thread as soon as its shape's strategies are built (HiGHS holds no GIL while
     it searches: the Llama-70B shape's 8x8 ILP, about 50 s, runs while the 3-D shapes'
-    strategies are built); the shapes planned in torchtitan's space follow on this thread
-    once the ILPs have ended (one HiGHS run at a time, :func:`autoshard.solver.highs.run`).
-    Every plan is what the shapes planned one after another give: each ILP stops at its
-    own work limit, never at the clock. If this thread fails, the ILP running stops at
-    its next progress check (:func:`autoshard.interrupt.stoppable`).
+    strategies are built). Once those ILPs have ended, each over-cap shape gets the
+    fastest of their plans laid onto it (:func:`_lift`), improved in its neighbourhoods
+    on the second thread (:func:`_improve`) while this one plans the over-cap shapes in
+    torchtitan's space, then runs ``beside``. Every plan is what the shapes planned one
+    after another give:
+    each ILP stops at its own work limit, never at the clock (and one HiGHS run at a
+    time, :func:`autoshard.solver.highs.run`). If this thread fails, the ILP running
+    stops at its next progress check (:func:`autoshard.interrupt.stoppable`).
     """
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-ilp")
@@ -283,14 +290,26 @@ def _plan_rows(
                 shaped = replace(config, mesh=mesh)
                 on = _on(progress, mesh)
                 begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node))
-            # the ILPs first: a row planned here may run HiGHS too
-            for b in begun:
+            rows: list[MeshRow | None] = [b if isinstance(b, MeshRow) else None for b in begun]
+            for k, b in enumerate(begun):  # the ILPs' rows: the plans to lay onto others
                 if isinstance(b, _Begun) and b.future is not None:
-                    b.future.exception()
-            rows = []
-            for b, mesh in zip(begun, meshes, strict=True):
-                done = b if isinstance(b, MeshRow) else b.finish(_on(progress, mesh), graph)
-                rows.append(done)
+                    rows[k] = b.finish(None, graph)
+            sources = [r for r in rows if r is not None]
+            lifts: dict[int, _Lift] = {}
+            for k, b in enumerate(begun):
+                if isinstance(b, _Begun) and b.why is not None:
+                    lift = _lift(b.config, b.sg, sources)
+                    if lift is not None:
+                        run = contextvars.copy_context().run
+                        on = _on(progress, meshes[k])
+                        lift.found = pool.submit(run, _improve, b.config, b.sg, lift, on)
+                        lifts[k] = lift
+            for k, b in enumerate(begun):  # torchtitan's space, beside the improvements
+                if rows[k] is None:
+                    rows[k] = b.finish(_on(progress, meshes[k]), graph)
+            if beside is not None:
+                beside()
+            rows = [_lifted(row, lifts.get(k)) for k, row in enumerate(rows)]
             if progress:
                 progress("meshes", len(meshes), len(meshes))
             return rows
@@ -302,43 +321,83 @@ def _plan_rows(
         sys.setswitchinterval(switch)
 
 
-def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
-    """``row``, or, when its free ILP was over the column cap (planned in torchtitan's
-    space instead), the ILP plan of a shape with one dim fewer laid onto it
+@dataclass
+class _Lift:
+    """The fastest plan of a free row laid onto an over-cap shape (:func:`_lift`): the
+    plan, the row it comes from, the dim of that row's shape split in two, the seconds
+    the laying took; ``found``: the search over its neighbourhoods (a future of
+    ``(Improvement, its plan, seconds)``), once begun."""
+
+    plan: Any
+    src: MeshRow
+    split_dim: int
+    seconds: float
+    found: Future | None = None
+
+
+def _lift(config: SolveConfig, sg, rows: Sequence[MeshRow]) -> _Lift | None:  # noqa: ANN001
+    """The ILP plan of a shape with one dim fewer laid onto ``config.mesh``
     (:mod:`autoshard.solver.lifting`: a dim of that shape split into two of this one),
-    priced on this shape's links, when that is faster and fits the budget. The fastest
-    such plan of every free row it can be laid from, with that row's recomputation."""
-    if row.result is not None and row.space != "free" and row.note is not None:
-        res = row.result
-        config, sg, graph, spent, why = res.config, res.sg, res.graph, res.seconds, row.note
-    elif row.over_cap is not None:  # no plan in torchtitan's space either
-        c = row.over_cap
-        config, sg, graph, spent, why = c.config, c.sg, c.sg.graph, c.seconds, c.why
-    else:
-        return row
+    priced on this shape's links: the fastest that fits the budget of every free row of
+    ``rows`` it can be laid from, with that row's recomputation; None when none can be."""
     t = time.perf_counter()
     budget = config.budget()
-    best: tuple[Any, MeshRow, int] | None = None
+    best: _Lift | None = None
     for src in rows:
         if src.space != "free" or src.result is None or src.pp != 1:
             continue
-        for m in splits(src.mesh.shape, row.mesh.shape):
+        for m in splits(src.mesh.shape, config.mesh.shape):
             choice = lift_choice(src.result.sg, src.result.plan.choice, sg, m)
             if choice is None:
                 continue
             plan = finish_plan(config, sg, choice, "ilp", src.result.ilp.recompute)
             if plan.memory_bytes > budget * (1 + 1e-9):
                 continue
-            if best is None or plan.step_time_s < best[0].step_time_s:
-                best = (plan, src, m)
-    if best is None or (row.result is not None and best[0].step_time_s >= row.step_time_s):
+            if best is None or plan.step_time_s < best.plan.step_time_s:
+                best = _Lift(plan, src, m, 0.0)
+    if best is not None:
+        best.seconds = time.perf_counter() - t
+    return best
+
+
+def _improve(config: SolveConfig, sg, lift: _Lift, progress) -> tuple:  # noqa: ANN001
+    """``lift``'s plan improved by the ILP over its neighbourhoods
+    (:func:`autoshard.solver.neighbourhood.improve`: each pair of mesh dims free, the
+    others kept as the plan has them): the :class:`Improvement`, the plan it gives
+    (``lift``'s own when none is faster) and the seconds it took."""
+    t = time.perf_counter()
+    recompute = lift.src.result.ilp.recompute
+    found = improve(config, sg, lift.plan.choice, recompute, progress=progress)
+    plan = lift.plan
+    if found.improved:
+        plan = finish_plan(config, sg, found.choice, "ilp", recompute)
+    return found, plan, time.perf_counter() - t
+
+
+def _lifted(row: MeshRow, lift: _Lift | None) -> MeshRow:
+    """``row`` (its free ILP over the column cap: planned in torchtitan's space, or
+    without a plan), or, when faster, ``lift``'s plan, improved in its neighbourhoods."""
+    if lift is None:
         return row
-    plan, src, m = best
+    if row.result is not None:
+        res = row.result
+        config, sg, graph, spent = res.config, res.sg, res.graph, res.seconds
+    else:  # no plan in torchtitan's space either
+        c = row.over_cap
+        config, sg, graph, spent = c.config, c.sg, c.sg.graph, c.seconds
+    why = row.note if row.result is not None else row.over_cap.why
+    found, plan, took = lift.found.result()
+    if row.result is not None and plan.step_time_s >= row.step_time_s:
+        return row
+    src, m = lift.src, lift.split_dim
     source = "x".join(map(str, src.mesh.shape))
     seconds = {k: v for k, v in spent.items() if k != "total"}
-    seconds["lift"] = time.perf_counter() - t
+    seconds["lift"] = lift.seconds
+    seconds["neighbourhoods"] = took
     split = f"{source}'s dim {m} split into dims {m} and {m + 1}"
     status = f"{source}'s ILP plan, lifted ({split})"
+    if found.improved:
+        status += f", improved in its neighbourhoods ({len(found.steps)} ILPs)"
     ilp = src.result.ilp
     plan.extra["lifted"] = {
         "from": list(src.mesh.shape),
@@ -346,6 +405,7 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
         "source_status": ilp.status,
         "source_gap": ilp.gap,
         "source_step_s": src.result.plan.step_time_s,
+        "improved": found.to_dict(),
     }
     lifted = unsolved_result(config, graph, sg, plan, seconds, status)
     lifted.ilp = replace(lifted.ilp, recompute=dict(ilp.recompute))
@@ -355,7 +415,9 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
         else f"{row.space}'s space has no plan ({row.over_cap.space_error})"
     )
     note = f"{why}; {source}'s ILP plan laid onto it ({split}) takes "
-    note += f"{format_seconds(plan.step_time_s)}, {other}"
+    note += f"{format_seconds(lift.plan.step_time_s)}, {other}"
+    if found.improved:
+        note += f"; improved in its neighbourhoods to {format_seconds(plan.step_time_s)}"
     return replace(
         row,
         result=lifted,
@@ -365,38 +427,6 @@ def _lifted(row: MeshRow, rows: Sequence[MeshRow]) -> MeshRow:
         lifted_from=src.mesh.shape,
         over_cap=None,
     )
-
-
-def _improved(row: MeshRow, progress: Progress | None) -> MeshRow:
-    """``row``'s lifted plan improved by the ILP over its neighbourhoods
-    (:func:`autoshard.solver.neighbourhood.improve`: each pair of mesh dims free, the
-    others kept as the plan has them), or the row as it was when none is faster, its
-    report saying so. Only the search's fastest row gets it: each neighbourhood's ILP is
-    a 2-D mesh's."""
-    res = row.result
-    t = time.perf_counter()
-
-    def inner(phase: str, done: int, total: int) -> None:
-        progress(f"{phase} on {row.mesh.shape_str}", done, total)
-
-    found = improve(
-        res.config, res.sg, res.plan.choice, res.ilp.recompute, progress=inner if progress else None
-    )
-    lifted = {**res.plan.extra["lifted"], "improved": found.to_dict()}
-    plan = res.plan
-    if found.improved:
-        plan = finish_plan(res.config, res.sg, found.choice, "ilp", res.ilp.recompute)
-    plan.extra["lifted"] = lifted
-    seconds = {k: v for k, v in res.seconds.items() if k != "total"}
-    seconds["neighbourhoods"] = time.perf_counter() - t
-    if not found.improved:
-        res.seconds = {**seconds, "total": sum(seconds.values())}  # _lifted built res
-        return row
-    status = f"{res.ilp.status}, improved in its neighbourhoods ({len(found.steps)} ILPs)"
-    better = unsolved_result(res.config, res.graph, res.sg, plan, seconds, status)
-    better.ilp = replace(better.ilp, recompute=dict(res.ilp.recompute))
-    note = f"{row.note}; improved in its neighbourhoods to {format_seconds(plan.step_time_s)}"
-    return replace(row, result=better, note=note)
 
 
 def _ranked(rows: Sequence[MeshRow]) -> list[MeshRow]:
@@ -418,11 +448,15 @@ def search_meshes(
     progress: Progress | None = None,
     gpus_per_node: int | None = None,
     space: str = "free",
+    beside: Callable[[], None] | None = None,
 ) -> MeshSearch:
     """Plan ``config``'s model on each of ``meshes`` (``config.mesh`` is ignored) and rank
     them by predicted step time (``gpus_per_node``: the node size the meshes were laid
     over, kept in the result for its readers; ``space``: the search each mesh gets,
-    :func:`~autoshard.solver.space.plan_space`).
+    :func:`~autoshard.solver.space.plan_space`). ``beside``: work for this thread while
+    the second one improves the lifted plans (the command line prices the pipeline
+    depths' stages there, :func:`autoshard.pipeline.search.prepare_depths`); its errors
+    are raised.
 
     Raises:
         AutoshardError: no mesh is given, the model cannot be traced, or no mesh has a
@@ -437,7 +471,7 @@ def search_meshes(
     if solver.max_columns is None:  # one shape's program must not hold up the others
         solver = replace(solver, max_columns=MESH_SEARCH_COLUMNS)
     shaped = replace(config, solver=solver)
-    rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node)
+    rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node, beside)
     for row in rows:
         if row.result is not None:
             # the shared trace counts in every shape's seconds, as in a solve of that shape
@@ -446,12 +480,6 @@ def search_meshes(
             row.result.seconds["total"] = sum(
                 v for k, v in row.result.seconds.items() if k != "total"
             )
-    rows = [_lifted(row, rows) for row in rows]
-    planned = [r for r in rows if r.result is not None]
-    if planned:
-        fastest = min(planned, key=lambda r: r.step_time_s)
-        if fastest.lifted_from is not None:  # a lifted plan is a start, not an optimum
-            rows = [_improved(r, progress) if r is fastest else r for r in rows]
     if all(r.result is None for r in rows):
         reasons = "; ".join(f"{'x'.join(map(str, r.mesh.shape))}: {r.error}" for r in rows)
         raise AutoshardError(f"no mesh shape has a plan ({reasons})")

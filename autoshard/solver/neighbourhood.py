@@ -48,10 +48,11 @@ NEIGHBOURHOOD_WORK = 5
 """Work units (:data:`autoshard.solver.options.WORK_LIMIT`'s) each neighbourhood's ILP may
 take (each MIP of it: each memory round gets its own). The Llama-70B
 shape's neighbourhood of dims 1 and 2 of 8x8's plan laid onto 4x2x8 (134,111 columns,
-without the overlap savings) took 14.4 s at 5 units, from 1.6741 s to 1.4074 s; on the
-graph with every traced block apart (253,765 columns) 32.5 s to 1.2596 s, and with the
-savings 166.7 s at 20 units to the same plan, 911 s at the default 200 to 1.2415 s
-(docs/performance.md)."""
+without the overlap savings) took 14.4 s at 5 units, from 1.6741 s to 1.4074 s. On a
+graph with its traced blocks untied (253,765 columns) the ILP took 32.5 s at 5 units,
+and with the savings 166.7 s at 20 units to the same plan; those plans' prices are not
+the model's (an untied depth-reduced graph charges the boundaries between the middle
+block's copies at the previous block's placements: docs/performance.md)."""
 
 
 @dataclass
@@ -153,8 +154,8 @@ def improve(
     under ``config``'s budget, column cap and gap, within :data:`NEIGHBOURHOOD_WORK` work
     units per MIP (or ``config``'s own limit, if lower), and without the overlap savings
     unless ``overlap`` (the exact optimum of each neighbourhood, slower): with them the
-    Llama-70B shape's 4x2x8 neighbourhood of dims 1 and 2 (every traced
-    block apart) took 166.7 s at 20 units, without them 32.5 s at 5, to the same plan
+    Llama-70B shape's 4x2x8 neighbourhood of dims 1 and 2 (its traced blocks untied)
+    took 166.7 s at 20 units, without them 32.5 s at 5, to the same plan
     (docs/performance.md). A plan is kept when its price with the savings
     (:func:`~autoshard.cost.objective.evaluate`, the plan's step) is lower.
 
