@@ -134,6 +134,7 @@ def test_a_failure_while_an_ilp_runs_on_the_second_thread_stops_it(
     (its progress checks, as HiGHS's polls make them), and the strategies of the second
     (2x2) fail. The search raises that failure, and only after the ILP has stopped
     (``interrupt.Stopped`` at its check), well before the 60 s it would otherwise run."""
+    import sys
     import threading
     import time
 
@@ -166,11 +167,12 @@ def test_a_failure_while_an_ilp_runs_on_the_second_thread_stops_it(
 
     monkeypatch.setattr(meshes_module, "plan_model", endless_ilp)
     monkeypatch.setattr(meshes_module, "strategies", failing_strategies)
-    t = time.monotonic()
+    t, switch = time.monotonic(), sys.getswitchinterval()
     with pytest.raises(RuntimeError, match="planted"):
         search_meshes(config, meshes)
     assert len(seen) == 1  # stopped at its check, and before search_meshes returned
     assert time.monotonic() - t < 30
+    assert sys.getswitchinterval() == switch  # Python's own again
 
 
 def _cli(*args: str):

@@ -128,7 +128,8 @@ def prepare_depths(
     (:func:`~autoshard.solver.meshes.search_meshes`'s ``beside``).
 
     Raises:
-        AutoshardError: a depth below 2, or a model that cannot be traced.
+        AutoshardError: a depth below 2, a model that cannot be traced, or a batch the
+            micro-batches do not divide.
     """
     if any(pp < 2 for pp in depths):
         raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
@@ -138,11 +139,11 @@ def prepare_depths(
     prepared = {}
     for k, pp in enumerate(depths):
         mesh = placed[pp]
+        if progress:
+            progress("stage costs of the pipeline depths", k, len(depths))
         if mesh is None:
             prepared[pp] = PreparedDepth(None)
             continue
-        if progress:
-            progress(f"pipeline pp={pp} on {'x'.join(map(str, mesh.shape))}", k, len(depths))
         t = time.perf_counter()
         graph, layers, split = traces.of(pp)  # a model that cannot be traced: raised
         done = PreparedDepth(mesh, graph, layers, split)
@@ -152,6 +153,8 @@ def prepare_depths(
             done.error = str(exc)
         done.seconds = time.perf_counter() - t
         prepared[pp] = done
+    if progress:
+        progress("stage costs of the pipeline depths", len(depths), len(depths))
     return prepared
 
 
@@ -179,17 +182,21 @@ def pipeline_rows(
     whose stages' LP relaxations (:meth:`~autoshard.pipeline.stage_ilp.StagePricer.bound`)
     already give a 1F1B step at or above it cannot win: its stage ILPs are not solved, and
     its row holds that bound (``bound_s``) and says why. ``prepared``: the depths' traces
-    and stage costs already priced (:func:`prepare_depths`, with the same arguments),
-    else priced here.
+    and stage costs already priced (:func:`prepare_depths`, with the same arguments);
+    a depth it lacks is priced here.
 
     Raises:
         AutoshardError: a depth below 2, or a batch the micro-batches do not divide.
     """
-    if prepared is None:
-        prepared = prepare_depths(config, meshes, depths, microbatches, gpus_per_node, progress)
+    if any(pp < 2 for pp in depths):
+        raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
+    missing = [pp for pp in depths if pp not in (prepared or {})]
+    if missing:
+        more = prepare_depths(config, meshes, missing, microbatches, gpus_per_node, progress)
+        prepared = {**(prepared or {}), **more}
     staged = _staged(config)
     rows = []
-    for pp in depths:
+    for k, pp in enumerate(depths):
         ready = prepared[pp]
         mesh = ready.mesh
         if mesh is None:
@@ -200,6 +207,8 @@ def pipeline_rows(
             rows.append(MeshRow(mesh, error=ready.error, pp=pp))
             continue
         where = f"pp={pp} on {'x'.join(map(str, mesh.shape))}"
+        if progress:
+            progress(f"pipeline {where}", k, len(depths))
         t = time.perf_counter() - ready.seconds
         graph, layers, split, costs = ready.graph, ready.layers, ready.split, ready.costs
         try:

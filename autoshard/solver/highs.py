@@ -208,6 +208,8 @@ class HighsWork:
     iterations: int = 0
 
 
+_TALLY_LOCK = threading.Lock()
+
 _tally: contextvars.ContextVar[HighsWork | None] = contextvars.ContextVar(
     "autoshard_highs_tally", default=None
 )
@@ -225,8 +227,9 @@ def tallying() -> Iterator[HighsWork]:
     finally:
         _tally.reset(token)
         if outer is not None:
-            for name, value in vars(work).items():
-                setattr(outer, name, getattr(outer, name) + value)
+            with _TALLY_LOCK:  # a block on the mesh search's second thread adds to this one's
+                for name, value in vars(work).items():
+                    setattr(outer, name, getattr(outer, name) + value)
 
 
 def count_compile(seconds: float) -> None:
@@ -234,8 +237,9 @@ def count_compile(seconds: float) -> None:
     :func:`tallying` block, if any (:func:`autoshard.solver.ilp._milp`)."""
     tally = _tally.get()
     if tally is not None:
-        tally.compile_runs += 1
-        tally.compile_seconds += seconds
+        with _TALLY_LOCK:
+            tally.compile_runs += 1
+            tally.compile_seconds += seconds
 
 
 class _WorkLimit:
@@ -402,7 +406,8 @@ def run(
             (:func:`autoshard.interrupt.stoppable`), after HiGHS has stopped.
 
     One run at a time in the process (a second thread's waits): highspy resets HiGHS's
-    task scheduler, which the process shares, after each run.
+    task scheduler, which the process shares, after each run, and two instances run at
+    once from two threads have crashed (HiGHS PR #3141, 2026-07).
     """
     with _ONE_RUN:
         return _run(
@@ -485,6 +490,14 @@ def _run(  # noqa: PLR0913 - run()'s arguments, as run() documents them
     units = work.work if work is not None else 0
     tally = _tally.get()
     if tally is not None:
+        _add_run(tally, mip, took, nodes, iterations)
+    return HighsRun(status, x, objective, bound, gap, word, nodes, iterations, units)
+
+
+def _add_run(tally: HighsWork, mip: bool, took: float, nodes: int, iterations: int) -> None:
+    """One HiGHS run added to ``tally`` (under :data:`_TALLY_LOCK`: the mesh search's two
+    threads may share one)."""
+    with _TALLY_LOCK:
         if mip:
             tally.mip_runs += 1
             tally.mip_seconds += took
@@ -493,4 +506,3 @@ def _run(  # noqa: PLR0913 - run()'s arguments, as run() documents them
             tally.lp_seconds += took
         tally.nodes += nodes
         tally.iterations += iterations
-    return HighsRun(status, x, objective, bound, gap, word, nodes, iterations, units)

@@ -137,7 +137,9 @@ class MeshRow:
 
     @property
     def solve_seconds(self) -> float:
-        """Strategies, hand plans and the ILP for this mesh (the shared trace excluded);
+        """Strategies, hand plans and the ILP for this mesh (the shared trace excluded),
+        wall seconds: in a mesh search, spent beside the other shapes' work on its second
+        thread, so the rows' seconds add up to more than the search's;
         a pipeline row: its strategies and stage ILPs, and the first planned depth the
         pipeline traces it made."""
         if self.stages is not None:
@@ -274,8 +276,10 @@ def _plan_rows(
     torchtitan's space, then runs ``beside``. Every plan is what the shapes planned one
     after another give:
     each ILP stops at its own work limit, never at the clock (and one HiGHS run at a
-    time, :func:`autoshard.solver.highs.run`). If this thread fails, the ILP running
-    stops at its next progress check (:func:`autoshard.interrupt.stoppable`).
+    time, :func:`autoshard.solver.highs.run`). Not so with ``--time-limit`` (wall
+    seconds, now shared with the other thread). If this thread fails, the work running
+    on the other stops at its next check (HiGHS's polls, each neighbourhood, each memory
+    round: :func:`autoshard.interrupt.stoppable`).
     """
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-ilp")
@@ -317,8 +321,10 @@ def _plan_rows(
         stop.set()  # the ILP running stops at its next check; those queued never start
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        sys.setswitchinterval(switch)
+        try:
+            sys.setswitchinterval(switch)  # first: a second Ctrl-C may cut the wait short
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autoshard import interrupt
 from autoshard.cost.objective import evaluate
 from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import check_size
@@ -182,6 +183,7 @@ def improve(
     found = Improvement(dict(choice), before, before)
     sets = [tuple(f) for f in (free if free is not None else pairs_of_dims(len(sg.mesh_shape)))]
     for k, dims in enumerate(sets):
+        interrupt.check()  # Ctrl-C, or the mesh search's thread failed
         if progress:
             progress("neighbourhoods", k, len(sets))
         r = neighbourhood(plain, found.choice, dims)

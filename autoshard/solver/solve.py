@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
 
+from autoshard import interrupt
 from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
 from autoshard.cost.checkpointing import POLICIES, Checkpointing
 from autoshard.cost.collectives import comm_model
@@ -555,6 +556,7 @@ def _solve_rows(
     t0 = time.perf_counter()
     options = config.solver
     for rounds in range(1, MEMORY_ROUNDS + 1):
+        interrupt.check()  # Ctrl-C, or the mesh search's thread failed
         result = solve(sg, options, memory=(rows, budget), starts=starts)
         used = live.per_point(result.choice, result.recompute)
         over = [int(k) for k in np.argsort(-used, kind="stable") if used[k] > budget * (1 + 1e-9)]
