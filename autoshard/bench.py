@@ -21,7 +21,9 @@ with 2, 8 and 32 layers and the Llama-3-70B shape with 80 layers, on 2x4, 4x8 an
 bf16-mixed training of GPT-2 small, a 4-layer Qwen2, the Llama-7B shape (2x4, 4x8) and
 the Llama-70B shape at torchtitan's batch (the rows issue 29's targets are for);
 pipeline stages (``autoshard stages``, training, 8 micro-batches) of GPT-2 small and an
-8-layer Llama-7B shape.
+8-layer Llama-7B shape; the mesh search of the Llama-70B shape over 64 GPUs in nodes of
+8 with pipeline depths 2 and 4 (``autoshard solve --gpus 64 --gpus-per-node 8 --pp
+2,4``).
 """
 
 from __future__ import annotations
@@ -116,6 +118,68 @@ CASES["stages llama-7b-shape L8 2x4 pp2"] = {
     **_case("examples/llama.py", "2x4", "train", 8),
     "pp": 2,
 }
+# issue 32: from a GPU count to the plan, the mesh shapes of 64 GPUs in nodes of 8 and
+# pipeline depths 2 and 4 (``autoshard solve --gpus 64 --gpus-per-node 8 --pp 2,4``)
+CASES["search llama-70b-shape L80 32x2048 64 GPUs 8/node pp2+4 bf16-mixed"] = {
+    **_case("examples/llama70b_torchtitan.py", "64", "train", precision="bf16-mixed"),
+    "gpus": 64,
+    "gpus_per_node": 8,
+    "depths": (2, 4),
+}
+
+
+def run_search_case(name: str) -> dict:
+    """Search the mesh shapes and pipeline depths of one case (``autoshard solve --gpus
+    N --gpus-per-node G --pp ...``) in this process and write the best plan's files."""
+    # imported in the case's own process, so that its wall time and memory include them
+    from autoshard.cost.mesh import MeshSpec, node_shapes
+    from autoshard.pipeline.search import pipeline_rows, prepare_depths
+    from autoshard.plan.export import write_outputs
+    from autoshard.solver.meshes import search_meshes
+    from autoshard.solver.solve import SolveConfig, peak_rss_bytes
+
+    case = CASES[name]
+    os.environ.update(case["env"])
+    gpus, per_node, depths = case["gpus"], case["gpus_per_node"], list(case["depths"])
+    config = SolveConfig(
+        model_path=ROOT / case["file"],
+        mesh=MeshSpec.from_options(case["mesh"]),
+        mode=case["mode"],
+        precision=case["precision"],
+    )
+    meshes = [MeshSpec.on_nodes(s, per_node) for s in node_shapes(gpus, per_node)]
+    prepared: dict = {}
+
+    def beside() -> None:  # as the command line does
+        prepared.update(prepare_depths(config, meshes, depths, 8, per_node))
+
+    t0 = time.perf_counter()
+    search = search_meshes(config, meshes, gpus_per_node=per_node, beside=beside)
+    rows = pipeline_rows(
+        config, meshes, depths, 8, per_node, beat=search.fastest.step_time_s, prepared=prepared
+    )
+    search = search.with_rows(rows)
+    result = search.best.result
+    with tempfile.TemporaryDirectory() as out:  # what a user waits for: files written too
+        write_outputs(result.plan, out, "bench", result.config.cost_model(), result.solver_stats())
+    total = time.perf_counter() - t0
+    best = search.fastest
+    ranking = ", ".join(
+        f"{r.mesh.shape_str}{f' pp{r.pp}' if r.pp > 1 else ''} "
+        + (f"{r.step_time_s:.4g}" if r.planned else f">={r.bound_s:.3g}" if r.bound_s else "-")
+        for r in search.rows
+    )
+    return {
+        "case": name,
+        "trace_s": round(search.trace_seconds, 3),
+        "total_s": round(total, 3),
+        "status": f"best {best.mesh.shape_str} ({ranking})",
+        "objective_s": best.step_time_s,
+        "objective_ms": round(best.step_time_s * 1e3, 4),
+        "mfu": best.mfu,
+        "memory_bytes": best.memory_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 def run_stages_case(name: str) -> dict:
@@ -167,6 +231,8 @@ def run_case(name: str) -> dict:
     case = CASES[name]
     if "pp" in case:
         return run_stages_case(name)
+    if "gpus" in case:
+        return run_search_case(name)
     os.environ.update(case["env"])
     config = SolveConfig(
         model_path=ROOT / case["file"],
@@ -226,6 +292,8 @@ TARGET_WALL_S = {
     "train llama-7b-shape L32 2x4 bf16-mixed": 12.0,
     "train llama-7b-shape L32 4x8 bf16-mixed": 20.0,
     "train llama-70b-shape L80 32x2048 8x8 bf16-mixed": 45.0,
+    # issue 32: the mesh search of 64 GPUs, pipeline depths included
+    "search llama-70b-shape L80 32x2048 64 GPUs 8/node pp2+4 bf16-mixed": 180.0,
 }
 
 # the phases a case's wall time splits into: start-up (Python, imports, writing the files)
@@ -245,7 +313,7 @@ def _account(row: dict) -> None:
     row["startup_s"] = round(row["wall_s"] - row["total_s"], 2)
     if "solve_s" in row:
         row["ilp_s"] = round(row.get("ilp_build_s", 0.0) + row["solve_s"], 3)
-    else:  # a stages case: everything after the trace is the stage ILPs
+    else:  # a stages or search case: everything after the trace is its ILPs and strategies
         row["ilp_s"] = round(row["total_s"] - row.get("trace_s", 0.0), 3)
     row["target_s"] = TARGET_WALL_S.get(row["case"])
     phases = [(label, row[key]) for label, key in _PHASES if isinstance(row.get(key), float)]
