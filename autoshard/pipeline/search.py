@@ -114,6 +114,12 @@ def _staged(config: SolveConfig) -> SolveConfig:
     return replace(config, tie=False, activation_checkpointing="none", context_parallel=False)
 
 
+def _check_depths(depths: Sequence[int]) -> None:
+    """Raises :class:`AutoshardError` for a depth below 2."""
+    if any(pp < 2 for pp in depths):
+        raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
+
+
 def prepare_depths(
     config: SolveConfig,
     meshes: Sequence[MeshSpec],
@@ -131,8 +137,7 @@ def prepare_depths(
         AutoshardError: a depth below 2, a model that cannot be traced, or a batch the
             micro-batches do not divide.
     """
-    if any(pp < 2 for pp in depths):
-        raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
+    _check_depths(depths)
     staged = _staged(config)
     placed = {pp: pipeline_mesh(meshes, pp, gpus_per_node) for pp in depths}
     traces = _StagedTraces(staged, [pp for pp, m in placed.items() if m], microbatches, config.tie)
@@ -188,8 +193,7 @@ def pipeline_rows(
     Raises:
         AutoshardError: a depth below 2, or a batch the micro-batches do not divide.
     """
-    if any(pp < 2 for pp in depths):
-        raise AutoshardError(f"--pp (depths) {list(depths)}: each pipeline depth must be >= 2")
+    _check_depths(depths)
     missing = [pp for pp in depths if pp not in (prepared or {})]
     if missing:
         more = prepare_depths(config, meshes, missing, microbatches, gpus_per_node, progress)
