@@ -38,13 +38,13 @@ from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.launch.apply import Applied, apply
 from autoshard.model.model_file import loaded_from_module
 from autoshard.pipeline.pricing import StagesResult, layer_map, plan_pipeline
-from autoshard.pipeline.search import pipeline_rows, prepare_depths
+from autoshard.pipeline.search import search_shapes_and_depths
 from autoshard.plan.export import write_outputs
 from autoshard.plan.formats import load_sharding_map, load_solution
 from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import TWO_D_ONLY
 from autoshard.solver.compare import ComparedPlan, compare_plans
-from autoshard.solver.meshes import MeshSearch, search_meshes
+from autoshard.solver.meshes import MeshSearch
 from autoshard.solver.options import COMPARED, SolverOptions
 from autoshard.solver.preload import plan_preloaded
 from autoshard.solver.solve import (
@@ -239,20 +239,9 @@ def solve(
         shapes = node_shapes(gpus, gpus_per_node)
         meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
         depths = list(dict.fromkeys(pp))
-        prepared = {}
-
-        def beside() -> None:  # the depths' stage costs, while lifted plans improve
-            prepared.update(prepare_depths(config, meshes, depths, microbatches, gpus_per_node))
-
-        search = search_meshes(
-            config, meshes, gpus_per_node=gpus_per_node, space=space, beside=beside if pp else None
+        search = search_shapes_and_depths(
+            config, meshes, depths, microbatches, gpus_per_node, space=space
         )
-        if pp:
-            best = search.fastest.step_time_s  # a depth that cannot beat it is skipped
-            rows = pipeline_rows(
-                config, meshes, depths, microbatches, gpus_per_node, beat=best, prepared=prepared
-            )
-            search = search.with_rows(rows)
         return search.best.result
     return plan_space(config, space)
 

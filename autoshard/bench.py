@@ -133,9 +133,8 @@ def run_search_case(name: str) -> dict:
     N --gpus-per-node G --pp ...``) in this process and write the best plan's files."""
     # imported in the case's own process, so that its wall time and memory include them
     from autoshard.cost.mesh import MeshSpec, node_shapes
-    from autoshard.pipeline.search import pipeline_rows, prepare_depths
+    from autoshard.pipeline.search import search_shapes_and_depths
     from autoshard.plan.export import write_outputs
-    from autoshard.solver.meshes import search_meshes
     from autoshard.solver.solve import SolveConfig, peak_rss_bytes
 
     case = CASES[name]
@@ -148,17 +147,8 @@ def run_search_case(name: str) -> dict:
         precision=case["precision"],
     )
     meshes = [MeshSpec.on_nodes(s, per_node) for s in node_shapes(gpus, per_node)]
-    prepared: dict = {}
-
-    def beside() -> None:  # as the command line does
-        prepared.update(prepare_depths(config, meshes, depths, 8, per_node))
-
     t0 = time.perf_counter()
-    search = search_meshes(config, meshes, gpus_per_node=per_node, beside=beside)
-    rows = pipeline_rows(
-        config, meshes, depths, 8, per_node, beat=search.fastest.step_time_s, prepared=prepared
-    )
-    search = search.with_rows(rows)
+    search = search_shapes_and_depths(config, meshes, depths, 8, per_node)
     result = search.best.result
     with tempfile.TemporaryDirectory() as out:  # what a user waits for: files written too
         write_outputs(result.plan, out, "bench", result.config.cost_model(), result.solver_stats())

@@ -190,32 +190,11 @@ def solve_command(
         config = replace(config, mesh=mesh_on_nodes(config.mesh, gpus_per_node, opts))
     if meshes:  # the files are named after the best mesh once it is known
         with Progress(Console(stderr=True, quiet=quiet)) as progress:
-            from autoshard.pipeline.search import pipeline_rows, prepare_depths  # heavy
-            from autoshard.solver.meshes import search_meshes  # heavy, as above
+            from autoshard.pipeline.search import search_shapes_and_depths  # heavy, as above
 
-            prepared = {}
-
-            def beside() -> None:  # the depths' stage costs, while lifted plans improve
-                prepared.update(
-                    prepare_depths(config, meshes, depths, microbatches, gpus_per_node, progress)
-                )
-
-            search = search_meshes(
-                config, meshes, progress, gpus_per_node, space, beside if depths else None
+            search = search_shapes_and_depths(
+                config, meshes, depths, microbatches, gpus_per_node, progress, space
             )
-            if depths:
-                best = search.fastest.step_time_s  # a depth that cannot beat it: skipped
-                extra = pipeline_rows(
-                    config,
-                    meshes,
-                    depths,
-                    microbatches,
-                    gpus_per_node,
-                    progress,
-                    beat=best,
-                    prepared=prepared,
-                )
-                search = search.with_rows(extra)
         result = search.best.result
         config = result.config
         _print_meshes(Console(stderr=as_json, quiet=quiet), search, gpus, gpus_per_node)
@@ -502,8 +481,7 @@ def _search_cell(row) -> str:  # noqa: ANN001 - a MeshRow
     if row.pp > 1:
         return "stages"
     if row.lifted_from is not None:
-        improved = row.result.plan.extra["lifted"].get("improved") or {}
-        better = ", improved" if improved.get("improved") else ""
+        better = ", improved" if row.result.plan.extra["lifted"]["improved"]["improved"] else ""
         return f"{'x'.join(map(str, row.lifted_from))} ILP, lifted{better}"
     return "ILP" if row.space == "free" else f"{row.space} space"
 

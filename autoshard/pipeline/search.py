@@ -39,7 +39,7 @@ from autoshard.pipeline.stages import (
     pipeline_degrees,
     pipeline_step_time,
 )
-from autoshard.solver.meshes import MeshRow
+from autoshard.solver.meshes import MeshRow, MeshSearch, search_meshes
 from autoshard.solver.solve import SolveConfig, trace
 from autoshard.units import format_seconds
 
@@ -163,6 +163,44 @@ def prepare_depths(
     return prepared
 
 
+def search_shapes_and_depths(
+    config: SolveConfig,
+    meshes: Sequence[MeshSpec],
+    depths: Sequence[int] = (),
+    microbatches: int = 8,
+    gpus_per_node: int | None = None,
+    progress: Progress | None = None,
+    space: str = "free",
+) -> MeshSearch:
+    """``solve --gpus``: the mesh shapes searched
+    (:func:`~autoshard.solver.meshes.search_meshes`), then each pipeline depth of
+    ``depths`` planned or skipped against the fastest of them (:func:`pipeline_rows`),
+    all ranked together. The depths' traces and stage costs are priced while the search's
+    second thread improves its lifted plans (:func:`prepare_depths`).
+
+    Raises:
+        AutoshardError: as :func:`~autoshard.solver.meshes.search_meshes` and
+            :func:`pipeline_rows`.
+    """
+    prepared: dict[int, PreparedDepth] = {}
+
+    def beside() -> None:
+        prepared.update(
+            prepare_depths(config, meshes, depths, microbatches, gpus_per_node, progress)
+        )
+
+    search = search_meshes(
+        config, meshes, progress, gpus_per_node, space, beside if depths else None
+    )
+    if not depths:
+        return search
+    best = search.fastest.step_time_s  # a depth that cannot beat it is skipped
+    rows = pipeline_rows(
+        config, meshes, depths, microbatches, gpus_per_node, progress, beat=best, prepared=prepared
+    )
+    return search.with_rows(rows)
+
+
 def pipeline_rows(
     config: SolveConfig,
     meshes: Sequence[MeshSpec],
@@ -213,7 +251,7 @@ def pipeline_rows(
         where = f"pp={pp} on {'x'.join(map(str, mesh.shape))}"
         if progress:
             progress(f"pipeline {where}", k, len(depths))
-        t = time.perf_counter() - ready.seconds
+        t = time.perf_counter()
         graph, layers, split, costs = ready.graph, ready.layers, ready.split, ready.costs
         try:
             if beat is not None and split is not None:
@@ -255,7 +293,7 @@ def pipeline_rows(
         flops = graph.step_flops * microbatches  # the graph is one micro-batch's
         peak = config.device.peak(staged.compute_dtype(graph))
         mfu = flops / (step * mesh.num_devices * peak) if step > 0 and peak > 0 else 0.0
-        seconds = time.perf_counter() - t
+        seconds = ready.seconds + time.perf_counter() - t  # its costs priced before
         plan = PipelinePlan(done, graph, layers)
         note = None
         if split is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import os
 import sys
@@ -35,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import highspy
 import numpy as np
@@ -366,6 +368,22 @@ GPT-2 small bf16-mixed 40 -> 39.5 s (docs/performance.md, 2026-11-28). LP relaxa
 keep theirs; sub-MIPs inside HiGHS still presolve."""
 
 
+_ONE_RUN = threading.Lock()  # held by each HiGHS run (_one_at_a_time)
+
+
+def _one_at_a_time(fn: Callable) -> Callable:
+    """``fn`` under :data:`_ONE_RUN`: one HiGHS run at a time in the process (see
+    :func:`run`)."""
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _ONE_RUN:
+            return fn(*args, **kwargs)
+
+    return locked
+
+
+@_one_at_a_time
 def run(
     milp: MILP,
     time_limit: float | None = None,
@@ -409,33 +427,6 @@ def run(
     task scheduler, which the process shares, after each run, and two instances run at
     once from two threads have crashed (HiGHS PR #3141, 2026-07).
     """
-    with _ONE_RUN:
-        return _run(
-            milp,
-            time_limit,
-            mip_rel_gap,
-            start,
-            objective_bound,
-            seconds_per_unit,
-            work_limit,
-            iteration_limit,
-        )
-
-
-_ONE_RUN = threading.Lock()
-
-
-def _run(  # noqa: PLR0913 - run()'s arguments, as run() documents them
-    milp: MILP,
-    time_limit: float | None,
-    mip_rel_gap: float | None,
-    start: tuple[np.ndarray, np.ndarray] | None,
-    objective_bound: float | None,
-    seconds_per_unit: float | None,
-    work_limit: int | None,
-    iteration_limit: int | None,
-) -> HighsRun:
-    """:func:`run`'s work, under its lock."""
     h = new_highs()
     options: list[tuple[str, object]] = [
         ("output_flag", bool(os.environ.get("AUTOSHARD_HIGHS_LOG"))),

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard import interrupt
@@ -67,19 +67,6 @@ the thread building strategies."""
 
 
 @dataclass
-class _OverCap:
-    """A row's shape over the column cap, without a plan: its config, strategy graph, the
-    seconds spent on it, why its ILP was not solved and why torchtitan's space has no plan
-    (``MeshRow.over_cap``)."""
-
-    config: SolveConfig
-    sg: Any
-    seconds: dict[str, float]
-    why: str
-    space_error: str  # why torchtitan's space has no plan either
-
-
-@dataclass
 class MeshRow:
     """One candidate mesh: its plan (``result``), or why it has none (``error``: no plan
     fits the memory budget, the ILP found none). A pipeline row (``pp`` > 1) holds a stage
@@ -105,9 +92,6 @@ class MeshRow:
     # the shape whose ILP plan this row's plan is, laid onto this shape (one of its dims
     # split in two: autoshard.solver.lifting), or None
     lifted_from: tuple[int, ...] | None = None
-    # a shape over the column cap that torchtitan's space has no plan for either: what a
-    # plan laid onto it needs (its config and strategies), else None
-    over_cap: _OverCap | None = field(default=None, repr=False)
 
     @property
     def planned(self) -> bool:
@@ -182,34 +166,42 @@ class _Begun:
     """A row whose strategies are built and whose plan is still to come: ``future``, its
     ILP running on the search's second thread; else (``future`` None) planned in
     ``space`` by :meth:`finish`, on this thread. ``why``: why its free ILP is not solved
-    (over the column cap), else None."""
+    (over the column cap), else None; ``error``: why the shape has no strategies (then
+    ``sg`` is None); ``space_error``: once finished, why ``space`` has no plan."""
 
     config: SolveConfig
     space: str
-    sg: Any
-    built: float  # seconds its strategies took
+    sg: Any = None
+    built: float = 0.0  # seconds its strategies took
     why: str | None = None
     future: Future | None = None
+    error: str | None = None
+    space_error: str | None = None
+    lift: _Lift | None = None  # over the cap: another shape's plan laid onto it
 
     def finish(self, progress, graph) -> MeshRow:  # noqa: ANN001
         """The row: its ILP's plan (waited for), or its plan in ``space`` found now, or
         why it has none."""
         config, why = self.config, self.why
+        if self.error is not None:
+            return MeshRow(config.mesh, error=self.error, space=self.space)
         try:
             if self.future is not None:
                 found = self.future.result()
             else:
                 found = plan_space(config, self.space, progress, graph, self.sg)
         except AutoshardError as exc:  # this shape has no plan: its row says why
-            if why is None:
-                return MeshRow(config.mesh, error=str(exc), space=self.space)
-            # over the cap and no plan in torchtitan's space: another shape's plan may
-            # still be laid onto it (_lifted), on these strategies
-            error = f"{why}; in torchtitan's space: {exc}"
-            over_cap = _OverCap(config, self.sg, {"strategies": self.built}, why, str(exc))
-            return MeshRow(config.mesh, error=error, space=self.space, over_cap=over_cap)
+            self.space_error = str(exc)
+            error = str(exc) if why is None else f"{why}; in torchtitan's space: {exc}"
+            return MeshRow(config.mesh, error=error, space=self.space)
         found.seconds = {"strategies": self.built, **found.seconds}
         return MeshRow(config.mesh, found, space=self.space, note=why)
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable, *args: Any) -> Future:
+    """``fn(*args)`` on ``pool``'s thread, in a copy of this context (the progress
+    listener, the HiGHS tally, the stop event: :func:`autoshard.interrupt.stoppable`)."""
+    return pool.submit(contextvars.copy_context().run, fn, *args)
 
 
 def _begin_row(
@@ -219,26 +211,25 @@ def _begin_row(
     graph,  # noqa: ANN001
     pool: ThreadPoolExecutor,
     gpus_per_node: int | None = None,
-) -> _Begun | MeshRow:
+) -> _Begun:
     """``config.mesh``'s strategies (built here), and its plan begun: the free ILP, when
     it is asked for and within the column cap, on ``pool``'s thread; otherwise
-    (torchtitan's space, or the free ILP over the cap) left to :meth:`_Begun.finish`.
-    A shape without strategies is a row at once, saying why (``gpus_per_node``: the node
-    size the mesh was laid over, for the command that plans it alone)."""
+    (torchtitan's space, or the free ILP over the cap) left to :meth:`_Begun.finish`
+    (``gpus_per_node``: the node size the mesh was laid over, for the command that plans
+    it alone)."""
     try:
         t = time.perf_counter()
         sg = strategies(config, graph, progress)  # once, whichever space plans the shape
         built = time.perf_counter() - t
     except AutoshardError as exc:
-        return MeshRow(config.mesh, error=str(exc), space=space)
+        return _Begun(config, space, error=str(exc))
     if space != "free":
         return _Begun(config, space, sg, built)
     try:
         check_size(sg, config.solver, config.mesh, gpus_per_node)
     except ProgramTooLargeError as exc:
         return _Begun(config, "torchtitan", sg, built, why=str(exc))
-    run = contextvars.copy_context().run  # the listener, the tally, the stop event
-    future = pool.submit(run, plan_model, config, progress, graph, sg)
+    future = _submit(pool, plan_model, config, progress, graph, sg)
     return _Begun(config, space, sg, built, future=future)
 
 
@@ -246,10 +237,9 @@ def _on(progress: Progress | None, mesh: MeshSpec) -> Progress | None:
     """``progress`` with each phase named after ``mesh`` ("solve on 8x8")."""
     if progress is None:
         return None
-    text = "x".join(map(str, mesh.shape))
 
     def inner(phase: str, done: int, total: int) -> None:
-        progress(f"{phase} on {text}", done, total)
+        progress(f"{phase} on {mesh.shape_str}", done, total)
 
     return inner
 
@@ -274,12 +264,11 @@ def _plan_rows(
     fastest of their plans laid onto it (:func:`_lift`), improved in its neighbourhoods
     on the second thread (:func:`_improve`) while this one plans the over-cap shapes in
     torchtitan's space, then runs ``beside``. Every plan is what the shapes planned one
-    after another give:
-    each ILP stops at its own work limit, never at the clock (and one HiGHS run at a
-    time, :func:`autoshard.solver.highs.run`). Not so with ``--time-limit`` (wall
-    seconds, now shared with the other thread). If this thread fails, the work running
-    on the other stops at its next check (HiGHS's polls, each neighbourhood, each memory
-    round: :func:`autoshard.interrupt.stoppable`).
+    after another give: each ILP stops at its own work limit, never at the clock (and
+    one HiGHS run at a time, :func:`autoshard.solver.highs.run`); not so with
+    ``--time-limit`` (wall seconds, now shared with the other thread). When this thread
+    fails, the work running on the other stops at its next check (HiGHS's polls, each
+    neighbourhood, each memory round: :func:`autoshard.interrupt.stoppable`).
     """
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-ilp")
@@ -294,33 +283,26 @@ def _plan_rows(
                 shaped = replace(config, mesh=mesh)
                 on = _on(progress, mesh)
                 begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node))
-            rows: list[MeshRow | None] = [b if isinstance(b, MeshRow) else None for b in begun]
-            for k, b in enumerate(begun):  # the ILPs' rows: the plans to lay onto others
-                if isinstance(b, _Begun) and b.future is not None:
-                    rows[k] = b.finish(None, graph)
+            # the ILPs' rows first: the plans to lay onto the others
+            rows = [b.finish(None, graph) if b.future else None for b in begun]
             sources = [r for r in rows if r is not None]
-            lifts: dict[int, _Lift] = {}
-            for k, b in enumerate(begun):
-                if isinstance(b, _Begun) and b.why is not None:
-                    lift = _lift(b.config, b.sg, sources)
-                    if lift is not None:
-                        run = contextvars.copy_context().run
-                        on = _on(progress, meshes[k])
-                        lift.found = pool.submit(run, _improve, b.config, b.sg, lift, on)
-                        lifts[k] = lift
-            for k, b in enumerate(begun):  # torchtitan's space, beside the improvements
-                if rows[k] is None:
-                    rows[k] = b.finish(_on(progress, meshes[k]), graph)
+            for b in begun:  # each over-cap shape: the fastest of their plans laid onto it
+                b.lift = _lift(b.config, b.sg, sources) if b.why is not None else None
+                if b.lift is not None:
+                    on = _on(progress, b.config.mesh)
+                    b.lift.found = _submit(pool, _improve, b.config, b.sg, b.lift, on)
+            rows = [  # torchtitan's space, beside the improvements
+                r if r is not None else b.finish(_on(progress, b.config.mesh), graph)
+                for r, b in zip(rows, begun, strict=True)
+            ]
             if beside is not None:
                 beside()
-            rows = [_lifted(row, lifts.get(k)) for k, row in enumerate(rows)]
+            rows = [_lifted(r, b) for r, b in zip(rows, begun, strict=True)]
             if progress:
                 progress("meshes", len(meshes), len(meshes))
             return rows
-    except BaseException:
-        stop.set()  # the ILP running stops at its next check; those queued never start
-        raise
     finally:
+        stop.set()  # a failure: the work running stops at its next check (else all ended)
         try:
             sys.setswitchinterval(switch)  # first: a second Ctrl-C may cut the wait short
         finally:
@@ -380,23 +362,20 @@ def _improve(config: SolveConfig, sg, lift: _Lift, progress) -> tuple:  # noqa: 
     return found, plan, time.perf_counter() - t
 
 
-def _lifted(row: MeshRow, lift: _Lift | None) -> MeshRow:
-    """``row`` (its free ILP over the column cap: planned in torchtitan's space, or
-    without a plan), or, when faster, ``lift``'s plan, improved in its neighbourhoods."""
+def _lifted(row: MeshRow, begun: _Begun) -> MeshRow:
+    """``row`` (``begun``'s shape, its free ILP over the column cap: planned in
+    torchtitan's space, or without a plan), or, when faster, ``begun``'s lifted plan,
+    improved in its neighbourhoods."""
+    lift = begun.lift
     if lift is None:
         return row
-    if row.result is not None:
-        res = row.result
-        config, sg, graph, spent = res.config, res.sg, res.graph, res.seconds
-    else:  # no plan in torchtitan's space either
-        c = row.over_cap
-        config, sg, graph, spent = c.config, c.sg, c.sg.graph, c.seconds
-    why = row.note if row.result is not None else row.over_cap.why
     found, plan, took = lift.found.result()
     if row.result is not None and plan.step_time_s >= row.step_time_s:
         return row
+    config, sg, why = begun.config, begun.sg, begun.why
+    spent = row.result.seconds if row.result is not None else {"strategies": begun.built}
     src, m = lift.src, lift.split_dim
-    source = "x".join(map(str, src.mesh.shape))
+    source = src.mesh.shape_str
     seconds = {k: v for k, v in spent.items() if k != "total"}
     seconds["lift"] = lift.seconds
     seconds["neighbourhoods"] = took
@@ -413,12 +392,12 @@ def _lifted(row: MeshRow, lift: _Lift | None) -> MeshRow:
         "source_step_s": src.result.plan.step_time_s,
         "improved": found.to_dict(),
     }
-    lifted = unsolved_result(config, graph, sg, plan, seconds, status)
+    lifted = unsolved_result(config, sg.graph, sg, plan, seconds, status)
     lifted.ilp = replace(lifted.ilp, recompute=dict(ilp.recompute))
     other = (
         f"{row.space}'s space {format_seconds(row.step_time_s)}"
         if row.result is not None
-        else f"{row.space}'s space has no plan ({row.over_cap.space_error})"
+        else f"{row.space}'s space has no plan ({begun.space_error})"
     )
     note = f"{why}; {source}'s ILP plan laid onto it ({split}) takes "
     note += f"{format_seconds(lift.plan.step_time_s)}, {other}"
@@ -431,7 +410,6 @@ def _lifted(row: MeshRow, lift: _Lift | None) -> MeshRow:
         note=note,
         error=None,
         lifted_from=src.mesh.shape,
-        over_cap=None,
     )
 
 
