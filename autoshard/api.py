@@ -44,7 +44,7 @@ from autoshard.plan.formats import load_sharding_map, load_solution
 from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import TWO_D_ONLY
 from autoshard.solver.compare import ComparedPlan, compare_plans
-from autoshard.solver.meshes import MeshSearch
+from autoshard.solver.meshes import MeshSearch, plan_mesh
 from autoshard.solver.options import COMPARED, SolverOptions
 from autoshard.solver.preload import plan_preloaded
 from autoshard.solver.solve import (
@@ -188,7 +188,10 @@ def solve(
         example_inputs: tensors with the global batch's shapes (a single tensor is fine).
         mesh: ``"2x4"`` (the default links, :mod:`autoshard.cost.mesh`: the last dim inside a
             node) or a :class:`MeshSpec`;
-            default ``"2x4"`` unless ``gpus`` is given.
+            default ``"2x4"`` unless ``gpus`` is given. A mesh whose ILP has more than
+            ``solver.max_columns`` columns (default
+            :data:`~autoshard.solver.options.MESH_SEARCH_COLUMNS`) is planned as ``gpus``
+            plans such a shape (:func:`autoshard.solver.meshes.plan_mesh`).
         gpus: in place of ``mesh``: plan every mesh shape of this many GPUs that respects
             the node boundary (:func:`autoshard.cost.mesh.node_shapes`) and return the
             fastest; ``result.meshes`` ranks them all (``.rows``: mesh, plan or error).
@@ -243,6 +246,8 @@ def solve(
             config, meshes, depths, microbatches, gpus_per_node, space=space
         )
         return search.best.result
+    if space == "free":  # over the column cap: planned as the mesh search plans it
+        return plan_mesh(config)
     return plan_space(config, space)
 
 

@@ -376,10 +376,11 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     # the links the search laid 2x2 on: one node, so both dims at NVLink's
     assert meshes[(2, 2)].bandwidth == (INTRA, INTRA)
     assert rows[(2, 2)].note == (
-        f"its ILP has {sizes[(2, 2)]:,} columns, over the {cap:,} this search solves per "
-        "mesh (max_columns); to search it anyway, plan it on its own: --mesh 2x2 "
-        "--gpus-per-node 4 with the links it has here, per dim "
+        f"its ILP has {sizes[(2, 2)]:,} columns, over the {cap:,} solved whole "
+        f"(--max-columns); to solve it whole anyway: --mesh 2x2 --gpus-per-node 4 "
+        f"--max-columns {sizes[(2, 2)]} (the links it has here, per dim "
         + ", ".join(["370 GB/s and 5.00 us"] * 2)
+        + ")"
     )
     # the cap is the search's: the same shape solved on its own (solve --mesh) is planned
     alone = plan_model(replace(config, mesh=meshes[(2, 2)]), graph=graph)
@@ -449,7 +450,7 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     assert "; 4's ILP plan laid onto it (4's dim 0 split into dims 0 and 1) takes " in run.output
     # the written plan's report says what planned it: no ILP on 2x2, 4's plan laid onto it
     solver = next(line for line in run.output.splitlines() if line.startswith("solver:"))
-    assert solver.startswith("solver: no whole ILP on this mesh (its ILP is over the search's ")
+    assert solver.startswith("solver: no whole ILP on this mesh (its ILP is over the column cap, ")
     assert "4's ILP plan (" in solver and "laid onto it with 4's dim 0 split" in solver
     assert "started from no plan" not in run.output
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # torchtitan's plan stays

@@ -185,7 +185,7 @@ def test_the_mesh_search_improves_its_fastest_lifted_plan_to_the_shape_s_own_opt
     assert run.exit_code == 0, run.output
     assert "4 ILP, lifted, improved" in run.output
     words = " ".join(run.output.split())
-    assert "solver: no whole ILP on this mesh (its ILP is over the search's column cap); " in words
+    assert "solver: no whole ILP on this mesh (its ILP is over the column cap, " in words
     assert "laid onto it with 4's dim 0 split into dims 0 and 1: " in words
     assert "then the ILP over its neighbourhoods (the other dims' placements kept)" in words
     assert f"dims 1 free: optimal, {format_seconds(row.step_time_s)}" in words
@@ -278,3 +278,86 @@ def test_every_lifted_row_is_improved_as_its_shape_alone_would_be(tmp_path: Path
     assert search.rows[0].mesh.shape != (4, 2, 2)
     steps = lifted[(4, 2, 2)].result.plan.extra["lifted"]["improved"]
     assert steps["after_s"] < steps["before_s"]
+
+
+@pytest.mark.slow  # four shapes searched, each solved again on its own (about 20 s)
+def test_solve_mesh_over_the_cap_plans_the_shape_as_the_search_does(tmp_path: Path, monkeypatch):
+    """``solve --mesh S --gpus-per-node 4`` with S's program over the column cap: the plan
+    is the search's S row to the last digit (8x8's ILP plan laid onto 2x4x8 and improved,
+    as issue 32's one-by-one comparison solves each shape), so the search's best is the
+    fastest of the shapes solved one by one. Each 3-D shape's whole ILP (the cap raised
+    over its columns, ``--max-columns``) is no slower than the row (the lifted plan is one
+    of its plans). The command line's report says how the plan was found and how to
+    solve the whole ILP."""
+    from click.testing import CliRunner
+
+    from autoshard.cli.main import main
+    from autoshard.cost.mesh import node_shapes
+    from autoshard.solver.ilp import program_columns
+    from autoshard.solver.meshes import plan_mesh, search_meshes
+    from autoshard.solver.solve import strategies
+
+    model = write_mlp_mse(tmp_path, 1024, 4096, 16384)
+    cap = SolverOptions(mip_gap=0, max_columns=10_000)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.on_nodes((16,), 4), solver=cap)
+    meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(16, 4)]
+    search = search_meshes(config, meshes, gpus_per_node=4)
+    rows = {r.mesh.shape: r for r in search.rows}
+    graph = trace(config)
+    alone, sizes = {}, {}
+    for mesh in meshes:
+        shaped = replace(config, mesh=mesh)
+        alone[mesh.shape] = plan_mesh(shaped, gpus_per_node=4).plan.step_time_s
+        assert alone[mesh.shape] == rows[mesh.shape].step_time_s, mesh.shape
+        if len(mesh.shape) == 3:
+            assert rows[mesh.shape].lifted_from == (4, 4)
+            columns = sizes[mesh.shape] = program_columns(strategies(shaped, graph))
+            assert columns > cap.max_columns
+            whole = replace(shaped, solver=replace(cap, max_columns=columns))
+            own = plan_mesh(whole, gpus_per_node=4).plan.step_time_s
+            assert own <= alone[mesh.shape] * (1 + 1e-9)
+    assert search.best.step_time_s == min(alone.values())
+    args = ["solve", str(model), "--mesh", "4x2x2", "--gpus-per-node", "4", "--mip-gap", "0"]
+    args += ["--max-columns", "10000", "--out", str(tmp_path)]
+    run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
+    assert run.exit_code == 0, run.output
+    words = " ".join(run.output.split())
+    assert "solver: no whole ILP on this mesh (its ILP is over the column cap, " in words
+    assert "4x4's ILP plan (optimal, gap 0.00%; " in words
+    assert "over the 10,000 solved whole (--max-columns); to solve it whole anyway: --mesh " in (
+        words
+    )
+    assert f"--mesh 4x2x2 --gpus-per-node 4 --max-columns {sizes[(4, 2, 2)]} (" in words
+    assert format_seconds(alone[(4, 2, 2)]) in words
+
+
+def test_a_mesh_is_lifted_from_the_shapes_it_splits_on_its_own_links():
+    """The shapes with one dim fewer, worked by hand: 2x4x8 over nodes of 8 (dims 0 and
+    1 across nodes) splits 8x8's dim 0 (both across nodes: the network's links), not
+    2x32 (a dim of 32 over 4 nodes and their NVLink); plain ``--mesh 2x4x8`` (dim 0
+    across nodes, dims 1 and 2 inside nodes of 32) splits 2x32's dim 1, not 8x8 (8
+    ranks over 2 nodes of 4 GPUs each). A merged dim takes the slower of its two
+    links."""
+    from autoshard.cost.mesh import (
+        DEFAULT_INTER_NODE_BW,
+        DEFAULT_INTER_NODE_LATENCY,
+        DEFAULT_INTRA_NODE_BW,
+        DEFAULT_INTRA_NODE_LATENCY,
+    )
+    from autoshard.solver.meshes import lift_sources
+
+    inter = (DEFAULT_INTER_NODE_BW, DEFAULT_INTER_NODE_LATENCY)
+    intra = (DEFAULT_INTRA_NODE_BW, DEFAULT_INTRA_NODE_LATENCY)
+    (on_nodes,) = lift_sources(MeshSpec.on_nodes((2, 4, 8), 8), 8)
+    assert on_nodes == MeshSpec.on_nodes((8, 8), 8)
+    assert list(zip(on_nodes.bandwidth, on_nodes.latency, strict=True)) == [inter, intra]
+    (plain,) = lift_sources(MeshSpec.from_options("2x4x8"))
+    assert plain.shape == (2, 32)
+    assert list(zip(plain.bandwidth, plain.latency, strict=True)) == [inter, intra]
+    assert lift_sources(MeshSpec.on_nodes((4, 2, 2), 4), 4) == [MeshSpec.on_nodes((4, 4), 4)]
+    assert lift_sources(MeshSpec.from_options("8")) == []
+    slow = MeshSpec((2, 2, 2), ("a", "b", "c"), (1e9, 2e9, 3e9), (3e-6, 2e-6, 1e-6))
+    assert [(m.shape, m.bandwidth, m.latency) for m in lift_sources(slow, 8)] == [
+        ((4, 2), (1e9, 3e9), (3e-6, 1e-6)),
+        ((2, 4), (1e9, 2e9), (3e-6, 2e-6)),
+    ]

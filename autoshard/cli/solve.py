@@ -76,6 +76,19 @@ from autoshard.solver.options import MESH_SEARCH_COLUMNS
     show_default=True,
     help="With --pp: micro-batches per step (the example batch split along dim 0).",
 )
+@click.option(
+    "--max-columns",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help=f"The most columns an ILP is solved whole with (default {MESH_SEARCH_COLUMNS:,}; "
+    "with --gpus, per shape). A larger one (a 3-D mesh of a large model, often: the "
+    "Llama-70B shape on 2x4x8 has 2.9 million columns, and its whole ILP had not ended "
+    "after 77 minutes on 2 cores) is planned as --gpus plans such a shape: the ILP plan of "
+    "each shape with one dim fewer laid onto it and improved over its neighbourhoods, or "
+    "torchtitan's space, the faster; the report says which. Raise it to solve the whole "
+    "ILP anyway.",
+)
 @plan_options
 @click.option(
     "--out",
@@ -142,6 +155,7 @@ def solve_command(
     gpus_per_node,
     pp_depths,
     microbatches,
+    max_columns,
     **opts,
 ) -> None:
     """Plan how to shard MODEL_FILE on a device mesh, and write the plan.
@@ -166,7 +180,7 @@ def solve_command(
     """
     # heavy (torch, HiGHS): only once the command runs
     from autoshard.plan.export import output_stem
-    from autoshard.solver.solve import plan_model
+    from autoshard.solver.meshes import plan_mesh
 
     console = Console(stderr=as_json, quiet=quiet)
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
@@ -186,6 +200,8 @@ def solve_command(
     _refuse_unused(("--microbatches", "microbatches", depths))
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
+    if max_columns is not None:
+        config = replace(config, solver=replace(config.solver, max_columns=max_columns))
     if not meshes and _given("gpus_per_node"):
         config = replace(config, mesh=mesh_on_nodes(config.mesh, gpus_per_node, opts))
     if meshes:  # the files are named after the best mesh once it is known
@@ -230,7 +246,9 @@ def solve_command(
             result = plan_space(config, space, progress)
             notes = list(result.plan.extra.get("notes", []))
         else:
-            result = plan_model(config, progress)
+            node = gpus_per_node if _given("gpus_per_node") else None
+            result = plan_mesh(config, progress, node)
+            notes = list(result.plan.extra.get("notes", []))  # over the cap: how, and why
     _write_and_report(result, out_dir, stem, notes, console, html_path, as_json, quiet)
 
 

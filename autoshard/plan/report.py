@@ -814,8 +814,9 @@ def lifted_line(lifted: dict, step_s: float) -> str:
     tried_any = improved is not None and improved["skipped"] is None
     solver = "no whole ILP" if tried_any else "none"  # its neighbourhoods' ILPs ran here
     line = (
-        f"solver: {solver} on this mesh (its ILP is over the search's column cap); {source}'s "
-        f"ILP plan ({ended}{gap_text}; {format_seconds(lifted['source_step_s'])} there), "
+        f"solver: {solver} on this mesh (its ILP is over the column cap, --max-columns); "
+        f"{source}'s ILP plan ({ended}{gap_text}; "
+        f"{format_seconds(lifted['source_step_s'])} there), "
         f"laid onto it with {source}'s dim {m} split into dims {m} and {m + 1}"
     )
     if improved is None:

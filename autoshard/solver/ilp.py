@@ -417,9 +417,9 @@ def check_size(
         if gpus_per_node is not None:
             command += f" --gpus-per-node {gpus_per_node}"
         raise ProgramTooLargeError(
-            f"its ILP has {n:,} columns, over the {cap:,} this search solves per mesh "
-            f"(max_columns); to search it anyway, plan it on its own: {command} with "
-            f"the links it has here, per dim {links}",
+            f"its ILP has {n:,} columns, over the {cap:,} solved whole (--max-columns); "
+            f"to solve it whole anyway: {command} --max-columns {n} (the links it has "
+            f"here, per dim {links})",
             n,
             cap,
         )

@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autoshard import interrupt
-from autoshard.cost.mesh import MeshSpec
+from autoshard.cost.mesh import MeshSpec, default_dim_names, respects_nodes
 from autoshard.errors import AutoshardError, ProgramTooLargeError
-from autoshard.solver.ilp import check_size
+from autoshard.solver.ilp import check_size, program_columns
 from autoshard.solver.lifting import lift_choice, splits
 from autoshard.solver.neighbourhood import improve
 from autoshard.solver.options import MESH_SEARCH_COLUMNS
@@ -48,6 +48,7 @@ from autoshard.solver.solve import (
     SolveConfig,
     SolveResult,
     finish_plan,
+    graph_and_strategies,
     plan_model,
     strategies,
     trace,
@@ -433,6 +434,7 @@ def search_meshes(
     gpus_per_node: int | None = None,
     space: str = "free",
     beside: Callable[[], None] | None = None,
+    graph: Any = None,
 ) -> MeshSearch:
     """Plan ``config``'s model on each of ``meshes`` (``config.mesh`` is ignored) and rank
     them by predicted step time (``gpus_per_node``: the node size the meshes were laid
@@ -440,7 +442,8 @@ def search_meshes(
     :func:`~autoshard.solver.space.plan_space`). ``beside``: work for this thread while
     the second one improves the lifted plans (the command line prices the pipeline
     depths' stages there, :func:`autoshard.pipeline.search.prepare_depths`); its errors
-    are raised.
+    are raised. ``graph``: the model already traced (:func:`trace`), else traced here
+    (its seconds are then the caller's to count).
 
     Raises:
         AutoshardError: no mesh is given, the model cannot be traced, or no mesh has a
@@ -449,7 +452,8 @@ def search_meshes(
     if not meshes:
         raise AutoshardError("no mesh shape to try: check --gpus and --gpus-per-node")
     t = time.perf_counter()
-    graph = trace(config, progress)
+    if graph is None:
+        graph = trace(config, progress)
     trace_s = time.perf_counter() - t
     solver = config.solver
     if solver.max_columns is None:  # one shape's program must not hold up the others
@@ -471,3 +475,79 @@ def search_meshes(
     search = MeshSearch(_ranked(rows), trace_s, gpus_per_node)
     search.best.result.meshes = search
     return search
+
+
+def lift_sources(mesh: MeshSpec, gpus_per_node: int | None = None) -> list[MeshSpec]:
+    """The shapes with one dim fewer that ``mesh`` splits (two neighbouring dims merged:
+    2x4x8 is 8x8 with dim 0 split into 2 and 4), each laid as ``mesh``'s ranks lie over
+    nodes of ``gpus_per_node`` devices (None: ``--mesh``'s convention, dim 0 across
+    nodes and the rest inside one): only those whose dims each stay inside a node or
+    across whole nodes (:func:`~autoshard.cost.mesh.respects_nodes`, as ``--gpus``'s
+    shapes). A merged dim's ring crosses both dims' links: it takes the slower
+    bandwidth and the longer latency of the two (on a mesh laid over nodes, the links
+    :meth:`MeshSpec.on_nodes` gives it); every other dim keeps its own."""
+    shape = mesh.shape
+    node = gpus_per_node if gpus_per_node is not None else math.prod(shape[1:])
+
+    def merge(values: tuple, m: int, pick: Callable) -> tuple:
+        return (*values[:m], pick(values[m], values[m + 1]), *values[m + 2 :])
+
+    found = []
+    for m in range(len(shape) - 1):
+        merged = merge(shape, m, lambda a, b: a * b)
+        if respects_nodes(merged, node):
+            bandwidth, latency = merge(mesh.bandwidth, m, min), merge(mesh.latency, m, max)
+            found.append(MeshSpec(merged, default_dim_names(len(merged)), bandwidth, latency))
+    return found
+
+
+def plan_mesh(
+    config: SolveConfig, progress: Progress | None = None, gpus_per_node: int | None = None
+) -> SolveResult:
+    """``autoshard solve --mesh``: ``config.mesh``'s plan by its whole ILP
+    (:func:`plan_model`) when the program has at most ``config.solver.max_columns``
+    columns (None: :data:`MESH_SEARCH_COLUMNS`, the mesh search's cap). A larger program
+    (a 3-D mesh of a large model, often: the Llama-70B shape on 2x4x8 has 2,870,566
+    columns, and its whole ILP had not ended after 77 minutes here) is planned as the
+    mesh search plans such a shape (:func:`search_meshes` over it and the shapes it
+    splits, :func:`lift_sources`): the ILP plan of a shape with one dim fewer laid onto
+    it and improved in its neighbourhoods, or torchtitan's space, the faster. The plan
+    is then the search's row of this shape, and its report says how it was found.
+    ``gpus_per_node``: the node size ``config.mesh`` was laid over (``--gpus-per-node``),
+    else None (``--mesh``'s convention).
+
+    Over the cap, ``result.seconds`` adds the ILPs of the shapes it was lifted from
+    (``sources``, run beside this shape's strategies) and its ``total`` is the wall time.
+
+    Raises:
+        AutoshardError: as :func:`plan_model`; over the cap, when no plan fits (the
+            message says why for each way it was planned).
+    """
+    began = time.perf_counter()
+    seconds: dict[str, float] = {}
+    graph, sg = graph_and_strategies(config, progress, seconds)
+    cap = config.solver.max_columns or MESH_SEARCH_COLUMNS
+    if program_columns(sg) <= cap:
+        result = plan_model(config, progress, graph, sg)
+        seconds.update(result.seconds)
+        seconds["total"] = sum(v for k, v in seconds.items() if k != "total")
+        result.seconds = seconds
+        return result
+    del sg  # the search builds it again (a second or so), beside its sources' ILPs
+    capped = replace(config, solver=replace(config.solver, max_columns=cap))
+    meshes = [*lift_sources(config.mesh, gpus_per_node), config.mesh]
+    search = search_meshes(capped, meshes, progress, gpus_per_node, graph=graph)
+    row = next(r for r in search.rows if r.mesh is config.mesh)
+    if row.result is None:
+        raise AutoshardError(f"--mesh {config.mesh.shape_str}: {row.error}")
+    result = row.result
+    result.meshes = None  # one shape asked for: no table of the others
+    result.plan.extra.setdefault("notes", []).append(row.note)  # how it was planned, and why
+    spent = {k: v for k, v in result.seconds.items() if k not in ("trace", "total")}
+    result.seconds = {
+        "trace": seconds["trace"],
+        **spent,
+        "sources": sum(r.solve_seconds for r in search.rows if r is not row and r.planned),
+        "total": time.perf_counter() - began,
+    }
+    return result

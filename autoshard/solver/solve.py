@@ -415,7 +415,7 @@ def finish_plan(
     return plan
 
 
-def _graph_and_strategies(
+def graph_and_strategies(
     config: SolveConfig, progress: Progress | None, seconds: dict[str, float]
 ) -> tuple[TracedGraph, StrategyGraph]:
     """Trace and generate strategies, timing each into ``seconds``."""
@@ -446,7 +446,7 @@ def plan_model(
     """
     seconds: dict[str, float] = {}
     if graph is None:
-        graph, sg = _graph_and_strategies(config, progress, seconds)
+        graph, sg = graph_and_strategies(config, progress, seconds)
     elif sg is None:
         t = time.perf_counter()
         sg = strategies(config, graph, progress)
@@ -597,7 +597,7 @@ def plan_pinned(
         AutoshardError: no plan of the family (an op whose inputs cannot be resharded).
     """
     seconds: dict[str, float] = {}
-    graph, sg = _graph_and_strategies(config, None, seconds)
+    graph, sg = graph_and_strategies(config, None, seconds)
     t = time.perf_counter()
     pins = pinned(sg, parameters, inputs, gathered_dims, tp_styles, tp_dim)
     found = run_baseline(sg, name, config.mesh, config.solver, pins=pins)
@@ -638,7 +638,7 @@ def plan_baseline(config: SolveConfig, algo: str, progress: Progress | None = No
         AutoshardError: an unknown ``algo`` (the message lists them).
     """
     seconds: dict[str, float] = {}
-    graph, sg = _graph_and_strategies(config, progress, seconds)
+    graph, sg = graph_and_strategies(config, progress, seconds)
     t = time.perf_counter()
     plan, stats = plan_for_algo(
         sg,
