@@ -9,10 +9,11 @@ On a model you built (docs/python.md):
 
 On a model file, as the CLI does:
 
-    from autoshard.api import MeshSpec, SolveConfig, plan_model, write_outputs
+    from autoshard.api import MeshSpec, SolveConfig, plan_mesh, write_outputs
 
     config = SolveConfig(model_path=Path("examples/gpt2.py"), mesh=MeshSpec.from_options("2x4"))
-    result = plan_model(config)            # trace, strategies, hand-written plans, the ILP
+    result = plan_mesh(config)             # trace, strategies, hand-written plans, the ILP
+                                           # (over the column cap: a lifted plan, improved)
     print(result.plan.step_time_s)         # predicted seconds per step
     write_outputs(result.plan, Path("solutions"), "gpt2_2x4", config.cost_model(),
                   result.solver_stats())   # the solution pickle and the sharding map
@@ -23,6 +24,7 @@ not listed in ``__all__`` are internal and may change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -33,7 +35,7 @@ import torch
 from autoshard.calibrate import load_profile
 from autoshard.cost.collectives import CommModel, comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DEVICES, DeviceSpec, get_device
-from autoshard.cost.mesh import MeshSpec, node_shapes, parse_mesh_shape
+from autoshard.cost.mesh import MeshSpec, node_shapes, parse_mesh_shape, respects_nodes
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.launch.apply import Applied, apply
 from autoshard.model.model_file import loaded_from_module
@@ -81,6 +83,7 @@ __all__ = [
     "load_sharding_map",
     "load_solution",
     "plan_baseline",
+    "plan_mesh",
     "plan_model",
     "plan_pipeline",
     "plan_preloaded",
@@ -168,7 +171,7 @@ def solve(
     mesh: str | MeshSpec | None = None,
     *,
     gpus: int | None = None,
-    gpus_per_node: int = 8,
+    gpus_per_node: int | None = None,
     pp: Sequence[int] = (),
     microbatches: int = 8,
     space: str = "free",
@@ -195,8 +198,13 @@ def solve(
         gpus: in place of ``mesh``: plan every mesh shape of this many GPUs that respects
             the node boundary (:func:`autoshard.cost.mesh.node_shapes`) and return the
             fastest; ``result.meshes`` ranks them all (``.rows``: mesh, plan or error).
-        gpus_per_node: with ``gpus``: devices per node (a dim inside a node gets the
-            intra-node links, one across nodes the inter-node links).
+        gpus_per_node: devices per node (a dim inside a node gets the intra-node links,
+            one across nodes the inter-node links): with ``gpus`` (default 8), of every
+            shape tried; with ``mesh`` given as a shape (``"4x2x8"``), the mesh's ranks
+            laid over such nodes as ``gpus`` lays that shape (``--mesh 4x2x8
+            --gpus-per-node 8``); with a :class:`MeshSpec`, the nodes it was laid over
+            (its links are its own). Without it, ``mesh`` keeps dim 0 across nodes and
+            the rest inside one.
         pp: with ``gpus``: pipeline depths (each 2 or more) ranked beside the mesh
             shapes (``--pp 2,4``; :mod:`autoshard.pipeline.search`): each a stage plan
             over the leading dims of a shape, a 1F1B schedule of ``microbatches`` (a
@@ -237,18 +245,41 @@ def solve(
         )
     if any(d < 2 for d in pp):  # before the search, not after it
         raise AutoshardError(f"pp={tuple(pp)}: each pipeline depth must be >= 2")
+    if gpus is None and gpus_per_node is not None and links_profile:
+        raise AutoshardError("profile= sets each mesh dim's links as measured; drop gpus_per_node=")
+    if isinstance(mesh, str) and gpus_per_node is not None:
+        mesh = _on_nodes(parse_mesh_shape(mesh), gpus_per_node)
     config = _config(model, example_inputs, str(gpus) if gpus else (mesh or "2x4"), opts)
     if gpus is not None:
-        shapes = node_shapes(gpus, gpus_per_node)
-        meshes = [MeshSpec.on_nodes(shape, gpus_per_node) for shape in shapes]
+        per_node = 8 if gpus_per_node is None else gpus_per_node
+        shapes = node_shapes(gpus, per_node)
+        meshes = [MeshSpec.on_nodes(shape, per_node) for shape in shapes]
         depths = list(dict.fromkeys(pp))
         search = search_shapes_and_depths(
-            config, meshes, depths, microbatches, gpus_per_node, space=space
+            config, meshes, depths, microbatches, per_node, space=space
         )
         return search.best.result
     if space == "free":  # over the column cap: planned as the mesh search plans it
-        return plan_mesh(config)
+        return plan_mesh(config, gpus_per_node=gpus_per_node)
     return plan_space(config, space)
+
+
+def _on_nodes(shape: tuple[int, ...], gpus_per_node: int) -> MeshSpec:
+    """``shape`` laid row-major over nodes of ``gpus_per_node`` (as ``solve --mesh SHAPE
+    --gpus-per-node K``).
+
+    Raises:
+        AutoshardError: not a whole number of nodes, or a dim split between a node and
+            the network (:func:`~autoshard.cost.mesh.respects_nodes`).
+    """
+    n = math.prod(shape)
+    if (n > gpus_per_node and n % gpus_per_node) or not respects_nodes(shape, gpus_per_node):
+        raise AutoshardError(
+            f"mesh {'x'.join(map(str, shape))} over nodes of gpus_per_node={gpus_per_node} "
+            "is not whole nodes, or splits a mesh dim between a node and the network: give "
+            "a shape whose every dim lies inside a node or across whole nodes"
+        )
+    return MeshSpec.on_nodes(shape, gpus_per_node)
 
 
 def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # noqa: ANN001

@@ -382,7 +382,7 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
         + ", ".join(["370 GB/s and 5.00 us"] * 2)
         + ")"
     )
-    # the cap is the search's: the same shape solved on its own (solve --mesh) is planned
+    # the cap is the search's and solve --mesh's: plan_model (no cap) solves it whole
     alone = plan_model(replace(config, mesh=meshes[(2, 2)]), graph=graph)
     assert alone.ilp.num_variables == sizes[(2, 2)] > cap
 

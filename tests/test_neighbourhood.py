@@ -282,13 +282,16 @@ def test_every_lifted_row_is_improved_as_its_shape_alone_would_be(tmp_path: Path
 
 @pytest.mark.slow  # four shapes searched, each solved again on its own (about 20 s)
 def test_solve_mesh_over_the_cap_plans_the_shape_as_the_search_does(tmp_path: Path, monkeypatch):
-    """``solve --mesh S --gpus-per-node 4`` with S's program over the column cap: the plan
-    is the search's S row to the last digit (8x8's ILP plan laid onto 2x4x8 and improved,
-    as issue 32's one-by-one comparison solves each shape), so the search's best is the
-    fastest of the shapes solved one by one. Each 3-D shape's whole ILP (the cap raised
-    over its columns, ``--max-columns``) is no slower than the row (the lifted plan is one
-    of its plans). The command line's report says how the plan was found and how to
-    solve the whole ILP."""
+    """16 GPUs in nodes of 4, the 3-D shapes' programs over a column cap of 10,000:
+    ``solve --mesh S --gpus-per-node 4`` (``plan_mesh``) plans each shape as the search's
+    S row, to the last digit (4x4's ILP plan laid onto 4x2x2 and 2x2x4 and improved, as
+    issue 32's one-by-one comparison solves each shape; 16 and 4x4 solved whole, as
+    ``plan_model`` solves them, with its seconds), so the search's best is the fastest of
+    the shapes solved one by one. Each 3-D shape's whole ILP (the cap raised over its
+    columns, ``--max-columns``) is no slower than the row (the lifted plan is one of its
+    plans). Plain ``--mesh 4x2x2`` (dim 0 across nodes, the rest inside nodes of 4: the
+    same links) gives the same plan. The command line's report says how the plan was
+    found and how to solve the whole ILP."""
     from click.testing import CliRunner
 
     from autoshard.cli.main import main
@@ -307,16 +310,33 @@ def test_solve_mesh_over_the_cap_plans_the_shape_as_the_search_does(tmp_path: Pa
     alone, sizes = {}, {}
     for mesh in meshes:
         shaped = replace(config, mesh=mesh)
-        alone[mesh.shape] = plan_mesh(shaped, gpus_per_node=4).plan.step_time_s
+        found = plan_mesh(shaped, gpus_per_node=4)
+        alone[mesh.shape] = found.plan.step_time_s
         assert alone[mesh.shape] == rows[mesh.shape].step_time_s, mesh.shape
-        if len(mesh.shape) == 3:
-            assert rows[mesh.shape].lifted_from == (4, 4)
-            columns = sizes[mesh.shape] = program_columns(strategies(shaped, graph))
-            assert columns > cap.max_columns
-            whole = replace(shaped, solver=replace(cap, max_columns=columns))
-            own = plan_mesh(whole, gpus_per_node=4).plan.step_time_s
-            assert own <= alone[mesh.shape] * (1 + 1e-9)
+        assert found.meshes is None
+        if len(mesh.shape) < 3:  # within the cap: the whole ILP, as plan_model plans it
+            assert found.plan.step_time_s == plan_model(shaped, graph=graph).plan.step_time_s
+            assert list(found.seconds) == [
+                "trace", "strategies", "hand_plans", "ilp_build", "solve", "total"
+            ]  # fmt: skip
+            assert "notes" not in found.plan.extra
+            continue
+        assert rows[mesh.shape].lifted_from == (4, 4)
+        assert found.plan.extra["notes"] == [rows[mesh.shape].note]
+        assert {"trace", "strategies", "lift", "neighbourhoods", "sources", "total"} <= set(
+            found.seconds
+        )
+        assert found.seconds["sources"] > 0
+        columns = sizes[mesh.shape] = program_columns(strategies(shaped, graph))
+        assert columns > cap.max_columns
+        whole = replace(shaped, solver=replace(cap, max_columns=columns))
+        own = plan_mesh(whole, gpus_per_node=4)
+        assert "lifted" not in own.plan.extra and own.ilp.num_variables >= columns
+        assert own.plan.step_time_s <= alone[mesh.shape] * (1 + 1e-9)
     assert search.best.step_time_s == min(alone.values())
+    plain = replace(config, mesh=MeshSpec.from_options("4x2x2"))  # --mesh's convention
+    assert plain.mesh.bandwidth == meshes[2].bandwidth
+    assert plan_mesh(plain).plan.step_time_s == alone[(4, 2, 2)]
     args = ["solve", str(model), "--mesh", "4x2x2", "--gpus-per-node", "4", "--mip-gap", "0"]
     args += ["--max-columns", "10000", "--out", str(tmp_path)]
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
@@ -328,7 +348,7 @@ def test_solve_mesh_over_the_cap_plans_the_shape_as_the_search_does(tmp_path: Pa
         words
     )
     assert f"--mesh 4x2x2 --gpus-per-node 4 --max-columns {sizes[(4, 2, 2)]} (" in words
-    assert format_seconds(alone[(4, 2, 2)]) in words
+    assert f"improved in its neighbourhoods to {format_seconds(alone[(4, 2, 2)])}" in words
 
 
 def test_a_mesh_is_lifted_from_the_shapes_it_splits_on_its_own_links():
@@ -361,3 +381,36 @@ def test_a_mesh_is_lifted_from_the_shapes_it_splits_on_its_own_links():
         ((4, 2), (1e9, 3e9), (3e-6, 1e-6)),
         ((2, 4), (1e9, 2e9), (3e-6, 2e-6)),
     ]
+
+
+def test_an_option_solve_would_not_read_and_a_compare_row_over_the_cap_say_so(tmp_path: Path):
+    """``--max-columns`` qualifies the ILP: beside ``--algo``, ``--preload`` or ``--space
+    torchtitan`` it is refused in one line. ``compare``'s ``ilp`` row of a program over
+    the cap does not start the whole ILP: its row names the count, the cap and the
+    ``solve`` command that plans it; the hand plans' rows are priced as before."""
+    from click.testing import CliRunner
+
+    from autoshard.cli.main import main
+    from autoshard.solver.compare import compare_plans
+    from autoshard.solver.solve import strategies
+
+    model = write_mlp_mse(tmp_path, 64, 256, 1024)
+    for extra in (["--algo", "ddp"], ["--space", "torchtitan"]):
+        run = CliRunner().invoke(
+            main, ["solve", str(model), "--mesh", "2x2", "--max-columns", "10", *extra]
+        )
+        assert run.exit_code != 0
+        assert "--max-columns applies with the ILP (not with --algo, --preload or --space" in (
+            run.output
+        )
+    config = SolveConfig(
+        model_path=model, mesh=MeshSpec.from_options("2x2"), solver=SolverOptions(max_columns=10)
+    )
+    sg = strategies(config, trace(config))
+    rows = {r.name: r for r in compare_plans(config, sg, ("ilp", "ddp"))}
+    assert rows["ilp"].plan is None
+    assert rows["ilp"].error.endswith(
+        "over the 10 solved whole: autoshard solve --mesh 2x2 plans it (a plan of a shape "
+        "with one dim fewer laid onto it and improved)"
+    )
+    assert rows["ddp"].plan is not None

@@ -194,3 +194,25 @@ def test_the_options_are_one_value_the_three_functions_share():
         autoshard.solve(model, x, "2x2", modes="infer")
     with pytest.raises(TypeError, match="autoshard.stages"):
         autoshard.stages(model, x, pipeline=2)
+
+
+def test_a_mesh_laid_over_nodes_from_python_is_the_command_lines():
+    """``autoshard.solve(..., mesh="2x2x2", gpus_per_node=2)`` lays the ranks over nodes of
+    2 as ``solve --mesh 2x2x2 --gpus-per-node 2`` does: dims 0 and 1 across nodes (the
+    network's links), dim 2 inside one; the plan is that mesh's, planned from the model
+    file. A shape that splits a dim between a node and the network is one error."""
+    from autoshard.cost.mesh import DEFAULT_INTER_NODE_BW, DEFAULT_INTRA_NODE_BW
+    from autoshard.model.model_file import load_model_file
+
+    mf = load_model_file(ROOT / "examples" / "mlp.py")
+    with torch.device("meta"):
+        model = mf.module.build_model()
+        inputs = mf.module.example_inputs()
+    result = autoshard.solve(model, inputs, mesh="2x2x2", gpus_per_node=2)
+    inter, intra = DEFAULT_INTER_NODE_BW, DEFAULT_INTRA_NODE_BW
+    assert result.config.mesh.bandwidth == (inter, inter, intra)
+    on_nodes = MeshSpec.on_nodes((2, 2, 2), 2)
+    config = SolveConfig(model_path=ROOT / "examples" / "mlp.py", mesh=on_nodes)
+    assert result.plan.step_time_s == pytest.approx(plan_model(config).plan.step_time_s, rel=1e-9)
+    with pytest.raises(AutoshardError, match="splits a mesh dim between a node and the network"):
+        autoshard.solve(model, inputs, mesh="8x3", gpus_per_node=4)

@@ -197,7 +197,10 @@ def solve_command(
             "of the two"
         )
     depths = _depths(pp_depths, gpus)
-    _refuse_unused(("--microbatches", "microbatches", depths))
+    free_ilp = algo == "ilp" and preload is None and space == "free"
+    _refuse_unused(
+        ("--microbatches", "microbatches", depths), ("--max-columns", "max_columns", free_ilp)
+    )
     meshes = _meshes_of_gpus(gpus, gpus_per_node, algo, preload, opts)
     config = config_from_options(model_file, opts)
     if max_columns is not None:
@@ -368,7 +371,10 @@ def _refuse_unused(*options: tuple) -> None:
         AutoshardError: such an option. Each of ``options`` is ``(flag, click's keyword,
             the value of what it qualifies: falsy when absent)``.
     """
-    needs = {"--microbatches": "--gpus N --pp DEPTHS"}
+    needs = {
+        "--microbatches": "--gpus N --pp DEPTHS",
+        "--max-columns": "the ILP (not with --algo, --preload or --space torchtitan)",
+    }
     for flag, key, qualified in options:
         if not qualified and _given(key):
             raise AutoshardError(

@@ -9,17 +9,18 @@ are comparable and the ILP's step time is never above a baseline's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rich import box
 from rich.table import Table
 
 from autoshard.cost.collective_table import COLLECTIVE_KINDS, COLLECTIVES
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import hand_plan_starts, plan_for_algo
-from autoshard.solver.options import COMPARED
+from autoshard.solver.ilp import check_size
+from autoshard.solver.options import COMPARED, MESH_SEARCH_COLUMNS
 from autoshard.solver.solve import finish_plan, solve_within_memory
 from autoshard.solver.space import search_space
 from autoshard.strategies.graph import StrategyGraph
@@ -74,6 +75,26 @@ class ComparedPlan:
         }
 
 
+def _check_whole(sg: StrategyGraph, config) -> None:  # noqa: ANN001
+    """Refuses the ILP row of a program over ``solve``'s column cap
+    (``config.solver.max_columns``, else :data:`MESH_SEARCH_COLUMNS`), which ``solve``
+    plans by lifting a plan of a shape with one dim fewer
+    (:func:`autoshard.solver.meshes.plan_mesh`): its whole ILP would run for hours.
+
+    Raises:
+        AutoshardError: the count, the cap and the command that plans it.
+    """
+    cap = config.solver.max_columns or MESH_SEARCH_COLUMNS
+    try:
+        check_size(sg, replace(config.solver, max_columns=cap), config.mesh)
+    except ProgramTooLargeError as exc:
+        raise AutoshardError(
+            f"its ILP has {exc.columns:,} columns, over the {exc.cap:,} solved whole: "
+            f"autoshard solve --mesh {config.mesh.shape_str} plans it (a plan of a shape "
+            "with one dim fewer laid onto it and improved)"
+        ) from None
+
+
 def compare_plans(
     config,
     sg,
@@ -106,6 +127,7 @@ def compare_plans(
             progress("solve", i, len(algos))
         try:
             if algo == "ilp":  # as `solve` plans it: the budget at every point of the step
+                _check_whole(sg, config)
                 starts, _ = hand_plan_starts(sg, config.mesh)
                 result = solve_within_memory(sg, config, starts)
                 plan = finish(sg, result.choice, "ilp", result.recompute)

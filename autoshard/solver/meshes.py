@@ -212,16 +212,20 @@ def _begin_row(
     graph,  # noqa: ANN001
     pool: ThreadPoolExecutor,
     gpus_per_node: int | None = None,
+    prebuilt: tuple[Any, float] | None = None,
 ) -> _Begun:
-    """``config.mesh``'s strategies (built here), and its plan begun: the free ILP, when
-    it is asked for and within the column cap, on ``pool``'s thread; otherwise
-    (torchtitan's space, or the free ILP over the cap) left to :meth:`_Begun.finish`
-    (``gpus_per_node``: the node size the mesh was laid over, for the command that plans
-    it alone)."""
+    """``config.mesh``'s strategies (built here, unless ``prebuilt``: the strategies
+    and the seconds they took), and its plan begun: the free ILP, when it is asked for
+    and within the column cap, on ``pool``'s thread; otherwise (torchtitan's space, or
+    the free ILP over the cap) left to :meth:`_Begun.finish` (``gpus_per_node``: the
+    node size the mesh was laid over, for the command that plans it alone)."""
     try:
-        t = time.perf_counter()
-        sg = strategies(config, graph, progress)  # once, whichever space plans the shape
-        built = time.perf_counter() - t
+        if prebuilt is not None:
+            sg, built = prebuilt
+        else:
+            t = time.perf_counter()
+            sg = strategies(config, graph, progress)  # once, whichever space plans the shape
+            built = time.perf_counter() - t
     except AutoshardError as exc:
         return _Begun(config, space, error=str(exc))
     if space != "free":
@@ -253,6 +257,7 @@ def _plan_rows(
     graph,  # noqa: ANN001
     gpus_per_node: int | None,
     beside: Callable[[], None] | None = None,
+    built: tuple[MeshSpec, Any, float] | None = None,
 ) -> list[MeshRow]:
     """Each of ``meshes``' rows, in order, planned in ``space`` (the free ILP over the
     search's column cap: in torchtitan's space, or the plan of a free row laid onto it
@@ -283,7 +288,8 @@ def _plan_rows(
                     progress("meshes", k, len(meshes))
                 shaped = replace(config, mesh=mesh)
                 on = _on(progress, mesh)
-                begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node))
+                prebuilt = built[1:] if built is not None and built[0] is mesh else None
+                begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node, prebuilt))
             # the ILPs' rows first: the plans to lay onto the others
             rows = [b.finish(None, graph) if b.future else None for b in begun]
             sources = [r for r in rows if r is not None]
@@ -435,6 +441,7 @@ def search_meshes(
     space: str = "free",
     beside: Callable[[], None] | None = None,
     graph: Any = None,
+    built: tuple[MeshSpec, Any, float] | None = None,
 ) -> MeshSearch:
     """Plan ``config``'s model on each of ``meshes`` (``config.mesh`` is ignored) and rank
     them by predicted step time (``gpus_per_node``: the node size the meshes were laid
@@ -443,7 +450,8 @@ def search_meshes(
     the second one improves the lifted plans (the command line prices the pipeline
     depths' stages there, :func:`autoshard.pipeline.search.prepare_depths`); its errors
     are raised. ``graph``: the model already traced (:func:`trace`), else traced here
-    (its seconds are then the caller's to count).
+    (its seconds are then the caller's to count); ``built``: one of ``meshes``, its
+    strategies on ``graph`` already built and the seconds they took.
 
     Raises:
         AutoshardError: no mesh is given, the model cannot be traced, or no mesh has a
@@ -459,7 +467,7 @@ def search_meshes(
     if solver.max_columns is None:  # one shape's program must not hold up the others
         solver = replace(solver, max_columns=MESH_SEARCH_COLUMNS)
     shaped = replace(config, solver=solver)
-    rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node, beside)
+    rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node, beside, built)
     for row in rows:
         if row.result is not None:
             # the shared trace counts in every shape's seconds, as in a solve of that shape
@@ -492,13 +500,13 @@ def lift_sources(mesh: MeshSpec, gpus_per_node: int | None = None) -> list[MeshS
     def merge(values: tuple, m: int, pick: Callable) -> tuple:
         return (*values[:m], pick(values[m], values[m + 1]), *values[m + 2 :])
 
-    found = []
+    found: dict[tuple[int, ...], MeshSpec] = {}  # a dim of 1 merges to one shape twice
     for m in range(len(shape) - 1):
         merged = merge(shape, m, lambda a, b: a * b)
-        if respects_nodes(merged, node):
+        if respects_nodes(merged, node) and merged not in found:
             bandwidth, latency = merge(mesh.bandwidth, m, min), merge(mesh.latency, m, max)
-            found.append(MeshSpec(merged, default_dim_names(len(merged)), bandwidth, latency))
-    return found
+            found[merged] = MeshSpec(merged, default_dim_names(len(merged)), bandwidth, latency)
+    return list(found.values())
 
 
 def plan_mesh(
@@ -513,8 +521,9 @@ def plan_mesh(
     splits, :func:`lift_sources`): the ILP plan of a shape with one dim fewer laid onto
     it and improved in its neighbourhoods, or torchtitan's space, the faster. The plan
     is then the search's row of this shape, and its report says how it was found.
-    ``gpus_per_node``: the node size ``config.mesh`` was laid over (``--gpus-per-node``),
-    else None (``--mesh``'s convention).
+    ``gpus_per_node``: the node size ``config.mesh`` was laid over (``--gpus-per-node``,
+    ``autoshard.solve(mesh=..., gpus_per_node=...)``), else None (``--mesh``'s
+    convention, dim 0 across nodes and the rest inside one).
 
     Over the cap, ``result.seconds`` adds the ILPs of the shapes it was lifted from
     (``sources``, run beside this shape's strategies) and its ``total`` is the wall time.
@@ -527,19 +536,28 @@ def plan_mesh(
     seconds: dict[str, float] = {}
     graph, sg = graph_and_strategies(config, progress, seconds)
     cap = config.solver.max_columns or MESH_SEARCH_COLUMNS
-    if program_columns(sg) <= cap:
+    if program_columns(sg) <= cap:  # check_size's test, as the search makes it
         result = plan_model(config, progress, graph, sg)
         seconds.update(result.seconds)
         seconds["total"] = sum(v for k, v in seconds.items() if k != "total")
         result.seconds = seconds
         return result
-    del sg  # the search builds it again (a second or so), beside its sources' ILPs
     capped = replace(config, solver=replace(config.solver, max_columns=cap))
-    meshes = [*lift_sources(config.mesh, gpus_per_node), config.mesh]
-    search = search_meshes(capped, meshes, progress, gpus_per_node, graph=graph)
+    sources = lift_sources(config.mesh, gpus_per_node)
+    built = (config.mesh, sg, seconds["strategies"])
+    try:
+        search = search_meshes(
+            capped, [*sources, config.mesh], progress, gpus_per_node, graph=graph, built=built
+        )
+    except AutoshardError as exc:  # no shape has a plan: say so of the one asked for
+        raise AutoshardError(f"--mesh {config.mesh.shape_str} has no plan: {exc}") from None
     row = next(r for r in search.rows if r.mesh is config.mesh)
     if row.result is None:
-        raise AutoshardError(f"--mesh {config.mesh.shape_str}: {row.error}")
+        tried = ", ".join(m.shape_str for m in sources) or "none"
+        raise AutoshardError(
+            f"--mesh {config.mesh.shape_str} has no plan: {row.error}; nor does the plan of "
+            f"a shape with one dim fewer laid onto it (tried: {tried})"
+        )
     result = row.result
     result.meshes = None  # one shape asked for: no table of the others
     result.plan.extra.setdefault("notes", []).append(row.note)  # how it was planned, and why

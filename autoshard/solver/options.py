@@ -28,10 +28,12 @@ LP_ITERATION_LIMIT = 200_000
 
 
 MESH_SEARCH_COLUMNS = 1_000_000
-"""The most columns a program of ``--gpus``'s mesh search may have (its other shapes are
-still planned). A 3-D mesh is where this bites: the Llama shape at 2 layers, bf16-mixed,
-has 127,171 columns on 2x4 and 2,586,569 on 2x2x2, whose LP relaxation had not ended
-after 500 s (issue 29)."""
+"""The most columns a program is solved whole with, unless ``--max-columns`` says
+otherwise: per shape of ``--gpus``'s mesh search, and for ``solve --mesh``
+(:func:`autoshard.solver.meshes.plan_mesh`); a larger one is planned by lifting the plan
+of a shape with one dim fewer, or in torchtitan's space. A 3-D mesh is where this
+bites: the Llama shape at 2 layers, bf16-mixed, has 127,171 columns on 2x4 and 2,586,569
+on 2x2x2, whose LP relaxation had not ended after 500 s (issue 29)."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ class SolverOptions:
     ``max_columns``: the most columns (strategies, edge transport variables and shared
     reshardings: :func:`autoshard.solver.ilp.program_columns`) a program
     may have to be solved; a larger one is refused before its search starts (None: no
-    cap; the mesh search of ``--gpus`` sets :data:`MESH_SEARCH_COLUMNS`). Counted from
-    the program, never timed.
+    cap for :func:`~autoshard.solver.solve.plan_model`; the mesh search and
+    :func:`~autoshard.solver.meshes.plan_mesh` read None as :data:`MESH_SEARCH_COLUMNS`).
+    Counted from the program, never timed.
 
     Raises:
         AutoshardError: a limit that is not positive, a gap outside ``[0, 1)``; the
