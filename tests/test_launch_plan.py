@@ -533,14 +533,14 @@ def test_a_plan_laid_onto_a_mesh_with_one_dim_more_runs_as_predicted(
     2x2, where the search's cap keeps 2x2's own ILP out. Its collectives run over both
     dims of the 2x2 mesh as priced (observed == predicted, per phase, kind and dim), and
     it trains like one device on 4 gloo ranks."""
-    import autoshard.solver.meshes as searched
+    import autoshard.solver.options as solver_options
     from autoshard.cost.mesh import node_shapes
     from autoshard.plan.export import write_outputs
     from autoshard.solver.meshes import search_meshes
     from autoshard.solver.solve import SolveConfig
 
     model = write_mlp(tmp_path, 64, 256, 1024, act="GELU")
-    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
+    monkeypatch.setattr(solver_options, "MESH_SEARCH_COLUMNS", 2_000)
     config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
     search = search_meshes(config, [MeshSpec.on_nodes(s, 4) for s in node_shapes(4, 4)])
     best = search.best

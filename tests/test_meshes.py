@@ -345,6 +345,7 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
     the count of the program ``build_problem`` builds, and the links to plan it with on
     its own."""
     import autoshard.solver.meshes as searched
+    import autoshard.solver.options as solver_options
     from autoshard.solver.ilp import build_problem, program_columns
     from autoshard.solver.solve import strategies, trace
 
@@ -361,7 +362,7 @@ def test_a_shape_whose_program_is_over_the_cap_is_planned_in_torchtitan_s_space(
         assert sizes[shape] == prob.n_x + prob.n_y
     assert sizes[(2, 2)] > 2 * sizes[(4,)]
     cap = (sizes[(4,)] + sizes[(2, 2)]) // 2
-    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
+    monkeypatch.setattr(solver_options, "MESH_SEARCH_COLUMNS", cap)  # the search's default cap
     monkeypatch.setattr(searched, "lift_choice", lambda *a: None)  # no lifted plan
     search = search_meshes(config, list(meshes.values()), gpus_per_node=4)
     rows = {r.mesh.shape: r for r in search.rows}
@@ -397,14 +398,14 @@ def test_an_over_the_cap_shape_gets_the_plan_of_a_shape_with_one_dim_fewer_laid_
     parameter's layout the same over the 4 devices, and its collectives no slower (the
     same bytes per device over links of the same bandwidth, in fewer latency steps:
     1 + 1 instead of 3 for a collective over both dims)."""
-    import autoshard.solver.meshes as searched
+    import autoshard.solver.options as solver_options
     from autoshard.solver.solve import trace
 
     model = write_mlp(tmp_path, 64, 256, 1024)
     config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
     graph = trace(config)
     meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(4, 4)]
-    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
+    monkeypatch.setattr(solver_options, "MESH_SEARCH_COLUMNS", 2_000)
     rows = {r.mesh.shape: r for r in search_meshes(config, meshes).rows}
     four = plan_model(replace(config, mesh=meshes[0]), graph=graph).plan
     lifted = rows[(2, 2)]
@@ -438,9 +439,10 @@ def test_the_table_says_which_shape_torchtitan_s_space_planned_and_why(tmp_path:
     planned it and a note gives the reason; when torchtitan's space has no plan either
     (planted), the row says both reasons and 4 is still planned."""
     import autoshard.solver.meshes as searched
+    import autoshard.solver.options as solver_options
 
     model = write_mlp(tmp_path, 64, 256, 1024)
-    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 2_000)
+    monkeypatch.setattr(solver_options, "MESH_SEARCH_COLUMNS", 2_000)
     args = ["solve", str(model), "--gpus", "4", "--gpus-per-node", "4", "--out", str(tmp_path)]
     run = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert run.exit_code == 0, run.output

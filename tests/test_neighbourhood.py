@@ -160,7 +160,7 @@ def test_the_mesh_search_improves_its_fastest_lifted_plan_to_the_shape_s_own_opt
     finds on its own (mip_gap 0 both). The row, the table and the plan's report say so."""
     from click.testing import CliRunner
 
-    import autoshard.solver.meshes as searched
+    import autoshard.solver.options as solver_options
     from autoshard.cli.main import main
     from autoshard.cost.mesh import node_shapes
     from autoshard.solver.ilp import program_columns
@@ -168,7 +168,7 @@ def test_the_mesh_search_improves_its_fastest_lifted_plan_to_the_shape_s_own_opt
 
     config, four, own = _four_and_two_by_two(tmp_path, 1024, 4096, 16384)
     cap = (program_columns(four.sg) + program_columns(own.sg)) // 2
-    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", cap)
+    monkeypatch.setattr(solver_options, "MESH_SEARCH_COLUMNS", cap)
     meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
     search = search_meshes(replace(config, mesh=meshes[0]), meshes, gpus_per_node=2)
     row = next(r for r in search.rows if r.mesh.shape == (2, 2))
@@ -248,7 +248,7 @@ def test_every_lifted_row_is_improved_as_its_shape_alone_would_be(tmp_path: Path
     neighbourhoods, the fastest row and the others alike. Each row's step equals that
     shape planned alone the same way: 4x4 solved on its own (``plan_model``), its plan
     laid onto the shape and improved. 4x2x2's row is not the fastest and is improved."""
-    import autoshard.solver.meshes as searched
+    import autoshard.solver.options as solver_options
     from autoshard.cost.mesh import node_shapes
     from autoshard.solver.lifting import splits
     from autoshard.solver.meshes import search_meshes
@@ -258,7 +258,7 @@ def test_every_lifted_row_is_improved_as_its_shape_alone_would_be(tmp_path: Path
     config = SolveConfig(
         model_path=model, mesh=MeshSpec.on_nodes((16,), 4), solver=SolverOptions(mip_gap=0)
     )
-    monkeypatch.setattr(searched, "MESH_SEARCH_COLUMNS", 10_000)
+    monkeypatch.setattr(solver_options, "MESH_SEARCH_COLUMNS", 10_000)
     meshes = [MeshSpec.on_nodes(s, 4) for s in node_shapes(16, 4)]
     assert [m.shape for m in meshes] == [(16,), (4, 4), (4, 2, 2), (2, 2, 4)]
     search = search_meshes(config, meshes, gpus_per_node=4)

@@ -9,7 +9,7 @@ are comparable and the ILP's step time is never above a baseline's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich import box
@@ -20,7 +20,7 @@ from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.plan.plan import Plan
 from autoshard.solver.baselines import hand_plan_starts, plan_for_algo
 from autoshard.solver.ilp import check_size
-from autoshard.solver.options import COMPARED, MESH_SEARCH_COLUMNS
+from autoshard.solver.options import COMPARED
 from autoshard.solver.solve import finish_plan, solve_within_memory
 from autoshard.solver.space import search_space
 from autoshard.strategies.graph import StrategyGraph
@@ -84,9 +84,8 @@ def _check_whole(sg: StrategyGraph, config) -> None:  # noqa: ANN001
     Raises:
         AutoshardError: the count, the cap and the command that plans it.
     """
-    cap = config.solver.max_columns or MESH_SEARCH_COLUMNS
     try:
-        check_size(sg, replace(config.solver, max_columns=cap), config.mesh)
+        check_size(sg, config.solver.capped(), config.mesh)
     except ProgramTooLargeError as exc:
         raise AutoshardError(
             f"its ILP has {exc.columns:,} columns, over the {exc.cap:,} solved whole: "

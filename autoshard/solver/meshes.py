@@ -43,7 +43,6 @@ from autoshard.errors import AutoshardError, ProgramTooLargeError
 from autoshard.solver.ilp import check_size, program_columns
 from autoshard.solver.lifting import lift_choice, splits
 from autoshard.solver.neighbourhood import improve
-from autoshard.solver.options import MESH_SEARCH_COLUMNS
 from autoshard.solver.solve import (
     SolveConfig,
     SolveResult,
@@ -463,10 +462,8 @@ def search_meshes(
     if graph is None:
         graph = trace(config, progress)
     trace_s = time.perf_counter() - t
-    solver = config.solver
-    if solver.max_columns is None:  # one shape's program must not hold up the others
-        solver = replace(solver, max_columns=MESH_SEARCH_COLUMNS)
-    shaped = replace(config, solver=solver)
+    # one shape's program must not hold up the others
+    shaped = replace(config, solver=config.solver.capped())
     rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node, beside, built)
     for row in rows:
         if row.result is not None:
@@ -535,14 +532,13 @@ def plan_mesh(
     began = time.perf_counter()
     seconds: dict[str, float] = {}
     graph, sg = graph_and_strategies(config, progress, seconds)
-    cap = config.solver.max_columns or MESH_SEARCH_COLUMNS
-    if program_columns(sg) <= cap:  # check_size's test, as the search makes it
+    capped = replace(config, solver=config.solver.capped())
+    if program_columns(sg) <= capped.solver.max_columns:  # check_size's test, as the search's
         result = plan_model(config, progress, graph, sg)
         seconds.update(result.seconds)
         seconds["total"] = sum(v for k, v in seconds.items() if k != "total")
         result.seconds = seconds
         return result
-    capped = replace(config, solver=replace(config.solver, max_columns=cap))
     sources = lift_sources(config.mesh, gpus_per_node)
     built = (config.mesh, sg, seconds["strategies"])
     try:

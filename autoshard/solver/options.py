@@ -95,6 +95,14 @@ class SolverOptions:
                 f"lp_iteration_limit must be a positive whole number, got {self.lp_iteration_limit}"
             )
 
+    def capped(self) -> SolverOptions:
+        """These options with ``max_columns`` at :data:`MESH_SEARCH_COLUMNS` where none
+        was given: the cap the mesh search, ``solve --mesh``
+        (:func:`~autoshard.solver.meshes.plan_mesh`) and ``compare``'s ILP row apply."""
+        if self.max_columns is not None:
+            return self
+        return replace(self, max_columns=MESH_SEARCH_COLUMNS)
+
     def deadline(self, t0: float) -> float | None:
         """The ``time.perf_counter()`` reading at which a search started at ``t0`` must
         stop, or None without a wall-clock limit."""
