@@ -8,7 +8,7 @@ raises again where it matters: at every progress step and HiGHS poll, so the wor
 within seconds, and before any file is written, so an interrupted solve never writes a
 solution (``autoshard`` exits 130).
 
-Work started on a second thread (the mesh search's ILPs) stops the same way when the
+Work started on another thread (the mesh search's ILPs) stops the same way when the
 thread that started it fails (:func:`stoppable`): :func:`check` raises :class:`Stopped`
 there once the starter has set its event.
 """

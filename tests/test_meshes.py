@@ -126,15 +126,14 @@ def test_the_search_keeps_the_fastest_of_the_shapes_solved_one_by_one(tmp_path: 
     assert steps == sorted(steps)
 
 
-def test_a_failure_while_an_ilp_runs_on_the_second_thread_stops_it(
+def test_a_failure_while_an_ilp_runs_on_another_thread_stops_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """The search builds the next shape's strategies while the last shape's ILP runs on
-    its second thread. Planted: the ILP of the first shape (4) runs until it is stopped
+    another thread. Planted: the ILP of the first shape (4) runs until it is stopped
     (its progress checks, as HiGHS's polls make them), and the strategies of the second
     (2x2) fail. The search raises that failure, and only after the ILP has stopped
     (``interrupt.Stopped`` at its check), well before the 60 s it would otherwise run."""
-    import sys
     import threading
     import time
 
@@ -167,12 +166,11 @@ def test_a_failure_while_an_ilp_runs_on_the_second_thread_stops_it(
 
     monkeypatch.setattr(meshes_module, "plan_model", endless_ilp)
     monkeypatch.setattr(meshes_module, "strategies", failing_strategies)
-    t, switch = time.monotonic(), sys.getswitchinterval()
+    t = time.monotonic()
     with pytest.raises(RuntimeError, match="planted"):
         search_meshes(config, meshes)
     assert len(seen) == 1  # stopped at its check, and before search_meshes returned
     assert time.monotonic() - t < 30
-    assert sys.getswitchinterval() == switch  # Python's own again
 
 
 def _cli(*args: str):

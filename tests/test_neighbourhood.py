@@ -73,8 +73,8 @@ def test_the_neighbourhoods_of_a_lifted_plan_reach_the_whole_ilp_s_optimum(
     replicating everything (what 4's plan is over the network's links) to Megatron on dim
     1, Alpa's hand-known answer for a slow dim 0. Each step keeps the fixed dim's
     placements of the plan it started from. As the search runs it (each neighbourhood's
-    ILP without the overlap savings), the plan is no slower than the lifted one and no
-    faster than the whole ILP's optimum."""
+    ILP but the last without the overlap savings), the plan is no slower than the lifted
+    one and no faster than the whole ILP's optimum."""
     config, four, own = _four_and_two_by_two(tmp_path, b, d, h)
     sg = own.sg
     lifted = lift_choice(four.sg, four.plan.choice, sg, 0)
@@ -93,6 +93,8 @@ def test_the_neighbourhoods_of_a_lifted_plan_reach_the_whole_ilp_s_optimum(
     )
     default = improve(config, sg, lifted)
     assert own.plan.step_time_s * (1 - 1e-9) <= default.after_s < before
+    assert sg.overlap and [s["overlap"] for s in default.steps] == [False, True]
+    assert [s["overlap"] for s in improve(config, sg, lifted, overlap=False).steps] == [False] * 2
     if b == 64:  # replicated on the slow dim, Megatron's column-then-row pair on the fast one
         params = finish_plan(config, sg, found.choice, "improved").parameters
         assert params["fc1.weight"] == (Replicate(), Shard(0))

@@ -130,7 +130,7 @@ def prepare_depths(
 ) -> dict[int, PreparedDepth]:
     """Each depth of ``depths``'s traced micro-batch and stage costs, what
     :func:`pipeline_rows` starts from, before it knows the step to beat: the mesh search
-    prices them while its second thread improves its lifted plans
+    prices them while its ILPs and neighbourhoods run
     (:func:`~autoshard.solver.meshes.search_meshes`'s ``beside``).
 
     Raises:
@@ -176,7 +176,7 @@ def search_shapes_and_depths(
     (:func:`~autoshard.solver.meshes.search_meshes`), then each pipeline depth of
     ``depths`` planned or skipped against the fastest of them (:func:`pipeline_rows`),
     all ranked together. The depths' traces and stage costs are priced while the search's
-    second thread improves its lifted plans (:func:`prepare_depths`).
+    ILPs and neighbourhoods run (:func:`prepare_depths`).
 
     Raises:
         AutoshardError: as :func:`~autoshard.solver.meshes.search_meshes` and

@@ -28,14 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 import os
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import highspy
@@ -50,8 +55,10 @@ __all__ = [
     "MILP",
     "SolverProgress",
     "count_compile",
+    "in_processes",
     "listening",
     "run",
+    "serve",
     "tallying",
 ]
 
@@ -229,7 +236,7 @@ def tallying() -> Iterator[HighsWork]:
     finally:
         _tally.reset(token)
         if outer is not None:
-            with _TALLY_LOCK:  # a block on the mesh search's second thread adds to this one's
+            with _TALLY_LOCK:  # a block on one of the mesh search's threads adds to this one's
                 for name, value in vars(work).items():
                     setattr(outer, name, getattr(outer, name) + value)
 
@@ -267,31 +274,39 @@ class _WorkLimit:
             event.interrupt()
 
 
-class _Watch:
-    """HiGHS's MIP callbacks (its solver thread) record the latest numbers here; the
-    calling thread passes them on (:func:`_run_interruptibly`)."""
+def _numbers(event, mip: bool) -> tuple[float, float, float, float, int]:  # noqa: ANN001
+    """What a HiGHS callback ``event`` reports: primal and dual bounds, gap, HiGHS's
+    running time and its count (a MIP's nodes, an LP's simplex iterations)."""
+    d = event.data_out
+    if mip:
+        return (d.mip_primal_bound, d.mip_dual_bound, d.mip_gap, d.running_time, d.mip_node_count)
+    nan = math.nan
+    return (nan, nan, nan, d.running_time, d.simplex_iteration_count)
 
-    def __init__(
-        self, h: highspy.Highs, callback, seconds_per_unit: float | None, mip: bool
-    ) -> None:
+
+def _subscribe(h: highspy.Highs, mip: bool, record: Callable[[Any], None]) -> None:
+    """``record(event)`` on each of HiGHS's progress callbacks: a MIP's interrupt checks
+    and improving solutions, an LP's simplex interrupt checks."""
+    if mip:
+        h.cbMipInterrupt.subscribe(record)
+        h.cbMipImprovingSolution.subscribe(record)
+    else:
+        h.cbSimplexInterrupt.subscribe(record)
+
+
+class _Watch:
+    """The latest numbers HiGHS reported (:func:`_numbers`, recorded by its callbacks on
+    its solver thread, or sent by a HiGHS process, :class:`_Worker`), passed on to the
+    listener by the calling thread (:meth:`tell`)."""
+
+    def __init__(self, callback, seconds_per_unit: float | None, mip: bool) -> None:
         self.callback = callback
         self.scale = seconds_per_unit
         self.mip = mip
         self.latest: tuple[float, float, float, float, int] | None = None
-        if mip:
-            h.cbMipInterrupt.subscribe(self._record)
-            h.cbMipImprovingSolution.subscribe(self._record)
-        else:
-            h.cbSimplexInterrupt.subscribe(self._record)
 
-    def _record(self, event) -> None:  # noqa: ANN001 - highspy's callback event
-        d = event.data_out
-        count = d.mip_node_count if self.mip else d.simplex_iteration_count
-        nan = math.nan
-        if self.mip:
-            self.latest = (d.mip_primal_bound, d.mip_dual_bound, d.mip_gap, d.running_time, count)
-        else:
-            self.latest = (nan, nan, nan, d.running_time, count)
+    def record(self, event) -> None:  # noqa: ANN001 - highspy's callback event
+        self.latest = _numbers(event, self.mip)
 
     def tell(self) -> None:
         if self.latest is None:
@@ -368,22 +383,229 @@ GPT-2 small bf16-mixed 40 -> 39.5 s (docs/performance.md, 2026-11-28). LP relaxa
 keep theirs; sub-MIPs inside HiGHS still presolve."""
 
 
-_ONE_RUN = threading.Lock()  # held by each HiGHS run (_one_at_a_time)
+_ONE_RUN = threading.Lock()  # held by each HiGHS run in this process (run)
 
 
-def _one_at_a_time(fn: Callable) -> Callable:
-    """``fn`` under :data:`_ONE_RUN`: one HiGHS run at a time in the process (see
-    :func:`run`)."""
+@dataclass(frozen=True)
+class _Job:
+    """One HiGHS run as data, the same in this process and in a HiGHS process
+    (:class:`_Worker`): the program, HiGHS's options, the start and the work limit."""
 
-    @functools.wraps(fn)
-    def locked(*args: Any, **kwargs: Any) -> Any:
-        with _ONE_RUN:
-            return fn(*args, **kwargs)
+    milp: MILP
+    options: tuple[tuple[str, object], ...]
+    start: tuple[np.ndarray, np.ndarray] | None
+    work_limit: int | None
 
-    return locked
+    @property
+    def mip(self) -> bool:
+        return bool(np.any(self.milp.integer))
 
 
-@_one_at_a_time
+def _prepared(job: _Job) -> tuple[highspy.Highs, _WorkLimit | None]:
+    """A ``Highs`` holding ``job``'s program, options and start, and the work limit it
+    watches (None for an LP)."""
+    h = new_highs()
+    for name, value in job.options:
+        h.setOptionValue(name, value)
+    h.passModel(_highs_lp(job.milp))
+    if job.start is not None and job.mip:
+        index, value = job.start
+        h.setSolution(
+            len(index), np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
+        )
+    return h, (_WorkLimit(h, job.work_limit) if job.mip else None)
+
+
+def _outcome(h: highspy.Highs, job: _Job, work: _WorkLimit | None) -> HighsRun:
+    """What the run of ``h`` (``job``'s, ended) found."""
+    word = h.modelStatusToString(h.getModelStatus())
+    name = h.getModelStatus().name
+    info = h.getInfo()
+    status = _STATUS.get(name, "error")
+    if work is not None and work.hit and name in ("kInterrupt", "kHighsInterrupt"):
+        status, word = "work_limit", f"work limit ({job.work_limit} units)"
+    feasible = info.primal_solution_status == highspy.kSolutionStatusFeasible
+    x = np.array(h.getSolution().col_value) if feasible else None
+    objective = float(info.objective_function_value) if feasible else None
+    bound = gap = None
+    if job.mip:
+        bound = float(info.mip_dual_bound)
+        gap = float(info.mip_gap)
+        if not np.isfinite(bound):
+            bound = None
+        if not (0 <= gap < 1e20):
+            gap = None
+    nodes = max(int(info.mip_node_count), 0) if job.mip else 0
+    iterations = int(info.simplex_iteration_count)
+    units = work.work if work is not None else 0
+    return HighsRun(status, x, objective, bound, gap, word, nodes, iterations, units)
+
+
+def _run_here(job: _Job, watch: _Watch | None) -> HighsRun:
+    """``job`` run by HiGHS in this process, one run at a time (:data:`_ONE_RUN`)."""
+    with _ONE_RUN:
+        h, work = _prepared(job)
+        if watch is not None:
+            _subscribe(h, job.mip, watch.record)
+        _run_interruptibly(h, watch)
+        return _outcome(h, job, work)
+
+
+PROGRESS_EVERY_S = 0.1
+"""A HiGHS process sends its progress at most this often (s): the listener is told
+every 0.1 s in either place."""
+
+
+def serve(fd: int) -> None:
+    """A HiGHS process's loop (:class:`_Worker`), on the connection ``fd``: each
+    :class:`_Job` received is run and answered with ``("done", HighsRun)`` (or
+    ``("error", traceback)``), its progress sent as ``("progress", numbers)`` on the way
+    when the job asks for it; ``None`` ends it. Ctrl-C is the parent's: this process
+    ignores SIGINT and is killed when it is wanted no more."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent has gone
+            return
+        if message is None:
+            return
+        job, report = message
+        try:
+            h, work = _prepared(job)
+            if report:
+                sent = [-math.inf]
+
+                def send(event, sent=sent, mip=job.mip) -> None:  # noqa: ANN001 - highspy's
+                    now = time.monotonic()
+                    if now - sent[0] >= PROGRESS_EVERY_S:
+                        sent[0] = now
+                        conn.send(("progress", _numbers(event, mip)))
+
+                _subscribe(h, job.mip, send)
+            h.run()
+            answer = ("done", _outcome(h, job, work))
+        except Exception:  # noqa: BLE001 - sent to the parent, which raises it there
+            answer = ("error", traceback.format_exc())
+        conn.send(answer)
+
+
+class _Worker:
+    """A child process that runs HiGHS (:func:`serve`) for one thread of this process:
+    two threads' runs, each in its own process, run at once on two cores, where two
+    ``Highs`` in one process must take turns (:func:`run`). A fresh interpreter
+    (``python -c``), not ``multiprocessing``'s ``spawn``, which runs the parent's main
+    script again: a user's script that calls :func:`autoshard.solve` would be run twice.
+    The two talk over a socket pair as :class:`multiprocessing.connection.Connection`."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        fd = theirs.fileno()
+        env = dict(os.environ)  # the child imports this autoshard, wherever it lies
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        code = f"from autoshard.solver.highs import serve; serve({fd})"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env
+        )
+        theirs.close()
+        self.conn = Connection(mine.detach())
+
+    def run(self, job: _Job, watch: _Watch | None) -> HighsRun:
+        """``job``'s answer; ``watch`` told the progress every 0.1 s.
+
+        Raises:
+            KeyboardInterrupt, autoshard.interrupt.Stopped: as :func:`run` (this
+                process is then killed: HiGHS stops at once).
+            RuntimeError: the process failed or ended (its traceback or exit code)."""
+        self.conn.send((job, watch is not None))
+        while True:
+            if self.conn.poll(PROGRESS_EVERY_S):
+                try:
+                    kind, payload = self.conn.recv()
+                except EOFError:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.process.wait(5)
+                    raise RuntimeError(
+                        f"HiGHS's process ended (exit code {self.process.returncode})"
+                    ) from None
+                if kind == "done":
+                    return payload
+                if kind == "error":
+                    raise RuntimeError(f"HiGHS's process failed:\n{payload}")
+                if watch is not None:
+                    watch.latest = payload
+            interrupt.check()
+            if watch is not None:
+                watch.tell()
+
+    def close(self, kill: bool = False) -> None:
+        """Ends the process: asked to (``kill`` False: it is idle), or killed."""
+        if self.process.poll() is None and not kill:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+
+
+class _Workers:
+    """The HiGHS processes of an :func:`in_processes` block: one per thread that runs
+    HiGHS in it, started on its first run and ended with the block."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_thread: dict[int, _Worker] = {}
+
+    def run(self, job: _Job, watch: _Watch | None) -> HighsRun:
+        me = threading.get_ident()
+        with self.lock:
+            worker = self.by_thread.get(me)
+        if worker is None:
+            worker = _Worker()
+            with self.lock:
+                self.by_thread[me] = worker
+        try:
+            return worker.run(job, watch)
+        except BaseException:  # Ctrl-C, a stop, a failure: HiGHS stops with its process
+            with self.lock:
+                self.by_thread.pop(me, None)
+            worker.close(kill=True)
+            raise
+
+    def close(self) -> None:
+        with self.lock:
+            workers, self.by_thread = list(self.by_thread.values()), {}
+        for worker in workers:
+            worker.close()
+
+
+_processes: contextvars.ContextVar[_Workers | None] = contextvars.ContextVar(
+    "autoshard_highs_processes", default=None
+)
+
+
+@contextlib.contextmanager
+def in_processes() -> Iterator[None]:
+    """Within the block (and in the threads it starts with a copy of its context), each
+    thread's :func:`run` runs HiGHS in a child process of its own, so that HiGHS runs of
+    two threads run at once, each on its own core (the mesh search's:
+    :func:`autoshard.solver.meshes._plan_rows`). Each run is the run :func:`run` does in
+    this process (the same options, one thread, a fixed seed and work units): the same
+    answer. The processes end with the block."""
+    workers = _Workers()
+    token = _processes.set(workers)
+    try:
+        yield
+    finally:
+        _processes.reset(token)
+        workers.close()
+
+
 def run(
     milp: MILP,
     time_limit: float | None = None,
@@ -422,12 +644,13 @@ def run(
         KeyboardInterrupt: Ctrl-C, after HiGHS has stopped.
         autoshard.interrupt.Stopped: the thread that started this work failed
             (:func:`autoshard.interrupt.stoppable`), after HiGHS has stopped.
+        RuntimeError: inside :func:`in_processes`, HiGHS's process failed.
 
-    One run at a time in the process (a second thread's waits): highspy resets HiGHS's
+    In this process, one run at a time (a second thread's waits): highspy resets HiGHS's
     task scheduler, which the process shares, after each run, and two instances run at
-    once from two threads have crashed (HiGHS PR #3141, 2026-07).
+    once from two threads have crashed (HiGHS PR #3141, 2026-07). Inside
+    :func:`in_processes`, each thread's runs go to a HiGHS process of its own instead.
     """
-    h = new_highs()
     options: list[tuple[str, object]] = [
         ("output_flag", bool(os.environ.get("AUTOSHARD_HIGHS_LOG"))),
         ("threads", 1),  # deterministic: the same plan on every run and machine load
@@ -445,44 +668,17 @@ def run(
         options.append(("mip_rel_gap", float(mip_rel_gap)))
     if objective_bound is not None:
         options.append(("objective_bound", float(objective_bound)))
-    for name, value in options:
-        h.setOptionValue(name, value)
-    h.passModel(_highs_lp(milp))
-    if start is not None and mip:
-        index, value = start
-        h.setSolution(
-            len(index), np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
-        )
-    work = _WorkLimit(h, work_limit) if mip else None
+    job = _Job(milp, tuple(options), start, work_limit)
     callback = _listener.get()
-    watch = _Watch(h, callback, seconds_per_unit, mip) if callback is not None else None
+    watch = _Watch(callback, seconds_per_unit, mip) if callback is not None else None
+    workers = _processes.get()
     began = time.perf_counter()
-    _run_interruptibly(h, watch)
+    found = workers.run(job, watch) if workers is not None else _run_here(job, watch)
     took = time.perf_counter() - began
-    word = h.modelStatusToString(h.getModelStatus())
-    name = h.getModelStatus().name
-    info = h.getInfo()
-    status = _STATUS.get(name, "error")
-    if work is not None and work.hit and name in ("kInterrupt", "kHighsInterrupt"):
-        status, word = "work_limit", f"work limit ({work_limit} units)"
-    feasible = info.primal_solution_status == highspy.kSolutionStatusFeasible
-    x = np.array(h.getSolution().col_value) if feasible else None
-    objective = float(info.objective_function_value) if feasible else None
-    bound = gap = None
-    if mip:
-        bound = float(info.mip_dual_bound)
-        gap = float(info.mip_gap)
-        if not np.isfinite(bound):
-            bound = None
-        if not (0 <= gap < 1e20):
-            gap = None
-    nodes = max(int(info.mip_node_count), 0) if mip else 0
-    iterations = int(info.simplex_iteration_count)
-    units = work.work if work is not None else 0
     tally = _tally.get()
     if tally is not None:
-        _add_run(tally, mip, took, nodes, iterations)
-    return HighsRun(status, x, objective, bound, gap, word, nodes, iterations, units)
+        _add_run(tally, mip, took, found.nodes, found.iterations)
+    return found
 
 
 def _add_run(tally: HighsWork, mip: bool, took: float, nodes: int, iterations: int) -> None:

@@ -17,8 +17,9 @@ on 8x8 itself: its collectives over the two inter-node dims take fewer latency s
 Each such lifted plan is improved by the ILP over its neighbourhoods before the two are
 compared (:mod:`autoshard.solver.neighbourhood`: each pair of mesh dims free, the third
 kept), every row alike, so that each row holds what its shape planned alone this way
-would. The shapes' ILPs and neighbourhoods run on a second thread while this one builds
-the next shapes' strategies and prices torchtitan's space (:func:`_plan_rows`). Each
+would. The shapes' ILPs and neighbourhoods run on two more threads, each with a HiGHS
+process of its own, while this one builds the next shapes' strategies and prices
+torchtitan's space (:func:`_plan_rows`). Each
 shape is planned by
 :func:`plan_model`, the function ``solve --mesh`` runs, with the links of its place in
 the cluster (which can differ from ``--mesh``'s convention, dim 0 across nodes and the
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextvars
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +40,7 @@ from typing import Any
 from autoshard import interrupt
 from autoshard.cost.mesh import MeshSpec, default_dim_names, respects_nodes
 from autoshard.errors import AutoshardError, ProgramTooLargeError
+from autoshard.solver.highs import in_processes
 from autoshard.solver.ilp import check_size, program_columns
 from autoshard.solver.lifting import lift_choice, splits
 from autoshard.solver.neighbourhood import improve
@@ -58,12 +59,10 @@ from autoshard.units import format_seconds
 
 Progress = Callable[[str, int, int], None]
 
-SWITCH_INTERVAL_S = 1e-4
-"""Python's thread switch interval (s) while the search's ILPs run beside its strategies
-(:func:`_plan_rows`). HiGHS holds no GIL while it searches, but calls back into Python
-(its simplex and MIP interrupt callbacks: Ctrl-C, the work limit, the progress) many
-times a second, and each call waits for the GIL: up to Python's default 5 ms behind
-the thread building strategies."""
+LANES = 2
+"""Threads that run the mesh search's ILPs and neighbourhoods beside the one that builds
+strategies, each with a HiGHS process of its own: this machine's two cores (the Python
+work of the three threads shares one interpreter; HiGHS runs in the processes)."""
 
 
 @dataclass
@@ -164,7 +163,7 @@ class MeshSearch:
 @dataclass
 class _Begun:
     """A row whose strategies are built and whose plan is still to come: ``future``, its
-    ILP running on the search's second thread; else (``future`` None) planned in
+    ILP running on one of the search's lanes (:data:`LANES`); else (``future`` None) planned in
     ``space`` by :meth:`finish`, on this thread. ``why``: why its free ILP is not solved
     (over the column cap), else None; ``error``: why the shape has no strategies (then
     ``sg`` is None); ``space_error``: once finished, why ``space`` has no plan."""
@@ -262,23 +261,39 @@ def _plan_rows(
     search's column cap: in torchtitan's space, or the plan of a free row laid onto it
     and improved in its neighbourhoods, the faster).
 
-    Strategies are built on this thread, shape after shape; each free ILP runs on a
-    second thread as soon as its shape's strategies are built (HiGHS holds no GIL while
-    it searches: the Llama-70B shape's 8x8 ILP, about 50 s, runs while the 3-D shapes'
-    strategies are built). Once those ILPs have ended, each over-cap shape gets the
-    fastest of their plans laid onto it (:func:`_lift`), improved in its neighbourhoods
-    on the second thread (:func:`_improve`) while this one plans the over-cap shapes in
-    torchtitan's space, then runs ``beside``. Every plan is what the shapes planned one
-    after another give: each ILP stops at its own work limit, never at the clock (and
-    one HiGHS run at a time, :func:`autoshard.solver.highs.run`); not so with
-    ``--time-limit`` (wall seconds, now shared with the other thread). When this thread
-    fails, the work running on the other stops at its next check (HiGHS's polls, each
-    neighbourhood, each memory round: :func:`autoshard.interrupt.stoppable`).
+    Strategies are built on this thread, shape after shape; each free ILP runs on one of
+    :data:`LANES` other threads as soon as its shape's strategies are built (the
+    Llama-70B shape's 8x8 ILP, about 60 s, runs while the 3-D shapes' strategies are
+    built). Once those ILPs have ended, each over-cap shape gets the fastest of their
+    plans laid onto it (:func:`_lift`), improved in its neighbourhoods on those threads
+    (:func:`_improve`, two shapes at once) while this one plans the over-cap shapes in
+    torchtitan's space, then runs ``beside``. Every thread's HiGHS runs in a process of
+    its own (:func:`autoshard.solver.highs.in_processes`), so that they run at once on
+    the machine's cores. Every plan is what the shapes planned one after another give:
+    each ILP stops at its own work limit, never at the clock, and each row's work
+    depends on no other's; not so with ``--time-limit`` (wall seconds, now shared with
+    the other threads). When this thread fails, the work running on the others stops at
+    its next check (HiGHS's polls, each neighbourhood, each memory round:
+    :func:`autoshard.interrupt.stoppable`), and their HiGHS processes are killed.
     """
+    with in_processes():
+        return _rows_on_lanes(config, meshes, space, progress, graph, gpus_per_node, beside, built)
+
+
+def _rows_on_lanes(
+    config: SolveConfig,
+    meshes: Sequence[MeshSpec],
+    space: str,
+    progress: Progress | None,
+    graph,  # noqa: ANN001
+    gpus_per_node: int | None,
+    beside: Callable[[], None] | None,
+    built: tuple[MeshSpec, Any, float] | None,
+) -> list[MeshRow]:
+    """:func:`_plan_rows`'s work, its threads ended (or stopped) before it returns."""
     stop = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-ilp")
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, SWITCH_INTERVAL_S))
+    pool = ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="autoshard-ilp")
+    lifter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-lift")
     try:
         with interrupt.stoppable(stop):
             begun = []
@@ -289,30 +304,46 @@ def _plan_rows(
                 on = _on(progress, mesh)
                 prebuilt = built[1:] if built is not None and built[0] is mesh else None
                 begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node, prebuilt))
-            # the ILPs' rows first: the plans to lay onto the others
-            rows = [b.finish(None, graph) if b.future else None for b in begun]
-            sources = [r for r in rows if r is not None]
-            for b in begun:  # each over-cap shape: the fastest of their plans laid onto it
-                b.lift = _lift(b.config, b.sg, sources) if b.why is not None else None
-                if b.lift is not None:
-                    on = _on(progress, b.config.mesh)
-                    b.lift.found = _submit(pool, _improve, b.config, b.sg, b.lift, on)
-            rows = [  # torchtitan's space, beside the improvements
-                r if r is not None else b.finish(_on(progress, b.config.mesh), graph)
-                for r, b in zip(rows, begun, strict=True)
+            # every ILP is now queued ahead of the improvements _lift_all will queue
+            lifted = _submit(lifter, _lift_all, begun, graph, pool, progress)
+            # torchtitan's space of the over-cap shapes and the work beside, while the
+            # ILPs and the improvements run: neither waits for their plans
+            spaced = [
+                None if b.future else b.finish(_on(progress, b.config.mesh), graph) for b in begun
             ]
             if beside is not None:
                 beside()
+            ilp_rows = lifted.result()
+            rows = [ilp_rows[k] if b.future else spaced[k] for k, b in enumerate(begun)]
             rows = [_lifted(r, b) for r, b in zip(rows, begun, strict=True)]
             if progress:
                 progress("meshes", len(meshes), len(meshes))
             return rows
     finally:
         stop.set()  # a failure: the work running stops at its next check (else all ended)
-        try:
-            sys.setswitchinterval(switch)  # first: a second Ctrl-C may cut the wait short
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        lifter.shutdown(wait=True, cancel_futures=True)  # before the pool it queues on
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _lift_all(
+    begun: Sequence[_Begun],
+    graph,  # noqa: ANN001
+    pool: ThreadPoolExecutor,
+    progress: Progress | None,
+) -> dict[int, MeshRow]:
+    """The rows of ``begun``'s ILPs (by index in ``begun``), waited for; as soon as they
+    have ended, each over-cap shape's lifted plan (:func:`_lift`, the fastest of their
+    plans laid onto it), its improvement queued on ``pool`` (:func:`_improve`). Run on a
+    thread of its own, so that the improvements start while the search's thread still
+    prices torchtitan's space and the work beside."""
+    rows = {k: b.finish(None, graph) for k, b in enumerate(begun) if b.future}
+    sources = list(rows.values())
+    for b in begun:
+        b.lift = _lift(b.config, b.sg, sources) if b.why is not None else None
+        if b.lift is not None:
+            on = _on(progress, b.config.mesh)
+            b.lift.found = _submit(pool, _improve, b.config, b.sg, b.lift, on)
+    return rows
 
 
 @dataclass

@@ -18,8 +18,11 @@ graph's costs, the memory budget's rows) starts from the plan, which lies in it,
 plan is never slower than the plan as the ILP prices it. :func:`improve` takes the
 neighbourhood of each set in ``free`` in turn, each from the best plan so far, for one
 pass: every ILP stops at its own work limit (:data:`NEIGHBOURHOOD_WORK`: work counted,
-never seconds, so the same plan on every run), solved without the overlap savings and
-kept when the plan it gives is cheaper with them. The method is large neighbourhood search
+never seconds, so the same plan on every run), each but the last solved without the
+overlap savings (faster, and often to the same plan) and the last with them (the outer
+dims, whose collectives the savings hide: on the Llama-70B shape it takes 8x8's plan
+laid onto 4x2x8 from 1.4043 to 1.3896 s, where without them it stays), a plan kept when
+it is cheaper with them. The method is large neighbourhood search
 (Shaw, "Using constraint programming and local search methods to solve vehicle routing
 problems", CP 1998; Pisinger and Ropke, "Large neighborhood search", Handbook of
 Metaheuristics, 2010): a local optimum, with no bound on the whole mesh's optimum.
@@ -146,19 +149,24 @@ def improve(
     recompute: dict | None = None,
     free: Sequence[Sequence[int]] | None = None,
     progress: Progress | None = None,
-    overlap: bool = False,
+    overlap: bool | None = None,
 ) -> Improvement:
     """``choice`` improved by the ILP over each of its neighbourhoods ``free`` in turn
     (default :func:`pairs_of_dims`), each from the best plan so far, one pass.
 
     Each neighbourhood's ILP is :func:`~autoshard.solver.solve.solve_within_memory`'s
     under ``config``'s budget, column cap and gap, within :data:`NEIGHBOURHOOD_WORK` work
-    units per MIP (or ``config``'s own limit, if lower), and without the overlap savings
-    unless ``overlap`` (the exact optimum of each neighbourhood, slower): with them the
-    Llama-70B shape's 4x2x8 neighbourhood of dims 1 and 2 (its traced blocks untied)
-    took 166.7 s at 20 units, without them 32.5 s at 5, to the same plan
-    (docs/performance.md). A plan is kept when its price with the savings
-    (:func:`~autoshard.cost.objective.evaluate`, the plan's step) is lower.
+    units per MIP (or ``config``'s own limit, if lower). ``overlap``: True, each ILP
+    prices the overlap savings (the step's own objective, slower); False, none does;
+    None (the default), only the last one, the outer dims (:func:`pairs_of_dims` ends
+    with dims 0 and 1: on a mesh laid over nodes, those with the slowest links, whose
+    collectives the savings hide). Without the savings an ILP is faster and its plan
+    often the same: the Llama-70B shape's 4x2x8 neighbourhood of dims 1 and 2 (its
+    traced blocks untied) took 166.7 s at 20 units with them, 32.5 s at 5 without, to
+    the same plan; but the last neighbourhood of 8x8's plan laid onto 4x2x8 (tied)
+    finds 1.3896 s with them in 6.2 s, 1.4043 s without (docs/performance.md). A plan is
+    kept when its price with the savings (:func:`~autoshard.cost.objective.evaluate`,
+    the plan's step) is lower.
 
     Args:
         config: the solve's options (its mesh is ``sg``'s).
@@ -183,6 +191,7 @@ def improve(
     found = Improvement(dict(choice), before, before)
     sets = [tuple(f) for f in (free if free is not None else pairs_of_dims(len(sg.mesh_shape)))]
     for k, dims in enumerate(sets):
+        savings = overlap if overlap is not None else k == len(sets) - 1
         interrupt.check()  # Ctrl-C, or the mesh search's thread failed
         if progress:
             progress("neighbourhoods", k, len(sets))
@@ -196,9 +205,9 @@ def improve(
             step.update(status=f"not solved: {exc}", step_s=found.after_s)
             found.steps.append(step)
             continue
-        sub = replace(sub, overlap=sub.overlap and overlap)
+        sub = replace(sub, overlap=sub.overlap and savings)
         result = solve_within_memory(sub, limited, {"the plan": start})
-        step.update(columns=result.num_variables, status=result.status)
+        step.update(columns=result.num_variables, status=result.status, overlap=sub.overlap)
         new = unrestrict_choice(r, result.choice)
         s = evaluate(plain, new)
         if s < found.after_s:

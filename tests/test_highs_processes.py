@@ -1,0 +1,133 @@
+"""HiGHS in processes of its own (``autoshard.solver.highs.in_processes``), as the mesh
+search runs it so that two threads' runs use two cores: the same answer as in this
+process, the progress and the tally as before, and a stop or a dead process that never
+leaves a search waiting or a process behind."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoshard import interrupt
+from autoshard.solver.highs import SolverProgress, in_processes, listening, run, tallying
+from tests.test_solver_progress import knapsack
+
+
+def _children() -> set[int]:
+    """The pids of this process's living children (Linux's /proc)."""
+    me = os.getpid()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def test_two_threads_runs_in_processes_answer_as_this_process_does():
+    """Each thread's run goes to a HiGHS process of its own and ends on the point the run
+    in this process ends on (one thread, a fixed seed, the same work units): two at once
+    change nothing; the processes end with the block."""
+    a, b = knapsack(seed=0), knapsack(seed=1)
+    here = [run(m, work_limit=300) for m in (a, b)]
+    before = _children()
+    with in_processes():
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [
+                pool.submit(
+                    contextvars.copy_context().run, run, m, None, None, None, None, None, 300
+                )
+                for m in (a, b)
+            ]
+            there = [f.result() for f in futures]
+        assert len(_children() - before) >= 1  # the processes live until the block ends
+    for mine, theirs in zip(here, there, strict=True):
+        assert theirs.status == mine.status
+        assert theirs.objective == mine.objective and theirs.work == mine.work
+        np.testing.assert_array_equal(theirs.x, mine.x)
+    deadline = time.monotonic() + 10
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _children() - before
+
+
+def test_a_highs_process_reports_progress_and_counts_in_the_tally():
+    """The listener hears a process's run as it hears one in this process (incumbents in
+    seconds, the last no better than the answer), and the tally counts it."""
+    milp = knapsack()
+    told: list[SolverProgress] = []
+    with in_processes(), listening(told.append), tallying() as work:
+        found = run(milp, time_limit=60.0, seconds_per_unit=1e-6)
+    assert found.status == "optimal"
+    with_incumbent = [p for p in told if p.incumbent is not None]
+    assert with_incumbent and all(p.mip and p.in_seconds for p in told)
+    assert with_incumbent[-1].incumbent >= found.objective * 1e-6 - 1e-12
+    assert (work.mip_runs, work.nodes) == (1, found.nodes)
+
+
+def test_a_stop_kills_the_highs_process_at_once():
+    """The thread that started the work fails (the mesh search's stop event): the run in
+    the process raises ``Stopped`` within a poll, and its process is killed, not left
+    to finish a search no one waits for."""
+    big = knapsack(n=400, rows=12)
+    stop = threading.Event()
+    before = _children()
+    outcome: list[BaseException] = []
+
+    def solve() -> None:
+        try:
+            run(big, time_limit=120.0)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome.append(exc)
+
+    with in_processes(), interrupt.stoppable(stop):
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(solve,))
+        worker.start()
+        deadline = time.monotonic() + 20
+        while not (_children() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # HiGHS is searching
+        began = time.monotonic()
+        stop.set()
+        worker.join(10)
+        assert time.monotonic() - began < 2.0
+        assert not _children() - before  # killed, before the block ends
+    assert len(outcome) == 1 and isinstance(outcome[0], interrupt.Stopped)
+
+
+def test_a_highs_process_that_dies_is_an_error_that_says_so():
+    """A planted fault: the HiGHS process is killed mid-run (out of memory, a crash). The
+    run raises an error naming the exit code; it never waits on."""
+    big = knapsack(n=400, rows=12)
+    before = _children()
+    killer_done = threading.Event()
+
+    def kill_it() -> None:
+        deadline = time.monotonic() + 20
+        while not (_children() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        for pid in _children() - before:
+            os.kill(pid, 9)
+        killer_done.set()
+
+    threading.Thread(target=kill_it, daemon=True).start()
+    with (
+        in_processes(),
+        pytest.raises(RuntimeError, match=r"HiGHS's process ended \(exit code -9\)"),
+    ):
+        run(big, time_limit=120.0)
+    assert killer_done.wait(5)
