@@ -57,6 +57,7 @@ __all__ = [
     "count_compile",
     "in_processes",
     "listening",
+    "processes_peak_bytes",
     "run",
     "serve",
     "tallying",
@@ -511,6 +512,7 @@ class _Worker:
         )
         theirs.close()
         self.conn = Connection(mine.detach())
+        self.peak_bytes = 0
 
     def run(self, job: _Job, watch: _Watch | None) -> HighsRun:
         """``job``'s answer; ``watch`` told the progress every 0.1 s.
@@ -525,8 +527,7 @@ class _Worker:
                 try:
                     kind, payload = self.conn.recv()
                 except EOFError:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.process.wait(5)
+                    self._reap(5)
                     raise RuntimeError(
                         f"HiGHS's process ended (exit code {self.process.returncode})"
                     ) from None
@@ -540,26 +541,53 @@ class _Worker:
             if watch is not None:
                 watch.tell()
 
-    def close(self, kill: bool = False) -> None:
-        """Ends the process: asked to (``kill`` False: it is idle), or killed."""
-        if self.process.poll() is None and not kill:
+    def _reap(self, timeout: float | None) -> bool:
+        """Waits for the process to end (at most ``timeout`` s; None: as long as it
+        takes) and reaps it with its resource usage (``os.wait4``): its peak memory in
+        :attr:`peak_bytes`. Whether it has ended."""
+        if self.process.returncode is not None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                pid, status, usage = os.wait4(
+                    self.process.pid, 0 if deadline is None else os.WNOHANG
+                )
+            except ChildProcessError:  # reaped already (its usage is lost)
+                self.process.returncode = self.process.returncode or 0
+                return True
+            if pid:
+                self.process.returncode = os.waitstatus_to_exitcode(status)
+                self.peak_bytes = usage.ru_maxrss * 1024  # Linux reports KiB
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def close(self, kill: bool = False) -> int:
+        """Ends the process: asked to (``kill`` False: it is idle), or killed. Returns its
+        peak memory (bytes; 0 where it was not reaped here)."""
+        if not kill and self.process.returncode is None:
             with contextlib.suppress(OSError):
                 self.conn.send(None)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(5)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            self._reap(5)
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGKILL)
+            self._reap(None)
         self.conn.close()
+        return self.peak_bytes
 
 
 class _Workers:
     """The HiGHS processes of an :func:`in_processes` block: one per thread that runs
-    HiGHS in it, started on its first run and ended with the block."""
+    HiGHS in it, started on its first run and ended with the block. ``peak_bytes``: the
+    sum of the ended processes' peak memory, at most what they held at once."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_thread: dict[int, _Worker] = {}
+        self.peak_bytes = 0
 
     def run(self, job: _Job, watch: _Watch | None) -> HighsRun:
         me = threading.get_ident()
@@ -574,14 +602,30 @@ class _Workers:
         except BaseException:  # Ctrl-C, a stop, a failure: HiGHS stops with its process
             with self.lock:
                 self.by_thread.pop(me, None)
-            worker.close(kill=True)
+            peak = worker.close(kill=True)
+            with self.lock:
+                self.peak_bytes += peak
             raise
 
     def close(self) -> None:
         with self.lock:
             workers, self.by_thread = list(self.by_thread.values()), {}
-        for worker in workers:
-            worker.close()
+        peaks = [worker.close() for worker in workers]
+        with self.lock:
+            self.peak_bytes += sum(peaks)
+
+
+_PEAK_LOCK = threading.Lock()
+_processes_peak = 0  # processes_peak_bytes
+
+
+def processes_peak_bytes() -> int:
+    """The most memory the HiGHS processes of one :func:`in_processes` block of this
+    process held, at most: the sum of each one's peak, the largest block's so far
+    (bytes; 0 when none has ended). What a mesh search adds to its own process's peak
+    (:func:`autoshard.solver.solve.peak_rss_bytes`)."""
+    with _PEAK_LOCK:
+        return _processes_peak
 
 
 _processes: contextvars.ContextVar[_Workers | None] = contextvars.ContextVar(
@@ -597,6 +641,7 @@ def in_processes() -> Iterator[None]:
     :func:`autoshard.solver.meshes._plan_rows`). Each run is the run :func:`run` does in
     this process (the same options, one thread, a fixed seed and work units): the same
     answer. The processes end with the block."""
+    global _processes_peak
     workers = _Workers()
     token = _processes.set(workers)
     try:
@@ -604,6 +649,8 @@ def in_processes() -> Iterator[None]:
     finally:
         _processes.reset(token)
         workers.close()
+        with _PEAK_LOCK:
+            _processes_peak = max(_processes_peak, workers.peak_bytes)
 
 
 def run(
