@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_solver_progress import knapsack
 
 from autoshard import interrupt
 from autoshard.solver.highs import (
@@ -24,7 +25,6 @@ from autoshard.solver.highs import (
     run,
     tallying,
 )
-from tests.test_solver_progress import knapsack
 
 
 def _children() -> set[int]:
@@ -141,3 +141,21 @@ def test_a_highs_process_that_dies_is_an_error_that_says_so():
     ):
         run(big, time_limit=120.0)
     assert killer_done.wait(5)
+
+
+def test_a_mesh_search_s_peak_memory_counts_its_highs_processes(tmp_path: Path):
+    """The search's HiGHS runs in processes of its own; the peak its report prints is this
+    process's and theirs together, never this process's alone."""
+    from helpers import write_mlp
+
+    from autoshard.cost.mesh import MeshSpec, node_shapes
+    from autoshard.solver.meshes import search_meshes
+    from autoshard.solver.solve import SolveConfig
+
+    model = write_mlp(tmp_path, 64, 256, 1024)
+    config = SolveConfig(model_path=model, mesh=MeshSpec.from_options("4"))
+    meshes = [MeshSpec.on_nodes(s, 2) for s in node_shapes(4, 2)]
+    search = search_meshes(config, meshes)
+    assert processes_peak_bytes() > 20 * 2**20
+    for row in search.rows:
+        assert row.result.peak_rss_bytes >= processes_peak_bytes() + 20 * 2**20

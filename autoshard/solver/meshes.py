@@ -49,6 +49,7 @@ from autoshard.solver.solve import (
     SolveResult,
     finish_plan,
     graph_and_strategies,
+    peak_rss_bytes,
     plan_model,
     strategies,
     trace,
@@ -496,8 +497,10 @@ def search_meshes(
     # one shape's program must not hold up the others
     shaped = replace(config, solver=config.solver.capped())
     rows = _plan_rows(shaped, meshes, space, progress, graph, gpus_per_node, beside, built)
+    peak = peak_rss_bytes()  # the HiGHS processes, ended with _plan_rows, counted too
     for row in rows:
         if row.result is not None:
+            row.result.peak_rss_bytes = max(row.result.peak_rss_bytes, peak)
             # the shared trace counts in every shape's seconds, as in a solve of that shape
             seconds = row.result.seconds
             row.result.seconds = {"trace": trace_s, **seconds}
