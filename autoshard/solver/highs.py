@@ -452,27 +452,41 @@ def _run_here(job: _Job, watch: _Watch | None) -> HighsRun:
         return _outcome(h, job, work)
 
 
+RSS_UNIT = 1 if sys.platform == "darwin" else 1024
+"""Bytes per unit of ``ru_maxrss``: Linux reports KiB, macOS bytes."""
+
 PROGRESS_EVERY_S = 0.1
 """A HiGHS process sends its progress at most this often (s): the listener is told
 every 0.1 s in either place."""
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, alive_fd: int) -> None:
     """A HiGHS process's loop (:class:`_Worker`), on the connection ``fd``: each
     :class:`_Job` received is run and answered with ``("done", HighsRun)`` (or
     ``("error", traceback)``), its progress sent as ``("progress", numbers)`` on the way
     when the job asks for it; ``None`` ends it. Ctrl-C is the parent's: this process
-    ignores SIGINT and is killed when it is wanted no more."""
+    ignores SIGINT (and runs in a session of its own) and is killed when it is wanted no
+    more. ``alive_fd``: the read end of a pipe only the parent writes to; when it closes
+    (the parent has ended, however it ended), this process exits at once, in the middle
+    of a HiGHS run too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch_parent() -> None:
+        while os.read(alive_fd, 1):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, name="autoshard-parent", daemon=True).start()
     conn = Connection(fd)
     while True:
         try:
             message = conn.recv()
-        except EOFError:  # the parent has gone
+        except (EOFError, OSError):  # the parent has gone
             return
         if message is None:
             return
         job, report = message
+        del message  # one program held at a time
         try:
             h, work = _prepared(job)
             if report:
@@ -487,9 +501,16 @@ def serve(fd: int) -> None:
                 _subscribe(h, job.mip, send)
             h.run()
             answer = ("done", _outcome(h, job, work))
+        except (BrokenPipeError, ConnectionResetError):  # the parent has gone
+            return
         except Exception:  # noqa: BLE001 - sent to the parent, which raises it there
             answer = ("error", traceback.format_exc())
-        conn.send(answer)
+        h = work = job = None  # noqa: F841 - freed before the next program comes
+        try:
+            conn.send(answer)
+        except OSError:  # the parent has gone
+            return
+        answer = None
 
 
 class _Worker:
@@ -503,16 +524,26 @@ class _Worker:
     def __init__(self) -> None:
         mine, theirs = socket.socketpair()
         fd = theirs.fileno()
-        env = dict(os.environ)  # the child imports this autoshard, wherever it lies
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        code = f"from autoshard.solver.highs import serve; serve({fd})"
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code], pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env
+        alive_read, self.alive = os.pipe()  # the child exits when this end closes
+        root = str(Path(__file__).resolve().parents[2])  # this autoshard, wherever it lies
+        code = (
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+            f"sys.path.insert(0, {root!r}); "
+            f"from autoshard.solver.highs import serve; serve({fd}, {alive_read})"
         )
-        theirs.close()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code],
+                pass_fds=(fd, alive_read),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C at the terminal is this process's
+            )
+        finally:
+            theirs.close()
+            os.close(alive_read)
         self.conn = Connection(mine.detach())
         self.peak_bytes = 0
+        self.status = "still running"  # how it ended, once reaped (:meth:`_reap`)
 
     def run(self, job: _Job, watch: _Watch | None) -> HighsRun:
         """``job``'s answer; ``watch`` told the progress every 0.1 s.
@@ -521,16 +552,18 @@ class _Worker:
             KeyboardInterrupt, autoshard.interrupt.Stopped: as :func:`run` (this
                 process is then killed: HiGHS stops at once).
             RuntimeError: the process failed or ended (its traceback or exit code)."""
-        self.conn.send((job, watch is not None))
+        try:
+            self.conn.send((job, watch is not None))
+        except OSError:
+            self._reap(5)
+            raise RuntimeError(f"HiGHS's process ended ({self.status})") from None
         while True:
             if self.conn.poll(PROGRESS_EVERY_S):
                 try:
                     kind, payload = self.conn.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     self._reap(5)
-                    raise RuntimeError(
-                        f"HiGHS's process ended (exit code {self.process.returncode})"
-                    ) from None
+                    raise RuntimeError(f"HiGHS's process ended ({self.status})") from None
                 if kind == "done":
                     return payload
                 if kind == "error":
@@ -553,12 +586,14 @@ class _Worker:
                 pid, status, usage = os.wait4(
                     self.process.pid, 0 if deadline is None else os.WNOHANG
                 )
-            except ChildProcessError:  # reaped already (its usage is lost)
-                self.process.returncode = self.process.returncode or 0
+            except ChildProcessError:  # reaped by another (its status and usage are lost)
+                self.process.returncode = -1
+                self.status = "its exit status unknown"
                 return True
             if pid:
                 self.process.returncode = os.waitstatus_to_exitcode(status)
-                self.peak_bytes = usage.ru_maxrss * 1024  # Linux reports KiB
+                self.status = f"exit code {self.process.returncode}"
+                self.peak_bytes = usage.ru_maxrss * RSS_UNIT
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -576,22 +611,26 @@ class _Worker:
                 os.kill(self.process.pid, signal.SIGKILL)
             self._reap(None)
         self.conn.close()
+        os.close(self.alive)
         return self.peak_bytes
 
 
 class _Workers:
     """The HiGHS processes of an :func:`in_processes` block: one per thread that runs
     HiGHS in it, started on its first run and ended with the block. ``peak_bytes``: the
-    sum of the ended processes' peak memory, at most what they held at once."""
+    sum of the ended processes' peak memory, an upper bound on what they held at once."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_thread: dict[int, _Worker] = {}
         self.peak_bytes = 0
+        self.closed = False
 
     def run(self, job: _Job, watch: _Watch | None) -> HighsRun:
         me = threading.get_ident()
         with self.lock:
+            if self.closed:  # a thread the block's end did not wait for
+                raise RuntimeError("HiGHS's processes have ended with their block")
             worker = self.by_thread.get(me)
         if worker is None:
             worker = _Worker()
@@ -610,6 +649,7 @@ class _Workers:
     def close(self) -> None:
         with self.lock:
             workers, self.by_thread = list(self.by_thread.values()), {}
+            self.closed = True
         peaks = [worker.close() for worker in workers]
         with self.lock:
             self.peak_bytes += sum(peaks)
@@ -620,8 +660,8 @@ _processes_peak = 0  # processes_peak_bytes
 
 
 def processes_peak_bytes() -> int:
-    """The most memory the HiGHS processes of one :func:`in_processes` block of this
-    process held, at most: the sum of each one's peak, the largest block's so far
+    """An upper bound on the memory the HiGHS processes of one :func:`in_processes` block
+    of this process held at once: the sum of each one's peak, the largest block's so far
     (bytes; 0 when none has ended). What a mesh search adds to its own process's peak
     (:func:`autoshard.solver.solve.peak_rss_bytes`)."""
     with _PEAK_LOCK:

@@ -63,7 +63,9 @@ Progress = Callable[[str, int, int], None]
 LANES = 2
 """Threads that run the mesh search's ILPs and neighbourhoods beside the one that builds
 strategies, each with a HiGHS process of its own: this machine's two cores (the Python
-work of the three threads shares one interpreter; HiGHS runs in the processes)."""
+work of the threads shares one interpreter; HiGHS runs in the processes, a third one
+for the HiGHS runs of the thread that builds strategies: torchtitan's space, the
+pipeline depths' stages)."""
 
 
 @dataclass
@@ -265,10 +267,11 @@ def _plan_rows(
     Strategies are built on this thread, shape after shape; each free ILP runs on one of
     :data:`LANES` other threads as soon as its shape's strategies are built (the
     Llama-70B shape's 8x8 ILP, about 60 s, runs while the 3-D shapes' strategies are
-    built). Once those ILPs have ended, each over-cap shape gets the fastest of their
-    plans laid onto it (:func:`_lift`), improved in its neighbourhoods on those threads
-    (:func:`_improve`, two shapes at once) while this one plans the over-cap shapes in
-    torchtitan's space, then runs ``beside``. Every thread's HiGHS runs in a process of
+    built). This one then plans the over-cap shapes in torchtitan's space and runs
+    ``beside``, while a thread of its own (:func:`_lift_all`) waits for those ILPs and
+    lays the fastest of their plans onto each over-cap shape (:func:`_lift`), each then
+    improved in its neighbourhoods on the lanes (:func:`_improve`, two shapes at once).
+    Every thread's HiGHS runs in a process of
     its own (:func:`autoshard.solver.highs.in_processes`), so that they run at once on
     the machine's cores. Every plan is what the shapes planned one after another give:
     each ILP stops at its own work limit, never at the clock, and each row's work
@@ -277,53 +280,45 @@ def _plan_rows(
     its next check (HiGHS's polls, each neighbourhood, each memory round:
     :func:`autoshard.interrupt.stoppable`), and their HiGHS processes are killed.
     """
-    with in_processes():
-        return _rows_on_lanes(config, meshes, space, progress, graph, gpus_per_node, beside, built)
-
-
-def _rows_on_lanes(
-    config: SolveConfig,
-    meshes: Sequence[MeshSpec],
-    space: str,
-    progress: Progress | None,
-    graph,  # noqa: ANN001
-    gpus_per_node: int | None,
-    beside: Callable[[], None] | None,
-    built: tuple[MeshSpec, Any, float] | None,
-) -> list[MeshRow]:
-    """:func:`_plan_rows`'s work, its threads ended (or stopped) before it returns."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="autoshard-ilp")
     lifter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoshard-lift")
-    try:
-        with interrupt.stoppable(stop):
-            begun = []
-            for k, mesh in enumerate(meshes):
+    with in_processes():  # ends after the lanes (finally): no HiGHS process outlives them
+        try:
+            with interrupt.stoppable(stop):
+                begun = []
+                for k, mesh in enumerate(meshes):
+                    if progress:
+                        progress("meshes", k, len(meshes))
+                    shaped = replace(config, mesh=mesh)
+                    on = _on(progress, mesh)
+                    prebuilt = built[1:] if built is not None and built[0] is mesh else None
+                    begun.append(
+                        _begin_row(shaped, space, on, graph, pool, gpus_per_node, prebuilt)
+                    )
+                # every ILP is now queued ahead of the improvements _lift_all will queue
+                lifted = _submit(lifter, _lift_all, begun, graph, pool, progress)
+                # torchtitan's space of the over-cap shapes and the work beside, while the
+                # ILPs and the improvements run: neither waits for their plans
+                spaced = [
+                    None if b.future else b.finish(_on(progress, b.config.mesh), graph)
+                    for b in begun
+                ]
+                if beside is not None:
+                    beside()
+                ilp_rows = lifted.result()
+                rows = [ilp_rows[k] if b.future else spaced[k] for k, b in enumerate(begun)]
+                rows = [_lifted(r, b) for r, b in zip(rows, begun, strict=True)]
                 if progress:
-                    progress("meshes", k, len(meshes))
-                shaped = replace(config, mesh=mesh)
-                on = _on(progress, mesh)
-                prebuilt = built[1:] if built is not None and built[0] is mesh else None
-                begun.append(_begin_row(shaped, space, on, graph, pool, gpus_per_node, prebuilt))
-            # every ILP is now queued ahead of the improvements _lift_all will queue
-            lifted = _submit(lifter, _lift_all, begun, graph, pool, progress)
-            # torchtitan's space of the over-cap shapes and the work beside, while the
-            # ILPs and the improvements run: neither waits for their plans
-            spaced = [
-                None if b.future else b.finish(_on(progress, b.config.mesh), graph) for b in begun
-            ]
-            if beside is not None:
-                beside()
-            ilp_rows = lifted.result()
-            rows = [ilp_rows[k] if b.future else spaced[k] for k, b in enumerate(begun)]
-            rows = [_lifted(r, b) for r, b in zip(rows, begun, strict=True)]
-            if progress:
-                progress("meshes", len(meshes), len(meshes))
-            return rows
-    finally:
-        stop.set()  # a failure: the work running stops at its next check (else all ended)
-        lifter.shutdown(wait=True, cancel_futures=True)  # before the pool it queues on
-        pool.shutdown(wait=True, cancel_futures=True)
+                    progress("meshes", len(meshes), len(meshes))
+                return rows
+        finally:
+            stop.set()  # a failure: the work running stops at its next check (else all ended)
+            try:
+                pool.shutdown(wait=False, cancel_futures=True)  # nothing queued starts now
+                lifter.shutdown(wait=True, cancel_futures=True)
+            finally:  # a second Ctrl-C: the lanes still end before their HiGHS processes
+                pool.shutdown(wait=True)
 
 
 def _lift_all(

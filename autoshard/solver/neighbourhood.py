@@ -158,12 +158,12 @@ def improve(
     under ``config``'s budget, column cap and gap, within :data:`NEIGHBOURHOOD_WORK` work
     units per MIP (or ``config``'s own limit, if lower). ``overlap``: True, each ILP
     prices the overlap savings (the step's own objective, slower); False, none does;
-    None (the default), only the last one, the outer dims (:func:`pairs_of_dims` ends
-    with dims 0 and 1: on a mesh laid over nodes, those with the slowest links, whose
-    collectives the savings hide). Without the savings an ILP is faster and its plan
-    often the same: the Llama-70B shape's 4x2x8 neighbourhood of dims 1 and 2 (its
-    traced blocks untied) took 166.7 s at 20 units with them, 32.5 s at 5 without, to
-    the same plan; but the last neighbourhood of 8x8's plan laid onto 4x2x8 (tied)
+    None (the default), only the last one (with the default ``free``, the outer dims:
+    :func:`pairs_of_dims` ends with dims 0 and 1, on a mesh laid over nodes those with
+    the slowest links, whose collectives the savings hide). Without the savings an ILP
+    is faster and its plan often the same: the Llama-70B shape's 4x2x8 neighbourhood of
+    dims 1 and 2 (its traced blocks untied) took 166.7 s at 20 units with them, 32.5 s
+    at 5 without, to the same plan; but the last neighbourhood of 8x8's plan laid onto 4x2x8 (tied)
     finds 1.3896 s with them in 6.2 s, 1.4043 s without (docs/performance.md). A plan is
     kept when its price with the savings (:func:`~autoshard.cost.objective.evaluate`,
     the plan's step) is lower.

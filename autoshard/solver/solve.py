@@ -37,7 +37,7 @@ from autoshard.model.model_file import (
 from autoshard.plan.export import output_stem, write_outputs
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
-from autoshard.solver.highs import HighsWork, processes_peak_bytes, tallying
+from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
 from autoshard.solver.ilp import ILPResult, check_size, solve
 from autoshard.solver.options import SolverOptions
 from autoshard.strategies.graph import Placements, StrategyGraph, build_strategy_graph
@@ -316,9 +316,9 @@ class SolveResult:
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (bytes; Linux reports KiB), plus, where
     a mesh search ran HiGHS in processes of its own, the sum of their peaks
-    (:func:`autoshard.solver.highs.processes_peak_bytes`): at most what the machine held
-    at once."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    (:func:`autoshard.solver.highs.processes_peak_bytes`): an upper bound on what the
+    machine held at once."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT
     return own + processes_peak_bytes()
 
 
