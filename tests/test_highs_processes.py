@@ -230,3 +230,19 @@ def test_a_highs_process_whose_parent_is_killed_ends_at_once():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_highs_process_that_cannot_start_is_an_error_and_leaves_no_open_file(monkeypatch):
+    """A planted fault: the child cannot be started (here the interpreter's path is
+    gone). The run raises the start's own error, and this process keeps none of the
+    socket's or the pipe's ends it made for that child (counted in /proc/self/fd)."""
+    import autoshard.solver.highs as highs
+
+    def opened() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    monkeypatch.setattr(highs.sys, "executable", "/nonexistent/python")
+    before = opened()
+    with in_processes(), pytest.raises(FileNotFoundError, match="/nonexistent/python"):
+        run(knapsack(n=20, rows=2), time_limit=10.0)
+    assert opened() <= before

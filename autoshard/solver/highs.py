@@ -538,6 +538,10 @@ class _Worker:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C at the terminal is this process's
             )
+        except BaseException:  # no child: this process's ends would be left open
+            mine.close()
+            os.close(self.alive)
+            raise
         finally:
             theirs.close()
             os.close(alive_read)
