@@ -95,6 +95,64 @@ def test_on_a_terminal_the_solve_phase_shows_the_incumbent_as_it_improves():
         progress("solve", 1, 1)
 
 
+def _two_labelled_runs_at_once() -> None:
+    """Two MIPs at once, as the mesh search's lanes run them: each on a thread of its own
+    (in this context: the listener), in a HiGHS process of its own, labelled A and B."""
+    import contextvars
+    import threading
+
+    from autoshard.solver.highs import about, in_processes
+
+    def solve(subject: str, seed: int) -> None:
+        with about(subject):
+            run(knapsack(seed=seed), time_limit=60.0, seconds_per_unit=1e-6)
+
+    with in_processes():
+        threads = [
+            threading.Thread(target=contextvars.copy_context().run, args=(solve, s, k))
+            for k, s in enumerate("AB")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def test_two_mips_at_once_each_print_their_own_labelled_line():
+    """Piped, two MIPs solved at once (the mesh search's two lanes) each get lines of
+    their own, labelled with their subject, where before one unlabelled line took
+    turns between two problems' incumbents."""
+    from autoshard.cli.options import Progress
+
+    buf = io.StringIO()
+    with Progress(Console(file=buf, force_terminal=False, width=200)) as progress:
+        progress.EVERY_S = 0.0
+        progress("solve", 0, 1)
+        _two_labelled_runs_at_once()
+        progress("solve", 1, 1)
+    lines = [line for line in buf.getvalue().splitlines() if "incumbent" in line]
+    for subject in "AB":
+        assert any(re.search(rf", {subject}: incumbent -?[\d.]+ ms", x) for x in lines), lines
+    assert all(re.search(r", [AB]: incumbent", x) for x in lines), lines
+
+
+def test_on_a_terminal_two_mips_at_once_show_side_by_side():
+    """On a terminal the solve line carries each running thread's latest report, each
+    labelled with its subject."""
+    from autoshard.cli.options import Progress
+
+    buf = io.StringIO()
+    with Progress(Console(file=buf, force_terminal=True, width=200)) as progress:
+        progress("solve", 0, 1)
+        _two_labelled_runs_at_once()
+        description = progress.bar.tasks[progress.tasks["solve"]].description
+        shown = description.split(": ", 1)[1].split("; ")
+        assert len(shown) == 2, description
+        for subject in "AB":
+            assert any(re.match(rf"{subject}: incumbent -?[\d.]+ ms", x) for x in shown), shown
+        progress("solve", 1, 1)
+
+
 @pytest.mark.slow
 def test_an_autoshard_plan_is_the_same_whether_or_not_a_listener_is_told():
     """Two Megatron MLP blocks on 2x2, planned by the Python API with and without a

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -440,8 +441,10 @@ class Progress:
 
     While a MIP runs (:func:`autoshard.solver.highs.listening`), its incumbent, bound and
     gap show beside the solve phase on a terminal, and as a line every
-    :attr:`EVERY_S` seconds elsewhere. Only what is printed depends on
-    the clock, never the plan."""
+    :attr:`EVERY_S` seconds elsewhere. Where several run at once (the mesh search's
+    lanes), each is labelled with its subject (:func:`autoshard.solver.highs.about`): on
+    a terminal each thread's latest side by side, elsewhere a line per subject. Only what
+    is printed depends on the clock, never the plan."""
 
     EVERY_S = 5.0
 
@@ -476,7 +479,8 @@ class Progress:
         self.bar.__enter__()
         self.listening = listening(self.solver)
         self.listening.__enter__()
-        self.last_line = -float("inf")
+        self.last_line: dict[str | None, float] = {}  # per subject, when last printed
+        self.running: dict[int, str] = {}  # per thread, its MIP's latest report
         return self
 
     def __exit__(self, *exc):
@@ -495,17 +499,22 @@ class Progress:
         text = f"incumbent {value(p.incumbent)}, bound {value(p.bound)}, gap {gap}"
         if not p.mip:
             text = f"linear relaxation, {p.iterations} simplex iterations"
+        if p.subject is not None:  # one of several MIPs at once (the mesh search's lanes)
+            text = f"{p.subject}: {text}"
         label = self.LABELS["solve"]
         if self.lines:
             now = time.perf_counter()
-            if now - self.last_line >= self.EVERY_S:
-                self.last_line = now
+            if now - self.last_line.get(p.subject, -float("inf")) >= self.EVERY_S:
+                self.last_line[p.subject] = now
                 seconds = now - self.started.setdefault("solve", now)
                 self.console.print(f"{label}: {seconds:.0f} s, {text}", highlight=False)
             return
         if "solve" not in self.tasks:  # a command that reports no phases (stages)
             self.tasks["solve"] = self.bar.add_task(label, total=None)
-        self.bar.update(self.tasks["solve"], description=f"{label}: {text}")
+        # each thread's latest report (a lane's next MIP takes its predecessor's place)
+        self.running[threading.get_ident()] = text
+        shown = "; ".join(self.running.values())
+        self.bar.update(self.tasks["solve"], description=f"{label}: {shown}")
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         interrupt.check()  # a Ctrl-C that landed in a finaliser and was swallowed stops here

@@ -177,11 +177,27 @@ class SolverProgress:
     in_seconds: bool
     mip: bool = True
     iterations: int = 0
+    subject: str | None = None  # which problem, where several run at once (:func:`about`)
 
 
 _listener: contextvars.ContextVar[Callable[[SolverProgress], None] | None] = contextvars.ContextVar(
     "autoshard_highs_listener", default=None
 )
+_subject: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "autoshard_highs_subject", default=None
+)
+
+
+@contextlib.contextmanager
+def about(subject: str) -> Iterator[None]:
+    """Within the block, the progress of every MIP :func:`run` solves on this thread is
+    labelled ``subject`` (:attr:`SolverProgress.subject`): which of the problems solved at
+    once it is (the mesh search's shapes, each on a lane of its own)."""
+    token = _subject.set(subject)
+    try:
+        yield
+    finally:
+        _subject.reset(token)
 
 
 @contextlib.contextmanager
@@ -304,6 +320,7 @@ class _Watch:
         self.callback = callback
         self.scale = seconds_per_unit
         self.mip = mip
+        self.subject = _subject.get()  # made on the calling thread, as tell() runs
         self.latest: tuple[float, float, float, float, int] | None = None
 
     def record(self, event) -> None:  # noqa: ANN001 - highspy's callback event
@@ -328,6 +345,7 @@ class _Watch:
                 self.scale is not None,
                 self.mip,
                 int(count),
+                self.subject,
             )
         )
 

@@ -40,7 +40,7 @@ from typing import Any
 from autoshard import interrupt
 from autoshard.cost.mesh import MeshSpec, default_dim_names, respects_nodes
 from autoshard.errors import AutoshardError, ProgramTooLargeError
-from autoshard.solver.highs import in_processes
+from autoshard.solver.highs import about, in_processes
 from autoshard.solver.ilp import check_size, program_columns
 from autoshard.solver.lifting import lift_choice, splits
 from autoshard.solver.neighbourhood import improve
@@ -200,10 +200,21 @@ class _Begun:
         return MeshRow(config.mesh, found, space=self.space, note=why)
 
 
-def _submit(pool: ThreadPoolExecutor, fn: Callable, *args: Any) -> Future:
+def _submit(
+    pool: ThreadPoolExecutor, fn: Callable, *args: Any, subject: str | None = None
+) -> Future:
     """``fn(*args)`` on ``pool``'s thread, in a copy of this context (the progress
-    listener, the HiGHS tally, the stop event: :func:`autoshard.interrupt.stoppable`)."""
-    return pool.submit(contextvars.copy_context().run, fn, *args)
+    listener, the HiGHS tally, the stop event: :func:`autoshard.interrupt.stoppable`);
+    ``subject`` labels its MIPs' progress (:func:`autoshard.solver.highs.about`: two lanes
+    report to one listener)."""
+    if subject is None:
+        return pool.submit(contextvars.copy_context().run, fn, *args)
+    return pool.submit(contextvars.copy_context().run, _labelled, subject, fn, *args)
+
+
+def _labelled(subject: str, fn: Callable, *args: Any) -> Any:
+    with about(subject):
+        return fn(*args)
 
 
 def _begin_row(
@@ -235,7 +246,7 @@ def _begin_row(
         check_size(sg, config.solver, config.mesh, gpus_per_node)
     except ProgramTooLargeError as exc:
         return _Begun(config, "torchtitan", sg, built, why=str(exc))
-    future = _submit(pool, plan_model, config, progress, graph, sg)
+    future = _submit(pool, plan_model, config, progress, graph, sg, subject=config.mesh.shape_str)
     return _Begun(config, space, sg, built, future=future)
 
 
@@ -338,7 +349,8 @@ def _lift_all(
         b.lift = _lift(b.config, b.sg, sources) if b.why is not None else None
         if b.lift is not None:
             on = _on(progress, b.config.mesh)
-            b.lift.found = _submit(pool, _improve, b.config, b.sg, b.lift, on)
+            subject = f"{b.config.mesh.shape_str} neighbourhoods"
+            b.lift.found = _submit(pool, _improve, b.config, b.sg, b.lift, on, subject=subject)
     return rows
 
 
