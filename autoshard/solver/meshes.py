@@ -213,6 +213,7 @@ def _submit(
 
 
 def _labelled(subject: str, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` with its MIPs' progress labelled ``subject``."""
     with about(subject):
         return fn(*args)
 
