@@ -131,6 +131,9 @@ class PlanOptions:
             op its backward reads, as non-reentrant ``torch.utils.checkpoint`` does
             (``--checkpoint-early-stop``, the default); ``False``: its whole forward, as
             reentrant checkpointing (Megatron-LM's) runs it.
+        optimizer: the AdamW implementation each parameter's step is priced as
+            (``--optimizer``): ``"adamw-fused"`` (one kernel, the default) or
+            ``"adamw-foreach"`` (PyTorch's foreach passes, torchtitan's default).
     """
 
     mode: str = "train"
@@ -146,6 +149,7 @@ class PlanOptions:
     share_reshardings: bool = False
     context_parallel: bool | str = False
     checkpoint_early_stop: bool = True
+    optimizer: str = "adamw-fused"
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
@@ -314,6 +318,7 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
         share_reshardings=opts.share_reshardings,
         context_parallel=opts.context_parallel,
         checkpoint_early_stop=opts.checkpoint_early_stop,
+        optimizer=opts.optimizer,
         model=loaded,
     )
 

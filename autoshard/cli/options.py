@@ -233,6 +233,17 @@ def step_options() -> list:
             "torch.utils.checkpoint's early_stop=False or torchtitan with its activation "
             "checkpointing's early_stop off does; the launch runs it so.",
         ),
+        click.option(
+            "--optimizer",
+            type=click.Choice(["adamw-fused", "adamw-foreach"]),
+            default="adamw-fused",
+            show_default=True,
+            help="The AdamW implementation each parameter's step is priced as (training). "
+            "adamw-fused: one kernel, 28 bytes per fp32 element (torch.optim.AdamW(fused="
+            "True), apex's FusedAdam as Megatron-LM runs it); adamw-foreach: PyTorch's "
+            "foreach implementation, eight passes, 80 bytes (torch.optim.AdamW's default "
+            "for CUDA tensors, torchtitan's default).",
+        ),
     ]
 
 
@@ -431,6 +442,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         ),
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
         checkpoint_early_stop=opts.get("checkpoint_early_stop", True),
+        optimizer=opts.get("optimizer", "adamw-fused"),
     )
 
 

@@ -109,6 +109,7 @@ def stages_command(
     reduce_dtype_name,
     activation_checkpointing,
     checkpoint_early_stop,
+    optimizer,
     pp_text,
     split_rule,
     microbatches,
@@ -168,6 +169,7 @@ def stages_command(
             tie=False,  # every layer traced: stages are cut between real layers
             activation_checkpointing="none",  # a stage's budget holds at its turn only
             checkpoint_early_stop=checkpoint_early_stop,
+            optimizer=optimizer,
         )
         budget = memory_budget if memory_budget is not None else device.memory_bytes
         log = Console(stderr=True, quiet=quiet)

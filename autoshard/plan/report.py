@@ -718,6 +718,7 @@ def print_report(
             if cfg.mixed
             else ""
         )
+        + (f", optimizer {cfg.optimizer}" if cfg.mode == "train" else "")
     )
     st = sg.stats
     console.print(

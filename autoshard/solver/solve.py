@@ -40,7 +40,12 @@ from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, 
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
 from autoshard.solver.ilp import ILPResult, check_size, solve
 from autoshard.solver.options import SolverOptions
-from autoshard.strategies.graph import Placements, StrategyGraph, build_strategy_graph
+from autoshard.strategies.graph import (
+    OPTIMIZERS,
+    Placements,
+    StrategyGraph,
+    build_strategy_graph,
+)
 from autoshard.trace.selective import early_stops
 from autoshard.trace.tracer import TracedGraph, reduce_depth, trace_model
 from autoshard.units import format_bytes
@@ -111,11 +116,19 @@ class SolveConfig:
     # non-reentrant torch.utils.checkpoint does (its early stop); False: its whole forward,
     # as reentrant checkpointing (Megatron-LM's) does (autoshard.trace.selective)
     checkpoint_early_stop: bool = True
+    # the AdamW implementation each parameter's step is priced as
+    # (autoshard.strategies.graph.OPTIMIZERS): PyTorch's fused kernel, or its foreach one
+    optimizer: str = "adamw-fused"
     # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
     # on a copy, since tracing may cast it and cut its repeated blocks
     model: LoadedModel | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise AutoshardError(
+                f"--optimizer (optimizer) must be one of {', '.join(OPTIMIZERS)}, "
+                f"got {self.optimizer!r}"
+            )
         if self.precision not in PRECISIONS:
             raise AutoshardError(
                 f"--precision (precision) must be one of {', '.join(PRECISIONS)}, "
@@ -236,6 +249,7 @@ class SolveConfig:
             context_parallel=cost.get("context_parallel", False),
             activation_checkpointing=_stored_checkpointing(cost),
             checkpoint_early_stop=stored_early_stop(cost, solution.get("predicted") or {}),
+            optimizer=cost.get("optimizer", "adamw-fused"),  # written before it was an option
         )
 
     def cost_model(self) -> dict[str, Any]:
@@ -255,6 +269,7 @@ class SolveConfig:
             "context_parallel": self.context_parallel,
             "activation_checkpointing": self.activation_checkpointing,
             "checkpoint_early_stop": self.checkpoint_early_stop,
+            "optimizer": self.optimizer,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -391,6 +406,7 @@ def strategies(
         share_reads=config.share_reshardings,
         features=config.features(),
         early_stop=config.checkpoint_early_stop,
+        optimizer=config.optimizer,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

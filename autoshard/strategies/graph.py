@@ -43,6 +43,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_private as tp
+from autoshard.errors import AutoshardError
 from autoshard.placements import whole_on_single
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
 from autoshard.strategies.registry import roofline
@@ -263,6 +264,7 @@ def build_strategy_graph(
     share_reads: bool = False,
     features: frozenset[str] = frozenset(),
     early_stop: bool = True,
+    optimizer: str = "adamw-fused",
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -297,6 +299,8 @@ def build_strategy_graph(
         features: the op rules' optional choices to offer
             (:attr:`autoshard.strategies.registry.DimChoice.feature`:
             ``"context_parallel"``, attention sharded by sequence).
+        optimizer: the AdamW implementation each parameter's step is priced as
+            (:data:`OPTIMIZERS`, :func:`adamw_step_time`).
         early_stop: a recomputed block reruns its forward only up to the last op its
             backward reads, as non-reentrant ``torch.utils.checkpoint`` does
             (:func:`autoshard.trace.selective.recomputed_ops`); ``False``: its whole
@@ -307,7 +311,10 @@ def build_strategy_graph(
         replicate fallback.
     """
     t0 = time.perf_counter()
+    if optimizer not in OPTIMIZERS:
+        raise AutoshardError(f"optimizer {optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     b = _Builder(graph, tuple(mesh_shape), compute_time, fixed_inputs, fixed_outputs)
+    b.optimizer = optimizer
     b.collective_cost = collective_cost
     b.features = frozenset(features)
     with tp.fake_mesh(b.mesh_shape) as mesh:
@@ -378,6 +385,7 @@ class _Builder:
         self.fixed_outputs = fixed_outputs
         self.mesh = None  # the fake DeviceMesh, set while building
         self.features: frozenset[str] = frozenset()  # op rules' optional choices offered
+        self.optimizer = "adamw-fused"  # the AdamW implementation priced (adamw_step_time)
         self.collective_cost: Callable[[str, float, int], float] | None = None
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.infos = {
@@ -465,7 +473,10 @@ class _Builder:
         if info.kind == "param" and self.graph.mode == "train":
             t = info.results[0]
             step = np.array(
-                [adamw_step_time(t, c, self.mesh_shape, self.compute_time) for c in cands]
+                [
+                    adamw_step_time(t, c, self.mesh_shape, self.compute_time, self.optimizer)
+                    for c in cands
+                ]
             )
         self.nodes[name] = NodeStrategies(name, strategies, step, name, np.arange(len(strategies)))
 
@@ -716,23 +727,44 @@ def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time, rule) -> fl
     return roofline(node, info, s, mesh_shape, compute_time)
 
 
+OPTIMIZERS = ("adamw-fused", "adamw-foreach")
+"""The AdamW implementations a step can be priced as (``--optimizer``): PyTorch's fused
+kernel (``torch.optim.AdamW(fused=True)``, apex's FusedAdam) and its ``foreach`` one (the
+default of ``torch.optim.AdamW`` for CUDA tensors, torchtitan's)."""
+
+FOREACH_EXTRA_PASSES_BYTES = 52
+"""Bytes per fp32 element that ``foreach`` AdamW moves beyond the fused kernel's 28:
+``torch.optim.adam._multi_tensor_adam`` (torch 2.13, AdamW's weight decay, no amsgrad)
+runs eight passes, ``mul_`` of the parameters (read and write, 8), ``lerp_`` of the first
+moment toward the gradient (12), ``mul_`` and ``addcmul_`` of the second (8 + 12), its
+``sqrt`` into a new tensor (8), ``div_`` and ``add_`` of that (8 + 8) and ``addcdiv_``
+of the parameters (16): 80 bytes where one kernel moves 28
+(tests/test_optimizer.py counts them from the ops PyTorch runs)."""
+
+
 def adamw_step_time(
     t: TensorInfo,
     placements: Placements,
     mesh_shape: Sequence[int],
     compute_time: Callable[..., float],
+    optimizer: str = "adamw-fused",
 ) -> float:
     """Seconds of one AdamW step on the shard of parameter ``t`` one device holds.
 
-    ``torch.optim.AdamW`` reads the parameter, its gradient and both moments and writes
-    the parameter and both moments: ``2 p + g + 16`` bytes per element with fp32 moments
-    (28 for fp32 parameters), plus 8 (read and write an fp32 master copy) when the
-    parameter is not fp32 (ZeRO, Rajbhandari et al., SC'20, section 3.1). About 10
-    FLOPs per element against 28 bytes: memory-bound, so the roofline's byte term
-    (``compute_time(0, bytes, dtype)``).
+    ``torch.optim.AdamW``'s fused kernel (``optimizer`` ``"adamw-fused"``) reads the
+    parameter, its gradient and both moments and writes the parameter and both moments:
+    ``2 p + g + 16`` bytes per element with fp32 moments (28 for fp32 parameters), plus 8
+    (read and write an fp32 master copy) when the parameter is not fp32 (ZeRO,
+    Rajbhandari et al., SC'20, section 3.1). About 10 FLOPs per element against 28
+    bytes: memory-bound, so the roofline's byte term (``compute_time(0, bytes, dtype)``).
+    ``"adamw-foreach"`` adds the passes of PyTorch's ``foreach`` implementation over the
+    same fp32 elements (:data:`FOREACH_EXTRA_PASSES_BYTES`, 52 bytes: 80 in all for an
+    fp32 parameter).
     """
     p = t.itemsize
     per_element = 2 * p + p + 16 + (8 if t.dtype != torch.float32 else 0)
+    if optimizer == "adamw-foreach":
+        per_element += FOREACH_EXTRA_PASSES_BYTES
     local = math.prod(local_shape(t.shape, placements, mesh_shape))
     return compute_time(0.0, per_element * local, t.dtype)
 
