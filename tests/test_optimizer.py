@@ -138,3 +138,50 @@ def test_the_solution_file_keeps_the_optimizer_and_a_bad_name_is_one_clear_error
         AutoshardError, match=r"--optimizer .* adamw-fused, adamw-foreach, got 'sgd'"
     ):
         SolveConfig(model_path=model, mesh=mesh, optimizer="sgd")
+
+
+def test_a_gradient_laid_out_unlike_its_parameter_is_laid_out_as_it_before_adamw():
+    """The plan's graph gives a weight's gradient as a matmul's transposed output (strides
+    ``(1, n)`` where the weight has ``(n, 1)``). PyTorch's fused AdamW on the CPU steps
+    such a gradient's elements into the wrong parameters (torch 2.13: planted here, it
+    differs from the single-tensor step); laid out as its parameter first, as autograd's
+    ``AccumulateGrad`` lays out every ``.grad``, the fused step equals the single-tensor
+    one to rounding."""
+    from autoshard.launch.plan_steps import laid_out_as
+
+    torch.manual_seed(0)
+    weight = torch.randn(32, 128)
+    transposed = torch.randn(128, 32).t()  # as mm's backward gives a weight's gradient
+    assert not transposed.is_contiguous()
+
+    def stepped(grad: torch.Tensor, **implementation: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(weight.clone())
+        p.grad = grad
+        torch.optim.AdamW([p], lr=1e-3, **implementation).step()
+        return p.detach()
+
+    single = stepped(transposed.clone(), foreach=False)
+    fault = (stepped(transposed.clone(), fused=True) - single).abs().max().item()
+    assert fault > 1e-4  # about 2 lr: elements stepped by another's gradient
+    laid = laid_out_as(transposed, torch.nn.Parameter(weight.clone()))
+    assert laid.stride() == weight.stride() and torch.equal(laid, transposed)
+    assert (stepped(laid, fused=True) - single).abs().max().item() < 1e-6  # rounding only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "adamw-foreach"])
+def test_the_launch_runs_the_adamw_the_plan_was_priced_with(tmp_path: Path, optimizer: str):
+    """The map records the plan's ``--optimizer`` (``predicted.optimizer``); the launch
+    builds that AdamW, says so, and its step still matches one device's."""
+    from helpers import ranks
+
+    model = write_mlp(tmp_path, b=8, d=64, h=128)
+    args = ["solve", str(model), "--mesh", "2", "--optimizer", optimizer, "--out", str(tmp_path)]
+    out = autoshard_cli(*args, "-q")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = next(tmp_path.glob("*.json"))
+    assert json.loads(plan.read_text())["predicted"]["optimizer"] == optimizer
+    run = ranks(2, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert f"train x 1 step(s) ({optimizer})" in run.stdout, run.stdout
+    assert "parameters after 1 optimizer step" in run.stdout and "FAILED" not in run.stdout

@@ -46,6 +46,9 @@ class RunOptions:
         json_path: where rank 0 writes the report as JSON (``--json``), or ``None``.
         lower: in ``plan`` mode with two steps or more, record step 1 as a graph on local
             tensors and run steps 2..N from it (:mod:`autoshard.launch.lowered`).
+        optimizer: the AdamW implementation the plan was priced with (its map's
+            ``predicted.optimizer``; not an option: each rank reads it from the map),
+            which :func:`autoshard.launch.steps.adamw` builds.
     """
 
     steps: int = 1
@@ -58,6 +61,7 @@ class RunOptions:
     mode: str = "plan"
     json_path: str | None = None
     lower: bool = True
+    optimizer: str = "adamw-fused"
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -80,6 +80,7 @@ from autoshard.launch.dtensor_rules import (
 from autoshard.launch.graph_run import plant_gradient_fault
 from autoshard.launch.options import RunOptions
 from autoshard.launch.steps import (
+    adamw,
     distribute_parameters,
     loss_of,
     output_tensor,
@@ -510,7 +511,9 @@ def _run_schedule(
     schedule = schedule_class(spec.pp, spec.microbatches)(
         stage, n_microbatches=spec.microbatches, loss_fn=loss_fn, scale_grads=False
     )
-    optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
+    # the fused kernel, as stages prices it by default (a stage plan does not record
+    # --optimizer)
+    optimizer = adamw(module, opts.lr) if opts.train else None
     args = tuple(inputs) if stage.is_first else ()
     # The schedules split a target for the loss even when the loss ignores it.
     target = torch.zeros(inputs[0].shape[0], device=device) if stage.is_last else None

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autoshard.errors import AutoshardError
 from autoshard.launch.check import relative_error
@@ -40,7 +41,14 @@ from autoshard.launch.lowered import (
     lowerable,
 )
 from autoshard.launch.options import RunOptions
-from autoshard.launch.steps import StepObserver, collective_counts, counting, sync_device, timed
+from autoshard.launch.steps import (
+    StepObserver,
+    adamw,
+    collective_counts,
+    counting,
+    sync_device,
+    timed,
+)
 
 
 @dataclass
@@ -202,7 +210,8 @@ def _step2_error(
 def _set_gradients(
     program: GraphProgram, params: Mapping[str, nn.Parameter], outs: list[Any]
 ) -> None:
-    """The graph's gradient outputs become their parameters' ``.grad`` (in its dtype).
+    """The graph's gradient outputs become their parameters' ``.grad`` (in its dtype, laid
+    out as the parameter: :func:`laid_out_as`).
 
     Raises:
         AutoshardError: a gradient for a parameter the module lacks.
@@ -215,7 +224,35 @@ def _set_gradients(
             raise AutoshardError(
                 f"the graph returns a gradient for {owner!r}, which the model lacks"
             )
-        params[owner].grad = grad.to(params[owner].dtype)
+        params[owner].grad = laid_out_as(grad.to(params[owner].dtype), params[owner])
+
+
+def laid_out_as(grad: Any, param: nn.Parameter) -> Any:
+    """``grad`` with the parameter's memory layout on this rank (its local tensor's
+    strides), as autograd's ``AccumulateGrad`` lays out every ``.grad`` (its gradient
+    layout contract): the graph's gradient of a weight is often the transpose of a
+    matmul's output (strides ``(1, n)`` where the weight has ``(n, 1)``). An optimizer
+    that walks the parameter and its gradient as flat memory reads them element by
+    element only when both are laid out alike: ``torch.optim.AdamW(fused=True)`` on the
+    CPU steps a transposed gradient's elements into the wrong parameters (torch 2.13,
+    ``tests/test_launch_plan.py``), and ``foreach``'s fast CUDA kernels take such a pair
+    only on their slow path. A copy when the layouts differ, as ``AccumulateGrad`` makes."""
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    want = param.to_local() if isinstance(param, DTensor) else param
+    if local.stride() == want.stride() or local.shape != want.shape:
+        return grad
+    laid = torch.empty_strided(want.shape, want.stride(), dtype=local.dtype, device=local.device)
+    laid.copy_(local)
+    if not isinstance(grad, DTensor):
+        return laid
+    return DTensor.from_local(
+        laid,
+        grad.device_mesh,
+        grad.placements,
+        run_check=False,
+        shape=grad.shape,
+        stride=grad.stride(),
+    )
 
 
 def _optimizer_step(
@@ -251,7 +288,7 @@ def run_plan_steps(
             module lacks.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
-    optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
+    optimizer = adamw(module, opts.lr, opts.optimizer) if opts.train else None
     times: list[float] = []
     first: torch.Tensor | None = None
     out: torch.Tensor | None = None

@@ -8,6 +8,7 @@ distributes every parameter and input per the map and runs the steps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -79,6 +80,8 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
             "autoshard.launch ...`)"
         )
     check_world_size(smap, int(os.environ["WORLD_SIZE"]))
+    # the AdamW the plan priced (a map written before the option: the fused kernel)
+    opts = dataclasses.replace(opts, optimizer=smap.predicted.get("optimizer", "adamw-fused"))
     if not os.environ.get("AUTOSHARD_VERBOSE"):
         # DTensor warns on every nested-sharding gather, which plans price and --check
         # counts; the rank output stays the report (autoshard -v shows it)
@@ -241,7 +244,9 @@ def _announce(
     say(
         f"autoshard launch: {mf.path.name} on mesh {smap.mesh_text}"
         f"{_dim_names(smap)}, {world} ranks, {device.type}, "
-        f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}, "
+        f"{'train' if opts.train else 'forward'} x {opts.steps} step(s)"
+        + (f" ({opts.optimizer})" if opts.train else "")
+        + f", seed {opts.seed}, "
         f"running {how}{', float64 (--check)' if opts.check else ''}"
     )
     if program is not None and program.recompute and opts.train:

@@ -26,6 +26,24 @@ from autoshard.model.model_file import LoadedModel
 from autoshard.trace.tracer import kv_cache_off
 
 
+def adamw(module: nn.Module, lr: float, optimizer: str = "adamw-fused") -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``module``'s parameters (DTensors or tensors) as the plan
+    priced its step (``--optimizer``, :data:`autoshard.strategies.graph.OPTIMIZERS`): the
+    fused kernel (``fused=True``) or the ``foreach`` passes (``foreach=True``), on every
+    device. Not PyTorch's default, which is ``foreach`` on a GPU and a loop of
+    single-tensor ops on the CPU: what runs is what was priced. The fused kernel walks
+    a parameter and its gradient as flat memory, so each gradient is laid out as its
+    parameter (:func:`autoshard.launch.plan_steps.laid_out_as`)."""
+    if optimizer == "adamw-foreach":
+        return torch.optim.AdamW(module.parameters(), lr=lr, foreach=True)
+    if optimizer != "adamw-fused":
+        raise AutoshardError(
+            f"the plan's optimizer {optimizer!r} is not one this launch runs "
+            "(adamw-fused, adamw-foreach): solve again with autoshard"
+        )
+    return torch.optim.AdamW(module.parameters(), lr=lr, fused=True)
+
+
 def distribute_parameters(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -252,7 +270,7 @@ def run_steps(
     ``CommDebugMode``. ``observer`` sees every step (see :class:`StepObserver`); its time
     is left out of the step times.
     """
-    optimizer = torch.optim.AdamW(module.parameters(), lr=opts.lr) if opts.train else None
+    optimizer = adamw(module, opts.lr, opts.optimizer) if opts.train else None
     compute_loss = loss_function(loss_fn)
     times: list[float] = []
     modes: list[CommDebugMode] = []

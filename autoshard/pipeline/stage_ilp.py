@@ -279,6 +279,7 @@ def stage_graph(
         reduce_itemsize=sg.reduce_itemsize,
         not_compute=frozenset(incoming),
         early_stop=sg.early_stop,
+        optimizer=sg.optimizer,
         rerun_ops=sg.rerun_ops,
     )
     return StageGraph(sub, list(incoming), send_s)

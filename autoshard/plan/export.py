@@ -155,7 +155,13 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "flops": float(plan.step_flops),
         "mfu": float(plan.mfu),
     }
-    return {**out, **_recomputation_keys(plan)}
+    return {**out, **_optimizer_key(plan), **_recomputation_keys(plan)}
+
+
+def _optimizer_key(plan: Plan) -> dict[str, str]:
+    """``{"optimizer": ...}`` in training: the AdamW implementation the step was priced
+    with, which the launch builds (a map without it launches the fused kernel)."""
+    return {"optimizer": plan.optimizer} if plan.sg.graph.mode == "train" else {}
 
 
 def _recomputation_keys(plan: Plan) -> dict[str, Any]:
@@ -207,6 +213,7 @@ def sharding_map_dict(
             "mfu": float(plan.mfu),
             "collective_steps": collective_steps(plan),
             "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
+            **_optimizer_key(plan),
             **_recomputation_keys(plan),
         },
     }

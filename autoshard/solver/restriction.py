@@ -141,6 +141,7 @@ def restrict(sg: StrategyGraph, r: Restriction) -> StrategyGraph:
         rerun_reads=sg.rerun_reads,
         rerun_pairs=sg.rerun_pairs,  # the edges keep their order and placement lists
         early_stop=sg.early_stop,
+        optimizer=sg.optimizer,
         rerun_ops=sg.rerun_ops,
     )
 

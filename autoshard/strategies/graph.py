@@ -174,6 +174,8 @@ class StrategyGraph:
     # (torch.utils.checkpoint's non-reentrant early stop, autoshard.trace.selective);
     # False: it reruns its whole forward (reentrant checkpointing, Megatron-LM's)
     early_stop: bool = True
+    # the AdamW implementation each parameter's step is priced as (OPTIMIZERS)
+    optimizer: str = "adamw-fused"
     # per policy ("full", "selective"), the forward ops a recomputed block reruns
     # (autoshard.trace.selective.recomputed_ops under early_stop), made once per graph
     rerun_ops: dict = field(default_factory=dict)
@@ -354,6 +356,7 @@ def build_strategy_graph(
         rerun_reads=rerun_pairs[0],
         rerun_pairs=rerun_pairs[1],
         early_stop=early_stop,
+        optimizer=optimizer,
         rerun_ops=rerun,
     )
     sg.stats = {
