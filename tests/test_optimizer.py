@@ -185,3 +185,77 @@ def test_the_launch_runs_the_adamw_the_plan_was_priced_with(tmp_path: Path, opti
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert f"train x 1 step(s) ({optimizer})" in run.stdout, run.stdout
     assert "parameters after 1 optimizer step" in run.stdout and "FAILED" not in run.stdout
+
+
+def test_a_sharded_gradient_is_laid_out_as_its_parameter_shard_and_keeps_its_placement():
+    """The DTensor case (a fake process group of 4, rank 0's shards): a ``Shard(0)``
+    gradient whose local shard is transposed gets its parameter's local strides and global
+    metadata, the same values and placements; one already laid out alike is returned as
+    it is (no copy)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autoshard._torch_private import fake_mesh
+    from autoshard.launch.plan_steps import laid_out_as
+
+    with fake_mesh((4,)) as mesh:
+        param = torch.nn.Parameter(
+            DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
+        )
+        local = torch.randn(16, 8).t()
+        grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        laid = laid_out_as(grad, param)
+        assert laid.to_local().stride() == param.to_local().stride() == (16, 1)
+        assert torch.equal(laid.to_local(), local)
+        assert laid.placements == grad.placements
+        assert (laid.shape, laid.stride()) == (param.shape, param.stride())
+        alike = DTensor.from_local(torch.randn(8, 16), mesh, [Shard(0)], run_check=False)
+        assert laid_out_as(alike, param) is alike
+
+
+def test_the_stage_plan_and_the_map_carry_the_optimizer_and_refuse_an_unknown_one(tmp_path):
+    """``stages --optimizer`` writes it into the stage plan, which the pipeline launch
+    reads; an unknown name in a stage plan or in a sharding map's ``predicted`` is one
+    clear error when the file is loaded, before any rank starts."""
+    from autoshard.pipeline.stage_plan import load_stage_plan
+    from autoshard.plan.formats import load_sharding_map
+
+    out = autoshard_cli(
+        "stages", "examples/blocks.py", "--mesh", "2", "--pp", "2", "--microbatches", "4",
+        "--optimizer", "adamw-foreach", "--out", str(tmp_path), "-q",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = next(tmp_path.glob("*.stages.json"))
+    assert load_stage_plan(path).optimizer == "adamw-foreach"
+    data = json.loads(path.read_text())
+    data["optimizer"] = "sgd"
+    path.write_text(json.dumps(data))
+    with pytest.raises(AutoshardError, match=r"optimizer is 'sgd'; expected one of adamw-fused"):
+        load_stage_plan(path)
+
+    model = write_mlp(tmp_path, b=8, d=64, h=128)
+    out = autoshard_cli("solve", str(model), "--mesh", "2", "--out", str(tmp_path), "-q")
+    assert out.returncode == 0, out.stderr[-2000:]
+    smap = next(p for p in tmp_path.glob("mlp_*.json"))
+    assert load_sharding_map(smap).predicted["optimizer"] == "adamw-fused"
+    data = json.loads(smap.read_text())
+    data["predicted"]["optimizer"] = "sgd"
+    smap.write_text(json.dumps(data))
+    with pytest.raises(AutoshardError, match=r"predicted 'optimizer' is 'sgd'; expected one of"):
+        load_sharding_map(smap)
+
+
+@pytest.mark.slow
+def test_a_pipeline_launch_runs_the_adamw_its_stages_were_priced_with(tmp_path: Path):
+    """A stage plan priced with ``adamw-foreach`` launches that AdamW (rank 0 names it) on
+    2 gloo ranks, and its step matches one device's."""
+    from helpers import ranks
+
+    out = autoshard_cli(
+        "stages", "examples/blocks.py", "--mesh", "2", "--pp", "2", "--microbatches", "4",
+        "--optimizer", "adamw-foreach", "--out", str(tmp_path), "-q",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = next(tmp_path.glob("*.stages.json"))
+    run = ranks(2, str(plan), "examples/blocks.py", "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "train x 1 step(s) (adamw-foreach)" in run.stdout, run.stdout

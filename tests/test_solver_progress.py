@@ -138,18 +138,32 @@ def test_two_mips_at_once_each_print_their_own_labelled_line():
 
 def test_on_a_terminal_two_mips_at_once_show_side_by_side():
     """On a terminal the solve line carries each running thread's latest report, each
-    labelled with its subject."""
+    labelled with its subject, side by side while both run; a MIP silent for
+    ``STALE_S`` (it ended) leaves the line."""
     from autoshard.cli.options import Progress
+    from autoshard.solver.highs import SolverProgress
 
     buf = io.StringIO()
     with Progress(Console(file=buf, force_terminal=True, width=200)) as progress:
         progress("solve", 0, 1)
+        shown_lines: list[str] = []
+        update = progress.bar.update
+
+        def seen(task, **fields) -> None:  # noqa: ANN001 - rich's task id
+            shown_lines.append(fields.get("description", ""))
+            update(task, **fields)
+
+        progress.bar.update = seen
         _two_labelled_runs_at_once()
-        description = progress.bar.tasks[progress.tasks["solve"]].description
-        shown = description.split(": ", 1)[1].split("; ")
-        assert len(shown) == 2, description
+        both = [d for d in shown_lines if "A: incumbent" in d and "B: incumbent" in d]
+        assert both, shown_lines[-5:]
+        shown = both[-1].split(": ", 1)[1].split("; ")
+        assert len(shown) == 2, both[-1]
         for subject in "AB":
             assert any(re.match(rf"{subject}: incumbent -?[\d.]+ ms", x) for x in shown), shown
+        progress.STALE_S = 0.0  # both ended: a third report shows alone
+        progress.solver(SolverProgress(1e-3, 1e-3, 0.0, 1.0, True, subject="C"))
+        assert shown_lines[-1].endswith("(HiGHS): C: incumbent 1.00 ms, bound 1.00 ms, gap 0.00%")
         progress("solve", 1, 1)
 
 

@@ -459,6 +459,7 @@ class Progress:
     is printed depends on the clock, never the plan."""
 
     EVERY_S = 5.0
+    STALE_S = 1.0  # a running MIP reports every 0.1 s; one silent this long has ended
 
     LABELS = {
         "trace": "tracing (torch.export, meta device)",
@@ -492,7 +493,8 @@ class Progress:
         self.listening = listening(self.solver)
         self.listening.__enter__()
         self.last_line: dict[str | None, float] = {}  # per subject, when last printed
-        self.running: dict[int, str] = {}  # per thread, its MIP's latest report
+        self.running: dict[int, tuple[float, str]] = {}  # per thread: when, its latest report
+        self.lock = threading.Lock()  # the lanes report from their own threads
         return self
 
     def __exit__(self, *exc):
@@ -523,9 +525,12 @@ class Progress:
             return
         if "solve" not in self.tasks:  # a command that reports no phases (stages)
             self.tasks["solve"] = self.bar.add_task(label, total=None)
-        # each thread's latest report (a lane's next MIP takes its predecessor's place)
-        self.running[threading.get_ident()] = text
-        shown = "; ".join(self.running.values())
+        # each thread's latest report, while it reports (every 0.1 s): a MIP that ended
+        # leaves the line a second later
+        now = time.perf_counter()
+        with self.lock:
+            self.running[threading.get_ident()] = (now, text)
+            shown = "; ".join(t for at, t in self.running.values() if now - at <= self.STALE_S)
         self.bar.update(self.tasks["solve"], description=f"{label}: {shown}")
 
     def __call__(self, phase: str, done: int, total: int) -> None:

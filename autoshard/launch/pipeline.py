@@ -511,9 +511,8 @@ def _run_schedule(
     schedule = schedule_class(spec.pp, spec.microbatches)(
         stage, n_microbatches=spec.microbatches, loss_fn=loss_fn, scale_grads=False
     )
-    # the fused kernel, as stages prices it by default (a stage plan does not record
-    # --optimizer)
-    optimizer = adamw(module, opts.lr) if opts.train else None
+    # the AdamW the stages were priced with (the stage plan's optimizer)
+    optimizer = adamw(module, opts.lr, spec.optimizer) if opts.train else None
     args = tuple(inputs) if stage.is_first else ()
     # The schedules split a target for the loss even when the loss ignores it.
     target = torch.zeros(inputs[0].shape[0], device=device) if stage.is_last else None
@@ -716,7 +715,9 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
         say(
             f"autoshard launch: {mf.path.name}, stage plan pp={spec.pp} on mesh "
             f"{spec.mesh_text}{names}, {world} ranks, {device.type}, "
-            f"{'train' if opts.train else 'forward'} x {opts.steps} step(s), seed {opts.seed}"
+            f"{'train' if opts.train else 'forward'} x {opts.steps} step(s)"
+            + (f" ({spec.optimizer})" if opts.train else "")
+            + f", seed {opts.seed}"
         )
         if fallback:
             say(

@@ -235,8 +235,11 @@ def laid_out_as(grad: Any, param: nn.Parameter) -> Any:
     that walks the parameter and its gradient as flat memory reads them element by
     element only when both are laid out alike: ``torch.optim.AdamW(fused=True)`` on the
     CPU steps a transposed gradient's elements into the wrong parameters (torch 2.13,
-    ``tests/test_launch_plan.py``), and ``foreach``'s fast CUDA kernels take such a pair
-    only on their slow path. A copy when the layouts differ, as ``AccumulateGrad`` makes."""
+    ``tests/test_optimizer.py``), and ``foreach``'s fast CUDA kernels take such a pair
+    only on their slow path. A copy when the layouts differ, as ``AccumulateGrad`` makes;
+    the DTensor keeps its placements and takes the parameter's global shape and strides.
+    A gradient whose local shape is not its parameter's (placed otherwise) is left as it
+    is: DTensor redistributes it for each optimizer op, into a fresh dense tensor."""
     local = grad.to_local() if isinstance(grad, DTensor) else grad
     want = param.to_local() if isinstance(param, DTensor) else param
     if local.stride() == want.stride() or local.shape != want.shape:
@@ -250,8 +253,8 @@ def laid_out_as(grad: Any, param: nn.Parameter) -> Any:
         grad.device_mesh,
         grad.placements,
         run_check=False,
-        shape=grad.shape,
-        stride=grad.stride(),
+        shape=param.shape,
+        stride=param.stride(),
     )
 
 

@@ -383,6 +383,8 @@ def stage_plan_dict(
         "tied_weights_across_stages": tied_across_stages(graph, layers, bounds),
         "step_time_s": sp.step_time_s,
     }
+    if graph.mode == "train":  # the AdamW the stages were priced with, which launch builds
+        out["optimizer"] = costs.pricer.sg.optimizer
     if tried:
         out["degrees"] = {
             str(k): (v.stage_plan.step_time_s if isinstance(v, StagesResult) else str(v))

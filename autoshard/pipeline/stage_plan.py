@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoshard.cost.optimizer import OPTIMIZERS
 from autoshard.errors import AutoshardError
 from autoshard.plan.atomic import atomic_write_text
 from autoshard.plan.formats import STAGE_PLAN_FORMAT
@@ -66,6 +67,8 @@ class StagePlanFile:
         microbatches: micro-batches per step.
         stages: the ``pp`` stages in order.
         step_time_s: the plan's predicted step time, if any.
+        optimizer: the AdamW implementation the stages were priced with (``--optimizer``;
+            a file without it: the fused kernel), which the launch builds.
     """
 
     source: str
@@ -76,6 +79,7 @@ class StagePlanFile:
     microbatches: int
     stages: tuple[StageSpec, ...]
     step_time_s: float | None = None
+    optimizer: str = "adamw-fused"
 
     def __post_init__(self) -> None:
         where = f"{self.source}:"
@@ -213,6 +217,12 @@ def _parse(data: Any, p: Path) -> StagePlanFile:
                 )
             )
         step = data.get("step_time_s")
+        optimizer = data.get("optimizer", OPTIMIZERS[0])
+        if optimizer not in OPTIMIZERS:
+            raise AutoshardError(
+                f"{p}: optimizer is {optimizer!r}; expected one of {', '.join(OPTIMIZERS)} "
+                "(run `autoshard stages` again)"
+            )
         return StagePlanFile(
             source=str(p),
             model=str(data.get("model", "")),
@@ -222,6 +232,7 @@ def _parse(data: Any, p: Path) -> StagePlanFile:
             microbatches=int(data["microbatches"]),
             stages=tuple(stages),
             step_time_s=float(step) if isinstance(step, (int, float)) else None,
+            optimizer=optimizer,
         )
     except (KeyError, TypeError, ValueError) as e:
         what = f"key {e}" if isinstance(e, KeyError) else str(e)

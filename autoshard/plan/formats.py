@@ -60,6 +60,7 @@ from typing import Any, Literal
 import dill
 from torch.distributed.tensor import Placement
 
+from autoshard.cost.optimizer import OPTIMIZERS
 from autoshard.errors import AutoshardError
 from autoshard.placements import placement_from_str, placement_to_str
 from autoshard.plan.atomic import atomic_write, atomic_write_text
@@ -607,6 +608,12 @@ def _check_predicted(predicted: object, source: str) -> None:
     device = predicted.get("device")
     if device is not None and not isinstance(device, str):
         raise AutoshardError(f"{source}: predicted 'device' is {device!r}; expected a name")
+    optimizer = predicted.get("optimizer", OPTIMIZERS[0])
+    if optimizer not in OPTIMIZERS:
+        raise AutoshardError(
+            f"{source}: predicted 'optimizer' is {optimizer!r}; expected one of "
+            f"{', '.join(OPTIMIZERS)} (solve again with autoshard)"
+        )
     collectives = predicted.get("collectives", {})
     if not isinstance(collectives, Mapping) or not all(
         isinstance(k, str) and type(v) is int and v >= 0 for k, v in collectives.items()

@@ -153,6 +153,7 @@ _COST_OPTIONS = {
     "bucket_bytes": "--bucket-size",
     "context_parallel": "--context-parallel",
     "activation_checkpointing": "--activation-checkpointing",
+    "optimizer": "--optimizer",
 }
 # flags whose value is on or off: the option when on (overlap: its --no- form when off)
 _COST_FLAGS = {

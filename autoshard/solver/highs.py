@@ -54,6 +54,7 @@ __all__ = [
     "HighsWork",
     "MILP",
     "SolverProgress",
+    "about",
     "count_compile",
     "in_processes",
     "listening",

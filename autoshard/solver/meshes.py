@@ -317,7 +317,8 @@ def _plan_rows(
                     for b in begun
                 ]
                 if beside is not None:
-                    beside()
+                    with about("pipeline stages"):  # their stage ILPs, beside the lanes'
+                        beside()
                 ilp_rows = lifted.result()
                 rows = [ilp_rows[k] if b.future else spaced[k] for k, b in enumerate(begun)]
                 rows = [_lifted(r, b) for r, b in zip(rows, begun, strict=True)]

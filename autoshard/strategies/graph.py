@@ -43,6 +43,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_private as tp
+from autoshard.cost.optimizer import OPTIMIZERS
 from autoshard.errors import AutoshardError
 from autoshard.placements import whole_on_single
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
@@ -729,11 +730,6 @@ def _compute_cost(node, info, s: Strategy, mesh_shape, compute_time, rule) -> fl
         return rule.compute_cost(node, info, s, mesh_shape, compute_time)
     return roofline(node, info, s, mesh_shape, compute_time)
 
-
-OPTIMIZERS = ("adamw-fused", "adamw-foreach")
-"""The AdamW implementations a step can be priced as (``--optimizer``): PyTorch's fused
-kernel (``torch.optim.AdamW(fused=True)``, apex's FusedAdam) and its ``foreach`` one (the
-default of ``torch.optim.AdamW`` for CUDA tensors, torchtitan's)."""
 
 FOREACH_EXTRA_PASSES_BYTES = 52
 """Bytes per fp32 element that ``foreach`` AdamW moves beyond the fused kernel's 28:
