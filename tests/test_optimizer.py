@@ -212,6 +212,17 @@ def test_a_sharded_gradient_is_laid_out_as_its_parameter_shard_and_keeps_its_pla
         assert laid_out_as(alike, param) is alike
 
 
+def _foreach_stage_plan(tmp_path: Path) -> Path:
+    """``autoshard stages`` of the bundled blocks on 2 devices, 2 stages, priced with
+    ``adamw-foreach``: the stage plan it writes."""
+    out = autoshard_cli(
+        "stages", "examples/blocks.py", "--mesh", "2", "--pp", "2", "--microbatches", "4",
+        "--optimizer", "adamw-foreach", "--out", str(tmp_path), "-q",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return next(tmp_path.glob("*.stages.json"))
+
+
 def test_the_stage_plan_and_the_map_carry_the_optimizer_and_refuse_an_unknown_one(tmp_path):
     """``stages --optimizer`` writes it into the stage plan, which the pipeline launch
     reads; an unknown name in a stage plan or in a sharding map's ``predicted`` is one
@@ -219,12 +230,7 @@ def test_the_stage_plan_and_the_map_carry_the_optimizer_and_refuse_an_unknown_on
     from autoshard.pipeline.stage_plan import load_stage_plan
     from autoshard.plan.formats import load_sharding_map
 
-    out = autoshard_cli(
-        "stages", "examples/blocks.py", "--mesh", "2", "--pp", "2", "--microbatches", "4",
-        "--optimizer", "adamw-foreach", "--out", str(tmp_path), "-q",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    path = next(tmp_path.glob("*.stages.json"))
+    path = _foreach_stage_plan(tmp_path)
     assert load_stage_plan(path).optimizer == "adamw-foreach"
     data = json.loads(path.read_text())
     data["optimizer"] = "sgd"
@@ -250,12 +256,7 @@ def test_a_pipeline_launch_runs_the_adamw_its_stages_were_priced_with(tmp_path: 
     2 gloo ranks, and its step matches one device's."""
     from helpers import ranks
 
-    out = autoshard_cli(
-        "stages", "examples/blocks.py", "--mesh", "2", "--pp", "2", "--microbatches", "4",
-        "--optimizer", "adamw-foreach", "--out", str(tmp_path), "-q",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    plan = next(tmp_path.glob("*.stages.json"))
+    plan = _foreach_stage_plan(tmp_path)
     run = ranks(2, str(plan), "examples/blocks.py", "--train", "--check")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "train x 1 step(s) (adamw-foreach)" in run.stdout, run.stdout

@@ -40,6 +40,7 @@ tolerance every rank exits 1.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -511,8 +512,7 @@ def _run_schedule(
     schedule = schedule_class(spec.pp, spec.microbatches)(
         stage, n_microbatches=spec.microbatches, loss_fn=loss_fn, scale_grads=False
     )
-    # the AdamW the stages were priced with (the stage plan's optimizer)
-    optimizer = adamw(module, opts.lr, spec.optimizer) if opts.train else None
+    optimizer = adamw(module, opts.lr, opts.optimizer) if opts.train else None
     args = tuple(inputs) if stage.is_first else ()
     # The schedules split a target for the loss even when the loss ignores it.
     target = torch.zeros(inputs[0].shape[0], device=device) if stage.is_last else None
@@ -642,6 +642,8 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         )
     check_world_size(spec, int(os.environ["WORLD_SIZE"]))
     check_supported(spec)
+    # the AdamW the stages were priced with, for the stages and --check's one device alike
+    opts = dataclasses.replace(opts, optimizer=spec.optimizer)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -716,7 +718,7 @@ def _run_in_group(spec: StagePlanFile, model: Path, opts: RunOptions, device: to
             f"autoshard launch: {mf.path.name}, stage plan pp={spec.pp} on mesh "
             f"{spec.mesh_text}{names}, {world} ranks, {device.type}, "
             f"{'train' if opts.train else 'forward'} x {opts.steps} step(s)"
-            + (f" ({spec.optimizer})" if opts.train else "")
+            + (f" ({opts.optimizer})" if opts.train else "")
             + f", seed {opts.seed}"
         )
         if fallback:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoshard.cost.optimizer import OPTIMIZERS
 from autoshard.errors import AutoshardError
 from autoshard.plan.atomic import atomic_write_text
 from autoshard.plan.formats import STAGE_PLAN_FORMAT
+from autoshard.strategies.optimizer import OPTIMIZERS
 
 __all__ = [
     "STAGE_PLAN_FORMAT",

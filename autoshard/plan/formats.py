@@ -60,11 +60,11 @@ from typing import Any, Literal
 import dill
 from torch.distributed.tensor import Placement
 
-from autoshard.cost.optimizer import OPTIMIZERS
 from autoshard.errors import AutoshardError
 from autoshard.placements import placement_from_str, placement_to_str
 from autoshard.plan.atomic import atomic_write, atomic_write_text
 from autoshard.plan.unpickle import RestrictedUnpickler, Thaw
+from autoshard.strategies.optimizer import OPTIMIZERS
 
 __all__ = [
     "MASE_FORMAT",

@@ -43,10 +43,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_private as tp
-from autoshard.cost.optimizer import OPTIMIZERS
 from autoshard.errors import AutoshardError
 from autoshard.placements import whole_on_single
 from autoshard.strategies.hiding import GATHER, GRADIENT, schedule
+from autoshard.strategies.optimizer import OPTIMIZERS
 from autoshard.strategies.registry import roofline
 from autoshard.strategies.rules import op_rule
 from autoshard.strategies.sharing import build_shares, share_key

@@ -1,6 +1,7 @@
 """The optimizer implementations a training step can be priced as (``--optimizer``); the
-price itself is :func:`autoshard.strategies.graph.adamw_step_time`. A module of its own,
-without torch, so that the file formats can check a name (``predicted.optimizer``)."""
+price itself is :func:`autoshard.strategies.graph.adamw_step_time`. A module of its own
+that imports nothing, so that the file formats (:mod:`autoshard.plan.formats`, the stage
+plan) check a name (``predicted.optimizer``) without the strategy graph."""
 
 OPTIMIZERS = ("adamw-fused", "adamw-foreach")
 """PyTorch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``, apex's FusedAdam), the
