@@ -161,7 +161,7 @@ def predicted(plan: Plan) -> dict[str, Any]:
 def _optimizer_key(plan: Plan) -> dict[str, str]:
     """``{"optimizer": ...}`` in training: the AdamW implementation the step was priced
     with, which the launch builds (a map without it launches the fused kernel)."""
-    return {"optimizer": plan.optimizer} if plan.sg.graph.mode == "train" else {}
+    return {"optimizer": plan.sg.optimizer} if plan.sg.graph.mode == "train" else {}
 
 
 def _recomputation_keys(plan: Plan) -> dict[str, Any]:

@@ -70,9 +70,6 @@ class Plan:
     # a recomputed block reruns its forward up to the last op its backward reads
     # (torch.utils.checkpoint's early stop); False: its whole forward
     checkpoint_early_stop: bool = True
-    # the AdamW implementation its optimizer step is priced as (--optimizer), which the
-    # launch runs
-    optimizer: str = "adamw-fused"
 
     @property
     def comm_total_s(self) -> float:
@@ -211,7 +208,6 @@ def build_plan(
         step_flops=graph.step_flops,
         collective_steps=steps,
         own_steps=own_steps,
-        optimizer=sg.optimizer,
         **_recomputation(sg, choice, recompute),
     )
 
