@@ -317,6 +317,18 @@ def plan_options(f):
             "Llama-3-8B block in bf16: 436224000B).",
         ),
         click.option(
+            "--fsdp-version",
+            type=click.Choice(["2", "1"]),
+            default="2",
+            show_default=True,
+            help="Which FSDP runs the fsdp, hsdp and fsdp_tp plans (training): 2, "
+            "fully_shard (torchtitan), or 1, FullyShardedDataParallel (Composer, Accelerate). "
+            "Their price adds the copies it makes around each collective, unsharded bytes on "
+            "every device: FSDP2 casts each shard into the all-gather, copies the gathered "
+            "parameters out and the gradients in; FSDP1 flattens, casts and divides the "
+            "gradients (docs/cost-model.md, 'FSDP's copies').",
+        ),
+        click.option(
             "--no-overlap",
             is_flag=True,
             help="Price every collective on the critical path; by default a gradient reduction "
@@ -443,6 +455,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
         checkpoint_early_stop=opts.get("checkpoint_early_stop", True),
         optimizer=opts.get("optimizer", "adamw-fused"),
+        fsdp_version=int(opts.get("fsdp_version", "2")),
     )
 
 

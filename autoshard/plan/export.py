@@ -146,6 +146,7 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "compute_s": float(plan.compute_s),
         "optimizer_s": float(plan.optimizer_s),
         "recompute_s": float(plan.recompute_s),
+        **({"fsdp_s": float(plan.fsdp_s)} if plan.fsdp_s else {}),
         "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
         "comm_s": {k: float(v) for k, v in sorted(plan.comm_s.items())},
         "hidden_s": {k: float(v) for k, v in sorted(plan.hidden_s.items())},

@@ -56,6 +56,8 @@ def time_split_png(plan: Plan) -> str:
         items.append(("optimizer step", plan.optimizer_s, 0.0))
     if plan.recompute_s:
         items.append(("recompute", plan.recompute_s, 0.0))
+    if plan.fsdp_s:
+        items.append(("FSDP's copies", plan.fsdp_s, 0.0))
     hidden, exposed = plan.hidden_s, plan.exposed_s
     for kind, total in sorted(plan.comm_s.items()):
         items.append((kind.replace("_", "-"), exposed.get(kind, total), hidden.get(kind, 0.0)))

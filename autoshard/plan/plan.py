@@ -67,6 +67,10 @@ class Plan:
     # real blocks that recompute under the selective policy (autoshard.trace.selective)
     selective_blocks: list[int] = field(default_factory=list)
     recompute_s: float = 0.0
+    # the copies FSDP's runtime makes around its collectives, for a plan FSDP runs
+    # (autoshard.plan.fsdp_runtime): seconds and bytes per device per step
+    fsdp_s: float = 0.0
+    fsdp_bytes: float = 0.0
     # a recomputed block reruns its forward up to the last op its backward reads
     # (torch.utils.checkpoint's early stop); False: its whole forward
     checkpoint_early_stop: bool = True
@@ -92,13 +96,15 @@ class Plan:
     @property
     def step_time_s(self) -> float:
         """Predicted time of one step: compute, the optimizer step, the communication
-        not hidden under compute, and the recomputed blocks' forward passes."""
+        not hidden under compute, the recomputed blocks' forward passes and, for a plan
+        FSDP runs, its copies around the collectives (:attr:`fsdp_s`)."""
         return (
             self.compute_s
             + self.optimizer_s
             + self.comm_total_s
             - self.hidden_total_s
             + self.recompute_s
+            + self.fsdp_s
         )
 
     @property
@@ -149,7 +155,7 @@ def build_plan(
     steps: Counter = Counter()
     own_steps: Counter = Counter()  # of steps, those ops issue themselves
     # the reshardings a recomputed block's forward reads run again before its backward
-    reruns = _reruns(sg, recompute)
+    reruns = rerun_counts(sg, recompute)
     again: dict[tuple, int] = {}  # a shared resharding: reruns of its most rerun reader
     moved: dict[tuple, list] = {}  # (share key, placement): reads that share one resharding
     for producer, consumer, k, t in tensor_uses(sg):
@@ -274,7 +280,7 @@ def _placed_leaves(
     return parameters, inputs, param_bytes
 
 
-def _reruns(sg: StrategyGraph, recompute: dict | None) -> dict[str, int]:
+def rerun_counts(sg: StrategyGraph, recompute: dict | None) -> dict[str, int]:
     """Per forward op node, how many times a recomputation runs it again (the real blocks
     of its traced block that recompute under a policy that recomputes it)."""
     ck = sg.checkpointing

@@ -259,6 +259,14 @@ def cost_table(plan: Plan) -> Table:
         table.add_row("optimizer step (AdamW)", format_seconds(plan.optimizer_s), "", "", "")
     if plan.recompute_s:
         table.add_row(_recompute_label(plan), format_seconds(plan.recompute_s), "", "", "")
+    if plan.fsdp_s:
+        table.add_row(
+            f"FSDP's copies ({format_bytes(plan.fsdp_bytes)})",
+            format_seconds(plan.fsdp_s),
+            "",
+            "",
+            "",
+        )
     exposed = plan.exposed_s
     for kind, c in COLLECTIVES.items():
         if kind in plan.comm_s or plan.collectives.get(kind):
@@ -425,7 +433,7 @@ def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
 def _busy_s(plan: Plan) -> float:
     """Seconds of compute, the optimizer step and every collective, before overlap: what a
     fallback's share is of."""
-    return plan.compute_s + plan.optimizer_s + plan.comm_total_s + plan.recompute_s
+    return plan.compute_s + plan.optimizer_s + plan.comm_total_s + plan.recompute_s + plan.fsdp_s
 
 
 @dataclass
@@ -660,6 +668,7 @@ def report_dict(
                 "compute": plan.compute_s,
                 "optimizer": plan.optimizer_s,
                 "recompute": plan.recompute_s,
+                "fsdp_copies": plan.fsdp_s,
                 "collectives": {
                     kind: {
                         "total": total,

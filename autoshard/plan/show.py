@@ -407,6 +407,7 @@ _PREDICTED_LABELS = {
     "compute_s": "compute",
     "optimizer_s": "optimizer step",
     "recompute_s": "recompute",
+    "fsdp_s": "FSDP's copies",
     "recomputed_blocks": "recomputed blocks",
     "selective_blocks": "selectively recomputed blocks",
     "comm_s": "communication",

@@ -60,6 +60,8 @@ class ComparedPlan:
             "compute_s": float(p.compute_s),
             "optimizer_s": float(p.optimizer_s),
             "recompute_s": float(p.recompute_s),
+            "fsdp_s": float(p.fsdp_s),
+            "fsdp_bytes": float(p.fsdp_bytes),
             "comm_s": {k: float(p.comm_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
             "hidden_s": {k: float(p.hidden_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
             "flops": float(p.step_flops),
@@ -210,14 +212,21 @@ def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None
             t.add_row(name, *values)
 
     recomputes = any(r.plan.recompute_s for r in done)
+    copies = any(r.plan.fsdp_s for r in done)
     # compare_plans marks the fastest of all when none fits: the legend says which
     within = f" in {format_bytes(budget)}" if budget is not None else ""
     fits = any(r.fits for r in done)
     star = f"* fastest that fits{within}" if fits else f"* fastest (none fits{within})"
     step = table(
-        star + "\nstep = compute + " + ("recomp. + " if recomputes else "") + "optim. + exposed",
-        ["step", "compute", *(["recomp."] if recomputes else []), "optim.", "exposed"]
-        + ["MFU", "memory", "fits"],
+        star
+        + "\nstep = compute + "
+        + ("recomp. + " if recomputes else "")
+        + "optim. + "
+        + ("FSDP copies + " if copies else "")
+        + "exposed",
+        ["step", "compute", *(["recomp."] if recomputes else []), "optim."]
+        + (["FSDP copies"] if copies else [])
+        + ["exposed", "MFU", "memory", "fits"],
         title,
     )
     add(
@@ -227,6 +236,7 @@ def comparison_tables(rows: list[ComparedPlan], title: str, budget: float | None
             format_seconds(p.compute_s),
             *([format_seconds(p.recompute_s) if p.recompute_s else "-"] if recomputes else []),
             format_seconds(p.optimizer_s) if p.optimizer_s else "-",
+            *([format_seconds(p.fsdp_s) if p.fsdp_s else "-"] if copies else []),
             format_seconds(sum(p.comm_s.values()) - p.hidden_total_s) if p.comm_s else "-",
             f"{p.mfu:.1%}",
             format_bytes(p.memory_bytes),

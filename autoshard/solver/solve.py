@@ -25,7 +25,7 @@ from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
 from autoshard.cost.checkpointing import POLICIES, Checkpointing
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
-from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
+from autoshard.cost.memory import FP32_MASTER_BYTES, LiveMemory, MemoryModel, memory_by_kind
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import (
@@ -35,6 +35,7 @@ from autoshard.model.model_file import (
     split_microbatches,
 )
 from autoshard.plan.export import output_stem, write_outputs
+from autoshard.plan.fsdp_runtime import FSDP_VERSIONS, add_fsdp_copies, runs_fsdp
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
@@ -119,11 +120,19 @@ class SolveConfig:
     # the AdamW implementation each parameter's step is priced as
     # (autoshard.strategies.graph.OPTIMIZERS): PyTorch's fused kernel, or its foreach one
     optimizer: str = "adamw-fused"
+    # which FSDP runs the plans FSDP runs (autoshard.plan.fsdp_runtime.FSDP_VERSIONS):
+    # 2, fully_shard (torchtitan's), or 1, FullyShardedDataParallel; their copies differ
+    fsdp_version: int = 2
     # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
     # on a copy, since tracing may cast it and cut its repeated blocks
     model: LoadedModel | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.fsdp_version not in FSDP_VERSIONS:
+            raise AutoshardError(
+                f"--fsdp-version (fsdp_version) must be one of "
+                f"{', '.join(map(str, FSDP_VERSIONS))}, got {self.fsdp_version!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise AutoshardError(
                 f"--optimizer (optimizer) must be one of {', '.join(OPTIMIZERS)}, "
@@ -250,6 +259,7 @@ class SolveConfig:
             activation_checkpointing=_stored_checkpointing(cost),
             checkpoint_early_stop=stored_early_stop(cost, solution.get("predicted") or {}),
             optimizer=cost.get("optimizer", "adamw-fused"),  # written before it was an option
+            fsdp_version=cost.get("fsdp_version", 2),
         )
 
     def cost_model(self) -> dict[str, Any]:
@@ -270,6 +280,7 @@ class SolveConfig:
             "activation_checkpointing": self.activation_checkpointing,
             "checkpoint_early_stop": self.checkpoint_early_stop,
             "optimizer": self.optimizer,
+            "fsdp_version": self.fsdp_version,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -425,9 +436,22 @@ def finish_plan(
 ) -> Plan:
     """:func:`build_plan` plus the training memory kinds and the budget check.
     ``recompute``: real blocks that recompute per traced block's layer (none when absent,
-    every one under ``--activation-checkpointing full``)."""
+    every one under ``--activation-checkpointing full``). A plan FSDP runs
+    (:func:`~autoshard.plan.fsdp_runtime.runs_fsdp`) in training adds the copies
+    ``config.fsdp_version`` makes around its collectives."""
     plan = build_plan(sg, choice, config.mesh, name=name, recompute=recompute)
-    plan.peak_flops = config.device.peak(config.compute_dtype(sg.graph))
+    dtype = config.compute_dtype(sg.graph)
+    plan.peak_flops = config.device.peak(dtype)
+    if config.mode == "train" and runs_fsdp(name):
+        add_fsdp_copies(
+            plan,
+            recompute,
+            config.fsdp_version,
+            config.device.compute_time,
+            dtype,
+            master_itemsize=FP32_MASTER_BYTES if config.mixed else None,
+            reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
+        )
     mem = memory_by_kind(sg, choice, config.memory_model(), recompute)
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
     plan.extra["saved_activations"] = mem.get("saved_activations")

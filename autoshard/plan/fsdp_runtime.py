@@ -1,0 +1,176 @@
+"""The copies FSDP's runtime makes around its collectives: what a plan run by FSDP pays
+beyond its reshardings.
+
+A plan's price holds each parameter's all-gather and each gradient's reduction
+(:func:`autoshard.plan.plan.build_plan`). PyTorch's FSDP runs more than the collective
+around each of them: it casts and copies the shard into the all-gather's buffer, copies
+the gathered buffer out into the parameters (FSDP2), copies the gradients into the
+reduce-scatter's buffer in the reduce dtype, and divides them (FSDP1). Each pass reads and
+writes the unsharded bytes of every parameter it touches, on every device: for Llama-3-8B
+in bf16-mixed about 14 bytes per parameter per step with FSDP2, 18 with FSDP1.
+
+The ``fsdp``, ``hsdp`` and ``fsdp_tp`` plans are run by FSDP (:data:`FSDP_PLANS`): their
+price adds these passes (``Plan.fsdp_s``, ``--fsdp-version``). The ILP's plans are run by
+autoshard's launcher, whose DTensor reshardings gather and reduce each tensor in place;
+they add nothing here.
+
+Bytes per element of one tensor, ``p`` its dtype's size (the compute dtype: bf16 in
+bf16-mixed), ``m`` the master copy's (fp32 in mixed precision, else ``p``), ``r`` the
+reduce dtype's, from torch 2.13's sources:
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``, ``_fsdp_collectives.py``), per all-gather
+of a shard of ``E_s`` elements into ``E_g``:
+
+- ``_get_param_all_gather_inputs``: with mixed precision, ``torch._foreach_copy_`` casts
+  the fp32 shard to the param dtype: ``E_s (m + p)``;
+- ``all_gather_copy_in``: the shard into its slot of the all-gather's buffer: ``2 E_s p``;
+- ``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` of the buffer into each
+  parameter: ``2 E_g p``, on the compute stream;
+
+per reduction of a gradient of ``E_g`` elements into ``E_s``:
+
+- ``foreach_reduce_scatter_copy_in``: ``_chunk_cat`` of the gradients into the
+  reduce-scatter's buffer in the reduce dtype: ``E_g (p + r)``;
+- the reduced shard cast to the master's dtype when ``r != m``: ``E_s (r + m)``. The
+  average is NCCL's (``ReduceOp.AVG`` for fp32 and bf16): no division pass.
+
+FSDP1 (``FullyShardedDataParallel``, ``_runtime_utils.py``, ``flat_param.py``), per
+all-gather: with mixed precision the flat shard cast into ``_mp_shard``: ``E_s (m + p)``;
+the gathered flat parameter is viewed, not copied. Per reduction:
+
+- autograd's backward of the views into the flat parameter (``split``) concatenates the
+  gradients into one flat gradient: ``2 E_g p``;
+- ``_post_backward_hook`` casts it to the reduce dtype when ``r != p``: ``E_g (p + r)``;
+- ``_reduce_grad`` divides it by the predivide factor (``DefaultState.
+  _get_gradient_predivide_factor`` of the group's size, above 1 for two ranks or more):
+  ``2 E_g r``; the shard by the postdivide factor when it is above 1: ``2 E_s r``;
+- the shard cast to the master's dtype when ``r != m``: ``E_s (r + m)``.
+
+Each pass is priced at the device's memory bandwidth (the roofline's byte term, as the
+AdamW step is) and added to the step whole. Some run on FSDP's own streams (FSDP1's cast
+and divisions on its post-backward stream, FSDP2's copy-in on its all-gather copy-in
+stream), beside the compute: a memory-bound kernel there takes the SMs the compute would
+have used, so it is priced as if it ran alone, as the compute slowed by a collective
+beside it is (:mod:`autoshard.cost.overlap`). ``tests/test_fsdp_runtime.py`` counts these
+bytes from the ops PyTorch's FSDP2 and FSDP1 run for one step and holds the price to them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from autoshard.cost.checkpointing import rerun_takes_gather
+from autoshard.plan.plan import Plan, rerun_counts, tensor_uses
+from autoshard.strategies.graph import bucketed_use
+from autoshard.strategies.hiding import GATHER, GRADIENT
+from autoshard.strategies.strategy import local_shape
+
+FSDP_VERSIONS: tuple[int, ...] = (2, 1)
+"""``--fsdp-version``: 2, ``torch.distributed.fsdp.fully_shard`` (torchtitan's); 1,
+``FullyShardedDataParallel`` (Composer's, HF Accelerate's)."""
+
+FSDP_PLANS: frozenset[str] = frozenset({"fsdp", "hsdp", "fsdp_tp"})
+"""The hand plans FSDP runs (:mod:`autoshard.solver.baselines`)."""
+
+
+def runs_fsdp(name: str) -> bool:
+    """Whether FSDP runs the plan named ``name``: a hand plan of :data:`FSDP_PLANS`, or a
+    point of the torchtitan space that shards parameters (``torchtitan fsdp+tp``,
+    ``torchtitan hsdp+ac``: :mod:`autoshard.solver.space`), which ``autoshard export``
+    writes as FSDP2's ``fully_shard``."""
+    if name in FSDP_PLANS:
+        return True
+    layout = name.removeprefix("torchtitan ").split("+")[0]
+    return name.startswith("torchtitan ") and layout in ("fsdp", "hsdp")
+
+
+def predivide_factor(world_size: int) -> int:
+    """FSDP1's gradient predivide factor for a group of ``world_size`` ranks: the
+    smallest power of two ``f`` with ``world_size / f <= f`` or ``world_size % f != 0``
+    (torch's ``DefaultState._get_gradient_predivide_factor``); the postdivide factor is
+    ``world_size / f``."""
+    f = 1
+    while world_size % f == 0 and world_size / f > f:
+        f *= 2
+    return f
+
+
+def gather_bytes(version: int, shard: float, gathered: float, p: int, m: int) -> float:
+    """Bytes FSDP ``version`` moves around one all-gather of ``shard`` elements into
+    ``gathered`` (module docstring): ``p`` the dtype's size, ``m`` the master copy's."""
+    cast = shard * (m + p) if m != p else 0.0
+    if version == 1:
+        return cast
+    return cast + 2 * shard * p + 2 * gathered * p
+
+
+def reduce_bytes(version: int, unsharded: float, shard: float, p: int, r: int, m: int) -> float:
+    """Bytes FSDP ``version`` moves around one reduction of a gradient of ``unsharded``
+    elements into ``shard`` (module docstring): ``p`` the gradient's dtype size, ``r`` the
+    reduce dtype's, ``m`` the master copy's."""
+    to_master = shard * (r + m) if r != m else 0.0
+    if version == 2:
+        return unsharded * (p + r) + to_master
+    world = max(1, round(unsharded / shard))
+    pre = predivide_factor(world)
+    flatten = 2 * unsharded * p
+    cast = unsharded * (p + r) if r != p else 0.0
+    divide = (2 * unsharded * r if pre > 1 else 0.0) + (2 * shard * r if world // pre > 1 else 0.0)
+    return flatten + cast + divide + to_master
+
+
+def fsdp_copy_bytes(
+    plan: Plan,
+    recompute: dict | None,
+    version: int,
+    master_itemsize: int | None,
+    reduce_itemsize: int | None,
+) -> float:
+    """Bytes one device moves per step in FSDP ``version``'s copies around the plan's
+    parameter all-gathers and gradient reductions (module docstring), each counted as
+    often as the plan runs it: once per layer a traced read stands for, and again for a
+    recomputed block's read that gathers its own (``recompute``: the plan's decision, as
+    :func:`~autoshard.plan.plan.build_plan` takes it). ``master_itemsize``: the fp32 master
+    copy's bytes per element in mixed precision (``None``: the parameter's own dtype);
+    ``reduce_itemsize``: the reduce dtype's (``None``: the gradient's)."""
+    sg, mesh = plan.sg, plan.mesh.shape
+    again = rerun_counts(sg, recompute)
+    total = 0.0
+    for producer, consumer, k, t in tensor_uses(sg):
+        p = plan.node_strategy[producer].outputs[0]
+        q = plan.node_strategy[consumer].inputs[k]
+        if p == q:
+            continue
+        kind = bucketed_use(sg.graph, sg.nodes, producer, consumer)
+        before = float(math.prod(local_shape(t.shape, p, mesh)))
+        after = float(math.prod(local_shape(t.shape, q, mesh)))
+        item = t.itemsize
+        master = master_itemsize or item
+        times = sg.graph.mult(consumer)
+        if kind == GATHER and after > before:
+            if again.get(consumer) and not rerun_takes_gather(
+                sg, plan.node_strategy, producer, consumer, k
+            ):
+                times += again[consumer]
+            total += times * gather_bytes(version, before, after, item, master)
+        elif kind == GRADIENT and before > after:
+            r = reduce_itemsize or item
+            total += times * reduce_bytes(version, before, after, item, r, master)
+    return total
+
+
+def add_fsdp_copies(
+    plan: Plan,
+    recompute: dict | None,
+    version: int,
+    compute_time: Callable[..., float],
+    dtype,  # noqa: ANN001 - the step's compute dtype
+    master_itemsize: int | None,
+    reduce_itemsize: int | None,
+) -> None:
+    """Set ``plan.fsdp_bytes`` and ``plan.fsdp_s``: FSDP ``version``'s copies
+    (:func:`fsdp_copy_bytes`) at the device's memory bandwidth
+    (``compute_time(0, bytes, dtype)``, the roofline's byte term)."""
+    plan.fsdp_bytes = fsdp_copy_bytes(plan, recompute, version, master_itemsize, reduce_itemsize)
+    plan.fsdp_s = compute_time(0.0, plan.fsdp_bytes, dtype) if plan.fsdp_bytes else 0.0

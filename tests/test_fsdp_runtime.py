@@ -1,0 +1,236 @@
+"""FSDP's copies around its collectives (``--fsdp-version``, ``Plan.fsdp_s``): the bytes
+autoshard prices for a plan FSDP runs are the bytes PyTorch's FSDP2 and FSDP1 move in the
+passes they run beside the model's own ops and the collectives, counted here from those
+ops in one real training step (one process, a fake process group of 8 ranks), not from
+autoshard's formula."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import cli_config
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard.cost.mesh import MeshSpec
+from autoshard.errors import AutoshardError
+from autoshard.plan.fsdp_runtime import predivide_factor, runs_fsdp
+from autoshard.solver.compare import compare_plans
+from autoshard.solver.solve import SolveConfig, strategies, trace
+
+WORLD, BATCH, D, H = 8, 32, 64, 256
+
+MODEL = f"""
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear({D}, {H}, bias=False)
+        self.down = nn.Linear({H}, {D}, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones({D}))
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        x = x * self.scale  # the blocks' input needs its gradient, as an embedding's does
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_model():
+    return Stack()
+
+
+def example_inputs():
+    return (torch.randn({BATCH}, {D}),)
+"""
+
+
+def _nbytes(ts) -> int:  # noqa: ANN001 - a tensor or a list of them
+    ts = [ts] if isinstance(ts, torch.Tensor) else ts
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _fsdp2_pass(name: str, args, kwargs) -> int | None:  # noqa: ANN001
+    """Bytes one of FSDP2's own ops moves (torch 2.13, ``_fsdp_collectives.py``), or None
+    for an op of another kind."""
+    if name == "fsdp.all_gather_copy_in.default":  # the shards into the buffer's slot
+        return 2 * _nbytes(args[0])
+    if name == "fsdp.split_with_sizes_copy.default":  # the buffer out into the parameters
+        return 2 * _nbytes(kwargs["out"])
+    if name == "fsdp.chunk_cat.default":  # the gradients into the reduce-scatter's buffer
+        return _nbytes(args[0]) + _nbytes(kwargs["out"])
+    if name == "aten._foreach_copy_.default":  # the fp32 shards cast to bf16
+        return _nbytes(args[0]) + _nbytes(args[1])
+    return None
+
+
+def _fsdp1_pass(name: str, args, kwargs, x: torch.Tensor) -> int | None:  # noqa: ANN001
+    """Bytes one of FSDP1's own ops moves (``_runtime_utils.py``), or None."""
+    if name == "aten.cat.default":  # autograd flattens the gradients into the flat one
+        return _nbytes(args[0]) * 2
+    if name == "aten._to_copy.default" and args[0] is not x:  # the flat gradient to fp32
+        out = args[0].numel() * kwargs["dtype"].itemsize
+        return _nbytes(args[0]) + out
+    if name == "aten.div_.Tensor":  # the predivide (unsharded) and postdivide (shard)
+        return 2 * _nbytes(args[0])
+    if name == "aten.copy_.default":  # the fp32 flat shard cast into the bf16 _mp_shard
+        return _nbytes(args[0]) + _nbytes(args[1])
+    return None
+
+
+class _Ops(TorchDispatchMode):
+    """Every op one step runs, and the bytes of FSDP's own passes among them."""
+
+    def __init__(self, price) -> None:  # noqa: ANN001 - (name, args, kwargs) -> int | None
+        super().__init__()
+        self.price, self.ops, self.bytes = price, Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        name = str(func)
+        self.ops[name] += 1
+        moved = self.price(name, args, kwargs)
+        self.bytes += moved or 0
+        return func(*args, **kwargs)
+
+
+# what a step runs besides FSDP's passes: the model's own ops, the collectives (a fake
+# process group's), allocations, views and the profiler's ranges
+_NOT_PASSES = ("c10d.", "profiler.", "aten.empty", "aten.view", "aten.t.", "aten.detach")
+_NOT_PASSES += ("aten.as_strided", "aten.split", "aten.slice", "aten.expand", "aten.mm.")
+_NOT_PASSES += ("aten.add.", "aten.relu", "aten.threshold_backward", "aten.sum.")
+_NOT_PASSES += ("aten.ones_like", "aten.mul.")
+
+
+def _step(version: int, model_path) -> _Ops:  # noqa: ANN001
+    """One forward and backward of the model file's model under FSDP ``version`` in
+    bf16-mixed (bf16 compute, fp32 reduction), each block wrapped, as torchtitan wraps
+    with FSDP2 and Composer with FSDP1."""
+    namespace: dict = {}
+    exec(compile(model_path.read_text(), str(model_path), "exec"), namespace)  # noqa: S102
+    torch.manual_seed(0)
+    model = namespace["build_model"]()
+    (x,) = namespace["example_inputs"]()
+    if version == 2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        mode = _Ops(_fsdp2_pass)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        block_type = type(model.layers[0])
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({block_type}),
+            mixed_precision=MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+            ),
+            device_id=torch.device("cpu"),
+        )
+        mode = _Ops(lambda name, args, kwargs: _fsdp1_pass(name, args, kwargs, x))
+    with mode:
+        model(x).sum().backward()
+    return mode
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield
+    dist.destroy_process_group()
+
+
+def _priced(model_path, version: int) -> float:  # noqa: ANN001
+    """``autoshard compare --plans fsdp``'s FSDP copies for the model on 8 devices, bytes
+    per device per step."""
+    config = cli_config(
+        "compare", str(model_path), "--mesh", str(WORLD), "--precision", "bf16-mixed",
+        "--activation-checkpointing", "none", "--fsdp-version", str(version), "--mode", "train",
+    )  # fmt: skip
+    (row,) = compare_plans(config, strategies(config, trace(config)), ("fsdp",))
+    assert row.plan is not None and row.plan.name == "fsdp"
+    return row.plan.fsdp_bytes
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_the_copies_priced_are_the_bytes_fsdp_moves(tmp_path, fake_group, version):
+    """Per step on one of 8 devices, the copies autoshard prices for the ``fsdp`` plan
+    equal the bytes of the passes FSDP ``version`` runs besides the model's ops and its
+    collectives, for a scale and a stack of two blocks (each of 2 x 16,384 bf16
+    parameters): FSDP2 casts each shard to bf16, copies it into the all-gather's buffer
+    and the gathered buffer out, twice per block (forward, and backward after resharding),
+    and copies the gradients into the reduce-scatter's buffer in fp32; FSDP1 casts the
+    flat shard per gather, flattens, casts and predivides the unsharded gradient and
+    postdivides the shard. Every other op the step runs is the model's, a view, an allocation or a
+    collective: a pass PyTorch adds fails here until it is priced."""
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL)
+    counted = _step(version, path)
+    passes = {  # the root's scale is gathered once: the root keeps it for the backward
+        2: {
+            "fsdp.all_gather_copy_in.default": 5,
+            "fsdp.split_with_sizes_copy.default": 5,
+            "fsdp.chunk_cat.default": 3,
+            "aten._foreach_copy_.default": 5,
+            "aten._to_copy.default": 1,  # the input to bf16 (MixedPrecisionPolicy)
+        },
+        1: {
+            "aten.cat.default": 3,
+            "aten._to_copy.default": 4,  # the input to bf16, and each unit's gradient
+            "aten.div_.Tensor": 6,
+            "aten.copy_.default": 5,
+        },
+    }[version]
+    others = {k: v for k, v in counted.ops.items() if not k.startswith(_NOT_PASSES)}
+    assert others == passes
+    blocks, scale = 2 * 2 * D * H, D  # elements: two blocks of two weights; the scale
+    # by hand, per element (bf16 p = 2, fp32 master m = 4 and reduce r = 4; a shard is
+    # 1/8): per gather, and per reduction
+    gather = {2: (4 + 2) / 8 + 2 * 2 / 8 + 2 * 2, 1: (4 + 2) / 8}[version]
+    reduce = {2: 2 + 4, 1: 2 * 2 + (2 + 4) + 2 * 4 + 2 * 4 / 8}[version]
+    hand = blocks * (2 * gather + reduce) + scale * (gather + reduce)
+    assert counted.bytes == hand == {2: 1_082_064, 1: 1_344_752}[version]
+    assert _priced(path, version) == counted.bytes
+
+
+def test_fsdp1_divides_as_torch_does():
+    """FSDP1's predivide factor is torch's own for every group size priced."""
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+
+    for n in (1, 2, 3, 4, 8, 16, 64, 128, 512, 1024):
+        assert predivide_factor(n) == DefaultState._get_gradient_predivide_factor(n)
+
+
+def test_which_plans_fsdp_runs():
+    """The hand plans FSDP runs and the torchtitan space's sharded points; not the ILP's,
+    DDP's or Megatron's."""
+    assert all(runs_fsdp(n) for n in ("fsdp", "hsdp", "fsdp_tp", "torchtitan fsdp+tp+ac"))
+    assert all(runs_fsdp(n) for n in ("torchtitan hsdp", "torchtitan fsdp"))
+    assert not any(runs_fsdp(n) for n in ("ilp", "ddp", "megatron", "torchtitan ddp+tp"))
+
+
+def test_an_unknown_fsdp_version_is_one_error(tmp_path):
+    with pytest.raises(AutoshardError, match=r"--fsdp-version .* 2, 1, got 3"):
+        SolveConfig(model_path=tmp_path / "m.py", mesh=MeshSpec.from_options("2"), fsdp_version=3)
