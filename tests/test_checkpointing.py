@@ -471,9 +471,10 @@ def test_a_llama_no_budget_fits_gets_the_least_memory_not_a_solver_error(monkeyp
 
 
 def test_compare_shows_the_recomputation_its_step_adds(tmp_path):
-    """``compare`` prices a step as compute + recompute + optimizer + exposed collectives:
-    its JSON gives each part and they add up to the step, and its table shows the
-    recomputation in its own column (it used to leave it out of both, so the parts it
+    """``compare`` prices a step as compute + recompute + optimizer + exposed collectives
+    (+ FSDP's copies for the plans FSDP runs, shown with the collectives and in the
+    compute column): its JSON gives each part and they add up to the step, and its table
+    shows the recomputation in its own column (it used to leave it out of both, so the parts it
     printed did not add up to the step it printed)."""
     import json
 
@@ -487,7 +488,8 @@ def test_compare_shows_the_recomputation_its_step_adds(tmp_path):
     out = CliRunner().invoke(main, [*args, "--json"])
     assert out.exit_code == 0, out.output
     for row in json.loads(out.stdout)["plans"]:
-        parts = row["compute_s"] + row["recompute_s"] + row["optimizer_s"]
+        parts = row["compute_s"] + row["recompute_s"] + row["optimizer_s"] + row["fsdp_s"]
+        assert (row["fsdp_s"] > 0) == (row["name"] in ("fsdp", "fsdp_tp")), row["name"]
         parts += sum(row["comm_s"].values()) - sum(row["hidden_s"].values())
         assert row["recompute_s"] > 0.01 * row["compute_s"], row["name"]
         assert row["step_time_s"] == pytest.approx(parts, rel=1e-12), row["name"]
