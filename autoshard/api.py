@@ -134,6 +134,10 @@ class PlanOptions:
         optimizer: the AdamW implementation each parameter's step is priced as
             (``--optimizer``): ``"adamw-fused"`` (one kernel, the default) or
             ``"adamw-foreach"`` (PyTorch's foreach passes, torchtitan's default).
+        fsdp_version: the FSDP that runs the ``fsdp``, ``hsdp`` and ``fsdp_tp`` plans
+            (``--fsdp-version``; :mod:`autoshard.plan.fsdp_runtime`): ``2``
+            (``fully_shard``, the default) or ``1`` (``FullyShardedDataParallel``); their
+            price adds the copies it makes around each collective.
     """
 
     mode: str = "train"
@@ -150,6 +154,7 @@ class PlanOptions:
     context_parallel: bool | str = False
     checkpoint_early_stop: bool = True
     optimizer: str = "adamw-fused"
+    fsdp_version: int = 2
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
@@ -319,6 +324,7 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
         context_parallel=opts.context_parallel,
         checkpoint_early_stop=opts.checkpoint_early_stop,
         optimizer=opts.optimizer,
+        fsdp_version=opts.fsdp_version,
         model=loaded,
     )
 

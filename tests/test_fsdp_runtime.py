@@ -234,3 +234,21 @@ def test_which_plans_fsdp_runs():
 def test_an_unknown_fsdp_version_is_one_error(tmp_path):
     with pytest.raises(AutoshardError, match=r"--fsdp-version .* 2, 1, got 3"):
         SolveConfig(model_path=tmp_path / "m.py", mesh=MeshSpec.from_options("2"), fsdp_version=3)
+
+
+def test_the_python_api_prices_the_fsdp_it_is_given(tmp_path, fake_group):
+    """``autoshard.compare(..., fsdp_version=1)`` prices FSDP1's copies, the bytes PyTorch's
+    FSDP1 moved for the same model (the first test's count), and by default FSDP2's."""
+    import autoshard
+
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL)
+    namespace: dict = {}
+    exec(compile(MODEL, str(path), "exec"), namespace)  # noqa: S102
+    model, inputs = namespace["build_model"](), namespace["example_inputs"]()
+    for version, counted in ((1, 1_344_752), (None, 1_082_064)):
+        extra = {} if version is None else {"fsdp_version": version}
+        (row,) = autoshard.compare(
+            model, inputs, str(WORLD), plans="fsdp", precision="bf16-mixed", **extra
+        )
+        assert row.plan.fsdp_bytes == counted
