@@ -514,8 +514,8 @@ DEFAULT_DEVICE = "h100-measured"
 """The device the cost model assumes unless the user picks one (``--device``): an H100 SXM
 at the rates one reached (:func:`measured_device`), not at its datasheet's peaks, which no
 GPU reaches. Priced at the datasheet, the six published H100 runs of docs/validation.md
-come out 1.35-1.98x faster than they measured; at the measured rates (with the attention
-kernel and the memory their sources name, their links at NCCL's bus bandwidth), 1.15-1.31x
+come out 1.32-1.69x faster than they measured; at the measured rates (with the attention
+kernel and the memory their sources name, their links at NCCL's bus bandwidth), 1.12-1.25x
 (docs/validation.md keeps the table). ``--device h100`` keeps the datasheet's peaks."""
 
 
