@@ -134,7 +134,7 @@ class PlanOptions:
         optimizer: the AdamW implementation each parameter's step is priced as
             (``--optimizer``): ``"adamw-fused"`` (one kernel, the default) or
             ``"adamw-foreach"`` (PyTorch's foreach passes, torchtitan's default).
-        fsdp_version: the FSDP that runs the ``fsdp``, ``hsdp`` and ``fsdp_tp`` plans
+        fsdp_version: the FSDP that runs the ``fsdp`` and ``fsdp_tp`` plans
             (``--fsdp-version``; :mod:`autoshard.plan.fsdp_runtime`): ``2``
             (``fully_shard``, the default) or ``1`` (``FullyShardedDataParallel``); their
             price adds the copies it makes around each collective.

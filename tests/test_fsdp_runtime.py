@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
-from autoshard.plan.fsdp_runtime import predivide_factor, runs_fsdp
+from autoshard.plan.fsdp_runtime import fsdp_version_of, predivide_factor
 from autoshard.solver.compare import compare_plans
 from autoshard.solver.solve import SolveConfig, strategies, trace
 
-WORLD, BATCH, D, H = 8, 32, 64, 256
+BATCH, D, H = 48, 48, 192  # each divisible by 6 and by 8
 
 MODEL = f"""
 import torch
@@ -109,12 +109,27 @@ class _Ops(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-# what a step runs besides FSDP's passes: the model's own ops, the collectives (a fake
-# process group's), allocations, views and the profiler's ranges
-_NOT_PASSES = ("c10d.", "profiler.", "aten.empty", "aten.view", "aten.t.", "aten.detach")
-_NOT_PASSES += ("aten.as_strided", "aten.split", "aten.slice", "aten.expand", "aten.mm.")
-_NOT_PASSES += ("aten.add.", "aten.relu", "aten.threshold_backward", "aten.sum.")
-_NOT_PASSES += ("aten.ones_like", "aten.mul.")
+# what a step runs besides FSDP's passes, by exact name: the model's own ops (forward and
+# backward), views, allocations, and in the namespaces ``c10d`` and ``profiler`` the
+# collectives (a fake process group's) and FSDP's profiler ranges
+_MODEL_OPS = {
+    "aten.mm.default", "aten.t.default", "aten.add.Tensor", "aten.mul.Tensor",
+    "aten.relu.default", "aten.threshold_backward.default", "aten.sum.default",
+    "aten.sum.dim_IntList", "aten.ones_like.default", "aten.expand.default",
+    "aten.view.default", "aten.detach.default", "aten.as_strided.default",
+    "aten.empty.memory_format", "aten.empty_like.default", "aten.split.Tensor",
+    "aten.split_with_sizes.default", "aten.slice.Tensor",
+}  # fmt: skip
+
+
+def _passes(ops: Counter) -> dict[str, int]:
+    """The ops of ``ops`` that are neither the model's, a view, an allocation, a
+    collective nor a profiler range: FSDP's passes."""
+    return {
+        k: v
+        for k, v in ops.items()
+        if k not in _MODEL_OPS and not k.startswith(("c10d.", "profiler."))
+    }
 
 
 def _step(version: int, model_path) -> _Ops:  # noqa: ANN001
@@ -130,7 +145,7 @@ def _step(version: int, model_path) -> _Ops:  # noqa: ANN001
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -155,18 +170,20 @@ def _step(version: int, model_path) -> _Ops:  # noqa: ANN001
     return mode
 
 
-@pytest.fixture(scope="module")
-def fake_group():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield
+@pytest.fixture
+def fake_group(request):
+    """A fake process group of ``request.param`` ranks (8 by default) for the test."""
+    world = getattr(request, "param", 8)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    yield world
     dist.destroy_process_group()
 
 
-def _priced(model_path, version: int) -> float:  # noqa: ANN001
-    """``autoshard compare --plans fsdp``'s FSDP copies for the model on 8 devices, bytes
-    per device per step."""
+def _priced(model_path, version: int, world: int) -> float:  # noqa: ANN001
+    """``autoshard compare --plans fsdp``'s FSDP copies for the model on ``world``
+    devices, bytes per device per step."""
     config = cli_config(
-        "compare", str(model_path), "--mesh", str(WORLD), "--precision", "bf16-mixed",
+        "compare", str(model_path), "--mesh", str(world), "--precision", "bf16-mixed",
         "--activation-checkpointing", "none", "--fsdp-version", str(version), "--mode", "train",
     )  # fmt: skip
     (row,) = compare_plans(config, strategies(config, trace(config)), ("fsdp",))
@@ -174,21 +191,28 @@ def _priced(model_path, version: int) -> float:  # noqa: ANN001
     return row.plan.fsdp_bytes
 
 
-@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize(
+    "version, fake_group",
+    [(2, 8), (1, 8), (2, 6), (1, 6)],
+    indirect=["fake_group"],
+    ids=["fsdp2-8", "fsdp1-8", "fsdp2-6", "fsdp1-6"],
+)
 def test_the_copies_priced_are_the_bytes_fsdp_moves(tmp_path, fake_group, version):
-    """Per step on one of 8 devices, the copies autoshard prices for the ``fsdp`` plan
-    equal the bytes of the passes FSDP ``version`` runs besides the model's ops and its
-    collectives, for a scale and a stack of two blocks (each of 2 x 16,384 bf16
+    """Per step on one of 8 (or 6) devices, the copies autoshard prices for the ``fsdp``
+    plan equal the bytes of the passes FSDP ``version`` runs besides the model's ops and
+    its collectives, for a scale and a stack of two blocks (each of 2 x 9,216 bf16
     parameters): FSDP2 casts each shard to bf16, copies it into the all-gather's buffer
-    and the gathered buffer out, twice per block (forward, and backward after resharding),
-    and copies the gradients into the reduce-scatter's buffer in fp32; FSDP1 casts the
-    flat shard per gather, flattens, casts and predivides the unsharded gradient and
-    postdivides the shard. Every other op the step runs is the model's, a view, an allocation or a
-    collective: a pass PyTorch adds fails here until it is priced."""
+    and the gathered buffer out, twice per block (forward, and backward after
+    resharding), and copies the gradients into the reduce-scatter's buffer in fp32; FSDP1
+    casts the flat shard per gather, flattens, casts and predivides the unsharded
+    gradient and postdivides the shard (on 6 ranks by 1.5, a factor that does not divide
+    the group). Every other op the step runs is, by its exact name, the model's, a view, an
+    allocation or a collective: a pass PyTorch adds fails here until it is priced."""
+    world = fake_group
     path = tmp_path / "stack.py"
     path.write_text(MODEL)
     counted = _step(version, path)
-    passes = {  # the root's scale is gathered once: the root keeps it for the backward
+    passes = {  # the root's scale is gathered once: the plan reads it in the forward only
         2: {
             "fsdp.all_gather_copy_in.default": 5,
             "fsdp.split_with_sizes_copy.default": 5,
@@ -199,36 +223,40 @@ def test_the_copies_priced_are_the_bytes_fsdp_moves(tmp_path, fake_group, versio
         1: {
             "aten.cat.default": 3,
             "aten._to_copy.default": 4,  # the input to bf16, and each unit's gradient
-            "aten.div_.Tensor": 6,
+            "aten.div_.Tensor": 6,  # each unit's predivide and postdivide
             "aten.copy_.default": 5,
         },
     }[version]
-    others = {k: v for k, v in counted.ops.items() if not k.startswith(_NOT_PASSES)}
-    assert others == passes
-    blocks, scale = 2 * 2 * D * H, D  # elements: two blocks of two weights; the scale
-    # by hand, per element (bf16 p = 2, fp32 master m = 4 and reduce r = 4; a shard is
-    # 1/8): per gather, and per reduction
-    gather = {2: (4 + 2) / 8 + 2 * 2 / 8 + 2 * 2, 1: (4 + 2) / 8}[version]
-    reduce = {2: 2 + 4, 1: 2 * 2 + (2 + 4) + 2 * 4 + 2 * 4 / 8}[version]
-    hand = blocks * (2 * gather + reduce) + scale * (gather + reduce)
-    assert counted.bytes == hand == {2: 1_082_064, 1: 1_344_752}[version]
-    assert _priced(path, version) == counted.bytes
+    assert _passes(counted.ops) == passes
+    if world == 8:  # by hand, per element: bf16 p = 2, fp32 master m = 4 and reduce r = 4
+        blocks, scale = 2 * 2 * D * H, D  # elements: two blocks of two weights; the scale
+        gather = {2: (4 + 2) / 8 + 2 * 2 / 8 + 2 * 2, 1: (4 + 2) / 8}[version]
+        reduce = {2: 2 + 4, 1: 2 * 2 + (2 + 4) + 2 * 4 + 2 * 4 / 8}[version]
+        hand = blocks * (2 * gather + reduce) + scale * (gather + reduce)
+        assert counted.bytes == hand
+    assert _priced(path, version, world) == counted.bytes
 
 
 def test_fsdp1_divides_as_torch_does():
-    """FSDP1's predivide factor is torch's own for every group size priced."""
+    """FSDP1's predivide factor is torch's own for every group size priced; its postdivide
+    factor is the group over it, 1.5 on 6 ranks (where the step above counts the division
+    torch runs)."""
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 
-    for n in (1, 2, 3, 4, 8, 16, 64, 128, 512, 1024):
+    for n in (1, 2, 3, 4, 6, 8, 12, 16, 64, 128, 512, 1024):
         assert predivide_factor(n) == DefaultState._get_gradient_predivide_factor(n)
+    assert {n: n / predivide_factor(n) for n in (2, 6, 8, 512)} == {2: 1, 6: 1.5, 8: 2, 512: 16}
 
 
 def test_which_plans_fsdp_runs():
-    """The hand plans FSDP runs and the torchtitan space's sharded points; not the ILP's,
-    DDP's or Megatron's."""
-    assert all(runs_fsdp(n) for n in ("fsdp", "hsdp", "fsdp_tp", "torchtitan fsdp+tp+ac"))
-    assert all(runs_fsdp(n) for n in ("torchtitan hsdp", "torchtitan fsdp"))
-    assert not any(runs_fsdp(n) for n in ("ilp", "ddp", "megatron", "torchtitan ddp+tp"))
+    """The fsdp and fsdp_tp plans run the FSDP configured; the torchtitan space's points
+    that shard parameters run FSDP2 whatever is configured (torchtitan and ``autoshard
+    export`` write ``fully_shard``); the ILP's, DDP's and Megatron's run no FSDP."""
+    assert [fsdp_version_of(n, 1) for n in ("fsdp", "fsdp_tp")] == [1, 1]
+    points = ("torchtitan fsdp", "torchtitan hsdp+ac", "torchtitan fsdp+tp+ac")
+    assert [fsdp_version_of(n, 1) for n in points] == [2, 2, 2]
+    others = ("ilp", "ddp", "megatron", "megatron_sp", "torchtitan ddp+tp", "hsdp")
+    assert all(fsdp_version_of(n, 2) is None for n in others)
 
 
 def test_an_unknown_fsdp_version_is_one_error(tmp_path):
@@ -238,7 +266,7 @@ def test_an_unknown_fsdp_version_is_one_error(tmp_path):
 
 def test_the_python_api_prices_the_fsdp_it_is_given(tmp_path, fake_group):
     """``autoshard.compare(..., fsdp_version=1)`` prices FSDP1's copies, the bytes PyTorch's
-    FSDP1 moved for the same model (the first test's count), and by default FSDP2's."""
+    FSDP1 moves for the same model, and by default FSDP2's."""
     import autoshard
 
     path = tmp_path / "stack.py"
@@ -246,9 +274,12 @@ def test_the_python_api_prices_the_fsdp_it_is_given(tmp_path, fake_group):
     namespace: dict = {}
     exec(compile(MODEL, str(path), "exec"), namespace)  # noqa: S102
     model, inputs = namespace["build_model"](), namespace["example_inputs"]()
-    for version, counted in ((1, 1_344_752), (None, 1_082_064)):
+    counts = {}
+    for version in (1, 2):
+        counts[version] = _step(version, path).bytes
+    for version, counted in ((1, counts[1]), (None, counts[2])):
         extra = {} if version is None else {"fsdp_version": version}
         (row,) = autoshard.compare(
-            model, inputs, str(WORLD), plans="fsdp", precision="bf16-mixed", **extra
+            model, inputs, str(fake_group), plans="fsdp", precision="bf16-mixed", **extra
         )
         assert row.plan.fsdp_bytes == counted

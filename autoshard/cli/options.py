@@ -321,7 +321,7 @@ def plan_options(f):
             type=click.Choice(["2", "1"]),
             default="2",
             show_default=True,
-            help="Which FSDP runs the fsdp, hsdp and fsdp_tp plans (training): 2, "
+            help="Which FSDP runs the fsdp and fsdp_tp plans (training): 2, "
             "fully_shard (torchtitan), or 1, FullyShardedDataParallel (Composer, Accelerate). "
             "Their price adds the copies it makes around each collective, unsharded bytes on "
             "every device: FSDP2 casts each shard into the all-gather, copies the gathered "

@@ -5,14 +5,16 @@ A plan's price holds each parameter's all-gather and each gradient's reduction
 (:func:`autoshard.plan.plan.build_plan`). PyTorch's FSDP runs more than the collective
 around each of them: it casts and copies the shard into the all-gather's buffer, copies
 the gathered buffer out into the parameters (FSDP2), copies the gradients into the
-reduce-scatter's buffer in the reduce dtype, and divides them (FSDP1). Each pass reads and
-writes the unsharded bytes of every parameter it touches, on every device: for Llama-3-8B
-in bf16-mixed about 14 bytes per parameter per step with FSDP2, 18 with FSDP1.
+reduce-scatter's buffer in the reduce dtype, and divides them (FSDP1). Most passes move
+the unsharded bytes of every parameter they touch, on every device (the shard's cast and
+copy-in move a shard's): in bf16-mixed with an fp32 reduction on 8 devices, 16.5 bytes per
+parameter per step with FSDP2, 20.5 with FSDP1.
 
-The ``fsdp``, ``hsdp`` and ``fsdp_tp`` plans are run by FSDP (:data:`FSDP_PLANS`): their
-price adds these passes (``Plan.fsdp_s``, ``--fsdp-version``). The ILP's plans are run by
-autoshard's launcher, whose DTensor reshardings gather and reduce each tensor in place;
-they add nothing here.
+The ``fsdp`` and ``fsdp_tp`` plans are run by FSDP (:data:`FSDP_PLANS`), of the version
+``--fsdp-version`` names, and so are the torchtitan space's points that shard parameters,
+always by FSDP2 (``autoshard export`` writes them as ``fully_shard``): their price adds
+these passes (``Plan.fsdp_s``). The ILP's plans are run by autoshard's launcher, whose
+DTensor reshardings gather and reduce each tensor in place; they add nothing here.
 
 Bytes per element of one tensor, ``p`` its dtype's size (the compute dtype: bf16 in
 bf16-mixed), ``m`` the master copy's (fp32 in mixed precision, else ``p``), ``r`` the
@@ -53,6 +55,16 @@ stream), beside the compute: a memory-bound kernel there takes the SMs the compu
 have used, so it is priced as if it ran alone, as the compute slowed by a collective
 beside it is (:mod:`autoshard.cost.overlap`). ``tests/test_fsdp_runtime.py`` counts these
 bytes from the ops PyTorch's FSDP2 and FSDP1 run for one step and holds the price to them.
+
+The passes are counted per all-gather and reduction the plan prices, as its collectives
+are: once per read of a parameter that needs it gathered. FSDP gathers a whole wrapped
+module at a time, in the forward and again in the backward unless the module is the root
+(which keeps its parameters) or is not resharded: the counts agree for a block whose every
+parameter its backward reads (a transformer block's weights), and differ for a parameter
+the backward does not read (a bias: FSDP gathers it again, the plan does not) and a root
+parameter the backward reads (a language model's head: the plan gathers it again, FSDP
+does not), by one copy-out each. Not priced: FSDP2's division of an fp16 reduction (an
+fp32 or bf16 one is NCCL's average), and the copies' memory.
 """
 
 from __future__ import annotations
@@ -70,26 +82,31 @@ FSDP_VERSIONS: tuple[int, ...] = (2, 1)
 """``--fsdp-version``: 2, ``torch.distributed.fsdp.fully_shard`` (torchtitan's); 1,
 ``FullyShardedDataParallel`` (Composer's, HF Accelerate's)."""
 
-FSDP_PLANS: frozenset[str] = frozenset({"fsdp", "hsdp", "fsdp_tp"})
+FSDP_PLANS: frozenset[str] = frozenset({"fsdp", "fsdp_tp"})
 """The hand plans FSDP runs (:mod:`autoshard.solver.baselines`)."""
 
 
-def runs_fsdp(name: str) -> bool:
-    """Whether FSDP runs the plan named ``name``: a hand plan of :data:`FSDP_PLANS`, or a
-    point of the torchtitan space that shards parameters (``torchtitan fsdp+tp``,
-    ``torchtitan hsdp+ac``: :mod:`autoshard.solver.space`), which ``autoshard export``
-    writes as FSDP2's ``fully_shard``."""
+def fsdp_version_of(name: str, configured: int) -> int | None:
+    """The FSDP version that runs the plan named ``name`` (``None``: FSDP does not): a
+    hand plan of :data:`FSDP_PLANS` runs ``configured`` (``--fsdp-version``); a point of
+    the torchtitan space that shards parameters (``torchtitan fsdp+tp``, ``torchtitan
+    hsdp+ac``: :mod:`autoshard.solver.space`) runs FSDP2, which torchtitan and
+    ``autoshard export`` write (``fully_shard``)."""
     if name in FSDP_PLANS:
-        return True
+        return configured
     layout = name.removeprefix("torchtitan ").split("+")[0]
-    return name.startswith("torchtitan ") and layout in ("fsdp", "hsdp")
+    if name.startswith("torchtitan ") and layout in ("fsdp", "hsdp"):
+        return 2
+    return None
 
 
 def predivide_factor(world_size: int) -> int:
     """FSDP1's gradient predivide factor for a group of ``world_size`` ranks: the
     smallest power of two ``f`` with ``world_size / f <= f`` or ``world_size % f != 0``
     (torch's ``DefaultState._get_gradient_predivide_factor``); the postdivide factor is
-    ``world_size / f``."""
+    ``world_size / f``, a fraction where ``f`` does not divide it (6 ranks: 4 and 1.5).
+    The group is the parameter's sharding group: an HSDP group's replicas would divide
+    by their count too, a plan FSDP1 is not given here (:func:`fsdp_version_of`)."""
     f = 1
     while world_size % f == 0 and world_size / f > f:
         f *= 2
@@ -116,7 +133,8 @@ def reduce_bytes(version: int, unsharded: float, shard: float, p: int, r: int, m
     pre = predivide_factor(world)
     flatten = 2 * unsharded * p
     cast = unsharded * (p + r) if r != p else 0.0
-    divide = (2 * unsharded * r if pre > 1 else 0.0) + (2 * shard * r if world // pre > 1 else 0.0)
+    post = world / pre  # torch divides when a factor is above 1 (_div_if_needed)
+    divide = (2 * unsharded * r if pre > 1 else 0.0) + (2 * shard * r if post > 1 else 0.0)
     return flatten + cast + divide + to_master
 
 

@@ -35,7 +35,7 @@ from autoshard.model.model_file import (
     split_microbatches,
 )
 from autoshard.plan.export import output_stem, write_outputs
-from autoshard.plan.fsdp_runtime import FSDP_VERSIONS, add_fsdp_copies, runs_fsdp
+from autoshard.plan.fsdp_runtime import FSDP_VERSIONS, add_fsdp_copies, fsdp_version_of
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
@@ -437,16 +437,17 @@ def finish_plan(
     """:func:`build_plan` plus the training memory kinds and the budget check.
     ``recompute``: real blocks that recompute per traced block's layer (none when absent,
     every one under ``--activation-checkpointing full``). A plan FSDP runs
-    (:func:`~autoshard.plan.fsdp_runtime.runs_fsdp`) in training adds the copies
-    ``config.fsdp_version`` makes around its collectives."""
+    (:func:`~autoshard.plan.fsdp_runtime.fsdp_version_of`) in training adds the copies
+    that version makes around its collectives."""
     plan = build_plan(sg, choice, config.mesh, name=name, recompute=recompute)
     dtype = config.compute_dtype(sg.graph)
     plan.peak_flops = config.device.peak(dtype)
-    if config.mode == "train" and runs_fsdp(name):
+    version = fsdp_version_of(name, config.fsdp_version)
+    if config.mode == "train" and version is not None:
         add_fsdp_copies(
             plan,
             recompute,
-            config.fsdp_version,
+            version,
             config.device.compute_time,
             dtype,
             master_itemsize=FP32_MASTER_BYTES if config.mixed else None,
