@@ -11,6 +11,7 @@ bf16-mixed)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,37 @@ def test_adamw_is_priced_at_the_bytes_of_the_ops_pytorch_runs(optimizer, impleme
     counted = _bytes_per_element(**implementation)
     assert counted == expected
     assert _priced_per_element(optimizer) == counted
+
+
+def _composer_step(param, grad, moment, second_moment, step: int) -> None:  # noqa: ANN001
+    """One parameter's update as Composer's ``DecoupledAdamW.adamw`` makes it at weight
+    decay 0, the setting MosaicML's MPT sweeps ran (llm-foundry ``yamls/pretrain/mpt-7b.yaml``
+    at b2a43a1: ``decoupled_adamw``, ``weight_decay: 0.0``): the passes its loop runs
+    (composer v0.16.4, ``composer/optim/decoupled_weight_decay.py``), one op each, with
+    betas (0.9, 0.95) and eps 1e-8; the decay's ``mul_`` is skipped at 0."""
+    b1, b2 = 0.9, 0.95
+    moment.mul_(b1)
+    moment.add_(grad, alpha=1 - b1)
+    second_moment.mul_(b2)
+    second_moment.addcmul_(grad, grad, value=1 - b2)
+    root = second_moment.sqrt()
+    scaled = root / math.sqrt(1 - b2**step)
+    scaled.add_(1e-8)
+    param.addcdiv_(moment, scaled, value=-1e-3 / (1 - b1**step))
+
+
+def test_composer_s_decoupled_adamw_moves_what_foreach_does():
+    """Composer's DecoupledAdamW (MosaicML's MPT rows in docs/validation.md) runs eight
+    passes over each fp32 element at weight decay 0, 80 bytes, what ``adamw-foreach``
+    prices (counted here from the ops, not from the price): those rows take it."""
+    n, k = 4096, 3
+    tensors = [[torch.randn(n) for _ in range(4)] for _ in range(k)]
+    traffic = _Traffic()
+    with traffic:
+        for param, grad, moment, second_moment in tensors:
+            _composer_step(param, grad, moment, second_moment, step=2)
+    assert traffic.bytes / (n * k) == _bytes_per_element(foreach=True) == 80
+    assert _priced_per_element("adamw-foreach") == 80
 
 
 def _ddp_optimizer_s(tmp_path: Path, optimizer: str) -> float:
