@@ -132,10 +132,11 @@ def _passes(ops: Counter) -> dict[str, int]:
     }
 
 
-def _step(version: int, model_path) -> _Ops:  # noqa: ANN001
+def _step(version: int, model_path, recompute: bool = False) -> _Ops:  # noqa: ANN001
     """One forward and backward of the model file's model under FSDP ``version`` in
     bf16-mixed (bf16 compute, fp32 reduction), each block wrapped, as torchtitan wraps
-    with FSDP2 and Composer with FSDP1."""
+    with FSDP2 and Composer with FSDP1; ``recompute``: each block checkpointed first
+    (FSDP2 only), as torchtitan's full activation checkpointing wraps it."""
     namespace: dict = {}
     exec(compile(model_path.read_text(), str(model_path), "exec"), namespace)  # noqa: S102
     torch.manual_seed(0)
@@ -147,6 +148,12 @@ def _step(version: int, model_path) -> _Ops:  # noqa: ANN001
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if recompute:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            model.layers = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.layers)
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -179,12 +186,13 @@ def fake_group(request):
     dist.destroy_process_group()
 
 
-def _priced(model_path, version: int, world: int) -> float:  # noqa: ANN001
+def _priced(model_path, version: int, world: int, checkpointing: str = "none") -> float:  # noqa: ANN001
     """``autoshard compare --plans fsdp``'s FSDP copies for the model on ``world``
     devices, bytes per device per step."""
     config = cli_config(
         "compare", str(model_path), "--mesh", str(world), "--precision", "bf16-mixed",
-        "--activation-checkpointing", "none", "--fsdp-version", str(version), "--mode", "train",
+        "--activation-checkpointing", checkpointing, "--fsdp-version", str(version),
+        "--mode", "train",
     )  # fmt: skip
     (row,) = compare_plans(config, strategies(config, trace(config)), ("fsdp",))
     assert row.plan is not None and row.plan.name == "fsdp"
@@ -235,6 +243,20 @@ def test_the_copies_priced_are_the_bytes_fsdp_moves(tmp_path, fake_group, versio
         hand = blocks * (2 * gather + reduce) + scale * (gather + reduce)
         assert counted.bytes == hand
     assert _priced(path, version, world) == counted.bytes
+
+
+def test_a_recomputed_block_copies_once_per_gather_as_fsdp2_does(tmp_path, fake_group):
+    """Each block checkpointed (torchtitan's full activation checkpointing: the block
+    wrapped, then ``fully_shard``): FSDP2 gathers a block once for its recomputation and
+    its backward together, so its copies are those of the plain step; autoshard's plan
+    under ``--activation-checkpointing full`` takes the backward's gather for the
+    recomputation's read and prices the same bytes."""
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL)
+    plain, recomputed = _step(2, path), _step(2, path, recompute=True)
+    assert recomputed.ops["aten.mm.default"] > plain.ops["aten.mm.default"]  # it reran
+    assert recomputed.bytes == plain.bytes
+    assert _priced(path, 2, fake_group, "full") == recomputed.bytes
 
 
 def test_fsdp1_divides_as_torch_does():

@@ -32,7 +32,8 @@ from autoshard.cost.mesh import (
     parse_mesh_shape,
 )
 from autoshard.errors import AutoshardError
-from autoshard.solver.options import WORK_LIMIT, SolverOptions
+from autoshard.solver.options import FSDP_VERSIONS, WORK_LIMIT, SolverOptions
+from autoshard.strategies.optimizer import OPTIMIZERS
 from autoshard.units import BandwidthType, BytesType, DurationType, format_bandwidth, format_seconds
 
 if TYPE_CHECKING:
@@ -235,8 +236,8 @@ def step_options() -> list:
         ),
         click.option(
             "--optimizer",
-            type=click.Choice(["adamw-fused", "adamw-foreach"]),
-            default="adamw-fused",
+            type=click.Choice(OPTIMIZERS),
+            default=OPTIMIZERS[0],
             show_default=True,
             help="The AdamW implementation each parameter's step is priced as (training). "
             "adamw-fused: one kernel, 28 bytes per fp32 element (torch.optim.AdamW(fused="
@@ -318,8 +319,8 @@ def plan_options(f):
         ),
         click.option(
             "--fsdp-version",
-            type=click.Choice(["2", "1"]),
-            default="2",
+            type=click.Choice([str(v) for v in FSDP_VERSIONS]),
+            default=str(FSDP_VERSIONS[0]),
             show_default=True,
             help="Which FSDP runs the fsdp and fsdp_tp plans (training): 2, "
             "fully_shard (torchtitan), or 1, FullyShardedDataParallel (Composer, Accelerate). "
@@ -454,8 +455,8 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         ),
         activation_checkpointing=opts.get("activation_checkpointing", "auto"),
         checkpoint_early_stop=opts.get("checkpoint_early_stop", True),
-        optimizer=opts.get("optimizer", "adamw-fused"),
-        fsdp_version=int(opts.get("fsdp_version", "2")),
+        optimizer=opts.get("optimizer", OPTIMIZERS[0]),
+        fsdp_version=int(opts.get("fsdp_version", FSDP_VERSIONS[0])),
     )
 
 

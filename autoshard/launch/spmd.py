@@ -60,6 +60,7 @@ from autoshard.model.model_file import LoadedModel, ModelFile, load_model_file
 from autoshard.placements import whole_on_single
 from autoshard.plan.atomic import atomic_write_text
 from autoshard.plan.formats import ShardingMap, load_sharding_map
+from autoshard.strategies.optimizer import OPTIMIZERS
 from autoshard.trace.batchnorm import train_batch_norms
 from autoshard.units import format_bytes
 
@@ -81,7 +82,7 @@ def run_rank(plan: Path, model: Path, opts: RunOptions) -> int:
         )
     check_world_size(smap, int(os.environ["WORLD_SIZE"]))
     # the AdamW the plan priced (a map written before the option: the fused kernel)
-    opts = dataclasses.replace(opts, optimizer=smap.predicted.get("optimizer", "adamw-fused"))
+    opts = dataclasses.replace(opts, optimizer=smap.predicted.get("optimizer", OPTIMIZERS[0]))
     if not os.environ.get("AUTOSHARD_VERBOSE"):
         # DTensor warns on every nested-sharding gather, which plans price and --check
         # counts; the rank output stays the report (autoshard -v shows it)

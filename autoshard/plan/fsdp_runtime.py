@@ -71,16 +71,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from autoshard.cost.checkpointing import rerun_takes_gather
-from autoshard.plan.plan import Plan, rerun_counts, tensor_uses
-from autoshard.strategies.graph import bucketed_use
+from autoshard.cost.memory import FP32_MASTER_BYTES
+from autoshard.plan.plan import Plan
 from autoshard.strategies.hiding import GATHER, GRADIENT
 from autoshard.strategies.strategy import local_shape
 
-FSDP_VERSIONS: tuple[int, ...] = (2, 1)
-"""``--fsdp-version``: 2, ``torch.distributed.fsdp.fully_shard`` (torchtitan's); 1,
-``FullyShardedDataParallel`` (Composer's, HF Accelerate's)."""
+if TYPE_CHECKING:
+    import torch
 
 FSDP_PLANS: frozenset[str] = frozenset({"fsdp", "fsdp_tp"})
 """The hand plans FSDP runs (:mod:`autoshard.solver.baselines`)."""
@@ -138,57 +137,32 @@ def reduce_bytes(version: int, unsharded: float, shard: float, p: int, r: int, m
     return flatten + cast + divide + to_master
 
 
-def fsdp_copy_bytes(
-    plan: Plan,
-    recompute: dict | None,
-    version: int,
-    master_itemsize: int | None,
-    reduce_itemsize: int | None,
-) -> float:
+def fsdp_copy_bytes(plan: Plan, version: int) -> float:
     """Bytes one device moves per step in FSDP ``version``'s copies around the plan's
     parameter all-gathers and gradient reductions (module docstring), each counted as
-    often as the plan runs it: once per layer a traced read stands for, and again for a
-    recomputed block's read that gathers its own (``recompute``: the plan's decision, as
-    :func:`~autoshard.plan.plan.build_plan` takes it). ``master_itemsize``: the fp32 master
-    copy's bytes per element in mixed precision (``None``: the parameter's own dtype);
-    ``reduce_itemsize``: the reduce dtype's (``None``: the gradient's)."""
-    sg, mesh = plan.sg, plan.mesh.shape
-    again = rerun_counts(sg, recompute)
+    often as the plan runs it (:attr:`~autoshard.plan.plan.Plan.bucketed_moves`). Mixed
+    precision (the graph's ``reduce_itemsize`` set) keeps an fp32 master copy and
+    reduces in the reduce dtype; otherwise both are the tensor's own dtype."""
+    mesh, reduce_itemsize = plan.mesh.shape, plan.sg.reduce_itemsize
     total = 0.0
-    for producer, consumer, k, t in tensor_uses(sg):
-        p = plan.node_strategy[producer].outputs[0]
-        q = plan.node_strategy[consumer].inputs[k]
-        if p == q:
-            continue
-        kind = bucketed_use(sg.graph, sg.nodes, producer, consumer)
-        before = float(math.prod(local_shape(t.shape, p, mesh)))
-        after = float(math.prod(local_shape(t.shape, q, mesh)))
-        item = t.itemsize
-        master = master_itemsize or item
-        times = sg.graph.mult(consumer)
-        if kind == GATHER and after > before:
-            if again.get(consumer) and not rerun_takes_gather(
-                sg, plan.node_strategy, producer, consumer, k
-            ):
-                times += again[consumer]
-            total += times * gather_bytes(version, before, after, item, master)
-        elif kind == GRADIENT and before > after:
+    for move in plan.bucketed_moves:
+        before = float(math.prod(local_shape(move.t.shape, move.src, mesh)))
+        after = float(math.prod(local_shape(move.t.shape, move.dst, mesh)))
+        item = move.t.itemsize
+        master = FP32_MASTER_BYTES if reduce_itemsize else item
+        if move.kind == GATHER and after > before:
+            total += move.times * gather_bytes(version, before, after, item, master)
+        elif move.kind == GRADIENT and before > after:
             r = reduce_itemsize or item
-            total += times * reduce_bytes(version, before, after, item, r, master)
+            total += move.times * reduce_bytes(version, before, after, item, r, master)
     return total
 
 
 def add_fsdp_copies(
-    plan: Plan,
-    recompute: dict | None,
-    version: int,
-    compute_time: Callable[..., float],
-    dtype,  # noqa: ANN001 - the step's compute dtype
-    master_itemsize: int | None,
-    reduce_itemsize: int | None,
+    plan: Plan, version: int, compute_time: Callable[..., float], dtype: torch.dtype
 ) -> None:
     """Set ``plan.fsdp_bytes`` and ``plan.fsdp_s``: FSDP ``version``'s copies
     (:func:`fsdp_copy_bytes`) at the device's memory bandwidth
-    (``compute_time(0, bytes, dtype)``, the roofline's byte term)."""
-    plan.fsdp_bytes = fsdp_copy_bytes(plan, recompute, version, master_itemsize, reduce_itemsize)
+    (``compute_time(0, bytes, dtype)``, the roofline's byte term; ``dtype`` the step's)."""
+    plan.fsdp_bytes = fsdp_copy_bytes(plan, version)
     plan.fsdp_s = compute_time(0.0, plan.fsdp_bytes, dtype) if plan.fsdp_bytes else 0.0

@@ -31,6 +31,20 @@ Placements = tuple[Placement, ...]
 
 
 @dataclass
+class BucketedMove:
+    """A parameter's gather (``kind`` ``"gather"``) or a gradient's reduction
+    (``"gradient"``) that the plan runs: tensor ``t`` from ``src`` to ``dst`` placements,
+    ``times`` per step (once per real layer its read stands for, and again per recomputed
+    block whose read gathers its own: as the plan counts its collectives)."""
+
+    kind: str
+    t: TensorInfo
+    src: Placements
+    dst: Placements
+    times: int
+
+
+@dataclass
 class Plan:
     """One strategy per node and what it costs.
 
@@ -67,6 +81,9 @@ class Plan:
     # real blocks that recompute under the selective policy (autoshard.trace.selective)
     selective_blocks: list[int] = field(default_factory=list)
     recompute_s: float = 0.0
+    # the parameter gathers and gradient reductions (autoshard.plan.fsdp_runtime prices
+    # what FSDP copies around them)
+    bucketed_moves: list[BucketedMove] = field(default_factory=list)
     # the copies FSDP's runtime makes around its collectives, for a plan FSDP runs
     # (autoshard.plan.fsdp_runtime): seconds and bytes per device per step
     fsdp_s: float = 0.0
@@ -155,9 +172,11 @@ def build_plan(
     steps: Counter = Counter()
     own_steps: Counter = Counter()  # of steps, those ops issue themselves
     # the reshardings a recomputed block's forward reads run again before its backward
-    reruns = rerun_counts(sg, recompute)
+    reruns = _reruns(sg, recompute)
     again: dict[tuple, int] = {}  # a shared resharding: reruns of its most rerun reader
     moved: dict[tuple, list] = {}  # (share key, placement): reads that share one resharding
+    bucketed: list[BucketedMove] = []  # the parameter gathers and gradient reductions
+    shared_move: dict[tuple, BucketedMove] = {}  # (share key, placement): its move
     for producer, consumer, k, t in tensor_uses(sg):
         p = node_strategy[producer].outputs[0]
         q = node_strategy[consumer].inputs[k]
@@ -171,6 +190,7 @@ def build_plan(
             moved[(key, q)] = []
         m = graph.mult(consumer)
         item = moved_itemsize(sg, consumer, t)
+        rerun = 0 if key is not None else _rerun(sg, node_strategy, reruns, (producer, consumer, k))
         for step in comm_model(mesh).redistribute_steps(
             p, q, t.shape, item, latency_share(sg, mesh, producer, consumer, p, q, t)
         ):
@@ -179,14 +199,19 @@ def build_plan(
             steps[(phase_of(sg, consumer), step.kind, step.mesh_dim)] += m
             if key is not None:
                 moved[(key, q)].append((step.kind, step.mesh_dim))
-            elif reruns.get(consumer) and not rerun_takes_gather(
-                sg, node_strategy, producer, consumer, k
-            ):
-                steps[("recompute", step.kind, step.mesh_dim)] += reruns[consumer]
+            elif rerun:
+                steps[("recompute", step.kind, step.mesh_dim)] += rerun
+        kind = bucketed_use(graph, sg.nodes, producer, consumer)
+        if kind:
+            bucketed.append(BucketedMove(kind, t, p, q, m + rerun))
+            if key is not None:  # it takes the shared resharding's reruns, below
+                shared_move[(key, q)] = bucketed[-1]
     for shared, kinds in moved.items():
         for kind, dim in kinds:
             if again[shared]:
                 steps[("recompute", kind, dim)] += again[shared]
+        if shared in shared_move:
+            shared_move[shared].times += again[shared]
     # what ops communicate themselves (the experts' token exchange) is in their cost
     counts = (comm, collectives, steps, own_steps)
     own, in_op_hidden = _in_op_collectives(graph, node_strategy, mesh, reruns, counts)
@@ -214,6 +239,7 @@ def build_plan(
         step_flops=graph.step_flops,
         collective_steps=steps,
         own_steps=own_steps,
+        bucketed_moves=bucketed,
         **_recomputation(sg, choice, recompute),
     )
 
@@ -280,7 +306,20 @@ def _placed_leaves(
     return parameters, inputs, param_bytes
 
 
-def rerun_counts(sg: StrategyGraph, recompute: dict | None) -> dict[str, int]:
+def _rerun(
+    sg: StrategyGraph, node_strategy: dict[str, Strategy], reruns: dict[str, int], use: tuple
+) -> int:
+    """How many times a recomputation runs the resharding of ``use`` (producer, consumer,
+    input index) again: its reader's reruns (:func:`_reruns`), unless the rerun read takes
+    the backward's gather (:func:`autoshard.cost.checkpointing.rerun_takes_gather`). A
+    shared resharding takes its most rerun reader's instead (:func:`build_plan`)."""
+    producer, consumer, k = use
+    if not reruns.get(consumer) or rerun_takes_gather(sg, node_strategy, producer, consumer, k):
+        return 0
+    return reruns[consumer]
+
+
+def _reruns(sg: StrategyGraph, recompute: dict | None) -> dict[str, int]:
     """Per forward op node, how many times a recomputation runs it again (the real blocks
     of its traced block that recompute under a policy that recomputes it)."""
     ck = sg.checkpointing

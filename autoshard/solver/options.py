@@ -12,6 +12,12 @@ BASELINES: tuple[str, ...] = ("replicate", "ddp", "fsdp", "megatron", "megatron_
 ALGOS: tuple[str, ...] = ("ilp",) + BASELINES
 """Every ``--algo``: the ILP and each baseline."""
 
+FSDP_VERSIONS: tuple[int, ...] = (2, 1)
+"""``--fsdp-version``: the FSDP that runs the fsdp and fsdp_tp plans
+(:mod:`autoshard.plan.fsdp_runtime`): 2, ``torch.distributed.fsdp.fully_shard``
+(torchtitan's), the default; 1, ``FullyShardedDataParallel`` (Composer's, HF
+Accelerate's)."""
+
 COMPARED: tuple[str, ...] = ALGOS + ("torchtitan",)
 """What ``compare`` prints by default: every ``--algo`` and the fastest plan of the
 torchtitan space (``solve --space torchtitan``)."""

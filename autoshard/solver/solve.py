@@ -25,7 +25,7 @@ from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
 from autoshard.cost.checkpointing import POLICIES, Checkpointing
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
-from autoshard.cost.memory import FP32_MASTER_BYTES, LiveMemory, MemoryModel, memory_by_kind
+from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import (
@@ -35,12 +35,12 @@ from autoshard.model.model_file import (
     split_microbatches,
 )
 from autoshard.plan.export import output_stem, write_outputs
-from autoshard.plan.fsdp_runtime import FSDP_VERSIONS, add_fsdp_copies, fsdp_version_of
+from autoshard.plan.fsdp_runtime import add_fsdp_copies, fsdp_version_of
 from autoshard.plan.plan import Plan, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
 from autoshard.solver.ilp import ILPResult, check_size, solve
-from autoshard.solver.options import SolverOptions
+from autoshard.solver.options import FSDP_VERSIONS, SolverOptions
 from autoshard.strategies.graph import (
     OPTIMIZERS,
     Placements,
@@ -120,7 +120,7 @@ class SolveConfig:
     # the AdamW implementation each parameter's step is priced as
     # (autoshard.strategies.graph.OPTIMIZERS): PyTorch's fused kernel, or its foreach one
     optimizer: str = "adamw-fused"
-    # which FSDP runs the plans FSDP runs (autoshard.plan.fsdp_runtime.FSDP_VERSIONS):
+    # which FSDP runs the plans FSDP runs (autoshard.solver.options.FSDP_VERSIONS):
     # 2, fully_shard (torchtitan's), or 1, FullyShardedDataParallel; their copies differ
     fsdp_version: int = 2
     # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
@@ -444,15 +444,7 @@ def finish_plan(
     plan.peak_flops = config.device.peak(dtype)
     version = fsdp_version_of(name, config.fsdp_version)
     if config.mode == "train" and version is not None:
-        add_fsdp_copies(
-            plan,
-            recompute,
-            version,
-            config.device.compute_time,
-            dtype,
-            master_itemsize=FP32_MASTER_BYTES if config.mixed else None,
-            reduce_itemsize=config.reduce_dtype.itemsize if config.mixed else None,
-        )
+        add_fsdp_copies(plan, version, config.device.compute_time, dtype)
     mem = memory_by_kind(sg, choice, config.memory_model(), recompute)
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
     plan.extra["saved_activations"] = mem.get("saved_activations")
