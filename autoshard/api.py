@@ -138,6 +138,9 @@ class PlanOptions:
             (``--fsdp-version``; :mod:`autoshard.plan.fsdp_runtime`): ``2``
             (``fully_shard``, the default) or ``1`` (``FullyShardedDataParallel``); their
             price adds the copies it makes around each collective.
+        grad_accumulation: micro-batches per step (``--grad-accumulation``): the inputs
+            split into that many along dim 0, each with its forward, backward and
+            collectives, then one optimizer step; memory is one micro-batch's.
     """
 
     mode: str = "train"
@@ -155,6 +158,7 @@ class PlanOptions:
     checkpoint_early_stop: bool = True
     optimizer: str = "adamw-fused"
     fsdp_version: int = 2
+    grad_accumulation: int = 1
 
 
 def _options(where: str, options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
@@ -325,6 +329,7 @@ def _config(model, example_inputs, mesh, opts: PlanOptions) -> SolveConfig:  # n
         checkpoint_early_stop=opts.checkpoint_early_stop,
         optimizer=opts.optimizer,
         fsdp_version=opts.fsdp_version,
+        grad_accumulation=opts.grad_accumulation,
         model=loaded,
     )
 

@@ -11,10 +11,11 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import cli_config
+from helpers import autoshard_cli, cli_config
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoshard.cost.devices import DEFAULT_DEVICE, get_device
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError
 from autoshard.plan.fsdp_runtime import fsdp_version_of, predivide_factor
@@ -79,11 +80,12 @@ def _fsdp2_pass(name: str, args, kwargs) -> int | None:  # noqa: ANN001
     return None
 
 
-def _fsdp1_pass(name: str, args, kwargs, x: torch.Tensor) -> int | None:  # noqa: ANN001
-    """Bytes one of FSDP1's own ops moves (``_runtime_utils.py``), or None."""
+def _fsdp1_pass(name: str, args, kwargs, xs: tuple[torch.Tensor, ...]) -> int | None:  # noqa: ANN001
+    """Bytes one of FSDP1's own ops moves (``_runtime_utils.py``), or None; ``xs``: the
+    step's inputs, whose cast to bf16 is the model's (MixedPrecision's), not a pass."""
     if name == "aten.cat.default":  # autograd flattens the gradients into the flat one
         return _nbytes(args[0]) * 2
-    if name == "aten._to_copy.default" and args[0] is not x:  # the flat gradient to fp32
+    if name == "aten._to_copy.default" and all(args[0] is not x for x in xs):  # the gradient
         out = args[0].numel() * kwargs["dtype"].itemsize
         return _nbytes(args[0]) + out
     if name == "aten.div_.Tensor":  # the predivide (unsharded) and postdivide (shard)
@@ -99,6 +101,7 @@ class _Ops(TorchDispatchMode):
     def __init__(self, price) -> None:  # noqa: ANN001 - (name, args, kwargs) -> int | None
         super().__init__()
         self.price, self.ops, self.bytes = price, Counter(), 0
+        self.added = 0  # bytes of the in-place adds that accumulate a gradient (a + b -> a)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -106,6 +109,8 @@ class _Ops(TorchDispatchMode):
         self.ops[name] += 1
         moved = self.price(name, args, kwargs)
         self.bytes += moved or 0
+        if name == "aten.add_.Tensor":
+            self.added += 3 * _nbytes(args[0])
         return func(*args, **kwargs)
 
 
@@ -132,16 +137,20 @@ def _passes(ops: Counter) -> dict[str, int]:
     }
 
 
-def _step(version: int, model_path, recompute: bool = False) -> _Ops:  # noqa: ANN001
+def _step(version: int, model_path, recompute: bool = False, micro_batches: int = 1) -> _Ops:  # noqa: ANN001
     """One forward and backward of the model file's model under FSDP ``version`` in
     bf16-mixed (bf16 compute, fp32 reduction), each block wrapped, as torchtitan wraps
     with FSDP2 and Composer with FSDP1; ``recompute``: each block checkpointed first
-    (FSDP2 only), as torchtitan's full activation checkpointing wraps it."""
+    (FSDP2 only), as torchtitan's full activation checkpointing wraps it;
+    ``micro_batches``: the batch split into that many, a forward and backward each, the
+    gradients accumulating as a training loop accumulates them (FSDP's default: reduced
+    after every backward; Composer does no ``no_sync`` under FSDP)."""
     namespace: dict = {}
     exec(compile(model_path.read_text(), str(model_path), "exec"), namespace)  # noqa: S102
     torch.manual_seed(0)
     model = namespace["build_model"]()
     (x,) = namespace["example_inputs"]()
+    chunks = x.tensor_split(micro_batches) if micro_batches > 1 else (x,)
     if version == 2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -171,9 +180,10 @@ def _step(version: int, model_path, recompute: bool = False) -> _Ops:  # noqa: A
             ),
             device_id=torch.device("cpu"),
         )
-        mode = _Ops(lambda name, args, kwargs: _fsdp1_pass(name, args, kwargs, x))
+        mode = _Ops(lambda name, args, kwargs: _fsdp1_pass(name, args, kwargs, chunks))
     with mode:
-        model(x).sum().backward()
+        for chunk in chunks:
+            model(chunk).sum().backward()
     return mode
 
 
@@ -189,14 +199,19 @@ def fake_group(request):
 def _priced(model_path, version: int, world: int, checkpointing: str = "none") -> float:  # noqa: ANN001
     """``autoshard compare --plans fsdp``'s FSDP copies for the model on ``world``
     devices, bytes per device per step."""
+    return _plan(model_path, version, world, checkpointing).fsdp_bytes
+
+
+def _plan(model_path, version: int, world: int, checkpointing: str = "none", *extra: str):  # noqa: ANN001, ANN202
+    """``autoshard compare --plans fsdp``'s plan for the model on ``world`` devices."""
     config = cli_config(
         "compare", str(model_path), "--mesh", str(world), "--precision", "bf16-mixed",
         "--activation-checkpointing", checkpointing, "--fsdp-version", str(version),
-        "--mode", "train",
+        "--mode", "train", *extra,
     )  # fmt: skip
     (row,) = compare_plans(config, strategies(config, trace(config)), ("fsdp",))
     assert row.plan is not None and row.plan.name == "fsdp"
-    return row.plan.fsdp_bytes
+    return row.plan
 
 
 @pytest.mark.parametrize(
@@ -305,3 +320,63 @@ def test_the_python_api_prices_the_fsdp_it_is_given(tmp_path, fake_group):
             model, inputs, str(fake_group), plans="fsdp", precision="bf16-mixed", **extra
         )
         assert row.plan.fsdp_bytes == counted
+
+
+@pytest.mark.parametrize("version", [2, 1], ids=["fsdp2", "fsdp1"])
+def test_gradient_accumulation_gathers_copies_and_reduces_per_micro_batch(
+    tmp_path, fake_group, version
+):
+    """``--grad-accumulation 2``: PyTorch's FSDP, run as a training loop runs it (two
+    micro-batches of 24 rows, a forward and backward each, one optimizer step), gathers
+    and reduces per micro-batch: its collectives are twice one micro-batch's, by kind,
+    and so are the bytes of its copies, which autoshard prices. The step's FLOPs are
+    those FlopCounterMode counts over both micro-batches; the optimizer steps once, as
+    the plan without accumulation prices it; memory is one micro-batch's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL)
+    half = tmp_path / "half.py"
+    half.write_text(MODEL.replace(f"torch.randn({BATCH}, {D})", f"torch.randn({BATCH // 2}, {D})"))
+    one, two = _step(version, half), _step(version, path, micro_batches=2)
+    collectives = {k: v for k, v in one.ops.items() if k.startswith("c10d.")}
+    assert collectives and {k: two.ops[k] for k in collectives} == {
+        k: 2 * v for k, v in collectives.items()
+    }
+    assert two.bytes == 2 * one.bytes
+    assert one.added == 0 < two.added  # the second micro-batch's gradients added in
+    accumulated = _plan(path, version, fake_group, "none", "--grad-accumulation", "2")
+    assert accumulated.grad_accumulation == 2
+    assert accumulated.fsdp_bytes == two.bytes
+    assert accumulated.extra["accumulation_bytes"] == two.added
+    namespace: dict = {}
+    exec(compile(MODEL, str(path), "exec"), namespace)  # noqa: S102
+    model, (x,) = namespace["build_model"](), namespace["example_inputs"]()
+    with FlopCounterMode(display=False) as flops:
+        for chunk in x.tensor_split(2):
+            model(chunk).sum().backward()
+    assert accumulated.step_flops == flops.get_total_flops()
+    whole, micro = _plan(path, version, fake_group), _plan(half, version, fake_group)
+    assert accumulated.optimizer_s == pytest.approx(whole.optimizer_s, rel=1e-12)
+    assert accumulated.memory_bytes == micro.memory_bytes
+    per_micro_batch = micro.step_time_s - micro.optimizer_s
+    device = get_device(DEFAULT_DEVICE)  # the command's default
+    adds = device.compute_time(0.0, two.added, torch.bfloat16)  # a memory-bound pass
+    assert accumulated.step_time_s == pytest.approx(
+        2 * per_micro_batch + whole.optimizer_s + adds, rel=1e-9
+    )
+
+
+def test_gradient_accumulation_is_refused_where_it_means_nothing(tmp_path):
+    """Inference has no gradients to accumulate; a whole number of micro-batches only; a
+    pipeline splits the batch into its own micro-batches."""
+    mesh = MeshSpec.from_options("2")
+    with pytest.raises(AutoshardError, match=r"--grad-accumulation .* --mode infer"):
+        SolveConfig(model_path=tmp_path / "m.py", mesh=mesh, mode="infer", grad_accumulation=2)
+    with pytest.raises(AutoshardError, match=r"--grad-accumulation .* 1 or more, got 0"):
+        SolveConfig(model_path=tmp_path / "m.py", mesh=mesh, grad_accumulation=0)
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL)
+    args = ("solve", str(path), "--gpus", "8", "--pp", "2", "--grad-accumulation", "2")
+    run = autoshard_cli(*args, "-q", "--out", str(tmp_path))
+    assert run.returncode == 2 and "drop --grad-accumulation" in run.stderr, run.stderr

@@ -189,6 +189,11 @@ class Run:
     # wraps torch's FullyShardedDataParallel (FSDP1): their copies around the collectives
     # differ (autoshard.plan.fsdp_runtime)
     fsdp_version: int = 2
+    # micro-batches per step (--grad-accumulation): the run's global batch in that many
+    # forward and backward passes, FSDP gathering and reducing in each (Composer runs no
+    # no_sync under FSDP: composer/trainer/trainer.py at v0.16.4, ``_train_microbatches``),
+    # one optimizer step
+    grad_accumulation: int = 1
 
     @property
     def measured_s(self) -> float:
@@ -411,11 +416,12 @@ RUNS = [
         37130 / 8,
         tokens=12 * 2048,
         options=DGX_A100_LINKS[:2],
-        notes="gradient accumulation 2 x 6 priced as one batch of 12 per GPU",
+        notes="two micro-batches of 6 per GPU, gradients accumulated",
         bucket_bytes=402_759_680,
         achieved_profile=TRITON_A100,
         fsdp_version=1,
         optimizer="adamw-foreach",  # Composer's DecoupledAdamW: 80 bytes
+        grad_accumulation=2,  # the table's micro-batch 6 of its 12 per GPU
     ),
     Run(
         "megatron-gpt-1.7b-32xa100",
@@ -566,6 +572,7 @@ def _compare_args(run: Run, checkpointing: str, device: str | None) -> list[str]
     args += ["--bucket-size", f"{run.bucket_bytes}B"] if run.bucket_bytes else []
     args += ["--optimizer", run.optimizer] if run.optimizer != "adamw-fused" else []
     args += ["--fsdp-version", str(run.fsdp_version)] if run.fsdp_version != 2 else []
+    args += ["--grad-accumulation", str(run.grad_accumulation)] if run.grad_accumulation > 1 else []
     return [*args, *_links(run, device), "--json"]
 
 

@@ -91,6 +91,11 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
         f"{graph.model_name} on mesh {mesh.shape_str} ({', '.join(mesh.dim_names)}), "
         f"device {device.name}: predicted time and memory per device"
     )
+    if config.grad_accumulation > 1:
+        title += (
+            f", a step of {config.grad_accumulation} micro-batches (gradient accumulation), "
+            "one micro-batch's memory"
+        )
     for table in comparison_tables(rows, title, budget):
         console.print(table)
     for r in rows:

@@ -330,6 +330,18 @@ def plan_options(f):
             "gradients (docs/cost-model.md, 'FSDP's copies').",
         ),
         click.option(
+            "--grad-accumulation",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            metavar="N",
+            help="Gradient accumulation (training): each step runs N micro-batches, the "
+            "example inputs split into N along dim 0, each with its forward, backward and "
+            "collectives (gradients reduced after every micro-batch, as FSDP runs it under "
+            "Composer and torchtitan), then one optimizer step. Memory is one micro-batch's. "
+            "The plan is priced, not launched: autoshard launch runs one batch per step.",
+        ),
+        click.option(
             "--no-overlap",
             is_flag=True,
             help="Price every collective on the critical path; by default a gradient reduction "
@@ -457,6 +469,7 @@ def config_from_options(model_file: Path, opts: dict) -> SolveConfig:
         checkpoint_early_stop=opts.get("checkpoint_early_stop", True),
         optimizer=opts.get("optimizer", OPTIMIZERS[0]),
         fsdp_version=int(opts.get("fsdp_version", FSDP_VERSIONS[0])),
+        grad_accumulation=int(opts.get("grad_accumulation", 1)),
     )
 
 

@@ -48,8 +48,9 @@ def prepare_program(
 
     Raises:
         AutoshardError: the solution is missing or changed, was solved for the other mode
-            (``--train`` needs a ``--mode train`` plan and the reverse), or does not
-            describe the graph the model traces to.
+            (``--train`` needs a ``--mode train`` plan and the reverse), accumulates
+            gradients over micro-batches (``--grad-accumulation``), or does not describe
+            the graph the model traces to.
     """
     path = smap.solution_path()
     if path is None:
@@ -69,6 +70,13 @@ def prepare_program(
             f"{path.name} was solved for {'training' if solved == 'train' else 'inference'} "
             f"but this launch {'trains' if opts.train else 'runs forward only'}; solve with "
             f"{want} (or launch {'without' if solved == 'infer' else 'with'} --train)"
+        )
+    accumulation = int(cost.get("grad_accumulation", 1))
+    if accumulation > 1:
+        raise AutoshardError(
+            f"{path.name} was solved with --grad-accumulation {accumulation}, which the "
+            "launcher does not run (it runs one batch per step): solve without it, with "
+            f"example_inputs() giving one micro-batch, to launch the plan"
         )
     mesh = MeshSpec.from_dict(solution["mesh"])
     check_map_matches_solution(smap, solution, path.name)

@@ -10,6 +10,7 @@ up to the ILP's objective.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Placement
@@ -91,6 +92,9 @@ class Plan:
     # a recomputed block reruns its forward up to the last op its backward reads
     # (torch.utils.checkpoint's early stop); False: its whole forward
     checkpoint_early_stop: bool = True
+    # micro-batches per step (gradient accumulation, :func:`accumulate`): every time and
+    # count above is the whole step's
+    grad_accumulation: int = 1
 
     @property
     def comm_total_s(self) -> float:
@@ -143,6 +147,40 @@ class Plan:
         out.update(self.extra.get("memory", {}))
         out["activations"] = self.activation_bytes
         return out
+
+
+def accumulate(plan: Plan, n: int, pass_time: Callable[[float], float] | None = None) -> None:
+    """Make ``plan``, built for one micro-batch of a step that accumulates gradients over
+    ``n``, the price of that step: each micro-batch runs the forward and backward with
+    their collectives (the gradients reduced after each backward, as FSDP runs it under
+    Composer and torchtitan), its recomputation and FSDP's copies, so their seconds, bytes,
+    counts and FLOPs are ``n`` times one micro-batch's; the optimizer steps once, and its
+    seconds, priced at ``1 / n`` per micro-batch in the strategies
+    (``build_strategy_graph(optimizer_steps=1 / n)``), are ``n`` times what the plan holds.
+    Memory is one micro-batch's: its activations are freed by its backward. Each
+    micro-batch after the first adds its gradients to those kept, one pass over the
+    device's gradients (``plan.extra["memory"]["gradients"]`` bytes: two reads and a
+    write), ``pass_time(bytes) -> seconds`` each, added to the compute
+    (``plan.extra["accumulation_bytes"]``; PyTorch's FSDP runs it as one ``add_`` per
+    sharded gradient). A no-op for ``n == 1``."""
+    if n == 1:
+        return
+    plan.grad_accumulation = n
+    plan.compute_s *= n
+    added = (n - 1) * 3 * plan.extra.get("memory", {}).get("gradients", 0.0)
+    plan.extra["accumulation_bytes"] = added
+    if added and pass_time is not None:
+        plan.compute_s += pass_time(added)
+    plan.optimizer_s *= n
+    plan.recompute_s *= n
+    plan.fsdp_s *= n
+    plan.fsdp_bytes *= n
+    plan.step_flops *= n
+    plan.comm_s = {k: n * v for k, v in plan.comm_s.items()}
+    plan.hidden_s = {k: n * v for k, v in plan.hidden_s.items()}
+    for counts in (plan.collectives, plan.collective_steps, plan.own_steps):
+        for k in counts:
+            counts[k] *= n
 
 
 def build_plan(

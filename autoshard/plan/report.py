@@ -247,8 +247,12 @@ def cost_table(plan: Plan) -> Table:
     """Predicted step time split into compute, the optimizer step and each collective
     kind (its total, what hiding it under compute saves, and the rest, exposed: a
     collective overlapped whole still costs ``OVERLAP_SLOWDOWN`` of its seconds over ``1 +
-    OVERLAP_SLOWDOWN``, the compute it slows; :mod:`autoshard.cost.overlap`)."""
-    table = Table(title="Predicted time per step (one device)")
+    OVERLAP_SLOWDOWN``, the compute it slows; :mod:`autoshard.cost.overlap`). A step that
+    accumulates gradients (:attr:`Plan.grad_accumulation`) counts every micro-batch."""
+    title = "Predicted time per step (one device)"
+    if plan.grad_accumulation > 1:
+        title += f": {plan.grad_accumulation} micro-batches, one optimizer step"
+    table = Table(title=title)
     table.add_column("part")
     table.add_column("time", justify="right")
     table.add_column("hidden", justify="right")
@@ -657,6 +661,7 @@ def report_dict(
             "device": cfg.device.name,
             "mode": cfg.mode,
             "precision": cfg.precision,
+            "grad_accumulation": cfg.grad_accumulation,
             "compute_dtype": str(cfg.compute_dtype(sg.graph)).removeprefix("torch."),
             "plan": {
                 "name": plan.name,

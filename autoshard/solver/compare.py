@@ -65,6 +65,7 @@ class ComparedPlan:
             "comm_s": {k: float(p.comm_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
             "hidden_s": {k: float(p.hidden_s.get(k, 0.0)) for k in COLLECTIVE_KINDS},
             "flops": float(p.step_flops),
+            "grad_accumulation": int(p.grad_accumulation),
             "mfu": float(p.mfu),
             "collectives": {k: int(p.collectives.get(k, 0)) for k in COLLECTIVE_KINDS},
             "memory_bytes": float(p.memory_bytes),

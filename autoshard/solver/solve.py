@@ -36,7 +36,7 @@ from autoshard.model.model_file import (
 )
 from autoshard.plan.export import output_stem, write_outputs
 from autoshard.plan.fsdp_runtime import add_fsdp_copies, fsdp_version_of
-from autoshard.plan.plan import Plan, build_plan
+from autoshard.plan.plan import Plan, accumulate, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
 from autoshard.solver.ilp import ILPResult, check_size, solve
@@ -123,11 +123,27 @@ class SolveConfig:
     # which FSDP runs the plans FSDP runs (autoshard.solver.options.FSDP_VERSIONS):
     # 2, fully_shard (torchtitan's), or 1, FullyShardedDataParallel; their copies differ
     fsdp_version: int = 2
+    # gradient accumulation: each step runs this many micro-batches (the example inputs
+    # split along dim 0), forward and backward with their collectives each, and one
+    # optimizer step (as Composer's and torchtitan's FSDP run it: the gradients reduced
+    # after every micro-batch's backward)
+    grad_accumulation: int = 1
     # a model built in Python (autoshard.api.solve) instead of model_path's file; traced
     # on a copy, since tracing may cast it and cut its repeated blocks
     model: LoadedModel | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.grad_accumulation, int) and self.grad_accumulation >= 1):
+            raise AutoshardError(
+                "--grad-accumulation (grad_accumulation) must be a whole number of "
+                f"micro-batches, 1 or more, got {self.grad_accumulation!r}"
+            )
+        if self.mode == "infer" and self.grad_accumulation > 1:
+            raise AutoshardError(
+                f"--grad-accumulation (grad_accumulation) {self.grad_accumulation} accumulates "
+                "gradients over micro-batches, which --mode infer has not: drop it, or plan "
+                "--mode train"
+            )
         if self.fsdp_version not in FSDP_VERSIONS:
             raise AutoshardError(
                 f"--fsdp-version (fsdp_version) must be one of "
@@ -260,6 +276,7 @@ class SolveConfig:
             checkpoint_early_stop=stored_early_stop(cost, solution.get("predicted") or {}),
             optimizer=cost.get("optimizer", "adamw-fused"),  # written before it was an option
             fsdp_version=cost.get("fsdp_version", 2),
+            grad_accumulation=int(cost.get("grad_accumulation", 1)),
         )
 
     def cost_model(self) -> dict[str, Any]:
@@ -281,6 +298,7 @@ class SolveConfig:
             "checkpoint_early_stop": self.checkpoint_early_stop,
             "optimizer": self.optimizer,
             "fsdp_version": self.fsdp_version,
+            "grad_accumulation": self.grad_accumulation,
             "mesh": self.mesh.to_dict(),
         }
 
@@ -356,8 +374,9 @@ def trace(
 ) -> TracedGraph:
     """Load the model file, build it on meta, trace and annotate it.
 
-    With ``microbatches`` > 1 the graph is that of one micro-batch: every example input
-    split into that many chunks along dim 0 (as a pipeline schedule splits the batch).
+    With ``microbatches`` > 1 (a pipeline's) or ``config.grad_accumulation`` > 1 the graph
+    is that of one micro-batch: every example input split into that many chunks along dim 0
+    (as a pipeline schedule, or a training loop accumulating gradients, splits the batch).
     With ``stage_bounds`` (the boundaries of a pipeline split of the model's ``L``
     repeated blocks, from ``L``; or ``None``: every block) the blocks are traced reduced
     within each stage (:func:`~autoshard.trace.tracer.reduce_depth`), whatever
@@ -365,7 +384,8 @@ def trace(
 
     Raises:
         AutoshardError: a bad model file, an untraceable model, a batch the micro-batches
-            do not divide, stage boundaries that do not split the blocks.
+            do not divide, stage boundaries that do not split the blocks, a pipeline's
+            micro-batches beside gradient accumulation.
     """
     if progress:
         progress("trace", 0, 1)
@@ -376,8 +396,15 @@ def trace(
         )
     else:
         loaded = instantiate(load_model_file(config.model_path), device="meta")
-    if microbatches > 1:
-        loaded.inputs = split_microbatches(loaded.inputs, microbatches, loaded.input_names)[0]
+    if microbatches > 1 and config.grad_accumulation > 1:
+        raise AutoshardError(
+            f"--grad-accumulation {config.grad_accumulation} splits the batch into micro-batches "
+            "and so does a pipeline's --microbatches: drop --grad-accumulation (a pipeline "
+            "accumulates over its micro-batches)"
+        )
+    split = max(microbatches, config.grad_accumulation)
+    if split > 1:
+        loaded.inputs = split_microbatches(loaded.inputs, split, loaded.input_names)[0]
     # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
     if stage_bounds is not None:
         depth = reduce_depth(loaded.module, bounds=stage_bounds)
@@ -418,6 +445,7 @@ def strategies(
         features=config.features(),
         early_stop=config.checkpoint_early_stop,
         optimizer=config.optimizer,
+        optimizer_steps=1 / config.grad_accumulation,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"
@@ -438,7 +466,9 @@ def finish_plan(
     ``recompute``: real blocks that recompute per traced block's layer (none when absent,
     every one under ``--activation-checkpointing full``). A plan FSDP runs
     (:func:`~autoshard.plan.fsdp_runtime.fsdp_version_of`) in training adds the copies
-    that version makes around its collectives."""
+    that version makes around its collectives. With ``config.grad_accumulation`` > 1 the
+    plan, built for one micro-batch, is the price of the step's micro-batches and its one
+    optimizer step (:func:`~autoshard.plan.plan.accumulate`)."""
     plan = build_plan(sg, choice, config.mesh, name=name, recompute=recompute)
     dtype = config.compute_dtype(sg.graph)
     plan.peak_flops = config.device.peak(dtype)
@@ -447,6 +477,7 @@ def finish_plan(
         add_fsdp_copies(plan, version, config.device.compute_time, dtype)
     mem = memory_by_kind(sg, choice, config.memory_model(), recompute)
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
+    accumulate(plan, config.grad_accumulation, lambda b: config.device.compute_time(0.0, b, dtype))
     plan.extra["saved_activations"] = mem.get("saved_activations")
     plan.extra["budget"] = config.budget()
     return plan

@@ -268,6 +268,7 @@ def build_strategy_graph(
     features: frozenset[str] = frozenset(),
     early_stop: bool = True,
     optimizer: str = "adamw-fused",
+    optimizer_steps: float = 1.0,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -304,6 +305,10 @@ def build_strategy_graph(
             ``"context_parallel"``, attention sharded by sequence).
         optimizer: the AdamW implementation each parameter's step is priced as
             (:data:`OPTIMIZERS`, :func:`adamw_step_time`).
+        optimizer_steps: optimizer steps per pass of ``graph`` (a parameter's cost is
+            this many of its steps): ``1 / n`` where ``graph`` is one of a step's ``n``
+            micro-batches (gradient accumulation), so that the ILP's objective is the step
+            over ``n``.
         early_stop: a recomputed block reruns its forward only up to the last op its
             backward reads, as non-reentrant ``torch.utils.checkpoint`` does
             (:func:`autoshard.trace.selective.recomputed_ops`); ``False``: its whole
@@ -318,6 +323,7 @@ def build_strategy_graph(
         raise AutoshardError(f"optimizer {optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     b = _Builder(graph, tuple(mesh_shape), compute_time, fixed_inputs, fixed_outputs)
     b.optimizer = optimizer
+    b.optimizer_steps = optimizer_steps
     b.collective_cost = collective_cost
     b.features = frozenset(features)
     with tp.fake_mesh(b.mesh_shape) as mesh:
@@ -390,6 +396,7 @@ class _Builder:
         self.mesh = None  # the fake DeviceMesh, set while building
         self.features: frozenset[str] = frozenset()  # op rules' optional choices offered
         self.optimizer = "adamw-fused"  # the AdamW implementation priced (adamw_step_time)
+        self.optimizer_steps = 1.0  # optimizer steps per pass of the graph (its micro-batch)
         self.collective_cost: Callable[[str, float, int], float] | None = None
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.infos = {
@@ -479,6 +486,7 @@ class _Builder:
             step = np.array(
                 [
                     adamw_step_time(t, c, self.mesh_shape, self.compute_time, self.optimizer)
+                    * self.optimizer_steps
                     for c in cands
                 ]
             )
