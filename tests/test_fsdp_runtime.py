@@ -6,6 +6,7 @@ autoshard's formula."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -21,6 +22,7 @@ from autoshard.errors import AutoshardError
 from autoshard.plan.fsdp_runtime import fsdp_version_of, predivide_factor
 from autoshard.solver.compare import compare_plans
 from autoshard.solver.solve import SolveConfig, strategies, trace
+from autoshard.strategies.strategy import local_shape
 
 BATCH, D, H = 48, 48, 192  # each divisible by 6 and by 8
 
@@ -380,3 +382,28 @@ def test_gradient_accumulation_is_refused_where_it_means_nothing(tmp_path):
     args = ("solve", str(path), "--gpus", "8", "--pp", "2", "--grad-accumulation", "2")
     run = autoshard_cli(*args, "-q", "--out", str(tmp_path))
     assert run.returncode == 2 and "drop --grad-accumulation" in run.stderr, run.stderr
+
+
+def test_the_ilp_s_objective_is_the_accumulating_step_over_its_micro_batches(tmp_path):
+    """``solve --grad-accumulation 2``: the ILP prices one micro-batch, each parameter with
+    half its optimizer step and half the pass that adds the second micro-batch's gradient,
+    so its objective is the plan's step over 2, and the optimizer steps once: the step is
+    twice the micro-batch's forward, backward and collectives, the adds of the gradients
+    the plan keeps (two reads and a write of each, fp32 in bf16-mixed) and one AdamW step
+    per parameter shard."""
+    from autoshard.solver.solve import plan_model
+
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL)
+    args = ("solve", str(path), "--mesh", "4", "--precision", "bf16-mixed", "--mode", "train")
+    result = plan_model(cli_config(*args, "--grad-accumulation", "2"))
+    plan = result.plan
+    assert plan.grad_accumulation == 2
+    assert 2 * result.ilp.objective_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    gradients = plan.extra["memory"]["gradients"]
+    assert plan.extra["accumulation_bytes"] == 3 * gradients > 0
+    fp32 = 4 * sum(  # every gradient element the plan keeps on a device, fp32
+        math.prod(local_shape(info.results[0].shape, plan.parameters[fqn], (4,)))
+        for fqn, info in ((i.fqn, i) for i in result.graph.nodes.values() if i.kind == "param")
+    )
+    assert gradients == fp32

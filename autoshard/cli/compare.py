@@ -66,7 +66,7 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
         algos = tuple(a for a in algos if a not in TWO_D_ONLY)
     budget = config.budget()
     err = Console(stderr=True)
-    with Progress(err) as progress:
+    with Progress(err, config.grad_accumulation) as progress:
         graph = trace(config, progress)
         sg = strategies(config, graph, progress)
         rows = compare_plans(config, sg, algos, progress)

@@ -483,7 +483,9 @@ class Progress:
     :attr:`EVERY_S` seconds elsewhere. Where several run at once (the mesh search's
     lanes), each is labelled with its subject (:func:`autoshard.solver.highs.about`): on
     a terminal each thread's latest side by side, elsewhere a line per subject. Only what
-    is printed depends on the clock, never the plan."""
+    is printed depends on the clock, never the plan. ``step_per_objective``: seconds of the
+    step per second of the ILP's objective (``--grad-accumulation``'s N: the ILP prices one
+    micro-batch), so that the incumbent and bound shown are the step's."""
 
     EVERY_S = 5.0
     STALE_S = 1.0  # a running MIP reports every 0.1 s; one silent this long has ended
@@ -495,8 +497,9 @@ class Progress:
         "space": "pricing the space's plans (DTensor's propagation)",
     }
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, step_per_objective: float = 1.0) -> None:
         self.console = console
+        self.scale = step_per_objective
         self.lines = not console.is_terminal
         self.bar = RichProgress(
             SpinnerColumn(),
@@ -534,7 +537,7 @@ class Progress:
         def value(v: float | None) -> str:
             if v is None:
                 return "none yet"
-            return format_seconds(v) if p.in_seconds else f"{v:.6g}"
+            return format_seconds(v * self.scale) if p.in_seconds else f"{v:.6g}"
 
         gap = f"{100 * p.gap:.2f}%" if p.gap is not None else "-"
         text = f"incumbent {value(p.incumbent)}, bound {value(p.bound)}, gap {gap}"

@@ -208,7 +208,7 @@ def solve_command(
     if not meshes and _given("gpus_per_node"):
         config = replace(config, mesh=mesh_on_nodes(config.mesh, gpus_per_node, opts))
     if meshes:  # the files are named after the best mesh once it is known
-        with Progress(Console(stderr=True, quiet=quiet)) as progress:
+        with Progress(Console(stderr=True, quiet=quiet), config.grad_accumulation) as progress:
             from autoshard.pipeline.search import search_shapes_and_depths  # heavy, as above
 
             search = search_shapes_and_depths(
@@ -232,7 +232,7 @@ def solve_command(
     stem = output_stem(Path(model_file).resolve().stem, mesh.shape, suffix)
     refuse_overwriting_preload(preload, out_dir, stem)
     notes: list[str] = []
-    with Progress(Console(stderr=True, quiet=quiet)) as progress:
+    with Progress(Console(stderr=True, quiet=quiet), config.grad_accumulation) as progress:
         if preload is not None:
             from autoshard.solver.preload import plan_preloaded  # heavy, as above
 

@@ -154,24 +154,25 @@ def accumulate(plan: Plan, n: int, pass_time: Callable[[float], float] | None = 
     ``n``, the price of that step: each micro-batch runs the forward and backward with
     their collectives (the gradients reduced after each backward, as FSDP runs it under
     Composer and torchtitan), its recomputation and FSDP's copies, so their seconds, bytes,
-    counts and FLOPs are ``n`` times one micro-batch's; the optimizer steps once, and its
-    seconds, priced at ``1 / n`` per micro-batch in the strategies
-    (``build_strategy_graph(optimizer_steps=1 / n)``), are ``n`` times what the plan holds.
-    Memory is one micro-batch's: its activations are freed by its backward. Each
-    micro-batch after the first adds its gradients to those kept, one pass over the
-    device's gradients (``plan.extra["memory"]["gradients"]`` bytes: two reads and a
-    write), ``pass_time(bytes) -> seconds`` each, added to the compute
-    (``plan.extra["accumulation_bytes"]``; PyTorch's FSDP runs it as one ``add_`` per
-    sharded gradient). A no-op for ``n == 1``."""
+    counts and FLOPs are ``n`` times one micro-batch's. Memory is one micro-batch's: its
+    activations are freed by its backward.
+
+    A parameter's cost in the strategies is, over ``n``, its optimizer step and the
+    ``n - 1`` passes that add a micro-batch's gradient to the one kept
+    (:func:`~autoshard.strategies.graph.gradient_add_time`), so ``n`` times the plan's
+    optimizer seconds hold both: the adds, two reads and a write of the device's gradients
+    (``plan.extra["memory"]["gradients"]`` bytes) each, ``pass_time(bytes) -> seconds``,
+    move to the compute (``plan.extra["accumulation_bytes"]``; PyTorch's FSDP runs them as
+    one ``add_`` per sharded gradient), and the optimizer steps once. A no-op for
+    ``n == 1``."""
     if n == 1:
         return
     plan.grad_accumulation = n
-    plan.compute_s *= n
     added = (n - 1) * 3 * plan.extra.get("memory", {}).get("gradients", 0.0)
     plan.extra["accumulation_bytes"] = added
-    if added and pass_time is not None:
-        plan.compute_s += pass_time(added)
-    plan.optimizer_s *= n
+    add_s = pass_time(added) if added and pass_time is not None else 0.0
+    plan.compute_s = n * plan.compute_s + add_s
+    plan.optimizer_s = n * plan.optimizer_s - add_s
     plan.recompute_s *= n
     plan.fsdp_s *= n
     plan.fsdp_bytes *= n

@@ -779,27 +779,7 @@ def print_report(
     if ckpt is not None:
         console.print(ckpt, highlight=False)
     console.print(memory_table(plan))
-    gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
-    status = ilp.status
-    if status.startswith("baseline"):
-        console.print(
-            f"solver: none, {status} plan; predicted {format_seconds(ilp.objective_s)} "
-            "(compare with the ILP: autoshard compare)"
-        )
-    elif status == "preloaded":
-        console.print(f"solver: none, plan preloaded; objective {format_seconds(ilp.objective_s)}")
-    elif "space" in plan.extra:
-        for line in space_lines(plan.extra["space"], plan.extra.get("budget")):
-            console.print(line, highlight=False)
-    elif "lifted" in plan.extra:
-        console.print(lifted_line(plan.extra["lifted"], ilp.objective_s), highlight=False)
-    else:
-        if status == "within_gap":
-            status = "within the --mip-gap of the LP bound"
-        elif status != "optimal":
-            why = STOPPED_BY.get(status, status)
-            status = f"[yellow]{why}: best plan found, not proven optimal[/yellow]"
-        _solver_line(console, ilp, status, gap)
+    _print_search(console, plan, ilp)
     secs = result.seconds
 
     console.print(
@@ -892,9 +872,42 @@ STOPPED_BY = {
 """How the report names each limit a search can stop at (an ILP status)."""
 
 
-def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
+def _print_search(console: Console, plan: Plan, ilp) -> None:
+    """How the plan was found: the hand-written plan asked for, the preloaded plan, the
+    torchtitan space's points, the lifted plan, or the ILP's search and its status."""
+    gap = "n/a" if ilp.gap != ilp.gap else f"{ilp.gap:.2%}"
+    status = ilp.status
+    if status.startswith("baseline"):
+        console.print(
+            f"solver: none, {status} plan; predicted {format_seconds(ilp.objective_s)} "
+            "(compare with the ILP: autoshard compare)"
+        )
+    elif status == "preloaded":
+        console.print(
+            f"solver: none, plan preloaded; objective "
+            f"{format_seconds(ilp.objective_s * plan.grad_accumulation)}"
+        )
+    elif "space" in plan.extra:
+        for line in space_lines(plan.extra["space"], plan.extra.get("budget")):
+            console.print(line, highlight=False)
+    elif "lifted" in plan.extra:
+        lifted = lifted_line(plan.extra["lifted"], ilp.objective_s * plan.grad_accumulation)
+        console.print(lifted, highlight=False)
+    else:
+        if status == "within_gap":
+            status = "within the --mip-gap of the LP bound"
+        elif status != "optimal":
+            why = STOPPED_BY.get(status, status)
+            status = f"[yellow]{why}: best plan found, not proven optimal[/yellow]"
+        _solver_line(console, ilp, status, gap, plan.grad_accumulation)
+
+
+def _solver_line(console: Console, ilp, status: str, gap: str, micro_batches: int = 1) -> None:
+    """The search's line; the ILP prices one of ``micro_batches`` (gradient accumulation,
+    each with its share of the optimizer step), its objective shown for the step."""
     console.print(
-        f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s)}, gap {gap}, "
+        f"solver: HiGHS {status}, objective {format_seconds(ilp.objective_s * micro_batches)}, "
+        f"gap {gap}, "
         f"{ilp.num_variables} variables, {ilp.num_constraints} constraints, "
         f"build {ilp.build_seconds:.2f} s, solve {ilp.solve_seconds:.2f} s"
         + (
@@ -904,15 +917,16 @@ def _solver_line(console: Console, ilp, status: str, gap: str) -> None:
             else ""
         )
     )
-    console.print(start_line(ilp))
+    console.print(start_line(ilp, micro_batches))
 
 
-def start_line(ilp) -> str:
-    """Which hand-written plan the search started from and what it gained over it."""
+def start_line(ilp, micro_batches: int = 1) -> str:
+    """Which hand-written plan the search started from and what it gained over it (its
+    objective for the step of ``micro_batches``)."""
     if ilp.start is None:
         return "started from no plan (no hand-written plan fits the memory budget)"
     name = ilp.start if " " in ilp.start else f"the {ilp.start} plan"
-    base = f"started from {name} ({format_seconds(ilp.start_objective_s)})"
+    base = f"started from {name} ({format_seconds(ilp.start_objective_s * micro_batches)})"
     if ilp.objective_s >= ilp.start_objective_s:
         return base + ": the search found nothing faster, the plan is that one"
     gain = 1 - ilp.objective_s / ilp.start_objective_s

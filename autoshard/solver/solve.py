@@ -25,7 +25,7 @@ from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
 from autoshard.cost.checkpointing import POLICIES, Checkpointing
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
-from autoshard.cost.memory import LiveMemory, MemoryModel, memory_by_kind
+from autoshard.cost.memory import FP32_MASTER_BYTES, LiveMemory, MemoryModel, memory_by_kind
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import (
@@ -445,7 +445,8 @@ def strategies(
         features=config.features(),
         early_stop=config.checkpoint_early_stop,
         optimizer=config.optimizer,
-        optimizer_steps=1 / config.grad_accumulation,
+        grad_accumulation=config.grad_accumulation,
+        grad_itemsize=FP32_MASTER_BYTES if config.mixed else None,
     )
     sg.bucket_bytes = bucket
     sg.overlap = config.overlap and config.mode == "train"

@@ -268,7 +268,8 @@ def build_strategy_graph(
     features: frozenset[str] = frozenset(),
     early_stop: bool = True,
     optimizer: str = "adamw-fused",
-    optimizer_steps: float = 1.0,
+    grad_accumulation: int = 1,
+    grad_itemsize: int | None = None,
 ) -> StrategyGraph:
     """Generate, cost and shrink the strategies of every node of ``graph``.
 
@@ -305,10 +306,13 @@ def build_strategy_graph(
             ``"context_parallel"``, attention sharded by sequence).
         optimizer: the AdamW implementation each parameter's step is priced as
             (:data:`OPTIMIZERS`, :func:`adamw_step_time`).
-        optimizer_steps: optimizer steps per pass of ``graph`` (a parameter's cost is
-            this many of its steps): ``1 / n`` where ``graph`` is one of a step's ``n``
-            micro-batches (gradient accumulation), so that the ILP's objective is the step
-            over ``n``.
+        grad_accumulation: ``n``, the micro-batches of a step (gradient accumulation)
+            when ``graph`` is one of them: a parameter's cost is its optimizer step and the
+            ``n - 1`` passes that add a micro-batch's gradient to the one kept (two reads
+            and a write of its local shard, :func:`gradient_add_time`), over ``n``, so that
+            the ILP's objective is the step over ``n``.
+        grad_itemsize: bytes per element of a kept gradient (mixed precision: 4, fp32);
+            ``None``: the parameter's own.
         early_stop: a recomputed block reruns its forward only up to the last op its
             backward reads, as non-reentrant ``torch.utils.checkpoint`` does
             (:func:`autoshard.trace.selective.recomputed_ops`); ``False``: its whole
@@ -323,7 +327,7 @@ def build_strategy_graph(
         raise AutoshardError(f"optimizer {optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     b = _Builder(graph, tuple(mesh_shape), compute_time, fixed_inputs, fixed_outputs)
     b.optimizer = optimizer
-    b.optimizer_steps = optimizer_steps
+    b.grad_accumulation, b.grad_itemsize = grad_accumulation, grad_itemsize
     b.collective_cost = collective_cost
     b.features = frozenset(features)
     with tp.fake_mesh(b.mesh_shape) as mesh:
@@ -396,7 +400,8 @@ class _Builder:
         self.mesh = None  # the fake DeviceMesh, set while building
         self.features: frozenset[str] = frozenset()  # op rules' optional choices offered
         self.optimizer = "adamw-fused"  # the AdamW implementation priced (adamw_step_time)
-        self.optimizer_steps = 1.0  # optimizer steps per pass of the graph (its micro-batch)
+        self.grad_accumulation = 1  # micro-batches per step (graph is one of them)
+        self.grad_itemsize: int | None = None  # bytes per kept gradient element
         self.collective_cost: Callable[[str, float, int], float] | None = None
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.infos = {
@@ -483,10 +488,17 @@ class _Builder:
         step = np.zeros(len(strategies))
         if info.kind == "param" and self.graph.mode == "train":
             t = info.results[0]
+            n = self.grad_accumulation
             step = np.array(
                 [
-                    adamw_step_time(t, c, self.mesh_shape, self.compute_time, self.optimizer)
-                    * self.optimizer_steps
+                    (
+                        adamw_step_time(t, c, self.mesh_shape, self.compute_time, self.optimizer)
+                        + (n - 1)
+                        * gradient_add_time(
+                            t, c, self.mesh_shape, self.compute_time, self.grad_itemsize
+                        )
+                    )
+                    / n
                     for c in cands
                 ]
             )
@@ -774,6 +786,23 @@ def adamw_step_time(
         per_element += FOREACH_EXTRA_PASSES_BYTES
     local = math.prod(local_shape(t.shape, placements, mesh_shape))
     return compute_time(0.0, per_element * local, t.dtype)
+
+
+def gradient_add_time(
+    t: TensorInfo,
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    compute_time: Callable[..., float],
+    grad_itemsize: int | None = None,
+) -> float:
+    """Seconds of adding one micro-batch's gradient of parameter ``t`` to the one kept
+    (gradient accumulation: autograd's ``AccumulateGrad``, FSDP's ``add_`` of the sharded
+    gradient), on the shard one device holds: two reads and a write of ``grad_itemsize``
+    bytes per element (``None``: the parameter's own), memory-bound (the roofline's byte
+    term)."""
+    item = grad_itemsize if grad_itemsize is not None else t.itemsize
+    local = math.prod(local_shape(t.shape, placements, mesh_shape))
+    return compute_time(0.0, 3 * item * local, t.dtype)
 
 
 def tie_layers(graph: TracedGraph, nodes: dict[str, NodeStrategies]) -> int:
