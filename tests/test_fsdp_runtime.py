@@ -361,6 +361,12 @@ def test_gradient_accumulation_gathers_copies_and_reduces_per_micro_batch(
     whole, micro = _plan(path, version, fake_group), _plan(half, version, fake_group)
     assert accumulated.optimizer_s == pytest.approx(whole.optimizer_s, rel=1e-12)
     assert accumulated.memory_bytes == micro.memory_bytes
+    # the plan's collectives, by kind and by (phase, kind, mesh dim): twice the micro-batch's
+    assert accumulated.collectives == Counter({k: 2 * v for k, v in micro.collectives.items()})
+    assert accumulated.collective_steps == Counter(
+        {k: 2 * v for k, v in micro.collective_steps.items()}
+    )
+    assert accumulated.comm_s == pytest.approx({k: 2 * v for k, v in micro.comm_s.items()})
     per_micro_batch = micro.step_time_s - micro.optimizer_s
     device = get_device(DEFAULT_DEVICE)  # the command's default
     adds = device.compute_time(0.0, two.added, torch.bfloat16)  # a memory-bound pass
@@ -380,8 +386,11 @@ def test_gradient_accumulation_is_refused_where_it_means_nothing(tmp_path):
     path = tmp_path / "stack.py"
     path.write_text(MODEL)
     args = ("solve", str(path), "--gpus", "8", "--pp", "2", "--grad-accumulation", "2")
-    run = autoshard_cli(*args, "-q", "--out", str(tmp_path))
-    assert run.returncode == 2 and "drop --grad-accumulation" in run.stderr, run.stderr
+    for extra in ((), ("--microbatches", "1")):
+        run = autoshard_cli(*args, *extra, "-q", "--out", str(tmp_path))
+        assert run.returncode == 2 and "drop --grad-accumulation" in run.stderr, run.stderr
+    run = autoshard_cli("compare", str(path), "--mesh", "8", "--grad-accumulation", "5")
+    assert run.returncode == 2 and "plan with another --grad-accumulation" in run.stderr
 
 
 def test_the_ilp_s_objective_is_the_accumulating_step_over_its_micro_batches(tmp_path):
@@ -400,6 +409,12 @@ def test_the_ilp_s_objective_is_the_accumulating_step_over_its_micro_batches(tmp
     plan = result.plan
     assert plan.grad_accumulation == 2
     assert 2 * result.ilp.objective_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    stats = result.solver_stats()  # as the solution file and --json hold it: the step's
+    assert stats["objective_s"] == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert stats["bound_s"] <= stats["objective_s"] <= stats["start_objective_s"]
+    pkl, _ = result.save(tmp_path / "out")
+    shown = autoshard_cli("show", str(pkl))
+    assert shown.returncode == 0 and "--grad-accumulation 2" in shown.stdout, shown.stderr
     gradients = plan.extra["memory"]["gradients"]
     assert plan.extra["accumulation_bytes"] == 3 * gradients > 0
     fp32 = 4 * sum(  # every gradient element the plan keeps on a device, fp32

@@ -445,16 +445,19 @@ def test_a_map_edited_away_from_its_solution_is_refused(
 
 def test_a_plan_that_accumulates_gradients_is_priced_and_refused_by_launch(tmp_path: Path) -> None:
     """``solve --grad-accumulation 2`` plans the micro-batch (32 of the MLP's 64 rows) and
-    records it in the solution; the launcher runs one batch per step, so it refuses the
-    solution in one line before torchrun starts, saying what to do."""
+    records it in the solution and the map; the launcher runs one batch per step, so it
+    refuses the solution in one line before torchrun starts, saying what to do, whether
+    it would run the plan or DTensor's propagation."""
     model = write_mlp(tmp_path, 64, 256, 1024, act="GELU")
     plan = solve(model, tmp_path, "2x2", "--grad-accumulation", "2")
     solution = load_solution(plan.with_suffix(".pkl"))
     assert solution["cost_model"]["grad_accumulation"] == 2
-    run = autoshard_cli("launch", str(plan), str(model), "--train")
-    assert run.returncode == 2, run.stderr
-    assert "--grad-accumulation 2" in run.stderr and "solve without it" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1 and "running:" not in run.stderr
+    for mode in ("plan", "propagate"):
+        run = autoshard_cli("launch", str(plan), str(model), "--train", "--mode", mode)
+        assert run.returncode == 2, run.stderr
+        assert "--grad-accumulation 2" in run.stderr and "solve without it" in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1 and "running:" not in run.stderr
+    assert json.loads(plan.read_text())["predicted"]["grad_accumulation"] == 2
 
 
 @pytest.mark.parametrize("mode", ["infer", "train"])

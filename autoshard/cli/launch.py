@@ -32,7 +32,7 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
     map's mesh on this node (torchrun --standalone) and exits with torchrun's exit code.
     """
     # heavy (torch): only once the command runs
-    from autoshard.launch.observed import prepare_program
+    from autoshard.launch.observed import check_launchable, prepare_program
     from autoshard.launch.pipeline import prepare_launch
     from autoshard.launch.validate import check_plan
     from autoshard.model.model_file import instantiate, load_model_file
@@ -50,6 +50,7 @@ def launch_command(plan: Path, model: Path, torchrun_args: tuple[str, ...], **ru
         smap = load_sharding_map(plan)
         mf = load_model_file(model)
         check_plan(smap, instantiate(mf, device="meta"), mf.path.name)
+        check_launchable(smap)  # every --mode: a solution it cannot run as priced
         if opts.mode == "plan":  # the plan must describe this model's graph: refuse now
             prepare_program(smap, mf, opts)
         n_devices = smap.world_size

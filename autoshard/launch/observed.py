@@ -40,6 +40,34 @@ GLOO_SUBSTITUTES = {"all_to_all": "all_gather"}
 falls back to an all-gather and a local chunk (``torch.distributed.tensor._collective_utils``)."""
 
 
+def refuse_accumulation(cost: Mapping[str, Any], name: str) -> None:
+    """Refuse a solution solved with ``--grad-accumulation`` > 1 (its ``cost_model``,
+    named ``name``): the launcher runs one batch per step, in every ``--mode``.
+
+    Raises:
+        AutoshardError: such a solution.
+    """
+    accumulation = int(cost.get("grad_accumulation", 1))
+    if accumulation > 1:
+        raise AutoshardError(
+            f"{name} was solved with --grad-accumulation {accumulation}, which the launcher "
+            "does not run (it runs one batch per step): solve without it, with "
+            "example_inputs() giving one micro-batch, to launch the plan"
+        )
+
+
+def check_launchable(smap: ShardingMap) -> None:
+    """Refuse, before any rank starts and in every ``--mode``, a map whose solution the
+    launcher cannot run as priced (:func:`refuse_accumulation`).
+
+    Raises:
+        AutoshardError: as :func:`refuse_accumulation`.
+    """
+    path = smap.solution_path()
+    if path is not None:
+        refuse_accumulation(load_solution(path).get("cost_model") or {}, path.name)
+
+
 def prepare_program(
     smap: ShardingMap, mf: ModelFile, opts: RunOptions, announce: bool = False
 ) -> GraphProgram | None:
@@ -71,13 +99,7 @@ def prepare_program(
             f"but this launch {'trains' if opts.train else 'runs forward only'}; solve with "
             f"{want} (or launch {'without' if solved == 'infer' else 'with'} --train)"
         )
-    accumulation = int(cost.get("grad_accumulation", 1))
-    if accumulation > 1:
-        raise AutoshardError(
-            f"{path.name} was solved with --grad-accumulation {accumulation}, which the "
-            "launcher does not run (it runs one batch per step): solve without it, with "
-            f"example_inputs() giving one micro-batch, to launch the plan"
-        )
+    refuse_accumulation(cost, path.name)
     mesh = MeshSpec.from_dict(solution["mesh"])
     check_map_matches_solution(smap, solution, path.name)
     cast = _cast_of(cost.get("dtype"))

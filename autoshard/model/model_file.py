@@ -511,10 +511,14 @@ def loaded_from_module(
 
 
 def split_microbatches(
-    inputs: Sequence[torch.Tensor], n: int, names: Sequence[str] | None = None
+    inputs: Sequence[torch.Tensor],
+    n: int,
+    names: Sequence[str] | None = None,
+    option: str = "--microbatches",
 ) -> list[tuple[torch.Tensor, ...]]:
     """The global batch as ``n`` micro-batches: every input split into ``n`` equal chunks
-    along dim 0, as the pipeline schedules split it (``torch.tensor_split``).
+    along dim 0, as the pipeline schedules split it (``torch.tensor_split``); ``option``:
+    the command-line option that set ``n``, for the error.
 
     Raises:
         AutoshardError: ``n < 1``, an input without dims, or a dim 0 that ``n`` does not
@@ -529,7 +533,7 @@ def split_microbatches(
             raise AutoshardError(
                 f"{name} of shape {tuple(x.shape)} has {size}, which {n} micro-batches do not "
                 f"divide; give example_inputs() a batch that is a multiple of {n}, or plan "
-                "with another --microbatches"
+                f"with another {option}"
             )
     chunks = [x.tensor_split(n) for x in inputs]
     return [tuple(c[i] for c in chunks) for i in range(n)]

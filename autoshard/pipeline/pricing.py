@@ -44,7 +44,7 @@ from autoshard.placements import placements_to_str, whole_on_single
 from autoshard.plan.export import output_stem
 from autoshard.plan.formats import STAGE_PLAN_FORMAT
 from autoshard.plan.plan import build_plan
-from autoshard.solver.solve import strategies, trace
+from autoshard.solver.solve import refuse_pipeline_accumulation, strategies, trace
 from autoshard.trace.ops import is_heavy
 from autoshard.units import format_bytes, format_seconds
 
@@ -280,6 +280,7 @@ def plan_pipeline(
             infeasible ILP, no split within the memory budget.
     """
     submesh_shape(config.mesh.shape, pp)  # a bad pp fails before any ILP
+    refuse_pipeline_accumulation(config)
     _check_stages(pp, layers)
     if costs is None:
         costs = price_pipeline(config, graph, layers, pp, microbatches)

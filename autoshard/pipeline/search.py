@@ -40,7 +40,7 @@ from autoshard.pipeline.stages import (
     pipeline_step_time,
 )
 from autoshard.solver.meshes import MeshRow, MeshSearch, search_meshes
-from autoshard.solver.solve import SolveConfig, trace
+from autoshard.solver.solve import SolveConfig, refuse_pipeline_accumulation, trace
 from autoshard.units import format_seconds
 
 Progress = Callable[[str, int, int], None]
@@ -182,6 +182,8 @@ def search_shapes_and_depths(
         AutoshardError: as :func:`~autoshard.solver.meshes.search_meshes` and
             :func:`pipeline_rows`.
     """
+    if depths:
+        refuse_pipeline_accumulation(config)  # before any search
     prepared: dict[int, PreparedDepth] = {}
 
     def beside() -> None:

@@ -155,6 +155,8 @@ def predicted(plan: Plan) -> dict[str, Any]:
         "memory_bytes": {k: float(v) for k, v in plan.memory_by_kind().items()},
         "flops": float(plan.step_flops),
         "mfu": float(plan.mfu),
+        # micro-batches per step (gradient accumulation): every count above is the step's
+        **({"grad_accumulation": plan.grad_accumulation} if plan.grad_accumulation > 1 else {}),
     }
     return {**out, **_optimizer_key(plan), **_recomputation_keys(plan)}
 
@@ -214,6 +216,7 @@ def sharding_map_dict(
             "mfu": float(plan.mfu),
             "collective_steps": collective_steps(plan),
             "recomputed_blocks": [int(b) for b in plan.recomputed_blocks],
+            **({"grad_accumulation": plan.grad_accumulation} if plan.grad_accumulation > 1 else {}),
             **_optimizer_key(plan),
             **_recomputation_keys(plan),
         },

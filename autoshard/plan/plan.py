@@ -35,8 +35,9 @@ Placements = tuple[Placement, ...]
 class BucketedMove:
     """A parameter's gather (``kind`` ``"gather"``) or a gradient's reduction
     (``"gradient"``) that the plan runs: tensor ``t`` from ``src`` to ``dst`` placements,
-    ``times`` per step (once per real layer its read stands for, and again per recomputed
-    block whose read gathers its own: as the plan counts its collectives)."""
+    ``times`` per pass of the traced graph, a step or one of its micro-batches (once per
+    real layer its read stands for, and again per recomputed block whose read gathers its
+    own: as the plan counts its collectives)."""
 
     kind: str
     t: TensorInfo

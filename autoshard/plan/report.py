@@ -224,7 +224,7 @@ def block_differences(plan: Plan) -> list[str]:
                 want = plan.node_strategy[twin]
                 if want in ns.strategies:
                     choice[node] = ns.strategies.index(want)
-        delta = evaluate(sg, choice) - base
+        delta = (evaluate(sg, choice) - base) * plan.grad_accumulation  # the step's
         if not math.isfinite(delta):
             why = (
                 f"{of_others} plan does not join this block's neighbours here (no priced "
@@ -431,7 +431,8 @@ def fallback_costs(plan: Plan) -> dict[str, tuple[int, float]]:
         op = str(graph.nodes[consumer].target)
         count, secs = out[op]
         out[op] = (count, secs + graph.mult(consumer) * moved)
-    return out
+    n = plan.grad_accumulation  # the graph is one of the step's micro-batches
+    return {op: (count, n * secs) for op, (count, secs) in out.items()}
 
 
 def _busy_s(plan: Plan) -> float:
@@ -516,8 +517,8 @@ def experts_summary(plan: Plan) -> dict | None:
         "forward": dict(phases["forward"]),
         "backward": dict(phases["backward"]),
         "modes": {k: dict(v) for k, v in codes.items()},
-        "all_to_all_count": count,
-        "all_to_all_s": seconds,
+        "all_to_all_count": count * plan.grad_accumulation,  # every micro-batch's
+        "all_to_all_s": seconds * plan.grad_accumulation,
     }
 
 
@@ -583,6 +584,11 @@ def in_op_summary(plan: Plan) -> dict[str, dict]:
             entry["collectives"][kind] += m
             entry["seconds"] += m * comm.collective(kind, nbytes, dim)
         entry["exposed_seconds"] += m * s.own_s
+    micro = plan.grad_accumulation  # every micro-batch's
+    for e in out.values():
+        e["collectives"] = Counter({k: micro * v for k, v in e["collectives"].items()})
+        e["seconds"] *= micro
+        e["exposed_seconds"] *= micro
     return {
         op: {**e, "modes": dict(e["modes"]), "collectives": dict(e["collectives"])}
         for op, e in sorted(out.items())
@@ -791,12 +797,13 @@ def print_report(
         console.print("wrote " + " and ".join(str(f) for f in files))
 
 
-def lifted_line(lifted: dict, step_s: float) -> str:
+def lifted_line(lifted: dict, step_s: float, micro_batches: int = 1) -> str:
     """A plan the mesh search laid from a shape with one dim fewer
     (:mod:`autoshard.solver.lifting`): its whole ILP did not run on this mesh; which ILP
     the plan is, how that search ended and what the plan takes there and here; when the
     search improved it (:mod:`autoshard.solver.neighbourhood`), each neighbourhood's ILP,
-    how it ended and the step after it."""
+    how it ended and the step after it (the neighbourhoods' objectives, one of
+    ``micro_batches``'s, times it)."""
     source = "x".join(map(str, lifted["from"]))
     m = lifted["split_dim"]
     status = lifted["source_status"]
@@ -820,12 +827,13 @@ def lifted_line(lifted: dict, step_s: float) -> str:
         return f"{line}: {format_seconds(step_s)} here, not improved ({improved['skipped']})"
     tried = "; ".join(
         f"dims {','.join(map(str, s['free']))} free: {_neighbourhood_ended(s['status'])}, "
-        f"{format_seconds(s['step_s'])}"
+        f"{format_seconds(s['step_s'] * micro_batches)}"
         for s in improved["steps"]
     )
     ended = format_seconds(step_s) if improved["improved"] else "nothing faster"
+    before = format_seconds(improved["before_s"] * micro_batches)
     return (
-        f"{line}: {format_seconds(improved['before_s'])} here; then the ILP over its "
+        f"{line}: {before} here; then the ILP over its "
         f"neighbourhoods (the other dims' placements kept), each from the best so far "
         f"({tried}): {ended}"
     )
@@ -879,7 +887,7 @@ def _print_search(console: Console, plan: Plan, ilp) -> None:
     status = ilp.status
     if status.startswith("baseline"):
         console.print(
-            f"solver: none, {status} plan; predicted {format_seconds(ilp.objective_s)} "
+            f"solver: none, {status} plan; predicted {format_seconds(plan.step_time_s)} "
             "(compare with the ILP: autoshard compare)"
         )
     elif status == "preloaded":
@@ -891,7 +899,7 @@ def _print_search(console: Console, plan: Plan, ilp) -> None:
         for line in space_lines(plan.extra["space"], plan.extra.get("budget")):
             console.print(line, highlight=False)
     elif "lifted" in plan.extra:
-        lifted = lifted_line(plan.extra["lifted"], ilp.objective_s * plan.grad_accumulation)
+        lifted = lifted_line(plan.extra["lifted"], plan.step_time_s, plan.grad_accumulation)
         console.print(lifted, highlight=False)
     else:
         if status == "within_gap":

@@ -154,6 +154,8 @@ _COST_OPTIONS = {
     "context_parallel": "--context-parallel",
     "activation_checkpointing": "--activation-checkpointing",
     "optimizer": "--optimizer",
+    "fsdp_version": "--fsdp-version",
+    "grad_accumulation": "--grad-accumulation",
 }
 # flags whose value is on or off: the option when on (overlap: its --no- form when off)
 _COST_FLAGS = {

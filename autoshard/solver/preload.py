@@ -1132,13 +1132,21 @@ def _recomputation_notes(config: SolveConfig, solution: Mapping[str, Any], ck) -
 
 
 def _traced_as_hints(solution: Mapping[str, Any], config: SolveConfig) -> list[str]:
-    """What to do when ``solution`` was solved with another ``--mode`` or ``--precision``
-    than this solve: each changes the traced graph (a training step's backward and
-    optimizer, the casts of mixed precision), so its nodes match none of this graph's."""
+    """What to do when ``solution`` was solved with another ``--mode``, ``--precision`` or
+    ``--grad-accumulation`` than this solve: each changes the traced graph (a training
+    step's backward and optimizer, the casts of mixed precision, the micro-batch's shapes),
+    so its nodes match none of this graph's."""
     cost = solution.get("cost_model") or {}
     out = []
-    for key, option in (("mode", "--mode"), ("precision", "--precision")):
+    traced_as = (
+        ("mode", "--mode"),
+        ("precision", "--precision"),
+        ("grad_accumulation", "--grad-accumulation"),  # the micro-batch's shapes
+    )
+    for key, option in traced_as:
         stored, here = cost.get(key), getattr(config, key)
+        if key == "grad_accumulation":
+            stored = stored if stored is not None else 1
         if stored is not None and stored != here:
             out.append(
                 f"the solution was solved with {option} {stored} and this solve traces "

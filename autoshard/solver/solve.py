@@ -351,9 +351,16 @@ class SolveResult:
         return Path(pkl), Path(smap)
 
     def solver_stats(self) -> dict[str, Any]:
-        """Solver statistics as plain builtins (for the solution file and the report)."""
+        """Solver statistics as plain builtins (for the solution file and the report); the
+        objective, its bound and the start's for the step: the ILP prices one of
+        ``--grad-accumulation``'s micro-batches, each parameter with its share of the
+        optimizer step, so the step is ``n`` times it."""
         d = self.ilp.stats()
         d.pop("algo")
+        n = self.config.grad_accumulation
+        for key in ("objective_s", "bound_s", "start_objective_s"):
+            if n > 1 and isinstance(d.get(key), (int, float)):
+                d[key] = d[key] * n
         return d
 
 
@@ -364,6 +371,21 @@ def peak_rss_bytes() -> int:
     machine held at once."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT
     return own + processes_peak_bytes()
+
+
+def refuse_pipeline_accumulation(config: SolveConfig) -> None:
+    """Refuse ``--grad-accumulation`` where a pipeline is planned: its schedule splits the
+    batch into its own micro-batches (``--microbatches``) and accumulates over them.
+
+    Raises:
+        AutoshardError: ``config.grad_accumulation`` > 1.
+    """
+    if config.grad_accumulation > 1:
+        raise AutoshardError(
+            f"--grad-accumulation {config.grad_accumulation} does not apply to a pipeline: its "
+            "schedule splits the batch into --microbatches and accumulates over them; drop "
+            "--grad-accumulation (or --pp)"
+        )
 
 
 def trace(
@@ -396,15 +418,12 @@ def trace(
         )
     else:
         loaded = instantiate(load_model_file(config.model_path), device="meta")
-    if microbatches > 1 and config.grad_accumulation > 1:
-        raise AutoshardError(
-            f"--grad-accumulation {config.grad_accumulation} splits the batch into micro-batches "
-            "and so does a pipeline's --microbatches: drop --grad-accumulation (a pipeline "
-            "accumulates over its micro-batches)"
-        )
+    if microbatches > 1 or stage_bounds is not None:
+        refuse_pipeline_accumulation(config)
     split = max(microbatches, config.grad_accumulation)
     if split > 1:
-        loaded.inputs = split_microbatches(loaded.inputs, split, loaded.input_names)[0]
+        option = "--microbatches" if microbatches > 1 else "--grad-accumulation"
+        loaded.inputs = split_microbatches(loaded.inputs, split, loaded.input_names, option)[0]
     # identical middle blocks get one plan: trace one for all of them (see reduce_depth)
     if stage_bounds is not None:
         depth = reduce_depth(loaded.module, bounds=stage_bounds)
@@ -684,11 +703,13 @@ def unsolved_result(
     seconds: dict[str, float],
     status: str,
 ) -> SolveResult:
-    """A :class:`SolveResult` for a plan made without the ILP (a baseline, pinned styles)."""
+    """A :class:`SolveResult` for a plan made without the ILP (a baseline, pinned styles);
+    its objective is the ILP's, one of ``--grad-accumulation``'s micro-batches (the step
+    over them, :meth:`SolveResult.solver_stats`)."""
     seconds["total"] = sum(seconds.values())
     ilp = ILPResult(
         choice=plan.choice,
-        objective_s=plan.step_time_s,
+        objective_s=plan.step_time_s / config.grad_accumulation,
         status=status,
         gap=0.0,
         num_variables=0,
