@@ -422,3 +422,42 @@ def test_the_ilp_s_objective_is_the_accumulating_step_over_its_micro_batches(tmp
         for fqn, info in ((i.fqn, i) for i in result.graph.nodes.values() if i.kind == "param")
     )
     assert gradients == fp32
+
+
+def test_the_unsharded_parameters_at_the_peak_are_what_fsdp2_holds(tmp_path, fake_group):
+    """At the peak of an FSDP2 step whose activations dominate (a global batch of 4,096
+    rows, 512 a rank), PyTorch's own ``FSDPMemTracker`` finds the root's parameters (the
+    scale) and one block unsharded, and the next block's all-gather buffer in flight (the
+    backward's prefetch): the bytes autoshard adds to the ``fsdp`` plan's memory as
+    ``unsharded_parameters``, the root plus two blocks at their gathered placement."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = fake_group
+    batch = 512 * world
+    path = tmp_path / "stack.py"
+    path.write_text(MODEL.replace(f"torch.randn({BATCH}, {D})", f"torch.randn({batch}, {D})"))
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102
+    torch.manual_seed(0)
+    model = namespace["build_model"]()
+    (x,) = namespace["example_inputs"]()
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    local = x[: batch // world]  # one rank's share of the batch
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs((local,))
+    with tracker:
+        model(local).sum().backward()
+        optimizer.step()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    held = peak[_FSDPRefType.UNSHARDED_PARAM] + peak[_FSDPRefType.ALL_GATHER]
+    assert peak[_FSDPRefType.ACT] > held  # the activations' peak, at the backward's start
+    block, scale = 2 * D * H * 2, D * 2  # bf16 bytes: two weights; the scale
+    assert held == scale + 2 * block
+    assert _plan(path, 2, world).extra["memory"]["unsharded_parameters"] == held

@@ -651,6 +651,10 @@ def _shown(run: Run) -> None:
         prices = [price(run, m, device)["step_time_s"] for m in _modes(run)]
         shown = [float(x) for x in re.findall(r"\d+\.\d\d", cells[column])]
         assert shown == [round(p, 2) for p in prices], (run.id, device, cells[column])
+    memory = price(run, run.checkpointing, ACHIEVED[run.device])["memory_bytes"] / 2**30
+    assert cells[12] == f"{memory:.1f}", (run.id, cells[12])  # predicted GiB
+    if run.memory_gib is not None:  # the run's published memory: within 20% of it
+        assert memory == pytest.approx(run.memory_gib, rel=BAR), (run.id, memory)
 
 
 @pytest.mark.slow
@@ -664,8 +668,10 @@ def test_a_published_step_priced_with_its_own_plan(run: Run):
     still priced under their measured steps: those are 500 W parts whose peak FLOP/s the
     source does not know), each held to the measured step (within
     20% for the rows of ``WITHIN`` / ``WITHIN_MEASURED``, outside for the others); and
-    docs/validation.md's table shows the prices. One test per row: its trace is made
-    once, in one process, for every price of the row."""
+    docs/validation.md's table shows the prices and the predicted memory, which is within
+    20% of the memory the run published, where it did (torchtitan's two 8B H100 rows, its
+    peak reserved GiB). One test per row: its trace is made once, in one process, for
+    every price of the row."""
     _shown(run)
     _held(run, None, WITHIN)
     _held(run, ACHIEVED[run.device], WITHIN_MEASURED)

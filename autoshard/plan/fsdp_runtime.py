@@ -73,10 +73,12 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from autoshard.cost.liveness import local_bytes
 from autoshard.cost.memory import FP32_MASTER_BYTES
 from autoshard.plan.plan import Plan
 from autoshard.strategies.hiding import GATHER, GRADIENT
 from autoshard.strategies.strategy import local_shape
+from autoshard.trace.ops import is_view
 
 if TYPE_CHECKING:
     import torch
@@ -156,6 +158,46 @@ def fsdp_copy_bytes(plan: Plan, version: int) -> float:
             r = reduce_itemsize or item
             total += move.times * reduce_bytes(version, before, after, item, r, master)
     return total
+
+
+def unsharded_parameter_bytes(plan: Plan) -> float:
+    """Bytes of parameters FSDP holds unsharded on one device at the step's peak, beyond
+    the shards the plan keeps: the root's (the parameters outside the repeated blocks,
+    which FSDP does not reshard between the forward and the backward) and two blocks'
+    (the one computing and the one it prefetches, one block ahead: at the turn to the
+    backward the last block's and the next one's all-gather), each parameter at its
+    gathered placement (:attr:`~autoshard.plan.plan.Plan.bucketed_moves`), a block the
+    largest one's. PyTorch's ``FSDPMemTracker`` (``torch.distributed._tools``) reports
+    this at the peak of an FSDP2 step whose activations peak at that turn
+    (``tests/test_fsdp_runtime.py``); FSDP1's root flat parameter and its backward
+    prefetch (``BACKWARD_PRE``) are taken to hold the same."""
+    graph, mesh = plan.sg.graph, plan.mesh.shape
+    gathered: dict[str, tuple[int | None, float]] = {}
+    for move in plan.bucketed_moves:
+        before = local_bytes(move.t, move.src, mesh)
+        after = local_bytes(move.t, move.dst, mesh)
+        if move.kind != GATHER or after <= before:
+            continue
+        param = _viewed(graph, move.node)  # a weight gathered as its transpose is itself
+        info = graph.nodes.get(param)
+        layer = info.layer if info is not None else None
+        gathered[param] = (layer, max(after, gathered.get(param, (layer, 0.0))[1]))
+    root = sum(b for layer, b in gathered.values() if layer is None)
+    blocks: dict[int, float] = {}
+    for layer, b in gathered.values():
+        if layer is not None:
+            blocks[layer] = blocks.get(layer, 0.0) + b
+    return root + 2 * max(blocks.values(), default=0.0)
+
+
+def _viewed(graph, name: str) -> str:  # noqa: ANN001 - a TracedGraph
+    """The node ``name`` views, through chains of views (itself when it is no view)."""
+    while name in graph.nodes:
+        info = graph.nodes[name]
+        if info.kind == "param" or not info.arg_nodes or not is_view(info.target):
+            break
+        name = info.arg_nodes[0]
+    return name
 
 
 def add_fsdp_copies(

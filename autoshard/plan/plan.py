@@ -37,13 +37,15 @@ class BucketedMove:
     (``"gradient"``) that the plan runs: tensor ``t`` from ``src`` to ``dst`` placements,
     ``times`` per pass of the traced graph, a step or one of its micro-batches (once per
     real layer its read stands for, and again per recomputed block whose read gathers its
-    own: as the plan counts its collectives)."""
+    own: as the plan counts its collectives); ``node``: the graph node that makes ``t``
+    (the parameter, for a gather)."""
 
     kind: str
     t: TensorInfo
     src: Placements
     dst: Placements
     times: int
+    node: str = ""
 
 
 @dataclass
@@ -243,7 +245,7 @@ def build_plan(
                 steps[("recompute", step.kind, step.mesh_dim)] += rerun
         kind = bucketed_use(graph, sg.nodes, producer, consumer)
         if kind:
-            bucketed.append(BucketedMove(kind, t, p, q, m + rerun))
+            bucketed.append(BucketedMove(kind, t, p, q, m + rerun, producer))
             if key is not None:  # it takes the shared resharding's reruns, below
                 shared_move[(key, q)] = bucketed[-1]
     for shared, kinds in moved.items():

@@ -169,6 +169,7 @@ _LABEL = {
     **{kind: c.title for kind, c in COLLECTIVES.items()},
     "optimizer_state": "optimizer",
     "saved_activations": "saved activ.",
+    "unsharded_parameters": "unsharded",
 }
 
 

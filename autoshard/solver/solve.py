@@ -35,7 +35,11 @@ from autoshard.model.model_file import (
     split_microbatches,
 )
 from autoshard.plan.export import output_stem, write_outputs
-from autoshard.plan.fsdp_runtime import add_fsdp_copies, fsdp_version_of
+from autoshard.plan.fsdp_runtime import (
+    add_fsdp_copies,
+    fsdp_version_of,
+    unsharded_parameter_bytes,
+)
 from autoshard.plan.plan import Plan, accumulate, build_plan
 from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
@@ -486,7 +490,9 @@ def finish_plan(
     ``recompute``: real blocks that recompute per traced block's layer (none when absent,
     every one under ``--activation-checkpointing full``). A plan FSDP runs
     (:func:`~autoshard.plan.fsdp_runtime.fsdp_version_of`) in training adds the copies
-    that version makes around its collectives. With ``config.grad_accumulation`` > 1 the
+    that version makes around its collectives, and holds the parameters FSDP keeps
+    gathered at the peak (:func:`~autoshard.plan.fsdp_runtime.unsharded_parameter_bytes`).
+    With ``config.grad_accumulation`` > 1 the
     plan, built for one micro-batch, is the price of the step's micro-batches and its one
     optimizer step (:func:`~autoshard.plan.plan.accumulate`)."""
     plan = build_plan(sg, choice, config.mesh, name=name, recompute=recompute)
@@ -497,6 +503,8 @@ def finish_plan(
         add_fsdp_copies(plan, version, config.device.compute_time, dtype)
     mem = memory_by_kind(sg, choice, config.memory_model(), recompute)
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
+    if config.mode == "train" and version is not None:  # what FSDP holds gathered
+        plan.extra["memory"]["unsharded_parameters"] = unsharded_parameter_bytes(plan)
     accumulate(plan, config.grad_accumulation, lambda b: config.device.compute_time(0.0, b, dtype))
     plan.extra["saved_activations"] = mem.get("saved_activations")
     plan.extra["budget"] = config.budget()
