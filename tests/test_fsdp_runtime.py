@@ -415,13 +415,11 @@ def test_the_ilp_s_objective_is_the_accumulating_step_over_its_micro_batches(tmp
     pkl, _ = result.save(tmp_path / "out")
     shown = autoshard_cli("show", str(pkl))
     assert shown.returncode == 0 and "--grad-accumulation 2" in shown.stdout, shown.stderr
-    gradients = plan.extra["memory"]["gradients"]
-    assert plan.extra["accumulation_bytes"] == 3 * gradients > 0
     fp32 = 4 * sum(  # every gradient element the plan keeps on a device, fp32
         math.prod(local_shape(info.results[0].shape, plan.parameters[fqn], (4,)))
         for fqn, info in ((i.fqn, i) for i in result.graph.nodes.values() if i.kind == "param")
     )
-    assert gradients == fp32
+    assert fp32 > 0 and plan.extra["accumulation_bytes"] == 3 * fp32  # two reads, a write
 
 
 def test_the_unsharded_parameters_at_the_peak_are_what_fsdp2_holds(tmp_path, fake_group):

@@ -488,20 +488,19 @@ class _Builder:
         step = np.zeros(len(strategies))
         if info.kind == "param" and self.graph.mode == "train":
             t = info.results[0]
-            n = self.grad_accumulation
             step = np.array(
                 [
-                    (
-                        adamw_step_time(t, c, self.mesh_shape, self.compute_time, self.optimizer)
-                        + (n - 1)
-                        * gradient_add_time(
-                            t, c, self.mesh_shape, self.compute_time, self.grad_itemsize
-                        )
-                    )
-                    / n
+                    adamw_step_time(t, c, self.mesh_shape, self.compute_time, self.optimizer)
                     for c in cands
                 ]
             )
+            n = self.grad_accumulation
+            if n > 1:  # over n micro-batches: one step and n - 1 gradient adds
+                adds = [
+                    gradient_add_time(t, c, self.mesh_shape, self.compute_time, self.grad_itemsize)
+                    for c in cands
+                ]
+                step = (step + (n - 1) * np.array(adds)) / n
         self.nodes[name] = NodeStrategies(name, strategies, step, name, np.arange(len(strategies)))
 
     def output(self, name: str, info) -> None:
