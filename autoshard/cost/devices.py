@@ -19,8 +19,8 @@ MFU, and price matmuls, attention and memory-bound ops at the rates one such GPU
 under ``autoshard calibrate --mesh 1`` (``autoshard/cost/measured``): a datasheet's peak
 is not what a GPU achieves (docs/validation.md). ``a100-measured`` does the same with the
 rates published benchmarks of an A100 SXM4 80GB reached (its file's ``source`` names
-them: the best bfloat16 GEMM, FlashAttention-2's causal attention and the HBM copy; no
-GEMM size curve).
+them: the bfloat16 GEMM rate an A100 sustains at its power limit, FlashAttention-2's
+causal attention and the HBM copy; no GEMM size curve).
 
 Which peak stands for float32: matmul-heavy fp32 training runs its matmuls on the tensor cores
 as TF32 (PyTorch's ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision
