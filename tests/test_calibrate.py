@@ -421,3 +421,68 @@ def test_a_one_device_profile_prices_the_device_on_any_mesh(tmp_path: Path):
     out = autoshard_cli(*gpus, "--json", "-q", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["device"] == "calibrated"
+
+
+@pytest.fixture
+def one_gloo_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sustain", [0.0, 0.06])
+def test_a_sustained_sample_runs_its_calls_back_to_back_for_the_window(one_gloo_rank, sustain):
+    """``--sustain``: a GPU's clock falls once back-to-back matmuls reach its power limit,
+    which a 2 ms burst never sees (mamf-finder's MAMF against MSMF, docs/calibrate.md).
+    With a call of 0.5 ms (a busy wait, so the sample's length is the clock's), a burst
+    sample runs at most 2 ms / 0.5 ms = 4 calls; a 60 ms window at least 60 ms of them
+    (120 calls, or one more call's worth of the overhead), after one untimed window.
+    Counted calls: the three single calls that size ``reps`` and their one warm-up, then
+    (warm-up +) ``iters`` = 3 samples of ``reps`` calls."""
+    import time
+
+    import torch
+
+    from autoshard.calibrate.rank import _timed_per_call
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        deadline = time.perf_counter() + 5e-4
+        while time.perf_counter() < deadline:
+            pass
+
+    t = _timed_per_call(fn, lambda: None, 3, torch.device("cpu"), sustain)
+    samples = (1 if sustain else 0) + 3
+    reps, rest = divmod(len(calls) - 4, samples)
+    assert rest == 0
+    if sustain:
+        assert 0.9 * sustain <= reps * t and reps <= sustain / 5e-4
+    else:
+        assert 3 <= reps <= 4
+    assert t == pytest.approx(5e-4, rel=0.25)
+
+
+def test_calibrate_refuses_a_negative_sustain(tmp_path: Path):
+    out = autoshard_cli("calibrate", "--mesh", "1", "--sustain", "-1s", cwd=tmp_path)
+    assert out.returncode != 0
+    assert "--sustain" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_sustained_calibration_says_so_in_its_profile_and_its_report(tmp_path: Path):
+    """One CPU device, 20 ms windows: the profile records the window (``sustain_s``) and
+    the report says which rates it holds; a profile timed in bursts (the default) says
+    that it is a burst, faster than a step sustains."""
+    profile = tmp_path / "p.json"
+    args = ("calibrate", "--mesh", "1", "--iters", "2", "--out", str(profile))
+    out = autoshard_cli(*args, "--sustain", "20ms", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(profile.read_text())["compute"]["sustain_s"] == pytest.approx(0.02)
+    assert "timed over 20.0 ms of back-to-back calls" in out.stdout
+    out = autoshard_cli(*args, cwd=tmp_path)
+    assert json.loads(profile.read_text())["compute"]["sustain_s"] == 0
+    assert "the boost-clock burst, faster than a training step sustains" in out.stdout

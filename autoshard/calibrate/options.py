@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from autoshard.cost.mesh import MeshSpec
-from autoshard.units import BytesType
+from autoshard.units import BytesType, DurationType
 
 SIZE_OPTIONS = [
     click.option(
@@ -31,6 +31,17 @@ SIZE_OPTIONS = [
         default=5,
         show_default=True,
         help="Timed runs per size (the median counts; the slowest rank's).",
+    ),
+    click.option(
+        "--sustain",
+        type=DurationType(),
+        default=0.0,
+        show_default="0s",
+        help="Time each matmul and attention sample over this long of back-to-back calls, "
+        "after as long a warm-up, so the GPU reaches its power limit and its clock settles, "
+        "as in a training step (e.g. 2s: the sustained rate, mamf-finder's MSMF). 0 times "
+        "samples of about 2 ms: the boost-clock burst, faster than a step sustains. With "
+        "2s, use --iters 3 (about a minute per dtype).",
     ),
 ]
 

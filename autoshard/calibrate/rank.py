@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -65,28 +66,40 @@ def _timed(
     return statistics.median(times)
 
 
+BURST_WINDOW_S = 2e-3
+"""A timed sample's length (s) without ``--sustain``: long enough that the launch and
+synchronisation overhead does not count, short enough that the GPU keeps its boost clock."""
+
+
 def _timed_per_call(
     fn: Callable[[], object],
     sync: Callable[[], None],
     iters: int,
     device: torch.device,
-    window: float = 2e-3,
+    sustain: float = 0.0,
 ) -> float:
     """Seconds of one call of ``fn`` when calls run back to back, as a training step's
-    kernels do: each timed sample runs ``fn`` ``reps`` times between two synchronisations
-    (``reps`` makes a sample last about ``window`` seconds, at most 200 calls), so the
-    launch and synchronisation overhead of one sample, tens of microseconds on a GPU, is
-    not charged to a kernel of a few microseconds. ``reps`` comes from the slowest rank's
-    median of three single calls, so every rank runs the same number. The median sample
-    over ``iters``, divided by ``reps``, on this rank (the caller takes the slowest)."""
-    one = _slowest(_timed(fn, sync, 3, 1, dist.barrier), device)
-    reps = max(1, min(200, int(window / max(one, 1e-9))))
+    kernels do: each timed sample runs ``fn`` ``reps`` times between two synchronisations,
+    so the launch and synchronisation overhead of one sample, tens of microseconds on a
+    GPU, is not charged to a kernel of a few microseconds. ``reps`` makes a sample last
+    about :data:`BURST_WINDOW_S` (at most 200 calls: a burst, at the boost clock), or, with
+    ``sustain`` seconds, at least that long, after one such sample untimed: a GPU running
+    matmuls back to back reaches its power limit and lowers its clock, which a burst does
+    not see (``autoshard calibrate --sustain``; docs/calibrate.md). ``reps`` comes from the
+    slowest rank's median of three single calls, so every rank runs the same number. The
+    median sample over ``iters``, divided by ``reps``, on this rank (the caller takes the
+    slowest)."""
+    one = max(_slowest(_timed(fn, sync, 3, 1, dist.barrier), device), 1e-9)
+    if sustain > 0:
+        reps = max(1, math.ceil(sustain / one))
+    else:
+        reps = max(1, min(200, int(BURST_WINDOW_S / one)))
 
     def repeated() -> None:
         for _ in range(reps):
             fn()
 
-    return _timed(repeated, sync, iters, 0, dist.barrier) / reps
+    return _timed(repeated, sync, iters, 1 if sustain > 0 else 0, dist.barrier) / reps
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -170,6 +183,7 @@ def measure_matmuls(
     shapes: dict[str, list[tuple[int, int, int]]],
     iters: int,
     sync: Callable[[], None],
+    sustain: float = 0.0,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Each ``(m, n, k)`` matmul of ``shapes[dtype]``: ``{"dtype", "m", "n", "k", "seconds",
     "flops_per_s"}`` with ``flops_per_s = 2 m n k / seconds``; and the best rate per dtype."""
@@ -180,7 +194,7 @@ def measure_matmuls(
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         for name, dims in shapes.items():
-            _time_matmuls(device, name, dims, iters, sync, matmuls, peak)
+            _time_matmuls(device, name, dims, iters, sync, matmuls, peak, sustain)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return matmuls, peak
@@ -194,12 +208,13 @@ def _time_matmuls(
     sync: Callable[[], None],
     matmuls: list[dict[str, Any]],
     peak: dict[str, float],
+    sustain: float = 0.0,
 ) -> None:
     dtype = getattr(torch, name)
     for m, n, k in dims:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
-        t = _slowest(_timed_per_call(lambda a=a, b=b: a @ b, sync, iters, device), device)
+        t = _slowest(_timed_per_call(lambda a=a, b=b: a @ b, sync, iters, device, sustain), device)
         rate = 2.0 * m * n * k / t
         matmuls.append({"dtype": name, "m": m, "n": n, "k": k, "seconds": t, "flops_per_s": rate})
         peak[name] = max(peak.get(name, 0.0), rate)
@@ -212,6 +227,7 @@ def measure_attention(
     shapes: list[tuple[int, int, int, int]],
     iters: int,
     sync: Callable[[], None],
+    sustain: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Causal ``scaled_dot_product_attention`` (the kernel PyTorch picks: FlashAttention on
     recent GPUs) on ``(batch, heads, seq, head_dim)`` q, k, v: forward alone, and forward plus
@@ -243,8 +259,8 @@ def measure_attention(
         shape = (b, h, s, d)
         flops_f = sdpa_flop_count(shape, shape, shape)
         counts = (flops_f, flops_f + sdpa_backward_flop_count(shape, shape, shape, shape))
-        t_f = _slowest(_timed_per_call(forward, sync, iters, device), device)
-        t_fb = _slowest(_timed_per_call(forward_backward, sync, iters, device), device)
+        t_f = _slowest(_timed_per_call(forward, sync, iters, device, sustain), device)
+        t_fb = _slowest(_timed_per_call(forward_backward, sync, iters, device, sustain), device)
         out.append(
             {
                 "dtype": str(dtype).removeprefix("torch."),
@@ -273,16 +289,19 @@ def measure_compute(
     copy_bytes: int,
     iters: int,
     sync: Callable[[], None],
+    sustain: float = 0.0,
 ) -> dict[str, Any]:
     """Achieved matmul FLOP/s per dtype (the best over ``matmul_shapes``), every timed
     matmul and attention, and the memory bandwidth of a copy (``2 copy_bytes / t``: read
     plus write) and of an elementwise add of two bfloat16 tensors of ``copy_bytes`` each
-    (``3 copy_bytes / t``: two reads, one write)."""
-    matmuls, peak = measure_matmuls(device, matmul_shapes, iters, sync)
+    (``3 copy_bytes / t``: two reads, one write). ``sustain`` > 0 times the matmuls and
+    the attention in samples of at least that many seconds (:func:`_timed_per_call`), the
+    copies as bursts (memory-bound: far from the power limit); ``sustain_s`` records it."""
+    matmuls, peak = measure_matmuls(device, matmul_shapes, iters, sync, sustain)
     attention = [
         a
         for dtype in attention_dtypes
-        for a in measure_attention(device, dtype, attention_shapes, iters, sync)
+        for a in measure_attention(device, dtype, attention_shapes, iters, sync, sustain)
     ]
     x = torch.ones(copy_bytes // 4, device=device)
     y = torch.empty_like(x)
@@ -309,6 +328,7 @@ def measure_compute(
         "elementwise_bandwidth_Bps": 3.0 * copy_bytes / t_add,
         "copy_bytes": copy_bytes,
         "memory_bytes": int(memory),
+        "sustain_s": sustain,
     }
 
 
@@ -319,6 +339,7 @@ def run_rank(
     min_bytes: int,
     max_bytes: int,
     iters: int,
+    sustain: float = 0.0,
 ) -> None:
     """Measure on this rank; rank 0 fits and writes ``out``. Call under torchrun."""
     cuda = torch.cuda.is_available()
@@ -339,11 +360,18 @@ def run_rank(
         links = measure_links(mesh, (min_bytes, max_bytes), iters, device, sync)
         if cuda:
             compute = measure_compute(
-                device, GPU_MATMULS, GPU_ATTENTION, GPU_ATTENTION_DTYPES, 1 << 30, iters, sync
+                device,
+                GPU_MATMULS,
+                GPU_ATTENTION,
+                GPU_ATTENTION_DTYPES,
+                1 << 30,
+                iters,
+                sync,
+                sustain,
             )
         else:
             compute = measure_compute(
-                device, CPU_MATMULS, CPU_ATTENTION, (torch.float32,), 64 << 20, iters, sync
+                device, CPU_MATMULS, CPU_ATTENTION, (torch.float32,), 64 << 20, iters, sync, sustain
             )
         error = None
         if dist.get_rank() == 0:
@@ -385,7 +413,7 @@ def run_rank(
 @click.option("--mesh-dim-names", required=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @with_options(SIZE_OPTIONS)
-def rank_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters) -> None:
+def rank_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters, sustain) -> None:
     """One rank of a calibration; run it as torchrun ... -m autoshard.calibrate ...
     (`autoshard calibrate` does)."""
     if "RANK" not in os.environ:
@@ -395,9 +423,8 @@ def rank_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters) ->
         )
     shape = parse_mesh_shape(mesh_text)
     try:
-        run_rank(
-            shape, mesh_dim_names_of(mesh_text, mesh_dim_names), out, min_bytes, max_bytes, iters
-        )
+        names = mesh_dim_names_of(mesh_text, mesh_dim_names)
+        run_rank(shape, names, out, min_bytes, max_bytes, iters, sustain)
     except AutoshardError as exc:  # e.g. no bandwidth fitted: say it once, in one line
         if os.environ.get("RANK", "0") == "0":
             click.echo(f"error: {exc}", err=True)

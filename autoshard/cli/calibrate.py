@@ -35,7 +35,9 @@ from autoshard.units import format_bandwidth, format_bytes, format_seconds
 )
 @with_options(SIZE_OPTIONS)
 @click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TORCHRUN...]")
-def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters, torchrun_args):
+def calibrate_command(
+    mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iters, sustain, torchrun_args
+):
     """Measure the links of each mesh dim and the device's speed; write a profile that
     `solve --profile FILE` (and compare, stages) use instead of the default links and device.
 
@@ -48,6 +50,7 @@ def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iter
     \b
     Examples:
       autoshard calibrate --mesh 2x4
+      autoshard calibrate --mesh 1 --sustain 2s --iters 3   # rates a training step sustains
       autoshard solve examples/gpt2.py --mesh 2x4 --profile profiles/2x4.json
     """
     shape = parse_mesh_shape(mesh_text)
@@ -56,6 +59,8 @@ def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iter
         raise AutoshardError(
             f"--min-size {min_bytes} B and --max-size {max_bytes} B: give 0 < min <= max"
         )
+    if sustain < 0:
+        raise AutoshardError(f"--sustain {sustain}s: give 0 (bursts) or a duration such as 2s")
     path = out if out is not None else Path("profiles") / f"{'x'.join(map(str, shape))}.json"
     check_writable(path.parent)
     n_devices = 1
@@ -77,6 +82,8 @@ def calibrate_command(mesh_text, mesh_dim_names, out, min_bytes, max_bytes, iter
         f"{max_bytes}B",
         "--iters",
         str(iters),
+        "--sustain",
+        f"{sustain:.9f}s",
     ]
     env = rank_environment(os.environ, Path(__file__).resolve().parents[2], mmap=False)
     click.echo("running: " + shlex.join(argv), err=True)
@@ -140,7 +147,18 @@ def rate_lines(raw: dict) -> list[str]:
     def of_peak(rate: float, dtype: str) -> str:
         return f" ({rate / preset.peak(dtype):.0%} of {preset.name})" if preset else ""
 
-    lines = []
+    sustain = compute.get("sustain_s", 0.0)
+    if sustain > 0:
+        regime = (
+            f"matmuls and attention timed over {format_seconds(sustain)} of back-to-back "
+            "calls after as long a warm-up: the rates a training step sustains"
+        )
+    else:
+        regime = (
+            "matmuls and attention timed in samples of about 2 ms: the boost-clock burst, "
+            "faster than a training step sustains (--sustain 2s times that)"
+        )
+    lines = [regime]
     for m in compute.get("matmuls", []):
         rate = m["flops_per_s"]
         lines.append(
