@@ -197,3 +197,47 @@ def test_the_tiny_llama_is_what_the_counts_assume(sizes):
     per_block = [n for name, n in sizes.items() if name.startswith("model.layers.0.")]
     assert len(per_block) == 9
     assert torch.Size([1024, 256]).numel() == sizes["lm_head.weight"]
+
+
+SMALL_LLAMA_2D = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_model():
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=128))
+
+
+def example_inputs():
+    return (torch.randint(0, 1024, (8, 128)),)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="fsdp_tp on a 2-D mesh reshards a linear's flattened input and output over TP "
+    "with all-to-alls that torchtitan does not run (docs/validation.md, the 405B row's plan)",
+)
+def test_fsdp_tp_on_a_2d_mesh_runs_no_all_to_all(tmp_path):
+    """torchtitan's FSDP + TP (its Llama ``apply_tp``: ``PrepareModuleInput`` gathers a
+    block's sequence-sharded input to ``Replicate`` before its linears, ``RowwiseParallel``
+    reduce-scatters a row's output to the sequence shards) moves activations over TP with
+    all-gathers and reduce-scatters only. On a 4x4 mesh, batch split over the DP dim, the
+    plan has no all-to-all on the TP dim in any phase."""
+    path = write_model(tmp_path, SMALL_LLAMA_2D, "small_llama")
+    mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
+    config = SolveConfig(
+        path,
+        mesh,
+        precision="bf16-mixed",
+        mode="train",
+        activation_checkpointing="none",
+        share_reshardings=True,
+        device=get_device("h100"),
+    )
+    steps = plan_baseline(config, "fsdp_tp").plan.collective_steps
+    assert {k: n for k, n in steps.items() if k[1] == "all_to_all"} == {}
