@@ -318,7 +318,12 @@ def megatron_restriction(
     _pin_tp_params(r, sg, roles, dp, t, fsdp)
     if sequence_parallel:  # Megatron's backward already keeps these (the hand counts)
         _pin_tp_weight_gradients(r, sg, _tp_weights(sg, roles), t)
-    _pin_outside_ops(r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside)
+    # torchtitan's FSDP + TP (fsdp): a linear's flatten reads its input gathered, and
+    # DTensor's autograd keeps that copy for the backward; Megatron-SP gathers it again
+    linear_ends = _linear_layouts(sg, tp, roles, backward) if sequence_parallel and fsdp else {}
+    _pin_outside_ops(
+        r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside, linear_ends
+    )
     if not roles:
         r.notes.append(
             "no column/row matmul pairs found: tensor parallel degenerates to "
@@ -566,6 +571,43 @@ def _first_result(sg: StrategyGraph, rep: str) -> bool:
     return info is not None and bool(info.results) and info.results[0] is not None
 
 
+def _linear_layouts(
+    sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str]
+) -> dict[str, Callable[[Placement], bool]]:
+    """The forward layout ops that belong to a tensor-parallel linear layer on the TP dim,
+    as representatives -> the placement they take there: a column's flatten of its input
+    (``view`` of ``[B, S, H]`` to ``[B S, H]``) reads the input gathered, replicated, and a
+    row's reshape of its output back to ``[B, S, H]`` keeps the partial sums.
+
+    Megatron-SP gathers a linear's input before the linear and reduce-scatters its output
+    after it (Korthikanti et al. 2022, ``g`` and ``g-bar``; torchtitan's ``ColwiseParallel``
+    redistributes its input to ``Replicate`` before ``F.linear`` flattens it). Pinned to
+    the sequence shards as the ops outside the regions are, such a layout op cannot keep
+    them: with the batch split on a DP dim, a ``[B S]`` dim holds the tokens of a
+    sequence shard in pieces (a DTensor shard is one contiguous range), so the flatten
+    resharded to the hidden dim (an all-to-all), the column gathered that, and the row's
+    output was reduce-scattered onto the hidden dim and moved to the sequence by another
+    all-to-all: on the 405B published row, 2 all-to-alls per block input and output that
+    the system it prices does not run."""
+    fx = {n.name: n for n in sg.graph.graph_module.graph.nodes}
+    users = _fx_users(sg.graph)
+    pins: dict[str, Callable[[Placement], bool]] = {}
+    for m, role in roles.items():
+        if role == "column":  # back from the activation operand through layout ops
+            n = fx[sg.graph.nodes[m].arg_nodes[tp.weight[m][0]]]
+            while n.op == "call_function" and packet(n.target) in LAYOUT_OPS:
+                pins[sg.nodes[n.name].rep] = is_r
+                if len(n.all_input_nodes) != 1:
+                    break
+                n = n.all_input_nodes[0]
+        elif role == "row":  # forward from the output while its one reader is a layout op
+            after = users.get(m, [])
+            while len(after) == 1 and packet(after[0].target) in LAYOUT_OPS:
+                pins[sg.nodes[after[0].name].rep] = is_p
+                after = users.get(after[0].name, [])
+    return {rep: test for rep, test in pins.items() if rep not in backward}
+
+
 def _pin_outside_ops(
     r: Restriction,
     sg: StrategyGraph,
@@ -575,8 +617,11 @@ def _pin_outside_ops(
     t: int,
     sequence_parallel: bool,
     pin_outside: bool,
+    linear_ends: dict[str, Callable[[Placement], bool]] | None = None,
 ) -> None:
-    """Pin the forward ops outside the tensor-parallel regions on mesh dim ``t``; returns None."""
+    """Pin the forward ops outside the tensor-parallel regions on mesh dim ``t``: replicated
+    (megatron) or sequence-sharded (sequence parallel), the layout ops of a linear's ends
+    in ``linear_ends`` as it gives (:func:`_linear_layouts`); returns None."""
     # every other op: replicated on the TP dim (megatron) or sharded on it (sequence parallel)
     # Graph outputs count as outside ops (what the model returns is replicated, or sequence
     # sharded, on the TP dim) unless a tensor-parallel region feeds them: a vocab-parallel
@@ -596,7 +641,12 @@ def _pin_outside_ops(
             "they were left to the ILP"
         )
     unpinned = 0
+    linear_ends = linear_ends or {}
     for rep in outside:
+        if rep in linear_ends:
+            why = "sequence_parallel_linear_layouts"
+            if r.allow(sg, rep, all_on(sg, rep, t, linear_ends[rep]), why):
+                continue
         if sequence_parallel and r.allow(sg, rep, all_on(sg, rep, t, is_s), "sequence_parallel"):
             continue
         if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "replicated_on_tp"):
