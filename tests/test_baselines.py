@@ -422,7 +422,7 @@ def test_data_parallel_activations_follow_the_batch_shard(model_files, algo):
     assert whole == []
 
 
-def test_fsdp_tp_over_a_data_parallel_dim_of_one_device_is_megatron_sp_keeping_its_gathers(
+def test_fsdp_tp_over_a_data_parallel_dim_of_one_device_keeps_the_gathers_megatron_sp_redoes(
     tmp_path,
 ):
     """On ``--mesh 1x4`` the data-parallel dim holds every parameter whole (a shard over one

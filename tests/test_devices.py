@@ -230,7 +230,6 @@ def test_a100_measured_prices_what_published_a100_benchmarks_reached() -> None:
     achieved, datasheet = get_device("a100-measured"), get_device("a100")
     burst_shape = 2 * 1024 * 10240 * 5120
     assert achieved.compute_time(burst_shape, 0, "bfloat16") == pytest.approx(burst_shape / 257e12)
-    assert achieved.compute_time(burst_shape, 0, "bfloat16") > burst_shape / 271.2e12
     big = 2 * 8192**3
     assert achieved.compute_time(big, 0, "bfloat16") == pytest.approx(4.2783e-3, rel=1e-4)
     assert datasheet.compute_time(big, 0, "bfloat16") == pytest.approx(3.5240e-3, rel=1e-4)

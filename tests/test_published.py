@@ -498,8 +498,8 @@ BY_ID = {r.id: r for r in RUNS}
 # (the 64-A100 Llama-3 8B row came back within it, -18%, once overlapped compute was priced
 # 18.9% slower: Lee et al., arXiv 2507.03114)
 # (the Megatron 1.7B row left it, -22%, once the GPT rows' GELU ran as one kernel, as
-# Megatron-LM fuses it: the datasheet price is a roofline, and the row now sits at 1.09x of
-# it at the achieved rates)
+# Megatron-LM fuses it: the datasheet price is a roofline, and the row then sat at 1.09x of
+# it at the achieved rates, 1.06x since the A100's matmuls run at their sustained rate)
 # (the 64-A100 Llama-3 8B row left it again, -21%, once a ring over nodes paid the
 # network's latency only between nodes, NCCL's ring model; the 512-H100 MPT-7B row, +10%,
 # came in with it; it left again, -31%, once FSDP paid one collective's latency per block)

@@ -60,8 +60,8 @@ Families (mesh dims ``0..n-1``; the *TP dim* is the last one, the *DP dims* the 
     reduce-scattered on the DP dims into the parameter's shards. A linear's flatten of its
     input reads it gathered on the TP dim and the reshape of a row's output keeps the
     partial sums, as torchtitan's ``PrepareModuleInput`` and ``RowwiseParallel`` move them
-    (not resharded by all-to-alls: a ``[B S]`` dim cannot hold a sequence shard while the
-    batch is split on a DP dim); the backward reads the gathered copy, as DTensor's
+    (not resharded by all-to-alls: with more than one sequence on a device a ``[B S]`` dim
+    cannot hold a sequence shard whole); the backward reads the gathered copy, as DTensor's
     autograd keeps it (``megatron_sp`` gathers again, as Megatron-LM does).
 ``megatron_sp``
     ``megatron`` plus sequence parallelism (Korthikanti et al. 2022, "Reducing Activation

@@ -571,41 +571,70 @@ def _first_result(sg: StrategyGraph, rep: str) -> bool:
     return info is not None and bool(info.results) and info.results[0] is not None
 
 
+# the reshapes at a linear's ends: its flatten of a [B, S, H] input and its output's unflatten
+_RESHAPES = (aten.view, aten._unsafe_view, aten.reshape)
+_TRANSPOSES = (aten.t, aten.transpose, aten.permute)
+
+
 def _linear_layouts(
     sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str]
 ) -> dict[str, Callable[[Placement], bool]]:
-    """The forward layout ops that belong to a tensor-parallel linear layer on the TP dim,
-    as representatives -> the placement they take there: a column's flatten of its input
-    (``view`` of ``[B, S, H]`` to ``[B S, H]``) reads the input gathered, replicated, and a
-    row's reshape of its output back to ``[B, S, H]`` keeps the partial sums.
+    """The forward reshapes that belong to a tensor-parallel linear layer on the TP dim, as
+    representatives -> the placement they take there: a column's flatten of its input
+    (``view`` of ``[B, S, H]`` to ``[B S, H]``), read by column matmuls alone (q, k and v
+    share one under ``--share-reshardings``), reads the input gathered, replicated; a
+    row's reshape of its output back to ``[B, S, H]``, its one reader, keeps the partial
+    sums. A reshape two linears would pin apart is left out.
 
     Megatron-SP gathers a linear's input before the linear and reduce-scatters its output
-    after it (Korthikanti et al. 2022, ``g`` and ``g-bar``; torchtitan's ``ColwiseParallel``
-    redistributes its input to ``Replicate`` before ``F.linear`` flattens it). Pinned to
-    the sequence shards as the ops outside the regions are, such a layout op cannot keep
-    them: with the batch split on a DP dim, a ``[B S]`` dim holds the tokens of a
-    sequence shard in pieces (a DTensor shard is one contiguous range), so the flatten
-    resharded to the hidden dim (an all-to-all), the column gathered that, and the row's
-    output was reduce-scattered onto the hidden dim and moved to the sequence by another
-    all-to-all: on the 405B published row, 2 all-to-alls per block input and output that
-    the system it prices does not run."""
+    after it (Korthikanti et al. 2022, ``g`` and ``g-bar``; torchtitan's
+    ``PrepareModuleInput`` redistributes a block's input to ``Replicate`` before
+    ``F.linear`` flattens it on local tensors). Pinned to the sequence shards as the ops
+    outside the regions are, such a reshape cannot keep them: with more than one sequence
+    on a device, a ``[B S]`` dim holds a sequence shard's tokens in ``B`` pieces (a DTensor
+    shard is one contiguous range), so the flatten resharded to the hidden dim (an
+    all-to-all), the column gathered that, and the row's output was reduce-scattered onto
+    the hidden dim and moved to the sequence by another all-to-all: on the 405B published
+    row, 2 all-to-alls per block input and output that the system it prices does not
+    run (docs/validation.md)."""
     fx = {n.name: n for n in sg.graph.graph_module.graph.nodes}
     users = _fx_users(sg.graph)
+
+    def readers(n: torch.fx.Node) -> list[torch.fx.Node]:
+        """``n``'s forward readers (the backward may read what the forward holds)."""
+        meta = aten._assert_tensor_metadata
+        return [
+            u
+            for u in users.get(n.name, [])
+            if packet(u.target) is not meta
+            and not (u.name in sg.nodes and sg.nodes[u.name].rep in backward)
+        ]
+
     pins: dict[str, Callable[[Placement], bool]] = {}
+    clash: set[str] = set()
+
+    def pin(name: str, test: Callable[[Placement], bool]) -> None:
+        rep = sg.nodes[name].rep
+        if pins.get(rep, test) is not test:
+            clash.add(rep)
+        pins[rep] = test
+
     for m, role in roles.items():
-        if role == "column":  # back from the activation operand through layout ops
+        if role == "column":  # back from the activation operand: reshapes that feed columns
             n = fx[sg.graph.nodes[m].arg_nodes[tp.weight[m][0]]]
-            while n.op == "call_function" and packet(n.target) in LAYOUT_OPS:
-                pins[sg.nodes[n.name].rep] = is_r
-                if len(n.all_input_nodes) != 1:
-                    break
-                n = n.all_input_nodes[0]
-        elif role == "row":  # forward from the output while its one reader is a layout op
-            after = users.get(m, [])
-            while len(after) == 1 and packet(after[0].target) in LAYOUT_OPS:
-                pins[sg.nodes[after[0].name].rep] = is_p
-                after = users.get(after[0].name, [])
-    return {rep: test for rep, test in pins.items() if rep not in backward}
+            only = all(  # columns, and the transpose their weight gradients read
+                roles.get(u.name) == "column" or packet(u.target) in _TRANSPOSES for u in readers(n)
+            )
+            while packet(n.target) in _RESHAPES and only:
+                pin(n.name, is_r)
+                n, reader = n.all_input_nodes[0], n
+                only = [u.name for u in readers(n)] == [reader.name]
+        elif role == "row":  # forward from the output while its one reader is a reshape
+            after = readers(fx[m])
+            while len(after) == 1 and packet(after[0].target) in _RESHAPES:
+                pin(after[0].name, is_p)
+                after = readers(after[0])
+    return {rep: test for rep, test in pins.items() if rep not in backward and rep not in clash}
 
 
 def _pin_outside_ops(
@@ -647,6 +676,7 @@ def _pin_outside_ops(
             why = "sequence_parallel_linear_layouts"
             if r.allow(sg, rep, all_on(sg, rep, t, linear_ends[rep]), why):
                 continue
+            r.notes.append(f"{rep}: a linear's reshape with no strategy as its linear reads it")
         if sequence_parallel and r.allow(sg, rep, all_on(sg, rep, t, is_s), "sequence_parallel"):
             continue
         if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "replicated_on_tp"):
