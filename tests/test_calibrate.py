@@ -432,38 +432,31 @@ def one_gloo_rank():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sustain", [0.0, 0.06])
-def test_a_sustained_sample_runs_its_calls_back_to_back_for_the_window(one_gloo_rank, sustain):
+@pytest.mark.parametrize(("sustain", "reps"), [(0.0, 4), (0.06, 120)])
+def test_a_sustained_sample_runs_its_calls_back_to_back_for_the_window(
+    one_gloo_rank, monkeypatch, sustain, reps
+):
     """``--sustain``: a GPU's clock falls once back-to-back matmuls reach its power limit,
     which a 2 ms burst never sees (mamf-finder's MAMF against MSMF, docs/calibrate.md).
-    With a call of 0.5 ms (a busy wait, so the sample's length is the clock's), a burst
-    sample runs at most 2 ms / 0.5 ms = 4 calls; a 60 ms window at least 60 ms of them
-    (120 calls, or one more call's worth of the overhead), after one untimed window.
-    Counted calls: the three single calls that size ``reps`` and their one warm-up, then
-    (warm-up +) ``iters`` = 3 samples of ``reps`` calls."""
-    import time
-
+    With a call of 0.5 ms (on a clock the call itself advances, so this CPU's load does
+    not count), a burst sample runs 2 ms / 0.5 ms = 4 calls; a 60 ms window 120, after
+    one such window untimed. Counted calls: the three single calls that size ``reps``
+    and their one warm-up, then (warm-up +) ``iters`` = 3 samples of ``reps`` calls."""
     import torch
 
-    from autoshard.calibrate.rank import _timed_per_call
+    from autoshard.calibrate import rank
 
+    clock = [0.0]
+    monkeypatch.setattr(rank.time, "perf_counter", lambda: clock[0])
     calls = []
 
     def fn():
         calls.append(1)
-        deadline = time.perf_counter() + 5e-4
-        while time.perf_counter() < deadline:
-            pass
+        clock[0] += 5e-4
 
-    t = _timed_per_call(fn, lambda: None, 3, torch.device("cpu"), sustain)
-    samples = (1 if sustain else 0) + 3
-    reps, rest = divmod(len(calls) - 4, samples)
-    assert rest == 0
-    if sustain:
-        assert 0.9 * sustain <= reps * t and reps <= sustain / 5e-4
-    else:  # as many calls as fit in 2 ms (fewer when this CPU is busy), at least one
-        assert 1 <= reps <= 4
-    assert t == pytest.approx(5e-4, rel=0.5)
+    t = rank._timed_per_call(fn, lambda: None, 3, torch.device("cpu"), sustain)
+    assert len(calls) == 4 + ((1 if sustain else 0) + 3) * reps
+    assert t == pytest.approx(5e-4, rel=1e-9)
 
 
 def test_calibrate_refuses_a_negative_sustain(tmp_path: Path):

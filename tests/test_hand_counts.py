@@ -42,20 +42,23 @@ from autoshard.cost.mesh import MeshSpec
 from autoshard.model.model_file import instantiate, load_model_file
 from autoshard.solver.solve import SolveConfig, plan_baseline
 
-TINY_LLAMA = """
+# a 2-layer Llama of batch 8, one key/value head per query head
+LLAMA = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def build_model():
     return LlamaForCausalLM(LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=64))
+        hidden_size={hidden}, intermediate_size={ffn}, num_hidden_layers=2,
+        num_attention_heads={heads}, num_key_value_heads={heads}, vocab_size=1024,
+        max_position_embeddings={seq}))
 
 
 def example_inputs():
-    return (torch.randint(0, 1024, (8, 64)),)
+    return (torch.randint(0, 1024, (8, {seq})),)
 """
+TINY_LLAMA = LLAMA.format(hidden=256, ffn=512, heads=4, seq=64)
 N, BW = 4, 450e9
 LOSS_ALL_REDUCE = 2 * (N - 1) / N * 4 / BW  # the 0-d float32 loss
 
@@ -199,20 +202,7 @@ def test_the_tiny_llama_is_what_the_counts_assume(sizes):
     assert torch.Size([1024, 256]).numel() == sizes["lm_head.weight"]
 
 
-SMALL_LLAMA_2D = """
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-
-def build_model():
-    return LlamaForCausalLM(LlamaConfig(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=128))
-
-
-def example_inputs():
-    return (torch.randint(0, 1024, (8, 128)),)
-"""
+SMALL_LLAMA_2D = LLAMA.format(hidden=512, ffn=1024, heads=8, seq=128)
 
 
 def _small_llama_fsdp_tp(tmp_path):

@@ -41,7 +41,7 @@ SIZE_OPTIONS = [
         "after as long a warm-up, so the GPU reaches its power limit and its clock settles, "
         "as in a training step (e.g. 2s: the sustained rate, mamf-finder's MSMF). 0 times "
         "samples of about 2 ms: the boost-clock burst, faster than a step sustains. With "
-        "2s, use --iters 3 (about 6 minutes on a GPU).",
+        "2s, use --iters 3 (some 6 minutes on a GPU, counted from its windows).",
     ),
 ]
 
