@@ -381,7 +381,8 @@ def test_torchtitan_s_hbm2e_h100_copies_at_2_4_over_3_35_of_the_measured_h100(tm
     peak memory bandwidth") priced from the measured H100 SXM (3.35 TB/s, NVIDIA's
     datasheet): a memory-bound op takes 3.35 / 2.4 of its time there, a large matmul and
     an attention the same time; the files tests/test_published.py prices the rows with
-    are what the script writes."""
+    (from the FlashAttention-2 profile for the 8B rows, from the measured profile itself
+    for the 405B row) are what the script writes."""
     from helpers import ROOT
 
     from autoshard.calibrate import load_profile
@@ -399,6 +400,15 @@ def test_torchtitan_s_hbm2e_h100_copies_at_2_4_over_3_35_of_the_measured_h100(tm
     assert _attention_s(part, 8192) == _attention_s(h100, 8192)
     assert part.memory_bytes == 96 * 10**9
     kept = json.loads((ROOT / "tests/data/h100b/profile_fa2_hbm2e.json").read_text())
+    assert kept == json.loads(out.read_text())
+    # the 405B row's: the measured H100's own profile (its measured attention) on the part
+    args = ("tests/data/h100b/profile.json", *args[1:])
+    out, own = _script_profile(tmp_path, "memory_part_profile.py", *args)
+    measured = load_profile(ROOT / "tests/data/h100b/profile.json").device_spec()
+    assert own.compute_time(0, moved, "bfloat16", kind="other") == pytest.approx(slow)
+    assert own.compute_time(big, 0, "bfloat16") == measured.compute_time(big, 0, "bfloat16")
+    assert _attention_s(own, 8192) == _attention_s(measured, 8192) < _attention_s(part, 8192)
+    kept = json.loads((ROOT / "tests/data/h100b/profile_hbm2e.json").read_text())
     assert kept == json.loads(out.read_text())
     out, sheet = _script_profile(
         tmp_path,

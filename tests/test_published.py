@@ -120,6 +120,10 @@ otherwise), ``--device a100-measured --gpu a100 --kernel fa1`` the A100 one
 (a100-measured's rates otherwise)."""
 
 HBM2E = "torchtitan's Grand Teton H100: 96GB HBM2e, 2.4 TB/s, 500 W (d4c86e3)"
+HBM2E_405B = (
+    "its footnote 1: HBM2e based lower TDP SXM H100 (95GB), the part of Tables 1 and 3: "
+    "priced at 2.4 TB/s, 96 GB (d4c86e3)"
+)
 FA2_H100_HBM2E = "tests/data/h100b/profile_fa2_hbm2e.json"
 """:data:`FA2_H100` on the H100 torchtitan's Tables 1 and 3 ran on: "96GB HBM2e with 2.4
 TB/sec peak memory bandwidth", "the default 500W power limit" (``docs/performance.md`` at
@@ -128,6 +132,13 @@ TB/sec peak memory bandwidth", "the default 500W power limit" (``docs/performanc
 3.35TB/s --peak 2.4TB/s --memory 96GB --out`` this file): its copy and elementwise
 bandwidths times 2.4 / 3.35, its matmul and attention rates the 700 W part's (the source:
 the part's peak FLOP/s lies "between SXM and NVL", value unknown)."""
+H100_HBM2E = "tests/data/h100b/profile_hbm2e.json"
+"""The measured H100's own profile (``h100-measured``'s rates, its measured attention) on
+that part, written the same way from ``tests/data/h100b/profile.json``: the 405B row's
+GPU. Its source names the part in its footnote 1 (``docs/performance.md`` at
+``3faaa1a``): "HBM2e based lower TDP SXM H100(95GB)", whose peak FLOP/s is "between SXM
+and NVL", the words of Tables 1 and 3's footnote; it names no torch version, so its
+attention stays the measured H100's."""
 DATASHEET_HBM2E = "tests/data/h100b/datasheet_hbm2e.json"
 """``--device h100``'s datasheet with that part's 2.4 TB/s and 96 GB (``python
 scripts/memory_part_profile.py --device h100 --peak 2.4TB/s --memory 96GB --out`` this
@@ -338,6 +349,9 @@ RUNS = [
         109,
         tokens=2 * 8192 / 8,  # a TP group of 8 shares its 2 x 8192 tokens; WPS is per GPU
         options=H100_LINKS,
+        achieved_profile=H100_HBM2E,
+        datasheet_profile=DATASHEET_HBM2E,
+        notes=HBM2E_405B,
         bucket_bytes=796_925_952,
         optimizer="adamw-foreach",
     ),
@@ -528,7 +542,8 @@ WITHIN = frozenset(
 # under), MPT-13B on 8 H100 (1.31x -> 1.15x), MPT-7B on 512 H100 (1.28x -> 1.23x); the
 # 405B row left it (1.13x -> 1.36x) once its plan was priced as torchtitan runs it: each
 # block's input gathered once for its q, k and v (--share-reshardings) and a linear's
-# flatten reading its input gathered, not resharded by an all-to-all (docs/validation.md)
+# flatten reading its input gathered, not resharded by an all-to-all (docs/validation.md);
+# 1.30x on the HBM2e H100 its source's footnote names (2026-12-07, fifth sitting)
 WITHIN_MEASURED = frozenset(
     {
         "torchtitan-llama3.1-8b-128xh100",
