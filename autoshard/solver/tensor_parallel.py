@@ -324,6 +324,10 @@ def megatron_restriction(
     _pin_outside_ops(
         r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside, linear_ends
     )
+    if sequence_parallel and fsdp:
+        for rep in sorted(_row_gradient_reads(sg, tp, roles, backward)):
+            if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "sequence_parallel_linear_layouts"):
+                r.notes.append(f"{rep}: a row's gradient reshape with no replicated strategy")
     if not roles:
         r.notes.append(
             "no column/row matmul pairs found: tensor parallel degenerates to "
@@ -635,6 +639,64 @@ def _linear_layouts(
                 pin(after[0].name, is_p)
                 after = readers(after[0])
     return {rep: test for rep, test in pins.items() if rep not in backward and rep not in clash}
+
+
+def _chained_param(graph: TracedGraph, n: torch.fx.Node) -> str | None:
+    """The parameter ``n`` is, reached through single-input weight-chain ops, or None."""
+    while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
+        if len(n.all_input_nodes) != 1:
+            return None
+        n = n.all_input_nodes[0]
+    info = graph.nodes.get(n.name)
+    return n.name if n.op == "placeholder" and info is not None and info.kind == "param" else None
+
+
+def _row_gradient_reads(
+    sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str]
+) -> set[str]:
+    """The backward reshapes through which a row linear's input-gradient matmul reads its
+    output's gradient (``view`` of ``[B, S, H]`` to ``[B S, H]``, read by that matmul and
+    the weight gradient's alone), as representatives: each reads the gradient gathered,
+    replicated on the TP dim.
+
+    The row's backward is a column's forward: its output's gradient arrives on the
+    sequence shards and is all-gathered once for the input gradient and the weight
+    gradient both (Korthikanti et al. 2022, the backward of ``g-bar``; torchtitan's
+    ``RowwiseParallel`` with ``output_layouts=Shard(1)``, whose backward redistributes the
+    gradient from ``Shard(1)`` to ``Replicate``). Left to propagation, the flatten of a
+    ``[B, S/n, H]`` shard (more than one sequence a device) resharded the gradient to the
+    hidden dim by an all-to-all and the matmuls gathered that: 2 all-to-alls per block
+    that torchtitan does not run (tests/test_hand_counts.py)."""
+    graph = sg.graph
+    fx = {n.name: n for n in graph.graph_module.graph.nodes}
+    users = _fx_users(graph)
+    row_weights = {
+        _chained_param(graph, fx[graph.nodes[m].arg_nodes[tp.weight[m][1]]])
+        for m, role in roles.items()
+        if role == "row"
+    } - {None}
+    meta = aten._assert_tensor_metadata
+
+    def matmul_reads_only(n: torch.fx.Node) -> bool:
+        readers = [u for u in users.get(n.name, []) if packet(u.target) is not meta]
+        return bool(readers) and all(
+            u.target in _PARAM_MATMULS or packet(u.target) in _TRANSPOSES for u in readers
+        )
+
+    reads: set[str] = set()
+    for n in graph.graph_module.graph.nodes:
+        if n.target not in _PARAM_MATMULS or n.name not in sg.nodes:
+            continue
+        if sg.nodes[n.name].rep not in backward or len(n.all_input_nodes) != 2:
+            continue
+        a, b = n.all_input_nodes
+        for w, g in ((a, b), (b, a)):
+            if _chained_param(graph, w) not in row_weights:
+                continue
+            while packet(g.target) in _RESHAPES and matmul_reads_only(g):
+                reads.add(sg.nodes[g.name].rep)
+                g = g.all_input_nodes[0]
+    return reads
 
 
 def _pin_outside_ops(
