@@ -255,7 +255,9 @@ def _all_to_all_uses(plan, phase: str) -> set[tuple[str | None, str | None]]:
             continue
         steps = comm_model(plan.mesh).redistribute_steps(p, q, t.shape, 2, 0.0)
         if any(s.kind == "all_to_all" for s in steps):
-            uses.add((nodes[consumer].module_path, nodes[producer].module_path))
+            uses.add(
+                tuple(getattr(nodes.get(n), "module_path", None) for n in (consumer, producer))
+            )
     return uses
 
 
