@@ -266,17 +266,56 @@ def test_fsdp_tp_on_a_2d_mesh_gathers_a_row_s_output_gradient_without_an_all_to_
     """torchtitan's FSDP + TP on a 4x4 mesh, backward pass: a row linear's output
     gradient, on the sequence shards, is all-gathered once for its input gradient and its
     weight gradient (``RowwiseParallel``'s ``Shard(1)`` output: its backward redistributes
-    to ``Replicate``), so no op of a block (its linears, attention, MLP and norms) reads or
-    makes a tensor moved by an all-to-all. Before the row's gradient flatten read the
+    to ``Replicate``), so no op of a block's modules (its linears, attention, MLP and
+    norms) reads or makes a tensor moved by an all-to-all, and the backward's all-to-alls
+    over TP are the 10 outside the blocks. Before the row's gradient flatten read the
     gradient gathered (``solver/tensor_parallel.py``, ``_row_gradient_reads``), it
-    resharded a ``[2, S/4, H]`` shard to the hidden dim for ``o_proj`` and ``down_proj`` in
-    each layer: 3 all-to-alls of the 13 in this backward (252 of 258 on the 405B published
-    row). Those left are the LM head's, the final norm's and the embedding's, none of them
-    tensor-parallel here (docs/validation.md)."""
-    uses = _all_to_all_uses(_small_llama_fsdp_tp(tmp_path), "backward")
-    modules = {m for use in uses for m in use}
-    assert {"lm_head", "model.norm", "model.embed_tokens"} <= modules
-    assert not {m for m in modules if m and m.startswith("model.layers.")}, uses
+    resharded a ``[2, S/4, H]`` shard to the hidden dim for layer 0's ``o_proj`` and
+    ``down_proj`` and layer 1's ``o_proj``: 3 of the 13 all-to-alls over TP in this
+    backward (252 of 258 on the 405B published row)."""
+    plan = _small_llama_fsdp_tp(tmp_path)
+    uses = _all_to_all_uses(plan, "backward")
+    assert not {m for use in uses for m in use if m and m.startswith("model.layers.")}, uses
+    assert plan.collective_steps[("backward", "all_to_all", 1)] == 10
+
+
+GPT2_TINY_2D = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    return GPT2LMHeadModel(
+        GPT2Config(n_embd=256, n_layer=2, n_head=8, vocab_size=1024, n_positions=128)
+    )
+
+
+def example_inputs():
+    return (torch.randint(0, 1024, (8, 128)),)
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_tp_gathers_a_biased_row_s_output_gradient_for_its_bias_too(tmp_path):
+    """The same on GPT-2, whose rows (``c_proj``, HuggingFace's ``Conv1D``: ``addmm``) have
+    a bias: the output gradient's flatten is read by the input- and weight-gradient
+    matmuls and by the bias gradient's ``sum``, all of them from the one gathered copy.
+    Before the bias's reader was accepted, ``attn.c_proj`` and ``mlp.c_proj`` moved their
+    gradient by all-to-alls (3 on this 4x4 mesh, two sequences a device)."""
+    path = write_model(tmp_path, GPT2_TINY_2D, "gpt2_tiny")
+    mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
+    config = SolveConfig(
+        path,
+        mesh,
+        precision="bf16-mixed",
+        mode="train",
+        activation_checkpointing="none",
+        share_reshardings=True,
+        device=get_device("h100"),
+    )
+    uses = _all_to_all_uses(plan_baseline(config, "fsdp_tp").plan, "backward")
+    inside = {m for use in uses for m in use if m and (".attn" in m or ".mlp" in m)}
+    assert not inside, uses
 
 
 @pytest.mark.slow

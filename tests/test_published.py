@@ -121,8 +121,8 @@ otherwise), ``--device a100-measured --gpu a100 --kernel fa1`` the A100 one
 
 HBM2E = "torchtitan's Grand Teton H100: 96GB HBM2e, 2.4 TB/s, 500 W (d4c86e3)"
 HBM2E_405B = (
-    "its footnote 1: HBM2e based lower TDP SXM H100 (95GB), the part of Tables 1 and 3: "
-    "priced at 2.4 TB/s, 96 GB (d4c86e3)"
+    "its footnote 1 (3faaa1a): HBM2e based lower TDP SXM H100(95GB), the part of Tables 1 "
+    "and 3: priced at their 2.4 TB/s and 96 GB (d4c86e3)"
 )
 FA2_H100_HBM2E = "tests/data/h100b/profile_fa2_hbm2e.json"
 """:data:`FA2_H100` on the H100 torchtitan's Tables 1 and 3 ran on: "96GB HBM2e with 2.4

@@ -116,14 +116,14 @@ def _leaf_test(sg: StrategyGraph) -> Callable[[torch.fx.Node], bool]:
     return is_leaf
 
 
-def _param_chain(graph: TracedGraph, n: torch.fx.Node) -> bool:
-    """Whether ``n`` is a parameter, reached through single-input weight-chain ops only."""
+def _chained_param(graph: TracedGraph, n: torch.fx.Node) -> str | None:
+    """The parameter ``n`` is, reached through single-input weight-chain ops only, or None."""
     while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
         if len(n.all_input_nodes) != 1:
-            return False
+            return None
         n = n.all_input_nodes[0]
     info = graph.nodes.get(n.name)
-    return n.op == "placeholder" and info is not None and info.kind == "param"
+    return n.name if n.op == "placeholder" and info is not None and info.kind == "param" else None
 
 
 def _param_matmuls(
@@ -141,7 +141,7 @@ def _param_matmuls(
         args = [fx_nodes[a] for a in graph.nodes[n.name].arg_nodes]
         if len(args) <= b_idx:
             continue
-        pa, pb = _param_chain(graph, args[a_idx]), _param_chain(graph, args[b_idx])
+        pa, pb = (_chained_param(graph, args[i]) is not None for i in (a_idx, b_idx))
         if pa != pb:
             weight[n.name] = (a_idx, b_idx, True) if pb else (b_idx, a_idx, False)
     return weight
@@ -326,8 +326,11 @@ def megatron_restriction(
     )
     if sequence_parallel and fsdp:
         for rep in sorted(_row_gradient_reads(sg, tp, roles, backward)):
-            if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "sequence_parallel_linear_layouts"):
-                r.notes.append(f"{rep}: a row's gradient reshape with no replicated strategy")
+            if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "row_gradient_reads"):
+                r.notes.append(
+                    f"{rep}: a row's output-gradient reshape left with no replicated strategy "
+                    "by the pins before it"
+                )
     if not roles:
         r.notes.append(
             "no column/row matmul pairs found: tensor parallel degenerates to "
@@ -641,23 +644,14 @@ def _linear_layouts(
     return {rep: test for rep, test in pins.items() if rep not in backward and rep not in clash}
 
 
-def _chained_param(graph: TracedGraph, n: torch.fx.Node) -> str | None:
-    """The parameter ``n`` is, reached through single-input weight-chain ops, or None."""
-    while n.op == "call_function" and packet(n.target) in WEIGHT_CHAIN_OPS:
-        if len(n.all_input_nodes) != 1:
-            return None
-        n = n.all_input_nodes[0]
-    info = graph.nodes.get(n.name)
-    return n.name if n.op == "placeholder" and info is not None and info.kind == "param" else None
-
-
 def _row_gradient_reads(
     sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str]
 ) -> set[str]:
     """The backward reshapes through which a row linear's input-gradient matmul reads its
-    output's gradient (``view`` of ``[B, S, H]`` to ``[B S, H]``, read by that matmul and
-    the weight gradient's alone), as representatives: each reads the gradient gathered,
-    replicated on the TP dim.
+    output's gradient (``view`` of ``[B, S, H]`` to ``[B S, H]``, and any reshape before it
+    that only it reads), as representatives: each reads the gradient gathered, replicated
+    on the TP dim. The flatten is pinned when only that matmul, the weight gradient's
+    (through a transpose) and a bias gradient's ``sum`` read it.
 
     The row's backward is a column's forward: its output's gradient arrives on the
     sequence shards and is all-gathered once for the input gradient and the weight
@@ -665,8 +659,10 @@ def _row_gradient_reads(
     ``RowwiseParallel`` with ``output_layouts=Shard(1)``, whose backward redistributes the
     gradient from ``Shard(1)`` to ``Replicate``). Left to propagation, the flatten of a
     ``[B, S/n, H]`` shard (more than one sequence a device) resharded the gradient to the
-    hidden dim by an all-to-all and the matmuls gathered that: 2 all-to-alls per block
-    that torchtitan does not run (tests/test_hand_counts.py)."""
+    hidden dim by an all-to-all and the matmuls gathered that: up to 2 all-to-alls per
+    block that torchtitan does not run (tests/test_hand_counts.py). A representative is
+    pinned when one of the layers it stands for qualifies (tied layers have the same ops
+    and shapes); an inference graph (no backward) has none."""
     graph = sg.graph
     fx = {n.name: n for n in graph.graph_module.graph.nodes}
     users = _fx_users(graph)
@@ -677,10 +673,14 @@ def _row_gradient_reads(
     } - {None}
     meta = aten._assert_tensor_metadata
 
-    def matmul_reads_only(n: torch.fx.Node) -> bool:
-        readers = [u for u in users.get(n.name, []) if packet(u.target) is not meta]
-        return bool(readers) and all(
-            u.target in _PARAM_MATMULS or packet(u.target) in _TRANSPOSES for u in readers
+    def readers(n: torch.fx.Node) -> list[torch.fx.Node]:
+        return [u for u in users.get(n.name, []) if packet(u.target) is not meta]
+
+    def backward_reshape(n: torch.fx.Node) -> bool:
+        return (
+            packet(n.target) in _RESHAPES
+            and n.name in sg.nodes
+            and sg.nodes[n.name].rep in backward
         )
 
     reads: set[str] = set()
@@ -691,11 +691,16 @@ def _row_gradient_reads(
             continue
         a, b = n.all_input_nodes
         for w, g in ((a, b), (b, a)):
-            if _chained_param(graph, w) not in row_weights:
+            if _chained_param(graph, w) not in row_weights or _chained_param(graph, g):
                 continue
-            while packet(g.target) in _RESHAPES and matmul_reads_only(g):
+            only = all(  # the two matmuls, a transpose for the weight's, a bias's sum
+                u.target in _PARAM_MATMULS or packet(u.target) in (*_TRANSPOSES, aten.sum)
+                for u in readers(g)
+            )
+            while only and backward_reshape(g):
                 reads.add(sg.nodes[g.name].rep)
-                g = g.all_input_nodes[0]
+                g, reader = g.all_input_nodes[0], g
+                only = [u.name for u in readers(g)] == [reader.name]
     return reads
 
 
