@@ -279,6 +279,32 @@ def test_fsdp_tp_on_a_2d_mesh_gathers_a_row_s_output_gradient_without_an_all_to_
     assert plan.collective_steps[("backward", "all_to_all", 1)] == 10
 
 
+@pytest.mark.slow
+def test_megatron_sp_gathers_a_row_s_output_gradient_once_on_a_2d_mesh(tmp_path):
+    """Megatron-LM's sequence-parallel row (``RowParallelLinear``: its forward
+    reduce-scatters to the sequence shards, ``g-bar``; its backward all-gathers the
+    output gradient once, for the input gradient and the weight gradient both,
+    Korthikanti et al. 2022) on a 4x4 mesh, two sequences a device: no all-to-all reads
+    or makes a row's (``o_proj``, ``down_proj``) tensors in the backward. Before
+    ``_row_gradient_reads`` pinned ``megatron_sp`` too, layer 0's ``o_proj`` and
+    ``down_proj`` and layer 1's ``o_proj`` resharded it by all-to-alls, as ``fsdp_tp``'s
+    did. (Its forward flatten still reshards, a known mispricing: docs/validation.md.)"""
+    path = write_model(tmp_path, SMALL_LLAMA_2D, "small_llama")
+    mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
+    config = SolveConfig(
+        path,
+        mesh,
+        precision="bf16-mixed",
+        mode="train",
+        activation_checkpointing="none",
+        share_reshardings=True,
+        device=get_device("h100"),
+    )
+    uses = _all_to_all_uses(plan_baseline(config, "megatron_sp").plan, "backward")
+    rows = {u for u in uses for m in u if m and m.endswith(("o_proj", "down_proj"))}
+    assert not rows, rows
+
+
 GPT2_TINY_2D = """
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel

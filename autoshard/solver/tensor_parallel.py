@@ -324,7 +324,7 @@ def megatron_restriction(
     _pin_outside_ops(
         r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside, linear_ends
     )
-    if sequence_parallel and fsdp:
+    if sequence_parallel:  # Megatron-LM's g-bar and torchtitan's RowwiseParallel alike
         for rep in sorted(_row_gradient_reads(sg, tp, roles, backward)):
             if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "row_gradient_reads"):
                 r.notes.append(
@@ -660,7 +660,8 @@ def _row_gradient_reads(
     gradient from ``Shard(1)`` to ``Replicate``). Left to propagation, the flatten of a
     ``[B, S/n, H]`` shard (more than one sequence a device) resharded the gradient to the
     hidden dim by an all-to-all and the matmuls gathered that: up to 2 all-to-alls per
-    block that torchtitan does not run (tests/test_hand_counts.py). A representative is
+    block that neither torchtitan nor Megatron-LM runs (``fsdp_tp`` and ``megatron_sp``
+    both pin it: tests/test_hand_counts.py). A representative is
     pinned when one of the layers it stands for qualifies (tied layers have the same ops
     and shapes); an inference graph (no backward) has none."""
     graph = sg.graph
