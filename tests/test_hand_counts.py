@@ -300,9 +300,11 @@ def test_megatron_sp_gathers_a_row_s_output_gradient_once_on_a_2d_mesh(tmp_path)
         share_reshardings=True,
         device=get_device("h100"),
     )
-    uses = _all_to_all_uses(plan_baseline(config, "megatron_sp").plan, "backward")
+    plan = plan_baseline(config, "megatron_sp").plan
+    uses = _all_to_all_uses(plan, "backward")
     rows = {u for u in uses for m in u if m and m.endswith(("o_proj", "down_proj"))}
     assert not rows, rows
+    assert plan.collective_steps[("backward", "all_to_all", 1)] == 16  # 19 before
 
 
 GPT2_TINY_2D = """
