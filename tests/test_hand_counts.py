@@ -205,9 +205,10 @@ def test_the_tiny_llama_is_what_the_counts_assume(sizes):
 SMALL_LLAMA_2D = LLAMA.format(hidden=512, ffn=1024, heads=8, seq=128)
 
 
-def _small_llama_fsdp_tp(tmp_path):
-    """torchtitan's FSDP + TP of a 2-layer Llama on a 4x4 mesh, two sequences a device."""
-    path = write_model(tmp_path, SMALL_LLAMA_2D, "small_llama")
+def _plan_4x4(tmp_path, source: str, algo: str):
+    """Hand plan ``algo`` of the model ``source`` on a 4x4 mesh (bf16-mixed, one gather
+    per tensor and placement, link latency zero)."""
+    path = write_model(tmp_path, source, "model_4x4")
     mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
     config = SolveConfig(
         path,
@@ -218,7 +219,12 @@ def _small_llama_fsdp_tp(tmp_path):
         share_reshardings=True,
         device=get_device("h100"),
     )
-    return plan_baseline(config, "fsdp_tp").plan
+    return plan_baseline(config, algo).plan
+
+
+def _small_llama_fsdp_tp(tmp_path):
+    """torchtitan's FSDP + TP of a 2-layer Llama on a 4x4 mesh, two sequences a device."""
+    return _plan_4x4(tmp_path, SMALL_LLAMA_2D, "fsdp_tp")
 
 
 @pytest.mark.slow
@@ -289,18 +295,7 @@ def test_megatron_sp_gathers_a_row_s_output_gradient_once_on_a_2d_mesh(tmp_path)
     ``_row_gradient_reads`` pinned ``megatron_sp`` too, layer 0's ``o_proj`` and
     ``down_proj`` and layer 1's ``o_proj`` resharded it by all-to-alls, as ``fsdp_tp``'s
     did. (Its forward flatten still reshards, a known mispricing: docs/validation.md.)"""
-    path = write_model(tmp_path, SMALL_LLAMA_2D, "small_llama")
-    mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
-    config = SolveConfig(
-        path,
-        mesh,
-        precision="bf16-mixed",
-        mode="train",
-        activation_checkpointing="none",
-        share_reshardings=True,
-        device=get_device("h100"),
-    )
-    plan = plan_baseline(config, "megatron_sp").plan
+    plan = _plan_4x4(tmp_path, SMALL_LLAMA_2D, "megatron_sp")
     uses = _all_to_all_uses(plan, "backward")
     rows = {u for u in uses for m in u if m and m.endswith(("o_proj", "down_proj"))}
     assert not rows, rows
@@ -330,18 +325,7 @@ def test_fsdp_tp_gathers_a_biased_row_s_output_gradient_for_its_bias_too(tmp_pat
     matmuls and by the bias gradient's ``sum``, all of them from the one gathered copy.
     Before the bias's reader was accepted, ``attn.c_proj`` and ``mlp.c_proj`` moved their
     gradient by all-to-alls (3 on this 4x4 mesh, two sequences a device)."""
-    path = write_model(tmp_path, GPT2_TINY_2D, "gpt2_tiny")
-    mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
-    config = SolveConfig(
-        path,
-        mesh,
-        precision="bf16-mixed",
-        mode="train",
-        activation_checkpointing="none",
-        share_reshardings=True,
-        device=get_device("h100"),
-    )
-    uses = _all_to_all_uses(plan_baseline(config, "fsdp_tp").plan, "backward")
+    uses = _all_to_all_uses(_plan_4x4(tmp_path, GPT2_TINY_2D, "fsdp_tp"), "backward")
     inside = {m for use in uses for m in use if m and (".attn" in m or ".mlp" in m)}
     assert not inside, uses
 
