@@ -146,7 +146,12 @@ def test_a_calibrated_gpu_predicts_the_measured_llama_step(tmp_path: Path, gpu: 
     - the whole step within 20%: the measured optimizer phase also casts each bf16 gradient
       to its fp32 master and copies the masters back (12 bytes per parameter more than the
       30 autoshard prices, which an FSDP2 step does inside its collectives);
-    - memory within 20% of the peak the CUDA allocator saw, and not below it."""
+    - memory within 20% of the peak the CUDA allocator saw, and not below it; less the
+      fp32 gradients the memory model holds for the whole step, within 3% of it: the
+      measured step sets every gradient to ``None`` after its optimizer step
+      (``scripts/measure_step.py``), so its peak holds few of them (docs/validation.md,
+      "The gradients a step does not hold at its peak": a known excess of the model, not
+      yet mended; once mended, the first bound tightens and this one goes)."""
     measured = _measured(gpu, row)
     profile = DATA / PROFILE[gpu] / "profile.json"
     predicted = _predicted(tmp_path, gpu, row, "--profile", str(profile))
@@ -163,6 +168,10 @@ def test_a_calibrated_gpu_predicts_the_measured_llama_step(tmp_path: Path, gpu: 
     memory = predicted["memory_bytes"]["total"]
     assert measured["peak_memory_allocated_bytes"] <= memory
     assert memory == pytest.approx(measured["peak_memory_allocated_bytes"], rel=0.20)
+    gradients = predicted["memory_bytes"]["gradients"]
+    assert gradients == pytest.approx(4 * measured["parameters"], rel=1e-6)  # fp32, all
+    peak = measured["peak_memory_allocated_bytes"]
+    assert memory - gradients == pytest.approx(peak, rel=0.03)
 
 
 @pytest.mark.slow
