@@ -320,12 +320,13 @@ def megatron_restriction(
         _pin_tp_weight_gradients(r, sg, _tp_weights(sg, roles), t)
     # torchtitan's FSDP + TP (fsdp): a linear's flatten reads its input gathered, and
     # DTensor's autograd keeps that copy for the backward; Megatron-SP gathers it again
-    linear_ends = _linear_layouts(sg, tp, roles, backward) if sequence_parallel and fsdp else {}
+    fx = _Fx(sg.graph) if sequence_parallel else None
+    linear_ends = _linear_layouts(sg, tp, roles, backward, fx) if fx and fsdp else {}
     _pin_outside_ops(
         r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside, linear_ends
     )
-    if sequence_parallel:  # Megatron-LM's g-bar and torchtitan's RowwiseParallel alike
-        for rep in sorted(_row_gradient_reads(sg, tp, roles, backward)):
+    if fx:  # Megatron-LM's g-bar and torchtitan's RowwiseParallel alike
+        for rep in sorted(_row_gradient_reads(sg, tp, roles, backward, fx)):
             if not r.allow(sg, rep, all_on(sg, rep, t, is_r), "row_gradient_reads"):
                 r.notes.append(
                     f"{rep}: a row's output-gradient reshape left with no replicated strategy "
@@ -583,8 +584,40 @@ _RESHAPES = (aten.view, aten._unsafe_view, aten.reshape)
 _TRANSPOSES = (aten.t, aten.transpose, aten.permute)
 
 
+class _Fx:
+    """A traced graph's fx nodes by name and each node's readers (shape checks left out),
+    built once for the pins of one restriction."""
+
+    def __init__(self, graph: TracedGraph) -> None:
+        self.graph = graph
+        self.node = {n.name: n for n in graph.graph_module.graph.nodes}
+        self._users = _fx_users(graph)
+
+    def readers(self, n: torch.fx.Node) -> list[torch.fx.Node]:
+        """The nodes that read ``n``, in graph order, but ``_assert_tensor_metadata``."""
+        meta = aten._assert_tensor_metadata
+        return [u for u in self._users.get(n.name, []) if packet(u.target) is not meta]
+
+
+def _reshape_chain(
+    start: torch.fx.Node,
+    first_ok: bool,
+    readers: Callable[[torch.fx.Node], list[torch.fx.Node]],
+    is_reshape: Callable[[torch.fx.Node], bool],
+) -> list[torch.fx.Node]:
+    """``start`` (when ``first_ok`` and it is a reshape) and the reshapes before it, each
+    read by the one after it alone: the layout ops a linear reads its operand through."""
+    chain: list[torch.fx.Node] = []
+    n, only = start, first_ok
+    while only and is_reshape(n):
+        chain.append(n)
+        n, reader = n.all_input_nodes[0], n
+        only = [u.name for u in readers(n)] == [reader.name]
+    return chain
+
+
 def _linear_layouts(
-    sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str]
+    sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str], fx: _Fx
 ) -> dict[str, Callable[[Placement], bool]]:
     """The forward reshapes that belong to a tensor-parallel linear layer on the TP dim, as
     representatives -> the placement they take there: a column's flatten of its input
@@ -604,18 +637,17 @@ def _linear_layouts(
     the hidden dim and moved to the sequence by another all-to-all: on the 405B published
     row, 2 all-to-alls per block input and output that the system it prices does not
     run (docs/validation.md)."""
-    fx = {n.name: n for n in sg.graph.graph_module.graph.nodes}
-    users = _fx_users(sg.graph)
 
     def readers(n: torch.fx.Node) -> list[torch.fx.Node]:
         """``n``'s forward readers (the backward may read what the forward holds)."""
-        meta = aten._assert_tensor_metadata
         return [
             u
-            for u in users.get(n.name, [])
-            if packet(u.target) is not meta
-            and not (u.name in sg.nodes and sg.nodes[u.name].rep in backward)
+            for u in fx.readers(n)
+            if not (u.name in sg.nodes and sg.nodes[u.name].rep in backward)
         ]
+
+    def reshape(n: torch.fx.Node) -> bool:
+        return packet(n.target) in _RESHAPES
 
     pins: dict[str, Callable[[Placement], bool]] = {}
     clash: set[str] = set()
@@ -628,24 +660,22 @@ def _linear_layouts(
 
     for m, role in roles.items():
         if role == "column":  # back from the activation operand: reshapes that feed columns
-            n = fx[sg.graph.nodes[m].arg_nodes[tp.weight[m][0]]]
+            n = fx.node[sg.graph.nodes[m].arg_nodes[tp.weight[m][0]]]
             only = all(  # columns, and the transpose their weight gradients read
                 roles.get(u.name) == "column" or packet(u.target) in _TRANSPOSES for u in readers(n)
             )
-            while packet(n.target) in _RESHAPES and only:
-                pin(n.name, is_r)
-                n, reader = n.all_input_nodes[0], n
-                only = [u.name for u in readers(n)] == [reader.name]
+            for g in _reshape_chain(n, only, readers, reshape):
+                pin(g.name, is_r)
         elif role == "row":  # forward from the output while its one reader is a reshape
-            after = readers(fx[m])
-            while len(after) == 1 and packet(after[0].target) in _RESHAPES:
+            after = readers(fx.node[m])
+            while len(after) == 1 and reshape(after[0]):
                 pin(after[0].name, is_p)
                 after = readers(after[0])
     return {rep: test for rep, test in pins.items() if rep not in backward and rep not in clash}
 
 
 def _row_gradient_reads(
-    sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str]
+    sg: StrategyGraph, tp: TensorParallel, roles: dict[str, str], backward: set[str], fx: _Fx
 ) -> set[str]:
     """The backward reshapes through which a row linear's input-gradient matmul reads its
     output's gradient (``view`` of ``[B, S, H]`` to ``[B S, H]``, and any reshape before it
@@ -665,17 +695,11 @@ def _row_gradient_reads(
     pinned when one of the layers it stands for qualifies (tied layers have the same ops
     and shapes); an inference graph (no backward) has none."""
     graph = sg.graph
-    fx = {n.name: n for n in graph.graph_module.graph.nodes}
-    users = _fx_users(graph)
     row_weights = {
-        _chained_param(graph, fx[graph.nodes[m].arg_nodes[tp.weight[m][1]]])
+        _chained_param(graph, fx.node[graph.nodes[m].arg_nodes[tp.weight[m][1]]])
         for m, role in roles.items()
         if role == "row"
     } - {None}
-    meta = aten._assert_tensor_metadata
-
-    def readers(n: torch.fx.Node) -> list[torch.fx.Node]:
-        return [u for u in users.get(n.name, []) if packet(u.target) is not meta]
 
     def backward_reshape(n: torch.fx.Node) -> bool:
         return (
@@ -696,12 +720,10 @@ def _row_gradient_reads(
                 continue
             only = all(  # the two matmuls, a transpose for the weight's, a bias's sum
                 u.target in _PARAM_MATMULS or packet(u.target) in (*_TRANSPOSES, aten.sum)
-                for u in readers(g)
+                for u in fx.readers(g)
             )
-            while only and backward_reshape(g):
-                reads.add(sg.nodes[g.name].rep)
-                g, reader = g.all_input_nodes[0], g
-                only = [u.name for u in readers(g)] == [reader.name]
+            chain = _reshape_chain(g, only, fx.readers, backward_reshape)
+            reads.update(sg.nodes[x.name].rep for x in chain)
     return reads
 
 
