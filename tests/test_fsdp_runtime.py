@@ -333,7 +333,10 @@ def test_gradient_accumulation_gathers_copies_and_reduces_per_micro_batch(
     and reduces per micro-batch: its collectives are twice one micro-batch's, by kind,
     and so are the bytes of its copies, which autoshard prices. The step's FLOPs are
     those FlopCounterMode counts over both micro-batches; the optimizer steps once, as
-    the plan without accumulation prices it; memory is one micro-batch's."""
+    the plan without accumulation prices it; memory is one micro-batch's, with every
+    gradient held the whole step (the micro-batches add into them), where one micro-batch
+    alone holds at its peak only those made by then (it frees them after its optimizer
+    step)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     path = tmp_path / "stack.py"
@@ -360,7 +363,14 @@ def test_gradient_accumulation_gathers_copies_and_reduces_per_micro_batch(
     assert accumulated.step_flops == flops.get_total_flops()
     whole, micro = _plan(path, version, fake_group), _plan(half, version, fake_group)
     assert accumulated.optimizer_s == pytest.approx(whole.optimizer_s, rel=1e-12)
-    assert accumulated.memory_bytes == micro.memory_bytes
+    fp32 = 4 * sum(  # every gradient element the plan keeps on a device, fp32
+        math.prod(local_shape(info.results[0].shape, micro.parameters[info.fqn], (fake_group,)))
+        for info in micro.sg.graph.nodes.values()
+        if info.kind == "param"
+    )
+    assert accumulated.extra["memory"]["gradients"] == fp32
+    assert micro.extra["memory"]["gradients"] < fp32  # its peak comes before the last one
+    assert micro.memory_bytes < accumulated.memory_bytes <= micro.memory_bytes + fp32
     # the plan's collectives, by kind and by (phase, kind, mesh dim): twice the micro-batch's
     assert accumulated.collectives == Counter({k: 2 * v for k, v in micro.collectives.items()})
     assert accumulated.collective_steps == Counter(
@@ -422,17 +432,16 @@ def test_the_ilp_s_objective_is_the_accumulating_step_over_its_micro_batches(tmp
     assert fp32 > 0 and plan.extra["accumulation_bytes"] == 3 * fp32  # two reads, a write
 
 
-def test_the_unsharded_parameters_at_the_peak_are_what_fsdp2_holds(tmp_path, fake_group):
-    """At the peak of an FSDP2 step whose activations dominate (a global batch of 4,096
-    rows, 512 a rank), PyTorch's own ``FSDPMemTracker`` finds the root's parameters (the
-    scale) and one block unsharded, and the next block's all-gather buffer in flight (the
-    backward's prefetch): the bytes autoshard adds to the ``fsdp`` plan's memory as
-    ``unsharded_parameters``, the root plus two blocks at their gathered placement."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+def _tracked_peak(tmp_path, world: int, steps: int = 1, set_to_none: bool = True):  # noqa: ANN001, ANN202
+    """The model on a global batch of 4,096 rows (512 a rank: activations dominate), under
+    FSDP2 with bf16 parameters reduced in fp32, trained ``steps`` steps (each gradient
+    freed after the optimizer step when ``set_to_none``, else zeroed in place): PyTorch's
+    own ``FSDPMemTracker``'s bytes by kind at the peak of the last step, and the model
+    file."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    world = fake_group
     batch = 512 * world
     path = tmp_path / "stack.py"
     path.write_text(MODEL.replace(f"torch.randn({BATCH}, {D})", f"torch.randn({batch}, {D})"))
@@ -448,14 +457,62 @@ def test_the_unsharded_parameters_at_the_peak_are_what_fsdp2_holds(tmp_path, fak
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
     local = x[: batch // world]  # one rank's share of the batch
+
+    def step() -> None:
+        model(local).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    for _ in range(steps - 1):  # the tracker follows one step: the last
+        step()
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs((local,))
     with tracker:
-        model(local).sum().backward()
-        optimizer.step()
+        step()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return peak, path
+
+
+def test_the_unsharded_parameters_at_the_peak_are_what_fsdp2_holds(tmp_path, fake_group):
+    """At the peak of an FSDP2 step whose activations dominate (a global batch of 4,096
+    rows, 512 a rank), PyTorch's own ``FSDPMemTracker`` finds the root's parameters (the
+    scale) and one block unsharded, and the next block's all-gather buffer in flight (the
+    backward's prefetch): the bytes autoshard adds to the ``fsdp`` plan's memory as
+    ``unsharded_parameters``, the root plus two blocks at their gathered placement."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    world = fake_group
+    peak, path = _tracked_peak(tmp_path, world)
     held = peak[_FSDPRefType.UNSHARDED_PARAM] + peak[_FSDPRefType.ALL_GATHER]
     assert peak[_FSDPRefType.ACT] > held  # the activations' peak, at the backward's start
     block, scale = 2 * D * H * 2, D * 2  # bf16 bytes: two weights; the scale
     assert held == scale + 2 * block
     assert _plan(path, 2, world).extra["memory"]["unsharded_parameters"] == held
+
+
+def test_the_gradients_at_the_peak_are_what_fsdp2_holds(tmp_path, fake_group):
+    """Over two FSDP2 steps whose activations peak at the turn to the backward,
+    ``FSDPMemTracker`` finds at the peak no gradient where each step frees its gradients
+    (``zero_grad(set_to_none=True)``, PyTorch's default, as torchtitan runs it), and every
+    sharded fp32 gradient where they are zeroed in place: the ``fsdp`` plan's gradients
+    at its peak (within one block's, below) and the gradients a step that keeps them
+    holds (a gradient buffer, ``MemoryModel(freed_gradients=False)``: DDP's,
+    Megatron-LM's, an accumulating step's). Before 2026-12-07 (sixth sitting) the plan held
+    every gradient at its peak."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    from autoshard.cost.memory import MemoryModel, memory_by_kind
+
+    world = fake_group
+    kinds = (_FSDPRefType.SHARDED_GRAD, _FSDPRefType.UNSHARDED_GRAD)
+    freed, path = _tracked_peak(tmp_path, world, steps=2)
+    kept, _ = _tracked_peak(tmp_path, world, steps=2, set_to_none=False)
+    fp32 = 4 * (D + 2 * 2 * D * H) // world  # every parameter's shard, fp32
+    assert sum(freed[k] for k in kinds) == 0
+    assert sum(kept[k] for k in kinds) == kept[_FSDPRefType.SHARDED_GRAD] == fp32
+    plan = _plan(path, 2, world)
+    # FSDP2 makes a block's sharded gradients at its reduce-scatter, after the block's
+    # backward; autoshard holds each from the op that makes it: at most one block early
+    assert plan.extra["memory"]["gradients"] <= 4 * 2 * D * H // world < fp32
+    keeping = MemoryModel("train", mixed=True, freed_gradients=False)
+    assert memory_by_kind(plan.sg, plan.choice, keeping)["gradients"] == fp32

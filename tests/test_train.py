@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from helpers import write_mlp, write_mlp_mse
 from torch.distributed.tensor import Replicate, Shard
 
@@ -88,18 +89,21 @@ def test_large_batch_small_model_costs_what_ddp_costs(tmp_path):
 
 
 def test_memory_budget_forces_sharding(tmp_path):
-    """The MLP with weights of 2 x 16 MiB: replicated, parameters + gradients + AdamW
-    moments would take 4 x 32 MiB = 128 MiB per device. Every parameter-side byte sharded
-    4 ways is 32 MiB. A budget 8 MiB below the unconstrained plan's peak gives a plan
-    whose peak (over the whole step) fits it, at no lower step time."""
+    """The MLP with weights of 2 x 16 MiB: replicated, parameters + AdamW moments would
+    take 3 x 32 MiB = 96 MiB per device for the whole step, and the gradients (freed after
+    each optimizer step) 32 MiB more once made. Parameters and moments sharded 4 ways are
+    24 MiB. A budget 8 MiB below the unconstrained plan's peak gives a plan whose peak
+    (over the whole step) fits it, at no lower step time."""
     path = write_mlp(tmp_path, 8192, 1024, 4096)
     mesh = MeshSpec.from_options("4")
     free = plan_model(SolveConfig(model_path=path, mesh=mesh)).plan
     budget = free.memory_bytes - 8 * 2**20
     tight = plan_model(SolveConfig(model_path=path, mesh=mesh, memory_budget=budget)).plan
     kinds = tight.memory_by_kind()
-    param_side = kinds["parameters"] + kinds["gradients"] + kinds["optimizer_state"]
-    assert 32 * 2**20 <= param_side <= 128 * 2**20 + 4 * 2 * 1024 * 4 + 4 * 4096 * 4
+    biases = 2 * 1024 * 4 + 4096 * 4  # fp32 bytes replicated, an upper bound
+    param_side = kinds["parameters"] + kinds["optimizer_state"]
+    assert 24 * 2**20 <= param_side <= 3 * (32 * 2**20 + biases)
+    assert 0 <= kinds["gradients"] <= 32 * 2**20 + biases
     assert tight.memory_bytes <= budget * (1 + 1e-9) < free.memory_bytes
     assert free.step_time_s <= tight.step_time_s
 
@@ -240,3 +244,69 @@ def test_a_plan_fits_its_budget_at_every_point_of_the_step(tmp_path, fraction):
     assert result.plan.memory_bytes <= budget * (1 + 1e-9)
     live = LiveMemory(result.sg, cfg.memory_model())
     assert live.per_point(result.ilp.choice).max() == pytest.approx(result.plan.memory_bytes)
+
+
+NORMED_STACK = """
+import torch
+from torch import nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+            for _ in range(3)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def build_model():
+    return Stack()
+
+
+def example_inputs():
+    return (torch.randn(4096, 256),)
+"""
+
+
+@pytest.mark.slow
+def test_the_peak_of_a_step_is_what_pytorch_s_mem_tracker_finds(tmp_path):
+    """PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker``, run over one
+    eager fp32 training step of three pre-norm residual blocks (4,096 x 256, AdamW, a step
+    before it so that its state exists, each gradient freed after the optimizer step as
+    ``zero_grad`` does by default), finds the peak in the backward of the last block, its
+    last linear's weight gradient made (1 MiB): autoshard's plan holds the same gradients
+    at its peak, exactly, and its peak within 5% (+3.2%: 127.16 MiB against 123.16). The layer norms
+    return their output and statistics as one op's tuple, read through ``getitem``; until
+    2026-12-07 (sixth sitting) the liveness freed such an op's outputs when it ran (-6.6%,
+    every norm's output missing), and held every gradient for the whole step."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    path = tmp_path / "stack.py"
+    path.write_text(NORMED_STACK)
+    namespace: dict = {}
+    exec(compile(NORMED_STACK, str(path), "exec"), namespace)  # noqa: S102
+    torch.manual_seed(0)
+    model = namespace["build_model"]()
+    (x,) = namespace["example_inputs"]()
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+
+    def step() -> None:
+        model(x).mean().backward()  # autoshard's default loss for a tensor output
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    plan = plan_model(SolveConfig(model_path=path, mesh=MeshSpec.from_options("1"))).plan
+    assert 0 < plan.extra["memory"]["gradients"] == peak[_MemRefType.GRAD]
+    assert plan.memory_bytes == pytest.approx(peak["Total"], rel=0.05)

@@ -146,12 +146,12 @@ def test_a_calibrated_gpu_predicts_the_measured_llama_step(tmp_path: Path, gpu: 
     - the whole step within 20%: the measured optimizer phase also casts each bf16 gradient
       to its fp32 master and copies the masters back (12 bytes per parameter more than the
       30 autoshard prices, which an FSDP2 step does inside its collectives);
-    - memory within 20% of the peak the CUDA allocator saw, and not below it; less the
-      fp32 gradients the memory model holds for the whole step, within 3% of it: the
-      measured step sets every gradient to ``None`` after its optimizer step
-      (``scripts/measure_step.py``), so its peak holds few of them (docs/validation.md,
-      "The gradients a step does not hold at its peak": a known excess of the model, not
-      yet mended; once mended, the first bound tightens and this one goes)."""
+    - memory within 2% of the peak the CUDA allocator saw (-1.0% to +0.8%), with no
+      gradient held at the predicted peak: the measured step sets every gradient to
+      ``None`` after its optimizer step (``scripts/measure_step.py``), so its peak, at the
+      turn to the backward, holds none (docs/validation.md, "The gradients a step does
+      not hold at its peak"). Until 2026-12-07 (sixth sitting) the model held every fp32
+      gradient for the whole step, and these rows were 11-17% above their peaks."""
     measured = _measured(gpu, row)
     profile = DATA / PROFILE[gpu] / "profile.json"
     predicted = _predicted(tmp_path, gpu, row, "--profile", str(profile))
@@ -166,12 +166,8 @@ def test_a_calibrated_gpu_predicts_the_measured_llama_step(tmp_path: Path, gpu: 
     assert time_s["compute"] + time_s["recompute"] == pytest.approx(forward_backward, rel=0.10)
     assert predicted["time_s"]["step"] == pytest.approx(seconds["step"], rel=0.20)
     memory = predicted["memory_bytes"]["total"]
-    assert measured["peak_memory_allocated_bytes"] <= memory
-    assert memory == pytest.approx(measured["peak_memory_allocated_bytes"], rel=0.20)
-    gradients = predicted["memory_bytes"]["gradients"]
-    assert gradients == pytest.approx(4 * measured["parameters"], rel=1e-6)  # fp32, all
-    peak = measured["peak_memory_allocated_bytes"]
-    assert memory - gradients == pytest.approx(peak, rel=0.03)
+    assert memory == pytest.approx(measured["peak_memory_allocated_bytes"], rel=0.02)
+    assert predicted["memory_bytes"]["gradients"] == 0
 
 
 @pytest.mark.slow

@@ -10,10 +10,12 @@ at each point (:class:`Liveness`); a plan's placements fix only their sizes
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 from torch.distributed.tensor import Shard
 
 from autoshard.strategies.graph import StrategyGraph
@@ -69,19 +71,41 @@ class Liveness:
 def last_uses(graph: TracedGraph) -> dict[str, int]:
     """Node -> position (in graph order) of the last op that reads it, directly or through
     views of it: a view aliases its base's storage, so the base lives as long as any
-    view of it is read (a saved ``t`` of a weight's gradient input keeps that input)."""
+    view of it is read (a saved ``t`` of a weight's gradient input keeps that input).
+
+    The graph's output reading a parameter's gradient does not count: the gradient the
+    step keeps is at its parameter's placement, held from the op that makes it by the
+    memory model (:class:`autoshard.cost.memory.MemoryModel`), while the op's own output
+    (a partial sum, before its reduction) lives until its last reader in the graph."""
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
     last: dict[str, int] = {}
     for n, info in graph.nodes.items():
-        for a in info.arg_nodes:
+        grad_of = info.grad_of if info.kind == "output" else []
+        for k, a in enumerate(info.arg_nodes):
+            if k < len(grad_of) and grad_of[k] is not None:
+                continue
             last[a] = max(last.get(a, -1), pos[n])
+    picked = _getitem_sources(graph)
     for n in reversed(order):  # a view's readers extend its base, chains included
         info = graph.nodes[n]
-        if info.kind == "op" and is_view(info.target) and info.arg_nodes and n in last:
-            base = info.arg_nodes[0]
-            last[base] = max(last.get(base, -1), last[n])
+        if info.kind == "op" and is_view(info.target) and n in last:
+            base = info.arg_nodes[0] if info.arg_nodes else picked.get(n)
+            if base is not None:
+                last[base] = max(last.get(base, -1), last[n])
     return last
+
+
+def _getitem_sources(graph: TracedGraph) -> dict[str, str]:
+    """``getitem`` node -> the multi-output op it picks an output of (a layer norm's
+    output and statistics, an attention's output and log-sum-exp, a ``split``'s pieces):
+    its tensor arguments hold none, the producer's value being a tuple, so the fx graph
+    names it. The op's outputs live as long as any is read."""
+    out = {}
+    for node in graph.graph_module.graph.nodes:
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            out[node.name] = node.args[0].name
+    return out
 
 
 def liveness(graph: TracedGraph) -> Liveness:

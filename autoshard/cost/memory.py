@@ -8,12 +8,24 @@ Per parameter element on one device (its local shard):
   4 bytes, when parameters are not fp32 (mixed precision; Rajbhandari et al.,
   "ZeRO", SC'20, section 3.1: 2 + 2 + 12 bytes per parameter for fp16 Adam).
 
+Gradients: a step that frees its gradients after the optimizer step
+(``zero_grad(set_to_none=True)``, PyTorch's default since 2.0, as torchtitan and autoshard's
+launcher run it) holds each gradient, at its parameter's placement, from the op that makes
+it to the step's end (:func:`gradient_nodes`, :func:`gradient_held`), and none at the turn
+from forward to backward, where activations peak. PyTorch's ``FSDPMemTracker`` finds no
+gradient at the peak of such a step (``tests/test_fsdp_runtime.py``). The op's own output
+(a partial sum before its reduction) is an activation, live until its last reader
+(:func:`~autoshard.cost.liveness.last_uses`). A step whose gradients persist holds them
+all, all the time (:attr:`MemoryModel.freed_gradients` false): gradient accumulation, a
+pipeline's micro-batches, DDP's buckets and Megatron-LM's ``main_grad`` buffer.
+
 Activations: which tensors are live at each point of the graph order does not depend
 on the plan, only their local sizes do, so the bytes live at one point are linear in the
 strategies (:class:`autoshard.cost.liveness.Liveness`). The report's memory is the peak over
-the points (:func:`autoshard.cost.liveness.peak_activation_bytes`) plus the parameters,
-gradients and optimizer state; :class:`LiveMemory` gives the same as ILP budget rows,
-one per point, so a plan that satisfies every row fits exactly what the report shows.
+the points of the live activations and gradients (:func:`peak_by_kind`) plus the
+parameters, optimizer state and persistent gradients; :class:`LiveMemory` gives the same as
+ILP budget rows, one per point, so a plan that satisfies every row fits exactly what the
+report shows.
 There are too many points to hand the ILP all of them: it starts from the point where
 the live set is largest in bytes when every tensor is cut as finely as it can be (in
 training, the turn from forward to backward), and the driver adds the points a plan
@@ -31,8 +43,9 @@ import scipy.sparse as sp
 import torch
 
 from autoshard.cost.checkpointing import columns
-from autoshard.cost.liveness import chosen_strategies, liveness, local_bytes
+from autoshard.cost.liveness import activation_sizes, chosen_strategies, liveness, local_bytes
 from autoshard.strategies.graph import StrategyGraph
+from autoshard.trace.tracer import TracedGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 FP32_MASTER_BYTES = 4  # fp32 master weights of a mixed-precision step
@@ -53,9 +66,17 @@ class MemoryModel:
 
     mode: str = "train"
     mixed: bool = False
+    freed_gradients: bool = True
+
+    @property
+    def gradients_per_point(self) -> bool:
+        """Whether gradients are held from the op that makes each (training, freed after
+        every optimizer step: the module docstring) rather than for the whole step."""
+        return self.mode == "train" and self.freed_gradients
 
     def per_param_factors(self, dtype: torch.dtype) -> dict[str, float]:
-        """Bytes kept per byte of local parameter, by kind (``parameters`` is 1)."""
+        """Bytes per byte of local parameter the step keeps, by kind (``parameters`` is
+        1): every gradient element counted, held or not at the peak."""
         if self.mode != "train":
             return {"parameters": 1.0}
         item = dtype.itemsize
@@ -66,6 +87,22 @@ class MemoryModel:
             "gradients": FP32_MASTER_BYTES / item,
             "optimizer_state": (FP32_MOMENTS_BYTES + FP32_MASTER_BYTES) / item,
         }
+
+    def held_factors(self, dtype: torch.dtype) -> dict[str, float]:
+        """:meth:`per_param_factors` of what is held the whole step: without the gradients
+        where they are held per point (:attr:`gradients_per_point`)."""
+        factors = self.per_param_factors(dtype)
+        if self.gradients_per_point:
+            factors.pop("gradients", None)
+        return factors
+
+    def gradient_factor(self, dtype: torch.dtype) -> float:
+        """Bytes per byte of local parameter of its gradient where it is held per point,
+        from the op that makes it (:attr:`gradients_per_point`; the gradients of
+        :meth:`per_param_factors`); 0 where it is held the whole step."""
+        if not self.gradients_per_point:
+            return 0.0
+        return self.per_param_factors(dtype).get("gradients", 0.0)
 
 
 def _canonical_params(sg: StrategyGraph):
@@ -92,39 +129,57 @@ def saved_for_backward(sg: StrategyGraph) -> list[str]:
     return [n for n in graph.nodes if n in saved and n in sg.nodes]
 
 
+def gradient_nodes(graph: TracedGraph) -> dict[str, str]:
+    """Parameter FQN -> the node that is its gradient (an argument of the training graph's
+    output, ``NodeInfo.grad_of``); empty in inference."""
+    out = next((i for i in reversed(graph.nodes.values()) if i.kind == "output"), None)
+    if out is None:
+        return {}
+    return {p: a for a, p in zip(out.arg_nodes, out.grad_of, strict=False) if p is not None}
+
+
 def memory_rows(
     sg: StrategyGraph, model: MemoryModel, activation_copies: float = 1.0
 ) -> dict[str, np.ndarray]:
     """Bytes per device of each representative's strategies (the ILP's budget row).
 
     ``activation_copies``: how many micro-batches' saved activations are kept at once
-    (1 for a plain step; a 1F1B pipeline stage keeps up to the pipeline degree).
+    (1 for a plain step; a 1F1B pipeline stage keeps up to the pipeline degree). Every
+    gradient counts (:meth:`MemoryModel.per_param_factors`): a pipeline's stage accumulates
+    them over its micro-batches.
 
     Returns rep name -> array over its strategies; reps that keep nothing are absent.
     """
-    rows: dict[str, np.ndarray] = {}
-    mesh = sg.mesh_shape
-
-    def add(node: str, index: int, scale: float) -> None:
-        ns = sg.nodes[node]
-        rep = sg.nodes[ns.rep]
-        info = sg.graph.nodes[node]
-        t = info.results[index]
-        if t is None:
-            return
-        vals = np.array(
-            [
-                local_bytes(t, ns.strategies[ns.choice[i]].outputs[index], mesh)
-                for i in range(len(rep.strategies))
-            ]
-        )
-        rows[ns.rep] = rows.get(ns.rep, 0) + scale * sg.graph.mult(node) * vals
-
-    for name, info in _canonical_params(sg):
-        factor = sum(model.per_param_factors(info.results[0].dtype).values())
-        add(name, 0, factor)
+    rows = _param_rows(sg, lambda t: sum(model.per_param_factors(t.dtype).values()))
     for name in saved_for_backward(sg):
-        add(name, 0, activation_copies)
+        _add_row(sg, rows, name, 0, activation_copies)
+    return rows
+
+
+def _add_row(sg: StrategyGraph, rows: dict[str, np.ndarray], node: str, index: int, scale: float):
+    """Add ``scale`` times node's output ``index``'s local bytes under each strategy of its
+    representative to ``rows[rep]``."""
+    ns = sg.nodes[node]
+    rep = sg.nodes[ns.rep]
+    t = sg.graph.nodes[node].results[index]
+    if t is None:
+        return
+    mesh = sg.mesh_shape
+    vals = np.array(
+        [
+            local_bytes(t, ns.strategies[ns.choice[i]].outputs[index], mesh)
+            for i in range(len(rep.strategies))
+        ]
+    )
+    rows[ns.rep] = rows.get(ns.rep, 0) + scale * sg.graph.mult(node) * vals
+
+
+def _param_rows(sg: StrategyGraph, factor) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """Per representative, its parameters' local bytes under each strategy times
+    ``factor(TensorInfo)`` (bytes kept per byte of parameter)."""
+    rows: dict[str, np.ndarray] = {}
+    for name, info in _canonical_params(sg):
+        _add_row(sg, rows, name, 0, factor(info.results[0]))
     return rows
 
 
@@ -166,22 +221,34 @@ def ilp_row(sg: StrategyGraph, rows: dict[str, np.ndarray]) -> np.ndarray:
 class LiveMemory:
     """Bytes per device at each point of the step as ILP budget rows (module docstring).
 
-    Row ``k`` over the ILP's ``x`` (``sg.reps`` order): the parameters, gradients and
-    optimizer state of each strategy, plus the local bytes of every activation live at
-    point ``k`` (:class:`autoshard.cost.liveness.Liveness`). Under a plan, the largest row
-    equals :attr:`autoshard.plan.plan.Plan.memory_bytes` of the plan
+    Row ``k`` over the ILP's ``x`` (``sg.reps`` order): the parameters and optimizer state
+    of each strategy (:meth:`MemoryModel.held_factors`), plus the local bytes of every
+    activation live at point ``k`` (:class:`autoshard.cost.liveness.Liveness`) and of every
+    gradient made by then (:func:`gradient_held`). Under a plan, the largest
+    row equals :attr:`autoshard.plan.plan.Plan.memory_bytes` of the plan
     :func:`autoshard.solver.solve.finish_plan` builds.
     """
 
     def __init__(self, sg: StrategyGraph, model: MemoryModel) -> None:
         self.sg = sg
         self.live = liveness(sg.graph)
-        self.params = ilp_row(sg, _param_rows(sg, model))
+        self.params = ilp_row(
+            sg, _param_rows(sg, lambda t: sum(model.held_factors(t.dtype).values()))
+        )
         offsets, pos = {}, 0
         for r in sg.reps:
             offsets[r] = pos
             pos += len(sg.nodes[r].strategies)
         self.offsets = offsets
+        # gradient g's bytes over x, and the position from which each is held
+        made, held = gradient_held(sg, model)
+        grows, gcols, gvals = [], [], []
+        for g, (rep, vals) in enumerate(held):
+            grows += [g] * len(vals)
+            gcols += range(offsets[rep], offsets[rep] + len(vals))
+            gvals += list(vals)
+        self.gradients = sp.csr_matrix((gvals, (grows, gcols)), shape=(len(held), pos))
+        self.made = made
         # activation j's bytes over x: one entry per strategy of its representative
         rows, cols, vals = [], [], []
         mesh = sg.mesh_shape
@@ -206,7 +273,9 @@ class LiveMemory:
         """Budget rows of ``points``: shape ``(len(points), n_x)``, bytes; with the
         checkpointing decision (:mod:`autoshard.cost.checkpointing`) its columns follow,
         the bytes recomputation frees at each point, negative."""
-        act = (self.live.points[list(points)] @ self.bytes).toarray() + self.params[None, :]
+        points = list(points)
+        act = (self.live.points[points] @ self.bytes).toarray() + self.params[None, :]
+        act += (self._held(points) @ self.gradients).toarray()
         cols = columns(self.sg)
         if cols is None:
             return act
@@ -219,10 +288,17 @@ class LiveMemory:
         for r, c in choice.items():
             x[self.offsets[r] + c] = 1.0
         used = self.live.points @ (self.bytes @ x) + float(self.params @ x)
+        used = used + self._held(range(len(self.live.positions))) @ (self.gradients @ x)
         if columns(self.sg) is not None:
             ck = self.sg.checkpointing
             used = used - ck.freed(self.sg, chosen_strategies(self.sg, choice), recompute)
         return used
+
+    def _held(self, points) -> sp.csr_matrix:  # noqa: ANN001 - indices into the points
+        """0/1, ``(len(points), gradients)``: whether gradient ``g`` is held at each point."""
+        return sp.csr_matrix(
+            (self.live.positions[list(points)][:, None] >= self.made[None, :]).astype(float)
+        )
 
     def first_points(self, k: int = 1) -> list[int]:
         """The ``k`` points with the most bytes live when every activation takes its
@@ -237,7 +313,50 @@ class LiveMemory:
         return [int(i) for i in np.argsort(-(self.live.points @ least), kind="stable")[:k]]
 
 
-def _param_rows(sg: StrategyGraph, model: MemoryModel) -> dict[str, np.ndarray]:
-    """:func:`memory_rows` of the parameters alone (with their gradients and optimizer
-    state)."""
-    return memory_rows(sg, model, activation_copies=0.0)
+def gradient_held(
+    sg: StrategyGraph, model: MemoryModel
+) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+    """The gradients held per point (:meth:`MemoryModel.gradient_factor`): the position in
+    graph order of the op that makes each parameter's gradient, and the gradient's bytes
+    per device over its representative's strategies, ``(rep, array)``, at the parameter's
+    placement. A parameter without a gradient (read only through ``.detach()``) has none."""
+    graph = sg.graph
+    grads = gradient_nodes(graph)
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    made: list[int] = []
+    held: list[tuple[str, np.ndarray]] = []
+    for name, info in _canonical_params(sg):
+        factor = model.gradient_factor(info.results[0].dtype)
+        if not factor or info.fqn not in grads:
+            continue
+        rows: dict[str, np.ndarray] = {}
+        _add_row(sg, rows, name, 0, factor)
+        ((rep, vals),) = rows.items()
+        made.append(pos[grads[info.fqn]])
+        held.append((rep, vals))
+    return np.array(made, dtype=np.int64), held
+
+
+def peak_by_kind(
+    sg: StrategyGraph, choice: dict[str, int], model: MemoryModel, recompute: dict | None = None
+) -> tuple[float, float]:
+    """``(activations, gradients)``: bytes per device at the point of the step where the
+    two together peak, when gradients are held per point
+    (:attr:`MemoryModel.gradients_per_point`; the module docstring): the live activations,
+    less what the blocks ``recompute`` names free, and the gradients made by then
+    (:func:`gradient_held`). With the parameters and the optimizer state, their sum is the
+    largest of :meth:`LiveMemory.per_point`."""
+    live = liveness(sg.graph)
+    if live.points.shape[0] == 0:
+        return 0.0, 0.0
+    node_strategy = chosen_strategies(sg, choice)
+    act = live.points @ activation_sizes(sg, node_strategy, sg.mesh_shape)
+    if columns(sg) is not None:
+        act = act - sg.checkpointing.freed(sg, node_strategy, recompute)
+    made, held = gradient_held(sg, model)
+    grads = np.zeros(len(act))
+    if len(made):
+        local = np.array([vals[choice[rep]] for rep, vals in held])
+        grads = (live.positions[:, None] >= made[None, :]) @ local
+    k = int(np.argmax(act + grads))
+    return float(act[k]), float(grads[k])

@@ -388,9 +388,11 @@ def memory_table(plan: Plan, budget: float | None = None) -> Table:
     table = Table(title="Predicted memory per device")
     table.add_column("kind")
     table.add_column("bytes", justify="right")
+    labels = {"activations": "activations (live at the peak)"}
+    if plan.extra.get("gradients_per_point"):  # freed each step: those made by the peak
+        labels["gradients"] = "gradients (made by the peak)"
     for kind, b in plan.memory_by_kind().items():
-        label = "activations (peak, liveness)" if kind == "activations" else kind
-        table.add_row(label.replace("_", " "), format_bytes(b))
+        table.add_row(labels.get(kind, kind.replace("_", " ")), format_bytes(b))
     total = f"[bold]{format_bytes(plan.memory_bytes)}[/bold]"
     if budget is not None:
         fits = plan.memory_bytes <= budget

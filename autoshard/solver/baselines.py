@@ -406,6 +406,23 @@ def _replicated_outside_styles(
 TWO_D_ONLY: frozenset[str] = frozenset({"fsdp_tp"})
 
 # the hand-written plans the ILP starts from (replicate is never better than ddp's split)
+GRADIENT_BUFFER_PLANS: frozenset[str] = frozenset({"ddp", "megatron", "megatron_sp"})
+"""Hand plans whose systems keep a buffer of every gradient from one step to the next, so
+that the gradients are held the whole step (:class:`~autoshard.cost.memory.MemoryModel`,
+``freed_gradients``): PyTorch DDP's reducer allocates its buckets once, at construction
+(``torch/csrc/distributed/c10d/reducer.cpp``, ``initialize_buckets``), and Megatron-LM its
+contiguous ``main_grad`` buffer (``megatron/core/distributed/param_and_grad_buffer.py``).
+FSDP frees its sharded gradients with ``zero_grad(set_to_none=True)``, as autoshard's
+launcher frees every plan's."""
+
+
+def keeps_gradient_buffer(name: str) -> bool:
+    """Whether the plan named ``name`` runs on a system that keeps its gradients between
+    steps (:data:`GRADIENT_BUFFER_PLANS`; a point of the torchtitan space that replicates
+    without sharding runs torchtitan's ``replicate``, DDP's reducer)."""
+    return name in GRADIENT_BUFFER_PLANS or name.removeprefix("torchtitan ").startswith("ddp")
+
+
 START_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "megatron", "megatron_sp", "fsdp_tp")
 
 

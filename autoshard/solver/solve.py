@@ -25,7 +25,13 @@ from autoshard.cost.checkpointing import MODES as CHECKPOINTING_MODES
 from autoshard.cost.checkpointing import POLICIES, Checkpointing
 from autoshard.cost.collectives import comm_model
 from autoshard.cost.devices import DEFAULT_DEVICE, DeviceSpec, get_device
-from autoshard.cost.memory import FP32_MASTER_BYTES, LiveMemory, MemoryModel, memory_by_kind
+from autoshard.cost.memory import (
+    FP32_MASTER_BYTES,
+    LiveMemory,
+    MemoryModel,
+    memory_by_kind,
+    peak_by_kind,
+)
 from autoshard.cost.mesh import DDP_BUCKET_BYTES, MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
 from autoshard.model.model_file import (
@@ -41,7 +47,13 @@ from autoshard.plan.fsdp_runtime import (
     unsharded_parameter_bytes,
 )
 from autoshard.plan.plan import Plan, accumulate, build_plan
-from autoshard.solver.baselines import hand_plan_starts, pinned, plan_for_algo, run_baseline
+from autoshard.solver.baselines import (
+    hand_plan_starts,
+    keeps_gradient_buffer,
+    pinned,
+    plan_for_algo,
+    run_baseline,
+)
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
 from autoshard.solver.ilp import ILPResult, check_size, solve
 from autoshard.solver.options import FSDP_VERSIONS, SolverOptions
@@ -240,8 +252,13 @@ class SolveConfig:
                 return info.results[0].dtype
         return torch.float32
 
-    def memory_model(self) -> MemoryModel:
-        return MemoryModel(self.mode, self.mixed)
+    def memory_model(self, plan: str | None = None) -> MemoryModel:
+        """What the step keeps (:class:`MemoryModel`): its gradients freed after every
+        optimizer step, as autoshard's launcher runs a plan, unless it accumulates them over
+        micro-batches or the plan named ``plan`` runs on a system that keeps them
+        (:func:`~autoshard.solver.baselines.keeps_gradient_buffer`)."""
+        kept = self.grad_accumulation > 1 or (plan is not None and keeps_gradient_buffer(plan))
+        return MemoryModel(self.mode, self.mixed, freed_gradients=not kept)
 
     @classmethod
     def from_solution(cls, model_path: Path, solution: dict[str, Any]) -> SolveConfig:
@@ -501,8 +518,13 @@ def finish_plan(
     version = fsdp_version_of(name, config.fsdp_version)
     if config.mode == "train" and version is not None:
         add_fsdp_copies(plan, version, config.device.compute_time, dtype)
-    mem = memory_by_kind(sg, choice, config.memory_model(), recompute)
+    model = config.memory_model(name)
+    mem = memory_by_kind(sg, choice, model, recompute)
     plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
+    if model.gradients_per_point:  # the gradients held at the peak, not all of them
+        plan.activation_bytes, held = peak_by_kind(sg, choice, model, recompute)
+        plan.extra["memory"]["gradients"] = held
+        plan.extra["gradients_per_point"] = True
     if config.mode == "train" and version is not None:  # what FSDP holds gathered
         plan.extra["memory"]["unsharded_parameters"] = unsharded_parameter_bytes(plan)
     accumulate(plan, config.grad_accumulation, lambda b: config.device.compute_time(0.0, b, dtype))
