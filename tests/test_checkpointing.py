@@ -575,3 +575,27 @@ def test_a_preloaded_recomputation_is_kept_or_its_change_is_said(tmp_path):
         "reads; this run's, which reruns each block's whole forward, is priced and written "
         "instead: pass --checkpoint-early-stop to keep the solution's"
     ]
+
+
+@pytest.mark.slow
+def test_a_post_norm_block_keeps_its_output_the_next_block_reads(monkeypatch):
+    """BERT's blocks are post-norm: each ends in a layer norm whose output the next block
+    reads (``native_layer_norm_2``, ``_4``, ``_6`` for blocks 0-2; ``_1``, ``_3``, ``_5``
+    normalise the attention's output inside each block). Recomputing a block frees its
+    inner norm's output and keeps its last: a layer norm returns a tuple read through
+    ``getitem``, and the readers through ``getitem`` count. Before (2026-12-07, sixth
+    sitting) each block was credited with freeing its output too, the next block's input."""
+    monkeypatch.setenv("AUTOSHARD_LAYERS", "3")
+    cfg = SolveConfig(
+        model_path=ROOT / "examples" / "bert.py",
+        mesh=MeshSpec.from_options("1"),
+        activation_checkpointing="full",
+        tie=False,
+    )
+    graph = trace(cfg)
+    sg = strategies(cfg, graph)
+    live = liveness(graph)
+    for block in sg.checkpointing.blocks:
+        t = block.key[0]
+        norms = sorted(n for n in (live.nodes[j] for j in block.saved) if "layer_norm" in n)
+        assert norms == [f"native_layer_norm_{2 * t + 1}"], (block.key, norms)

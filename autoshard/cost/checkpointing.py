@@ -66,7 +66,13 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from autoshard.cost.liveness import activation_sizes, last_uses, liveness, local_bytes
+from autoshard.cost.liveness import (
+    activation_sizes,
+    getitem_sources,
+    last_uses,
+    liveness,
+    local_bytes,
+)
 from autoshard.strategies.sharing import shared_seconds
 from autoshard.trace.rerun_reads import takes_back
 from autoshard.trace.selective import recomputed_ops, saved_ops
@@ -191,6 +197,8 @@ class Checkpointing:
         order = {n: i for i, n in enumerate(graph.nodes)}
         last = last_uses(graph)
         users = graph.users()
+        for picked, op in getitem_sources(graph).items():  # a tuple's outputs' readers
+            users.setdefault(op, []).append(picked)
         stands_for = graph.depth.stands_for if graph.depth is not None else None
         fwd_start, fwd_end, bwd_start, bwd_end = {}, {}, {}, {}
         for n, info in graph.nodes.items():

@@ -86,7 +86,7 @@ def last_uses(graph: TracedGraph) -> dict[str, int]:
             if k < len(grad_of) and grad_of[k] is not None:
                 continue
             last[a] = max(last.get(a, -1), pos[n])
-    picked = _getitem_sources(graph)
+    picked = getitem_sources(graph)
     for n in reversed(order):  # a view's readers extend its base, chains included
         info = graph.nodes[n]
         if info.kind == "op" and is_view(info.target) and n in last:
@@ -96,7 +96,7 @@ def last_uses(graph: TracedGraph) -> dict[str, int]:
     return last
 
 
-def _getitem_sources(graph: TracedGraph) -> dict[str, str]:
+def getitem_sources(graph: TracedGraph) -> dict[str, str]:
     """``getitem`` node -> the multi-output op it picks an output of (a layer norm's
     output and statistics, an attention's output and log-sum-exp, a ``split``'s pieces):
     its tensor arguments hold none, the producer's value being a tuple, so the fx graph

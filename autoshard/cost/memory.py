@@ -11,10 +11,11 @@ Per parameter element on one device (its local shard):
 Gradients: a step that frees its gradients after the optimizer step
 (``zero_grad(set_to_none=True)``, PyTorch's default since 2.0, as torchtitan and autoshard's
 launcher run it) holds each gradient, at its parameter's placement, from the op that makes
-it to the step's end (:func:`gradient_nodes`, :func:`gradient_held`), and none at the turn
-from forward to backward, where activations peak. PyTorch's ``FSDPMemTracker`` finds no
-gradient at the peak of such a step (``tests/test_fsdp_runtime.py``). The op's own output
-(a partial sum before its reduction) is an activation, live until its last reader
+it (the point after it) to the step's end (:func:`gradient_nodes`, :func:`gradient_held`),
+and none at the turn from forward to backward, where activations peak. PyTorch's
+``FSDPMemTracker`` finds no gradient at the peak of such a step
+(``tests/test_fsdp_runtime.py``). The op's own output (a partial sum before its
+reduction) is an activation, live until its last reader
 (:func:`~autoshard.cost.liveness.last_uses`). A step whose gradients persist holds them
 all, all the time (:attr:`MemoryModel.freed_gradients` false): gradient accumulation, a
 pipeline's micro-batches, DDP's buckets and Megatron-LM's ``main_grad`` buffer.
@@ -189,8 +190,9 @@ def memory_by_kind(
     model: MemoryModel,
     recompute: dict | None = None,
 ) -> dict:
-    """Bytes per device by kind (parameters, gradients, optimizer state, saved
-    activations: those the recomputed blocks free are not saved)."""
+    """Bytes per device by kind (parameters, every gradient, optimizer state, saved
+    activations: those the recomputed blocks free are not saved): the step's totals,
+    held or not at its peak (:func:`peak_by_kind` gives the gradients held there)."""
     out: dict[str, float] = {}
     mesh = sg.mesh_shape
     for name, info in _canonical_params(sg):
@@ -297,7 +299,7 @@ class LiveMemory:
     def _held(self, points) -> sp.csr_matrix:  # noqa: ANN001 - indices into the points
         """0/1, ``(len(points), gradients)``: whether gradient ``g`` is held at each point."""
         return sp.csr_matrix(
-            (self.live.positions[list(points)][:, None] >= self.made[None, :]).astype(float)
+            (self.live.positions[list(points)][:, None] > self.made[None, :]).astype(float)
         )
 
     def first_points(self, k: int = 1) -> list[int]:
@@ -317,23 +319,42 @@ def gradient_held(
     sg: StrategyGraph, model: MemoryModel
 ) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
     """The gradients held per point (:meth:`MemoryModel.gradient_factor`): the position in
-    graph order of the op that makes each parameter's gradient, and the gradient's bytes
-    per device over its representative's strategies, ``(rep, array)``, at the parameter's
-    placement. A parameter without a gradient (read only through ``.detach()``) has none."""
+    graph order after which each is held, and its bytes per device over its
+    representative's strategies, ``(rep, array)``, at the parameter's placement.
+
+    A gradient is held from the point after the op that makes it (at that op's own point
+    its output is an activation, :func:`~autoshard.cost.liveness.last_uses`), a tied
+    parameter's under whichever of its names the graph's output gives it. In a
+    depth-reduced graph, a traced block's parameter stands for ``mult`` blocks' (one
+    :attr:`~autoshard.trace.tracer.TracedGraph.mult` each): one gradient is held from its
+    op, the other ``mult - 1`` from the end of the block's backward, where the liveness
+    frees the saved activations of the blocks it stands for. A parameter without a
+    gradient (read only through ``.detach()``) has none."""
     graph = sg.graph
     grads = gradient_nodes(graph)
     pos = {n: i for i, n in enumerate(graph.nodes)}
+    ends: dict[int, int] = {}  # a block's layer -> its backward's last position
+    for n, i in graph.nodes.items():
+        if i.kind == "op" and i.backward and i.layer is not None:
+            ends[i.layer] = pos[n]
     made: list[int] = []
     held: list[tuple[str, np.ndarray]] = []
     for name, info in _canonical_params(sg):
         factor = model.gradient_factor(info.results[0].dtype)
-        if not factor or info.fqn not in grads:
+        names = graph.param_names.get(info.fqn, [info.fqn])
+        grad = next((grads[a] for a in names if a in grads), None)
+        if not factor or grad is None:
             continue
         rows: dict[str, np.ndarray] = {}
         _add_row(sg, rows, name, 0, factor)
         ((rep, vals),) = rows.items()
-        made.append(pos[grads[info.fqn]])
-        held.append((rep, vals))
+        m = graph.mult(name)
+        if m > 1 and info.layer in ends:
+            made += [pos[grad], max(pos[grad], ends[info.layer])]
+            held += [(rep, vals / m), (rep, vals * (m - 1) / m)]
+        else:
+            made.append(pos[grad])
+            held.append((rep, vals))
     return np.array(made, dtype=np.int64), held
 
 
@@ -357,6 +378,6 @@ def peak_by_kind(
     grads = np.zeros(len(act))
     if len(made):
         local = np.array([vals[choice[rep]] for rep, vals in held])
-        grads = (live.positions[:, None] >= made[None, :]) @ local
+        grads = (live.positions[:, None] > made[None, :]) @ local
     k = int(np.argmax(act + grads))
     return float(act[k]), float(grads[k])
