@@ -421,7 +421,7 @@ def test_a_two_block_solution_preloads_onto_a_deeper_model(
     if mode == "train":
         # the gradients held at the peak (none, at the turn to the backward), as solved
         assert kinds.keys() == small.plan.memory_by_kind().keys()
-        assert kinds["gradients"] >= 0 and kinds["optimizer_state"] > 0
+        assert kinds["optimizer_state"] > 0
     assert res.plan.extra["budget"] == config.budget()
     assert any("matched by structure" in n for n in pre.notes)
 

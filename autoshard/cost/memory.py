@@ -298,9 +298,7 @@ class LiveMemory:
 
     def _held(self, points) -> sp.csr_matrix:  # noqa: ANN001 - indices into the points
         """0/1, ``(len(points), gradients)``: whether gradient ``g`` is held at each point."""
-        return sp.csr_matrix(
-            (self.live.positions[list(points)][:, None] > self.made[None, :]).astype(float)
-        )
+        return sp.csr_matrix(held_at(self.live.positions[list(points)], self.made))
 
     def first_points(self, k: int = 1) -> list[int]:
         """The ``k`` points with the most bytes live when every activation takes its
@@ -358,6 +356,13 @@ def gradient_held(
     return np.array(made, dtype=np.int64), held
 
 
+def held_at(positions: np.ndarray, made: np.ndarray) -> np.ndarray:
+    """0/1, ``(len(positions), len(made))``: whether a gradient made at position ``made[g]``
+    (:func:`gradient_held`) is held at a point at ``positions[k]``: from the point after
+    its op."""
+    return (positions[:, None] > made[None, :]).astype(float)
+
+
 def peak_by_kind(
     sg: StrategyGraph, choice: dict[str, int], model: MemoryModel, recompute: dict | None = None
 ) -> tuple[float, float]:
@@ -378,6 +383,6 @@ def peak_by_kind(
     grads = np.zeros(len(act))
     if len(made):
         local = np.array([vals[choice[rep]] for rep, vals in held])
-        grads = (live.positions[:, None] > made[None, :]) @ local
+        grads = held_at(live.positions, made) @ local
     k = int(np.argmax(act + grads))
     return float(act[k]), float(grads[k])
