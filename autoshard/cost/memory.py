@@ -301,16 +301,25 @@ class LiveMemory:
         return sp.csr_matrix(held_at(self.live.positions[list(points)], self.made))
 
     def first_points(self, k: int = 1) -> list[int]:
-        """The ``k`` points with the most bytes live when every activation takes its
-        smallest strategy: the budget rows to start from."""
+        """The ``k`` points with the most bytes live when every activation and gradient
+        takes its smallest strategy: the budget rows to start from."""
         if self.live.points.shape[0] == 0:
             return []
-        b = self.bytes.tocsr()
-        least = np.zeros(b.shape[0])
-        has = np.diff(b.indptr) > 0
-        if b.nnz:
-            least[has] = np.minimum.reduceat(b.data, b.indptr[:-1][has])
-        return [int(i) for i in np.argsort(-(self.live.points @ least), kind="stable")[:k]]
+        least = self.live.points @ _least_per_row(self.bytes)
+        if self.gradients.shape[0]:
+            held = self._held(range(len(self.live.positions)))
+            least = least + held @ _least_per_row(self.gradients)
+        return [int(i) for i in np.argsort(-least, kind="stable")[:k]]
+
+
+def _least_per_row(m: sp.csr_matrix) -> np.ndarray:
+    """Per row of ``m`` (bytes over a representative's strategies), its least entry."""
+    b = m.tocsr()
+    least = np.zeros(b.shape[0])
+    has = np.diff(b.indptr) > 0
+    if b.nnz:
+        least[has] = np.minimum.reduceat(b.data, b.indptr[:-1][has])
+    return least
 
 
 def gradient_held(
@@ -339,7 +348,9 @@ def gradient_held(
     held: list[tuple[str, np.ndarray]] = []
     for name, info in _canonical_params(sg):
         factor = model.gradient_factor(info.results[0].dtype)
-        names = graph.param_names.get(info.fqn, [info.fqn])
+        # the graph's output names a gradient by the traced name; a tied one by any of
+        # its aliases (a depth-reduced graph's aliases are the real blocks' names)
+        names = [info.fqn, *graph.param_names.get(info.fqn, ())]
         grad = next((grads[a] for a in names if a in grads), None)
         if not factor or grad is None:
             continue
