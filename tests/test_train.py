@@ -18,6 +18,7 @@ from autoshard.cost.devices import get_device
 from autoshard.cost.memory import LiveMemory
 from autoshard.cost.mesh import MeshSpec
 from autoshard.errors import AutoshardError, MemoryBudgetError
+from autoshard.launch.graph_run import depth_names
 from autoshard.solver.baselines import plan_for_algo
 from autoshard.solver.options import SolverOptions
 from autoshard.solver.solve import SolveConfig, plan_model, strategies, trace
@@ -392,7 +393,13 @@ def test_a_reduced_depth_holds_what_every_block_traced_holds(tmp_path):
     once where it stands for one per block its middle block stands for (53.06 MiB of
     activations against 57.06: four residual streams of 1 MiB missing, and their adds'
     time), and the last block's gradients were looked up under its real name where the
-    graph's output names them by the traced one (none held)."""
+    graph's output names them by the traced one (none held).
+
+    The launch, which traces every block, pairs each of its nodes with the node of the
+    reduced trace that stands for it (:func:`depth_names`): every node finds one doing
+    the same op (until the same sitting the adds between blocks were paired by position
+    among the nodes outside every block: 4 left without a partner, 3 paired with another
+    op, and such a solution could not launch)."""
     path = tmp_path / "stack8.py"
     text = NORMED_STACK.replace("range(3)", "range(8)").replace("(4096, 256)", "(1024, 256)")
     path.write_text(text)  # fewer rows: the peak comes in the backward, with gradients
@@ -404,6 +411,10 @@ def test_a_reduced_depth_holds_what_every_block_traced_holds(tmp_path):
     assert reduced.extra["memory"]["gradients"] == full.extra["memory"]["gradients"]
     assert reduced.activation_bytes == full.activation_bytes
     assert reduced.memory_bytes == full.memory_bytes
+    whole, traced = full.sg.graph, reduced.sg.graph
+    names = depth_names(whole, traced)
+    assert set(names) == {n for n, i in whole.nodes.items() if i.kind != "output"}
+    assert all(whole.nodes[a].target == traced.nodes[b].target for a, b in names.items())
     assert reduced.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
 
 

@@ -140,7 +140,8 @@ def saved_for_backward(sg: StrategyGraph) -> list[str]:
     graph = sg.graph
     if graph.mode != "train":
         return []
-    saved = {_storage_base(graph, n) for n in graph.saved_for_backward()}
+    picked = getitem_sources(graph)
+    saved = {_storage_base(graph, n, picked) for n in graph.saved_for_backward()}
     saved |= {n for n, i in graph.nodes.items() if i.kind == "input"}
     return [
         n
@@ -149,17 +150,16 @@ def saved_for_backward(sg: StrategyGraph) -> list[str]:
     ]
 
 
-def _storage_base(graph: TracedGraph, name: str) -> str:
+def _storage_base(graph: TracedGraph, name: str, picked: dict[str, str]) -> str:
     """The node whose output ``name`` aliases: itself unless it is a view
     (:func:`~autoshard.trace.ops.is_view`), else its base's, down the chain; a ``getitem``
-    of a multi-output op is its own tensor, of a view op (``split``) that op's base."""
-    picked = None
+    of a multi-output op is its own tensor, of a view op (``split``) that op's base.
+    ``picked``: :func:`~autoshard.cost.liveness.getitem_sources` of ``graph``."""
     while True:
         info = graph.nodes[name]
         if info.kind != "op" or not is_view(info.target):
             return name
         if info.target is operator.getitem:
-            picked = picked if picked is not None else getitem_sources(graph)
             source = picked.get(name)
             if source is None or not is_view(graph.nodes[source].target):
                 return name
@@ -330,7 +330,7 @@ class LiveMemory:
         for r, c in choice.items():
             x[self.offsets[r] + c] = 1.0
         used = self.live.points @ (self.bytes @ x) + float(self.params @ x)
-        used = used + self._held(range(len(self.live.positions))) @ (self.gradients @ x)
+        used = used + held_sum(self.live.positions, self.made, self.gradients @ x)
         if columns(self.sg) is not None:
             ck = self.sg.checkpointing
             used = used - ck.freed(self.sg, chosen_strategies(self.sg, choice), recompute)
@@ -346,9 +346,7 @@ class LiveMemory:
         if self.live.points.shape[0] == 0:
             return []
         least = self.live.points @ _least_per_row(self.bytes)
-        if self.gradients.shape[0]:
-            held = self._held(range(len(self.live.positions)))
-            least = least + held @ _least_per_row(self.gradients)
+        least = least + held_sum(self.live.positions, self.made, _least_per_row(self.gradients))
         return [int(i) for i in np.argsort(-least, kind="stable")[:k]]
 
 
@@ -386,11 +384,13 @@ def gradient_held(
             ends[i.layer] = pos[n]
     made: list[int] = []
     held: list[tuple[str, np.ndarray]] = []
+    own = _block_aliases(graph)
     for name, info in _canonical_params(sg):
         factor = model.gradient_factor(info.results[0].dtype)
         # the graph's output names a gradient by the traced name; a tied one by any of
-        # its aliases (a depth-reduced graph's aliases are the real blocks' names)
-        names = [info.fqn, *graph.param_names.get(info.fqn, ())]
+        # its aliases, but a depth-reduced graph's block aliases are real blocks' names,
+        # which may be other traced blocks' (a frozen block would take another's)
+        names = [info.fqn, *(a for a in graph.param_names.get(info.fqn, ()) if a not in own)]
         grad = next((grads[a] for a in names if a in grads), None)
         if not factor or grad is None:
             continue
@@ -407,11 +407,36 @@ def gradient_held(
     return np.array(made, dtype=np.int64), held
 
 
+def _block_aliases(graph: TracedGraph) -> set[str]:
+    """The real block parameter names of a depth-reduced graph's aliases (empty when every
+    block was traced): not names its output gives gradients under."""
+    if graph.depth is None:
+        return set()
+    head = graph.depth.prefix + "." if graph.depth.prefix else ""
+    return {
+        a
+        for names in graph.param_names.values()
+        for a in names
+        if a.startswith(head) and a.removeprefix(head).split(".", 1)[0].isdigit()
+    }
+
+
 def held_at(positions: np.ndarray, made: np.ndarray) -> np.ndarray:
     """0/1, ``(len(positions), len(made))``: whether a gradient made at position ``made[g]``
     (:func:`gradient_held`) is held at a point at ``positions[k]``: from the point after
     its op."""
     return (positions[:, None] > made[None, :]).astype(float)
+
+
+def held_sum(positions: np.ndarray, made: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per point at ``positions[k]``, the sum of ``values[g]`` over the gradients held there
+    (:func:`held_at`'s rows times ``values``, without its dense points x gradients matrix:
+    a trace of every block has thousands of each)."""
+    if len(made) == 0:
+        return np.zeros(len(positions))
+    order = np.argsort(made, kind="stable")
+    total = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float)[order])])
+    return total[np.searchsorted(made[order], positions, side="left")]
 
 
 def peak_by_kind(
@@ -431,9 +456,7 @@ def peak_by_kind(
     if columns(sg) is not None:
         act = act - sg.checkpointing.freed(sg, node_strategy, recompute)
     made, held = gradient_held(sg, model)
-    grads = np.zeros(len(act))
-    if len(made):
-        local = np.array([vals[choice[rep]] for rep, vals in held])
-        grads = held_at(live.positions, made) @ local
+    local = np.array([vals[choice[rep]] for rep, vals in held])
+    grads = held_sum(live.positions, made, local)
     k = int(np.argmax(act + grads))
     return float(act[k]), float(grads[k])

@@ -60,7 +60,7 @@ from autoshard.strategies.rules import OpRule, op_rule
 from autoshard.strategies.strategy import Strategy
 from autoshard.trace.rerun_reads import shared_rerun_reads
 from autoshard.trace.selective import early_stops, recomputed_ops
-from autoshard.trace.tracer import TracedGraph, tensor_arg_nodes
+from autoshard.trace.tracer import TracedGraph, between_blocks, tensor_arg_nodes
 
 Placements = tuple[Placement, ...]
 
@@ -140,8 +140,11 @@ def depth_names(full: TracedGraph, reduced: TracedGraph) -> dict[str, str]:
     :func:`autoshard.trace.tracer.reduce_depth`) that stands for it.
 
     Nodes are matched by position: the k-th node of real block ``j`` is the k-th node of
-    the traced block that stands for ``j``; the k-th node outside every block is the k-th
-    outside. Nodes without a partner are left out (the caller reports them).
+    the traced block that stands for ``j``; the k-th op the model's own forward runs
+    between block ``j`` and the next (:func:`~autoshard.trace.tracer.between_blocks`: a
+    residual add around the blocks) is the k-th after that traced block; the k-th other
+    node outside every block is the k-th such. Nodes without a partner are left out (the
+    caller reports them).
     """
     depth = reduced.depth
     if depth is None:
@@ -149,19 +152,26 @@ def depth_names(full: TracedGraph, reduced: TracedGraph) -> dict[str, str]:
     stands = {j: t for t, real in enumerate(depth.stands_for) for j in real}
     firsts = [real[0] for real in depth.stands_for]  # reduced layers carry real first indices
 
-    def groups(graph: TracedGraph, key) -> dict[Any, list[str]]:
+    def groups(graph: TracedGraph) -> dict[Any, list[str]]:
+        gaps = between_blocks(graph)
         out: dict[Any, list[str]] = {}
         for name, info in graph.nodes.items():
             if info.kind != "output":
-                out.setdefault(key(info.layer), []).append(name)
+                key = ("after", gaps[name]) if name in gaps else info.layer
+                out.setdefault(key, []).append(name)
         return out
 
-    full_groups = groups(full, lambda layer: layer)
-    theirs = groups(reduced, lambda layer: layer)
+    def standing(key: Any) -> Any:  # a real block's key -> its traced block's
+        if key is None:
+            return None
+        if isinstance(key, tuple):
+            return ("after", firsts[stands[key[1]]])
+        return firsts[stands[key]]
+
+    theirs = groups(reduced)
     names: dict[str, str] = {}
-    for layer, members in full_groups.items():
-        key = None if layer is None else firsts[stands[layer]]
-        for a, b in zip(members, theirs.get(key, []), strict=False):
+    for key, members in groups(full).items():
+        for a, b in zip(members, theirs.get(standing(key), []), strict=False):
             names[a] = b
     return names
 

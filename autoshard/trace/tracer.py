@@ -863,35 +863,45 @@ def _expand_depth(graph: TracedGraph, depth: DepthReduction) -> None:
 
 
 def _forward_glue(graph: TracedGraph, depth: DepthReduction) -> dict[str, int]:
-    """Forward ops outside every block that run between traced block ``i``'s forward and
-    block ``i + 1``'s (a residual ``x = x + block(x)`` written in the model's own
-    ``forward``, around the blocks rather than inside them) -> how many real boundaries
-    they stand for: one per block that block ``i`` stands for, when that is more than
-    one. Their outputs are the next blocks' inputs, each kept for its block's backward,
-    so a middle block standing for five has five of them live at the turn to the
-    backward; counted once, the reduced trace held four residual streams too few (an
-    eight-block pre-norm stack: 212.25 MiB of activations at its peak, where the trace
-    of every block holds 228.25). Backward glue takes a block's layer
-    (:func:`_attribute_backward_glue`)."""
+    """Forward glue (:func:`between_blocks`) after a traced block that stands for more than
+    one -> how many real boundaries it stands for: one per block that block stands for.
+    Their outputs are the next blocks' inputs, each kept for its block's backward, so a
+    middle block standing for five has five of them live at the turn to the backward;
+    counted once, the reduced trace held four residual streams too few (an eight-block
+    pre-norm stack: 212.25 MiB of activations at its peak, where the trace of every block
+    holds 228.25). Backward glue takes a block's layer (:func:`_attribute_backward_glue`)."""
+    return {
+        n: len(depth.stands_for[b])
+        for n, b in between_blocks(graph).items()
+        if len(depth.stands_for[b]) > 1
+    }
+
+
+def between_blocks(graph: TracedGraph) -> dict[str, int]:
+    """Forward ops outside every block that run between block ``b``'s forward and the next
+    block's (a residual ``x = x + block(x)`` written in the model's own ``forward``, around
+    the blocks rather than inside them) -> ``b``, the layer the graph gives the block
+    before them (traced or real indices, as the graph holds them). Ops before the first
+    block or after the last are not between blocks."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     first: dict[int, int] = {}
     last: dict[int, int] = {}
+    layers: list[int] = []  # in the order their forwards start
     for n, info in graph.nodes.items():
         if info.kind == "op" and info.layer is not None and not info.backward:
+            if info.layer not in first:
+                layers.append(info.layer)
             first.setdefault(info.layer, order[n])
             last[info.layer] = order[n]
+    following = dict(itertools.pairwise(layers))
     out, block = {}, None  # the block whose forward ran last, in graph order
     for n, info in graph.nodes.items():
         if info.kind != "op" or info.backward:
             continue
         if info.layer is not None:
             block = info.layer
-        elif (
-            block is not None
-            and len(depth.stands_for[block]) > 1
-            and last[block] < order[n] < first.get(block + 1, -1)
-        ):
-            out[n] = len(depth.stands_for[block])
+        elif block in following and last[block] < order[n] < first[following[block]]:
+            out[n] = block
     return out
 
 
