@@ -105,6 +105,24 @@ class MemoryModel:
             factors.pop("gradients", None)
         return factors
 
+    def frozen_factors(self, dtype: torch.dtype) -> dict[str, float]:
+        """:meth:`per_param_factors` of a parameter that gets no gradient
+        (:meth:`~autoshard.trace.tracer.TracedGraph.frozen_params`): no gradient and no
+        AdamW moments (``torch.optim.AdamW`` makes a parameter's state at its first step
+        with a gradient); in mixed precision the fp32 copy it is stored as stays, counted
+        with the parameter."""
+        if self.mode != "train" or not self.mixed:
+            return {"parameters": 1.0}
+        return {"parameters": 1.0 + FP32_MASTER_BYTES / dtype.itemsize}
+
+    def kept(self, dtype: torch.dtype, frozen: bool, held: bool = False) -> dict[str, float]:
+        """Bytes per byte of local parameter, by kind: :meth:`frozen_factors` for a
+        frozen parameter, else :meth:`held_factors` (``held``) or
+        :meth:`per_param_factors`."""
+        if frozen:
+            return self.frozen_factors(dtype)
+        return self.held_factors(dtype) if held else self.per_param_factors(dtype)
+
     def gradient_factor(self, dtype: torch.dtype) -> float:
         """Bytes per byte of local parameter of its gradient where it is held per point,
         from the op that makes it (:attr:`gradients_per_point`; the gradients of
@@ -171,12 +189,9 @@ def _storage_base(graph: TracedGraph, name: str, picked: dict[str, str]) -> str:
 
 
 def gradient_nodes(graph: TracedGraph) -> dict[str, str]:
-    """Parameter FQN -> the node that is its gradient (an argument of the training graph's
-    output, ``NodeInfo.grad_of``); empty in inference."""
-    out = next((i for i in reversed(graph.nodes.values()) if i.kind == "output"), None)
-    if out is None:
-        return {}
-    return {p: a for a, p in zip(out.arg_nodes, out.grad_of, strict=False) if p is not None}
+    """Parameter FQN -> the node that is its gradient
+    (:meth:`~autoshard.trace.tracer.TracedGraph.gradients`); empty in inference."""
+    return graph.gradients()
 
 
 def memory_rows(
@@ -191,7 +206,7 @@ def memory_rows(
 
     Returns rep name -> array over its strategies; reps that keep nothing are absent.
     """
-    rows = _param_rows(sg, lambda t: sum(model.per_param_factors(t.dtype).values()))
+    rows = _param_rows(sg, lambda t, frozen: sum(model.kept(t.dtype, frozen).values()))
     for name in saved_for_backward(sg):
         _add_row(sg, rows, name, 0, activation_copies)
     return rows
@@ -217,10 +232,12 @@ def _add_row(sg: StrategyGraph, rows: dict[str, np.ndarray], node: str, index: i
 
 def _param_rows(sg: StrategyGraph, factor) -> dict[str, np.ndarray]:  # noqa: ANN001
     """Per representative, its parameters' local bytes under each strategy times
-    ``factor(TensorInfo)`` (bytes kept per byte of parameter)."""
+    ``factor(TensorInfo, frozen)`` (bytes kept per byte of parameter; ``frozen``: it gets
+    no gradient)."""
     rows: dict[str, np.ndarray] = {}
+    frozen = sg.graph.frozen_params()
     for name, info in _canonical_params(sg):
-        _add_row(sg, rows, name, 0, factor(info.results[0]))
+        _add_row(sg, rows, name, 0, factor(info.results[0], name in frozen))
     return rows
 
 
@@ -235,11 +252,12 @@ def memory_by_kind(
     held or not at its peak (:func:`peak_by_kind` gives the gradients held there)."""
     out: dict[str, float] = {}
     mesh = sg.mesh_shape
+    frozen = sg.graph.frozen_params()
     for name, info in _canonical_params(sg):
         ns = sg.nodes[name]
         ps = ns.strategies[ns.choice[choice[ns.rep]]].outputs[0]
         b = sg.graph.mult(name) * local_bytes(info.results[0], ps, mesh)
-        for kind, f in model.per_param_factors(info.results[0].dtype).items():
+        for kind, f in model.kept(info.results[0].dtype, name in frozen).items():
             out[kind] = out.get(kind, 0.0) + f * b
     saved = 0.0
     for name in saved_for_backward(sg):
@@ -275,7 +293,7 @@ class LiveMemory:
         self.sg = sg
         self.live = liveness(sg.graph)
         self.params = ilp_row(
-            sg, _param_rows(sg, lambda t: sum(model.held_factors(t.dtype).values()))
+            sg, _param_rows(sg, lambda t, frozen: sum(model.kept(t.dtype, frozen, True).values()))
         )
         offsets, pos = {}, 0
         for r in sg.reps:
@@ -384,14 +402,11 @@ def gradient_held(
             ends[i.layer] = pos[n]
     made: list[int] = []
     held: list[tuple[str, np.ndarray]] = []
-    own = _block_aliases(graph)
     for name, info in _canonical_params(sg):
         factor = model.gradient_factor(info.results[0].dtype)
-        # the graph's output names a gradient by the traced name; a tied one by any of
-        # its aliases, but a depth-reduced graph's block aliases are real blocks' names,
-        # which may be other traced blocks' (a frozen block would take another's)
-        names = [info.fqn, *(a for a in graph.param_names.get(info.fqn, ()) if a not in own)]
-        grad = next((grads[a] for a in names if a in grads), None)
+        # by the traced name, or a tied one's alias; never another traced block's name
+        # (a frozen middle block took the last block's gradient through a real name)
+        grad = next((grads[a] for a in graph.traced_names(info.fqn) if a in grads), None)
         if not factor or grad is None:
             continue
         rows: dict[str, np.ndarray] = {}
@@ -405,20 +420,6 @@ def gradient_held(
             made.append(pos[grad])
             held.append((rep, vals))
     return np.array(made, dtype=np.int64), held
-
-
-def _block_aliases(graph: TracedGraph) -> set[str]:
-    """The real block parameter names of a depth-reduced graph's aliases (empty when every
-    block was traced): not names its output gives gradients under."""
-    if graph.depth is None:
-        return set()
-    head = graph.depth.prefix + "." if graph.depth.prefix else ""
-    return {
-        a
-        for names in graph.param_names.values()
-        for a in names
-        if a.startswith(head) and a.removeprefix(head).split(".", 1)[0].isdigit()
-    }
 
 
 def held_at(positions: np.ndarray, made: np.ndarray) -> np.ndarray:

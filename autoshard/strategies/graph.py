@@ -402,6 +402,7 @@ class _Builder:
         self.optimizer = "adamw-fused"  # the AdamW implementation priced (adamw_step_time)
         self.grad_accumulation = 1  # micro-batches per step (graph is one of them)
         self.grad_itemsize: int | None = None  # bytes per kept gradient element
+        self.frozen = graph.frozen_params()  # no gradient: no optimizer step either
         self.collective_cost: Callable[[str, float, int], float] | None = None
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.infos = {
@@ -484,9 +485,10 @@ class _Builder:
         else:
             cands = all_placements(shape, self.mesh_shape)
         strategies = [Strategy((c,), ()) for c in cands]
-        # a parameter's own cost is its optimizer step (training); an input's is 0
+        # a parameter's own cost is its optimizer step (training; a frozen one has none:
+        # AdamW skips a parameter without a gradient); an input's is 0
         step = np.zeros(len(strategies))
-        if info.kind == "param" and self.graph.mode == "train":
+        if info.kind == "param" and self.graph.mode == "train" and name not in self.frozen:
             t = info.results[0]
             step = np.array(
                 [

@@ -153,6 +153,43 @@ class TracedGraph:
                 )
         return [n for n in self.nodes if n in saved]
 
+    def gradients(self) -> dict[str, str]:
+        """Parameter FQN (as traced) -> the node that is its gradient (an argument of the
+        training graph's output, ``NodeInfo.grad_of``); empty in inference."""
+        out = next((i for i in reversed(self.nodes.values()) if i.kind == "output"), None)
+        if out is None:
+            return {}
+        return {p: a for a, p in zip(out.arg_nodes, out.grad_of, strict=False) if p is not None}
+
+    def frozen_params(self) -> frozenset[str]:
+        """The parameter nodes of a training graph that get no gradient (``requires_grad``
+        off: a frozen layer, a LoRA's base weights): no gradient to keep or reduce, and
+        ``torch.optim.AdamW`` keeps no state for them and skips them in its step. Empty
+        in inference. A tied parameter is trained when any of its names gets one."""
+        if self.mode != "train":
+            return frozenset()
+        grads = self.gradients()
+        return frozenset(
+            n
+            for n, i in self.nodes.items()
+            if i.kind == "param" and not any(a in grads for a in self.traced_names(i.fqn))
+        )
+
+    def traced_names(self, fqn: str) -> list[str]:
+        """The names the graph may give parameter ``fqn``'s tensor (its output names a
+        gradient by one): ``fqn`` itself, then its tied aliases. A depth-reduced graph's
+        aliases of a block parameter are the real blocks' names it stands for, which may
+        be other traced blocks' names: those are left out."""
+        names = self.param_names.get(fqn, ())
+        if self.depth is not None:
+            head = self.depth.prefix + "." if self.depth.prefix else ""
+            names = [
+                a
+                for a in names
+                if not (a.startswith(head) and a.removeprefix(head).split(".", 1)[0].isdigit())
+            ]
+        return [fqn, *(a for a in names if a != fqn)]
+
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read it."""
         out: dict[str, list[str]] = defaultdict(list)
