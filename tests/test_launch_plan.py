@@ -100,6 +100,49 @@ def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
         assert f"not lowered: {held}: what these ops send" in run.stdout, run.stdout
 
 
+RESIDUAL_AROUND_BLOCKS = """
+import torch
+from torch import nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+            for _ in range(6)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)  # the residual in the model's own forward, around the block
+        return x
+
+
+def build_model():
+    return Stack()
+
+
+def example_inputs():
+    return (torch.randn(16, 32),)
+"""
+
+
+def test_a_reduced_trace_of_blocks_with_the_residual_around_them_launches(tmp_path: Path) -> None:
+    """Six blocks whose residual add is written in the model's own ``forward``, solved on
+    a depth-reduced trace (a middle block standing for three), launch on 4 gloo ranks
+    and train like one device, their collectives as predicted: the launch traces every
+    block and pairs each add between blocks with the add after the traced block that
+    stands for its block (``depth_names``). Until 2026-12-07 (seventh sitting) it paired
+    them by position among every node outside the blocks and refused the solution ("3
+    changed (add_4 (aten.mean.default -> aten.add.Tensor) ...")."""
+    model = write_model(tmp_path, RESIDUAL_AROUND_BLOCKS, "residual_stack")
+    plan = solve(model, tmp_path, "2x2")  # more than 4 blocks: the trace is reduced
+    run = ranks(4, str(plan), str(model), "--train", "--check")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert_runs_the_plan(run.stdout)
+
+
 TRANSFORMER_ENCODER = """
 import torch
 from torch import nn
