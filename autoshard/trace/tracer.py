@@ -353,12 +353,40 @@ class DepthReduction:
         return [f"{head}{j}{tail}" for j in self.stands_for[int(index)]]
 
 
-def _reduced_groups(start: int, end: int) -> list[tuple[int, ...]]:
+def _reduced_groups(start: int, end: int, alike: Sequence[Any]) -> list[tuple[int, ...]]:
     """The traced blocks of blocks ``start..end-1``: the first two, one middle block
-    standing for the others but the last, and the last (each its own when 4 or fewer)."""
+    standing for each run of middle blocks alike (``alike[j]``, :func:`_block_signature`:
+    one run when they all are; a run's last block its own when the block after it is not
+    alike), and the last (each its own when 4 or fewer)."""
     if end - start <= 4:
         return [(j,) for j in range(start, end)]
-    return [(start,), (start + 1,), tuple(range(start + 2, end - 1)), (end - 1,)]
+    runs: list[list[int]] = []
+    for j in range(start + 2, end - 1):
+        if runs and alike[j] == alike[runs[-1][0]]:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    groups: list[tuple[int, ...]] = [(start,), (start + 1,)]
+    for run in runs:
+        # the ops between a traced block and the next stand for those after each block of
+        # its run: when the block after the run differs, the last boundary does too
+        if len(run) > 1 and alike[run[-1] + 1] != alike[run[0]]:
+            groups += [tuple(run[:-1]), (run[-1],)]
+        else:
+            groups.append(tuple(run))
+    return [*groups, (end - 1,)]
+
+
+def _block_signature(block: torch.nn.Module) -> tuple:
+    """What must agree for one traced block to stand for another: its class, and each
+    parameter's and buffer's name, shape, dtype and (parameters) whether it gets a
+    gradient. A frozen block (``requires_grad_(False)``) has no weight gradients, no
+    optimizer step and no state: a trainable one traced in its place priced them away."""
+    params = tuple(
+        (n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()
+    )
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
+    return (type(block), params, buffers)
 
 
 def reduce_depth(
@@ -370,9 +398,10 @@ def reduce_depth(
 
     Identical middle blocks cost the same and get the same plan, so one traced middle
     block stands for all of them; its costs are counted ``L - 3`` times (see
-    :attr:`TracedGraph.multiplicity`). Returns ``None`` (and changes nothing) when the
-    model has at most ``keep`` blocks or its blocks are not an ``nn.ModuleList`` /
-    ``nn.Sequential``.
+    :attr:`TracedGraph.multiplicity`). Middle blocks that differ (:func:`_block_signature`:
+    some frozen, others trained) get one traced block per run of alike ones. Returns
+    ``None`` (and changes nothing) when the model has at most ``keep`` blocks or its
+    blocks are not an ``nn.ModuleList`` / ``nn.Sequential``.
 
     ``bounds(L)``: pipeline stage boundaries ``0 = b_0 < ... < b_S = L`` over the ``L``
     blocks (or ``None``: trace every block); each stage is then reduced on its own (its
@@ -401,7 +430,13 @@ def reduce_depth(
             f"stage boundaries {cuts} do not split the {n} repeated blocks into "
             f"nonempty stages (0 = b_0 < ... < b_S = {n})"
         )
-    stands_for = tuple(g for a, b in itertools.pairwise(cuts) for g in _reduced_groups(a, b))
+    # alike: the same signature, and gradients flowing into its input or not (a trained
+    # block before it: the first trained block after frozen ones makes no input gradient)
+    alike, upstream = [], False
+    for j in range(n):
+        alike.append((_block_signature(container[j]), upstream))
+        upstream = upstream or any(q.requires_grad for q in container[j].parameters())
+    stands_for = tuple(g for a, b in itertools.pairwise(cuts) for g in _reduced_groups(a, b, alike))
     if len(stands_for) == n:  # every block traced: nothing to reduce
         return None
     kept = [g[0] for g in stands_for]
