@@ -118,7 +118,7 @@ def test_a_depth_reduced_model_s_last_block_planned_apart_is_reported_not_a_cras
     planted = dataclasses.replace(plan, parameters={**plan.parameters, name: other})
     lines = block_differences(planted)
     assert lines == [
-        "block 5 planned unlike blocks 0-4: blocks 0-4' plan there would cost the same "
+        "block 5 planned unlike blocks 0-4: the plan of blocks 0-4 there would cost the same "
         "(the two are equally fast here)"
     ], lines
 
@@ -133,7 +133,7 @@ def test_a_depth_reduced_model_s_last_block_planned_apart_is_reported_not_a_cras
     monkeypatch.setattr(objective, "evaluate", lambda sg, choice: next(calls)(sg, choice))
     lines = block_differences(planted)
     assert lines == [
-        "block 5 planned unlike blocks 0-4: blocks 0-4' plan does not join this block's "
+        "block 5 planned unlike blocks 0-4: the plan of blocks 0-4 does not join this block's "
         "neighbours here (no priced redistribution between them), so it cannot be compared"
     ], lines
 

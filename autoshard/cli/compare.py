@@ -14,6 +14,7 @@ from autoshard.cli.options import (
     config_from_options,
     mesh_options,
     plan_options,
+    report_console,
 )
 from autoshard.errors import AutoshardError
 from autoshard.solver.options import COMPARED
@@ -86,7 +87,7 @@ def compare_command(model_file, plans, as_json, **opts) -> None:
             )
         )
         return
-    console = Console()
+    console = report_console()
     title = (
         f"{graph.model_name} on mesh {mesh.shape_str} ({', '.join(mesh.dim_names)}), "
         f"device {device.name}: predicted time and memory per device"

@@ -636,3 +636,17 @@ def refuse_overwriting_preload(preload: Path | None, out_dir: Path, stem: str) -
                 f"this solve would write {target}, which is the --preload file: give another "
                 "--out so that the stored plan is kept"
             )
+
+
+REPORT_WIDTH = 160
+"""Columns of a report written to a file or a pipe: rich takes 80 there, which cut the
+compare table's numbers ("all-gath…", "-1.19…")."""
+
+
+def report_console(**kwargs) -> Console:  # noqa: ANN003 - rich.console.Console's own
+    """A rich ``Console`` for a report: the terminal's width on a terminal, else
+    :data:`REPORT_WIDTH` columns (or ``COLUMNS`` when set)."""
+    console = Console(**kwargs)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(width=REPORT_WIDTH, **kwargs)

@@ -22,6 +22,7 @@ from autoshard.cli.options import (
     mesh_options,
     plan_options,
     refuse_overwriting_preload,
+    report_console,
 )
 from autoshard.cost.mesh import MAX_DEVICES, MeshSpec, respects_nodes
 from autoshard.errors import AutoshardError
@@ -182,7 +183,7 @@ def solve_command(
     from autoshard.plan.export import output_stem
     from autoshard.solver.meshes import plan_mesh
 
-    console = Console(stderr=as_json, quiet=quiet)
+    console = report_console(stderr=as_json, quiet=quiet)
     check_writable(out_dir)  # before any work: a solve's result is never lost to --out
     if html_path is not None:
         check_writable_file(html_path, "--html")

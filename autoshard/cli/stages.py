@@ -14,6 +14,7 @@ from autoshard.cli.options import (
     Progress,
     mesh_and_device,
     mesh_options,
+    report_console,
     step_options,
 )
 from autoshard.errors import AutoshardError
@@ -180,7 +181,7 @@ def stages_command(
                 microbatches,
                 budget,
                 out_dir,
-                Console(quiet=quiet),
+                report_console(quiet=quiet),
                 log,
                 split_rule,
             )

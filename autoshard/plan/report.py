@@ -205,7 +205,7 @@ def block_differences(plan: Plan) -> list[str]:
             continue
         which = ("block " if len(blocks) == 1 else "blocks ") + format_ranges(blocks)
         others = ("block " if len(usual) == 1 else "blocks ") + format_ranges(usual)
-        of_others = others + ("'s" if len(usual) == 1 else "'")
+        of_others = f"the plan of {others}"
         b = next((traced[k] for k in blocks if k in traced), None)
         twins = [u for u in usual if u in traced and traced[u] != b]
         if b is None or not twins:
@@ -227,16 +227,16 @@ def block_differences(plan: Plan) -> list[str]:
         delta = (evaluate(sg, choice) - base) * plan.grad_accumulation  # the step's
         if not math.isfinite(delta):
             why = (
-                f"{of_others} plan does not join this block's neighbours here (no priced "
+                f"{of_others} does not join this block's neighbours here (no priced "
                 "redistribution between them), so it cannot be compared"
             )
         elif abs(delta) <= 1e-9 * max(base, 1e-12):
-            why = f"{of_others} plan there would cost the same (the two are equally fast here)"
+            why = f"{of_others} there would cost the same (the two are equally fast here)"
         elif delta > 0:
-            why = f"{of_others} plan there would add {format_seconds(delta)} to the step"
+            why = f"{of_others} there would add {format_seconds(delta)} to the step"
         else:
             why = (
-                f"{of_others} plan there would be {format_seconds(-delta)} faster: the solver "
+                f"{of_others} there would be {format_seconds(-delta)} faster: the solver "
                 "stopped within its gap, or the memory budget chose this"
             )
         lines.append(f"{which} planned unlike {others}: {why}")
@@ -390,7 +390,7 @@ def memory_table(plan: Plan, budget: float | None = None) -> Table:
     table.add_column("bytes", justify="right")
     labels = {"activations": "activations (live at the peak)"}
     if plan.extra.get("gradients_per_point"):  # freed each step: those made by the peak
-        labels["gradients"] = "gradients (made by the peak)"
+        labels["gradients"] = "gradients (held at the peak; freed after each step)"
     for kind, b in plan.memory_by_kind().items():
         table.add_row(labels.get(kind, kind.replace("_", " ")), format_bytes(b))
     total = f"[bold]{format_bytes(plan.memory_bytes)}[/bold]"
@@ -759,7 +759,8 @@ def print_report(
             listed = ", ".join(traced[:-1]) + " and " + traced[-1]
             parts.append(f"traced blocks {listed} of {depth.num_blocks}")
         if sg.tied_layers:
-            parts.append(f"{sg.tied_layers} traced layers share the first one's variables")
+            layers = "layer shares" if sg.tied_layers == 1 else "layers share"
+            parts.append(f"{sg.tied_layers} traced {layers} the first one's variables")
         console.print("repeated layers: " + "; ".join(parts) + " (--no-tie to solve each)")
     fell = fallback_line(plan, facts.fallbacks)
     if fell is not None:

@@ -1069,7 +1069,7 @@ def _mip_result(
             raise MemoryBudgetError(
                 f"no plan fits the memory budget of {format_bytes(memory[1])} per device: every "
                 f"plan in the search space needs at least {format_bytes(least)}; "
-                "raise --memory-budget, use more devices, or a smaller --dtype",
+                "raise --memory-budget or use more devices",
                 least,
             )
         raise AutoshardError("no sharding plan satisfies the constraints (ILP infeasible)")

@@ -209,7 +209,8 @@ class SolveConfig:
             )
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise AutoshardError(
-                f"--memory-budget (memory_budget) must be positive, got {self.memory_budget}"
+                "--memory-budget (memory_budget) must be a positive size, e.g. 70GiB, got "
+                f"{self.memory_budget}"
             )
         for what, value in (("input", self.input_placement), ("output", self.output_placement)):
             if value not in ("free", "replicate"):
