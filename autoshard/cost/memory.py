@@ -109,11 +109,12 @@ class MemoryModel:
         """:meth:`per_param_factors` of a parameter that gets no gradient
         (:meth:`~autoshard.trace.tracer.TracedGraph.frozen_params`): no gradient and no
         AdamW moments (``torch.optim.AdamW`` makes a parameter's state at its first step
-        with a gradient); in mixed precision the fp32 copy it is stored as stays, counted
-        with the parameter."""
+        with a gradient); in mixed precision the fp32 copy it is stored as stays
+        (``frozen_fp32_copies``: no optimizer state, but held as a trained parameter's
+        master copy is)."""
         if self.mode != "train" or not self.mixed:
             return {"parameters": 1.0}
-        return {"parameters": 1.0 + FP32_MASTER_BYTES / dtype.itemsize}
+        return {"parameters": 1.0, "frozen_fp32_copies": FP32_MASTER_BYTES / dtype.itemsize}
 
     def kept(self, dtype: torch.dtype, frozen: bool, held: bool = False) -> dict[str, float]:
         """Bytes per byte of local parameter, by kind: :meth:`frozen_factors` for a

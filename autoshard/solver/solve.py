@@ -521,7 +521,8 @@ def finish_plan(
         add_fsdp_copies(plan, version, config.device.compute_time, dtype)
     model = config.memory_model(name)
     mem = memory_by_kind(sg, choice, model, recompute)
-    plan.extra["memory"] = {k: mem[k] for k in ("gradients", "optimizer_state") if k in mem}
+    kinds = ("gradients", "optimizer_state", "frozen_fp32_copies")
+    plan.extra["memory"] = {k: mem[k] for k in kinds if k in mem}
     if model.gradients_per_point:  # the gradients held at the peak, not all of them
         plan.activation_bytes, held = peak_by_kind(sg, choice, model, recompute)
         plan.extra["memory"]["gradients"] = held
