@@ -422,6 +422,57 @@ def example_inputs():
 """
 
 
+NORMED_STACK_TEMPLATE = """
+import torch
+from torch import nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm({d}), nn.Linear({d}, {h}), nn.ReLU(), nn.Linear({h}, {d}))
+            for _ in range({blocks})
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)  # the residual in the model's own forward, around the block
+        return x
+
+
+def build_model():
+    model = Stack()
+    for block in list(model.blocks)[{frozen}]:
+        block.requires_grad_(False)  # frozen, as a fine-tune freezes layers
+    return model
+
+
+def example_inputs():
+    return (torch.randn({rows}, {d}),)
+"""
+
+
+def normed_stack(
+    blocks: int = 3, rows: int = 4096, d: int = 256, h: int = 1024, frozen: str = "0:0"
+) -> str:
+    """A model file: ``blocks`` pre-norm residual blocks (LayerNorm, Linear(d, h), ReLU,
+    Linear(h, d)), the residual add in the model's own ``forward``; input (rows, d); the
+    blocks of the slice ``frozen`` (``"2:7"``) frozen, none by default."""
+    return NORMED_STACK_TEMPLATE.format(blocks=blocks, rows=rows, d=d, h=h, frozen=frozen)
+
+
+def eager(text: str) -> tuple:
+    """The model file ``text`` built as it runs eagerly: ``(build_model(),
+    example_inputs())``, seeded."""
+    import torch  # noqa: PLC0415 - the ranks' helpers here import no torch
+
+    scope: dict = {}
+    exec(compile(text, "<model file>", "exec"), scope)  # noqa: S102 - the tests' own text
+    torch.manual_seed(0)
+    return scope["build_model"](), scope["example_inputs"]()
+
+
 def write_model(tmp_path: Path, text: str, name: str) -> Path:
     """``text`` as the model file ``<tmp_path>/<name>.py``."""
     path = tmp_path / f"{name}.py"

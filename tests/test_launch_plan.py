@@ -22,6 +22,7 @@ from helpers import (
     MIXTRAL_SMALL,
     assert_checked,
     autoshard_cli,
+    normed_stack,
     ranks,
     write_mlp,
     write_model,
@@ -100,32 +101,7 @@ def test_solved_plan_runs_as_predicted_and_trains_like_one_device(
         assert f"not lowered: {held}: what these ops send" in run.stdout, run.stdout
 
 
-RESIDUAL_AROUND_BLOCKS = """
-import torch
-from torch import nn
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-            for _ in range(6)
-        )
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)  # the residual in the model's own forward, around the block
-        return x
-
-
-def build_model():
-    return Stack()
-
-
-def example_inputs():
-    return (torch.randn(16, 32),)
-"""
+RESIDUAL_AROUND_BLOCKS = normed_stack(blocks=6, rows=16, d=32, h=64)
 
 
 def test_a_reduced_trace_of_blocks_with_the_residual_around_them_launches(tmp_path: Path) -> None:

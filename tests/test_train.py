@@ -11,7 +11,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import BERT_SMALL, LLAMA_SMALL, write_mlp, write_mlp_mse, write_model
+from helpers import (
+    BERT_SMALL,
+    LLAMA_SMALL,
+    eager,
+    normed_stack,
+    write_mlp,
+    write_mlp_mse,
+    write_model,
+)
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cost.devices import get_device
@@ -265,32 +273,7 @@ def test_the_first_budget_row_is_the_peak_when_gradients_make_it(tmp_path):
     assert live.first_points() == [int(np.argmax(used))]
 
 
-NORMED_STACK = """
-import torch
-from torch import nn
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
-            for _ in range(3)
-        )
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return x
-
-
-def build_model():
-    return Stack()
-
-
-def example_inputs():
-    return (torch.randn(4096, 256),)
-"""
+NORMED_STACK = normed_stack()  # three blocks of 256 -> 1,024 -> 256, 4,096 rows
 
 
 @pytest.mark.slow
@@ -306,13 +289,8 @@ def test_the_peak_of_a_step_is_what_pytorch_s_mem_tracker_finds(tmp_path):
     every norm's output missing), and held every gradient for the whole step."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    path = tmp_path / "stack.py"
-    path.write_text(NORMED_STACK)
-    namespace: dict = {}
-    exec(compile(NORMED_STACK, str(path), "exec"), namespace)  # noqa: S102
-    torch.manual_seed(0)
-    model = namespace["build_model"]()
-    (x,) = namespace["example_inputs"]()
+    path = write_model(tmp_path, NORMED_STACK, "stack")
+    model, (x,) = eager(NORMED_STACK)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
 
     def step() -> None:
@@ -338,11 +316,8 @@ def test_every_parameter_s_gradient_is_held_a_tied_one_included(tmp_path):
     too. (Before, the tied one was missing: 66,048 of 578,048 bytes.)"""
     from autoshard.cost.memory import gradient_held
 
-    path = tmp_path / "tied.py"
-    path.write_text(TIED)
-    namespace: dict = {}
-    exec(compile(TIED, str(path), "exec"), namespace)  # noqa: S102
-    model = namespace["build_model"]()
+    path = write_model(tmp_path, TIED, "tied")
+    model, _ = eager(TIED)
     every = 4 * sum(p.numel() for p in model.parameters())  # fp32, tied counted once
     config = SolveConfig(model_path=path, mesh=MeshSpec.from_options("1"), tie=False)
     sg = strategies(config, trace(config))
@@ -400,9 +375,8 @@ def test_a_reduced_depth_holds_what_every_block_traced_holds(tmp_path):
     the same op (until the same sitting the adds between blocks were paired by position
     among the nodes outside every block: 4 left without a partner, 3 paired with another
     op, and such a solution could not launch)."""
-    path = tmp_path / "stack8.py"
-    text = NORMED_STACK.replace("range(3)", "range(8)").replace("(4096, 256)", "(1024, 256)")
-    path.write_text(text)  # fewer rows: the peak comes in the backward, with gradients
+    # fewer rows: the peak comes in the backward, with gradients
+    path = write_model(tmp_path, normed_stack(blocks=8, rows=1024), "stack8")
     config = SolveConfig(model_path=path, mesh=MeshSpec.from_options("1"))
     full = plan_model(replace(config, tie=False)).plan
     reduced = plan_model(config).plan
@@ -423,11 +397,8 @@ def _autograd_saved_bytes(text: str) -> int:
     eager forward pass of the model file ``text`` (eval mode: no dropout masks, as the
     trace runs it), the parameters' own storages left out; the loss is autoshard's
     default, the mean of the output."""
-    scope: dict = {}
-    exec(compile(text, "<model file>", "exec"), scope)  # noqa: S102 - the test's own file
-    torch.manual_seed(0)
-    model = scope["build_model"]().eval()
-    (ids,) = scope["example_inputs"]()
+    model, (ids,) = eager(text)
+    model.eval()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -460,21 +431,6 @@ def test_the_saved_activations_are_what_autograd_saves(tmp_path, name):
     assert plan.extra["saved_activations"] == pytest.approx(expected, rel=0.06)
 
 
-def _frozen_stack(frozen: str) -> str:
-    """Eight pre-norm blocks (1,024 x 256), the blocks of the slice ``frozen`` frozen."""
-    return (
-        NORMED_STACK.replace("range(3)", "range(8)")
-        .replace("(4096, 256)", "(1024, 256)")
-        .replace(
-            "def build_model():\n    return Stack()",
-            "def build_model():\n    model = Stack()\n"
-            f"    for block in list(model.blocks)[{frozen}]:\n"
-            "        block.requires_grad_(False)  # frozen, as a fine-tune freezes layers\n"
-            "    return model",
-        )
-    )
-
-
 @pytest.mark.slow  # three plans of eight blocks and an eager step (5 s)
 @pytest.mark.parametrize("frozen, trained", [("2:7", 3), ("0:4", 4)])
 def test_a_frozen_parameter_keeps_no_gradient_and_no_optimizer_state(tmp_path, frozen, trained):
@@ -490,15 +446,12 @@ def test_a_frozen_parameter_keeps_no_gradient_and_no_optimizer_state(tmp_path, f
     frozen), the reduced trace gave a frozen middle block the last block's gradient, found
     under a real block name that is another traced block's, and one traced block stood
     for frozen and trained blocks alike (blocks 0-3 frozen: one input gradient too few)."""
-    text = _frozen_stack(frozen)
+    text = normed_stack(blocks=8, rows=1024, frozen=frozen)
     path = write_model(tmp_path, text, "frozen")
     config = SolveConfig(model_path=path, mesh=MeshSpec.from_options("1"))
     full = plan_model(replace(config, tie=False)).plan
     reduced = plan_model(config).plan
-    scope: dict = {}
-    exec(compile(text, "<model file>", "exec"), scope)  # noqa: S102 - the test's own text
-    model = scope["build_model"]()
-    (x,) = scope["example_inputs"]()
+    model, (x,) = eager(text)
     optimizer = torch.optim.AdamW(model.parameters())
     model(x).mean().backward()
     optimizer.step()
@@ -513,7 +466,7 @@ def test_a_frozen_parameter_keeps_no_gradient_and_no_optimizer_state(tmp_path, f
     everything = plan_model(
         replace(
             config,
-            model_path=write_model(tmp_path, _frozen_stack("0:0"), "trained"),
+            model_path=write_model(tmp_path, normed_stack(blocks=8, rows=1024), "trained"),
             tie=False,
         )
     ).plan
@@ -524,9 +477,9 @@ def test_a_frozen_parameter_s_fp32_copy_is_in_the_reported_memory(tmp_path):
     """Under ``--precision bf16-mixed`` a frozen parameter keeps its fp32 copy (4 bytes an
     element beside the bf16 one the step computes with) and nothing else: the plan's
     reported memory holds it, as the budget rows the ILP fits do (their largest row under
-    the plan is the reported total). It was in the rows but not the report until the
-    same sitting (two blocks, one frozen: 11.30 MB reported where the rows held 13.41)."""
-    path = write_model(tmp_path, _frozen_stack("2:7"), "frozen")
+    the plan is the reported total). It was in the rows but not the report until
+    2026-12-07 (seventh sitting): this model reported 58.36 MB where the rows held 68.88."""
+    path = write_model(tmp_path, normed_stack(blocks=8, rows=1024, frozen="2:7"), "frozen")
     config = SolveConfig(
         model_path=path, mesh=MeshSpec.from_options("1"), precision="bf16-mixed", tie=False
     )

@@ -647,6 +647,6 @@ def report_console(**kwargs) -> Console:  # noqa: ANN003 - rich.console.Console'
     """A rich ``Console`` for a report: the terminal's width on a terminal, else
     :data:`REPORT_WIDTH` columns (or ``COLUMNS`` when set)."""
     console = Console(**kwargs)
-    if console.is_terminal or os.environ.get("COLUMNS"):
-        return console
-    return Console(width=REPORT_WIDTH, **kwargs)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = REPORT_WIDTH
+    return console

@@ -108,6 +108,29 @@ def getitem_sources(graph: TracedGraph) -> dict[str, str]:
     return out
 
 
+def view_base(graph: TracedGraph, name: str, picked: dict[str, str] | None = None) -> str:
+    """The node whose output ``name`` aliases: itself unless it is a view
+    (:func:`~autoshard.trace.ops.is_view`), else its base's, down the chain; a parameter
+    ends the chain (a weight read as its transpose is the weight). A ``getitem`` of a
+    multi-output op is its own tensor; of a view op (``split``), that op's base.
+    ``picked``: :func:`getitem_sources` of ``graph``, computed here when a ``getitem``
+    needs it and not given."""
+    while True:
+        info = graph.nodes.get(name)  # an output sink ("output.<k>") is no node
+        if info is None or info.kind != "op" or not is_view(info.target):
+            return name
+        if info.target is operator.getitem:
+            picked = getitem_sources(graph) if picked is None else picked
+            source = picked.get(name)
+            if source is None or not is_view(graph.nodes[source].target):
+                return name
+            name = source
+        elif info.arg_nodes:
+            name = info.arg_nodes[0]
+        else:
+            return name
+
+
 def liveness(graph: TracedGraph) -> Liveness:
     """The :class:`Liveness` of ``graph`` (computed once per graph, then cached on it)."""
     if graph.liveness is not None:

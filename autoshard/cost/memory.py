@@ -11,8 +11,8 @@ Per parameter element on one device (its local shard):
 Gradients: a step that frees its gradients after the optimizer step
 (``zero_grad(set_to_none=True)``, PyTorch's default since 2.0, as torchtitan and autoshard's
 launcher run it) holds each gradient, at its parameter's placement, from the op that makes
-it (the point after it) to the step's end (:func:`gradient_nodes`, :func:`gradient_held`),
-and none at the turn from forward to backward, where activations peak. PyTorch's
+it (the point after it) to the step's end (:func:`gradient_held`), and none at the turn
+from forward to backward, where activations peak. PyTorch's
 ``FSDPMemTracker`` finds no gradient at the peak of such a step
 (``tests/test_fsdp_runtime.py``). The op's own output (a partial sum before its
 reduction) is an activation, live until its last reader
@@ -37,7 +37,6 @@ there the budget holds at the turn only.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,10 +50,9 @@ from autoshard.cost.liveness import (
     getitem_sources,
     liveness,
     local_bytes,
+    view_base,
 )
 from autoshard.strategies.graph import StrategyGraph
-from autoshard.trace.ops import is_view
-from autoshard.trace.tracer import TracedGraph
 
 FP32_MOMENTS_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 FP32_MASTER_BYTES = 4  # fp32 master weights of a mixed-precision step
@@ -160,39 +158,13 @@ def saved_for_backward(sg: StrategyGraph) -> list[str]:
     if graph.mode != "train":
         return []
     picked = getitem_sources(graph)
-    saved = {_storage_base(graph, n, picked) for n in graph.saved_for_backward()}
+    saved = {view_base(graph, n, picked) for n in graph.saved_for_backward()}
     saved |= {n for n, i in graph.nodes.items() if i.kind == "input"}
     return [
         n
         for n in graph.nodes
         if n in saved and n in sg.nodes and graph.nodes[n].kind not in ("param", "buffer")
     ]
-
-
-def _storage_base(graph: TracedGraph, name: str, picked: dict[str, str]) -> str:
-    """The node whose output ``name`` aliases: itself unless it is a view
-    (:func:`~autoshard.trace.ops.is_view`), else its base's, down the chain; a ``getitem``
-    of a multi-output op is its own tensor, of a view op (``split``) that op's base.
-    ``picked``: :func:`~autoshard.cost.liveness.getitem_sources` of ``graph``."""
-    while True:
-        info = graph.nodes[name]
-        if info.kind != "op" or not is_view(info.target):
-            return name
-        if info.target is operator.getitem:
-            source = picked.get(name)
-            if source is None or not is_view(graph.nodes[source].target):
-                return name
-            name = source
-        elif info.arg_nodes:
-            name = info.arg_nodes[0]
-        else:
-            return name
-
-
-def gradient_nodes(graph: TracedGraph) -> dict[str, str]:
-    """Parameter FQN -> the node that is its gradient
-    (:meth:`~autoshard.trace.tracer.TracedGraph.gradients`); empty in inference."""
-    return graph.gradients()
 
 
 def memory_rows(
@@ -395,7 +367,7 @@ def gradient_held(
     frees the saved activations of the blocks it stands for. A parameter without a
     gradient (read only through ``.detach()``) has none."""
     graph = sg.graph
-    grads = gradient_nodes(graph)
+    grads = graph.param_gradients()
     pos = {n: i for i, n in enumerate(graph.nodes)}
     ends: dict[int, int] = {}  # a block's layer -> its backward's last position
     for n, i in graph.nodes.items():
@@ -405,9 +377,7 @@ def gradient_held(
     held: list[tuple[str, np.ndarray]] = []
     for name, info in _canonical_params(sg):
         factor = model.gradient_factor(info.results[0].dtype)
-        # by the traced name, or a tied one's alias; never another traced block's name
-        # (a frozen middle block took the last block's gradient through a real name)
-        grad = next((grads[a] for a in graph.traced_names(info.fqn) if a in grads), None)
+        grad = grads.get(info.fqn)
         if not factor or grad is None:
             continue
         rows: dict[str, np.ndarray] = {}

@@ -73,12 +73,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from autoshard.cost.liveness import local_bytes
+from autoshard.cost.liveness import local_bytes, view_base
 from autoshard.cost.memory import FP32_MASTER_BYTES
 from autoshard.plan.plan import Plan
 from autoshard.strategies.hiding import GATHER, GRADIENT
 from autoshard.strategies.strategy import local_shape
-from autoshard.trace.ops import is_view
 
 if TYPE_CHECKING:
     import torch
@@ -178,7 +177,7 @@ def unsharded_parameter_bytes(plan: Plan) -> float:
         after = local_bytes(move.t, move.dst, mesh)
         if move.kind != GATHER or after <= before:
             continue
-        param = _viewed(graph, move.node)  # a weight gathered as its transpose is itself
+        param = view_base(graph, move.node)  # a weight gathered as its transpose is itself
         info = graph.nodes.get(param)
         layer = info.layer if info is not None else None
         gathered[param] = (layer, max(after, gathered.get(param, (layer, 0.0))[1]))
@@ -188,16 +187,6 @@ def unsharded_parameter_bytes(plan: Plan) -> float:
         if layer is not None:
             blocks[layer] = blocks.get(layer, 0.0) + b
     return root + 2 * max(blocks.values(), default=0.0)
-
-
-def _viewed(graph, name: str) -> str:  # noqa: ANN001 - a TracedGraph
-    """The node ``name`` views, through chains of views (itself when it is no view)."""
-    while name in graph.nodes:
-        info = graph.nodes[name]
-        if info.kind == "param" or not info.arg_nodes or not is_view(info.target):
-            break
-        name = info.arg_nodes[0]
-    return name
 
 
 def add_fsdp_copies(

@@ -153,13 +153,22 @@ class TracedGraph:
                 )
         return [n for n in self.nodes if n in saved]
 
-    def gradients(self) -> dict[str, str]:
-        """Parameter FQN (as traced) -> the node that is its gradient (an argument of the
-        training graph's output, ``NodeInfo.grad_of``); empty in inference."""
+    def param_gradients(self) -> dict[str, str]:
+        """Parameter FQN (as traced, one per parameter node) -> the node that is its
+        gradient: the training graph's output names each gradient (``NodeInfo.grad_of``)
+        by one of :meth:`traced_names`. A parameter that gets none is absent
+        (:meth:`frozen_params`); empty in inference."""
         out = next((i for i in reversed(self.nodes.values()) if i.kind == "output"), None)
         if out is None:
             return {}
-        return {p: a for a, p in zip(out.arg_nodes, out.grad_of, strict=False) if p is not None}
+        grads = {p: a for a, p in zip(out.arg_nodes, out.grad_of, strict=False) if p is not None}
+        found = {}
+        for info in self.nodes.values():
+            if info.kind == "param":
+                grad = next((grads[a] for a in self.traced_names(info.fqn) if a in grads), None)
+                if grad is not None:
+                    found[info.fqn] = grad
+        return found
 
     def frozen_params(self) -> frozenset[str]:
         """The parameter nodes of a training graph that get no gradient (``requires_grad``
@@ -168,11 +177,9 @@ class TracedGraph:
         in inference. A tied parameter is trained when any of its names gets one."""
         if self.mode != "train":
             return frozenset()
-        grads = self.gradients()
+        grads = self.param_gradients()
         return frozenset(
-            n
-            for n, i in self.nodes.items()
-            if i.kind == "param" and not any(a in grads for a in self.traced_names(i.fqn))
+            n for n, i in self.nodes.items() if i.kind == "param" and i.fqn not in grads
         )
 
     def traced_names(self, fqn: str) -> list[str]:
