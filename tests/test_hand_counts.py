@@ -14,6 +14,8 @@ papers, with the parameter sizes PyTorch's own module reports:
   forward use (bf16), again before its backward use, every gradient reduce-scattered (fp32).
   The embedding is the one parameter its backward does not read (its gradient needs only the
   token ids), so it is gathered once;
+- **HSDP** (Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2.2): FSDP inside each shard
+  group, and each gradient shard all-reduced across the replica groups (on 2x2);
 - **Megatron TP** (Shoeybi et al., 2019, figure 4: the ``f`` and ``g`` operators): two
   all-reduces per layer in the forward pass and two in the backward, and no other
   collective: each rank's weight gradients are its shards' (the backward's two with
@@ -40,7 +42,8 @@ from helpers import write_model
 from autoshard.cost.devices import get_device
 from autoshard.cost.mesh import MeshSpec
 from autoshard.model.model_file import instantiate, load_model_file
-from autoshard.solver.solve import SolveConfig, plan_baseline
+from autoshard.solver.solve import SolveConfig, plan_baseline, strategies, trace
+from autoshard.solver.space import search_space
 
 # a 2-layer Llama of batch 8, one key/value head per query head
 LLAMA = """
@@ -122,6 +125,49 @@ def test_fsdp_gathers_in_the_forward_and_again_in_the_backward_and_reduce_scatte
     assert plan.comm_s["all_gather"] == pytest.approx(share * (2 * psi - embedding) * 2, rel=1e-9)
     assert plan.comm_s["reduce_scatter"] == pytest.approx(share * psi * 4, rel=1e-9)
     assert plan.comm_s["all_reduce"] == pytest.approx(LOSS_ALL_REDUCE, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_hsdp_shards_in_its_group_and_all_reduces_the_shards_across_replicas(model_path, sizes):
+    """HSDP on a 2x2 mesh (torchtitan's ``dp_replicate`` x ``dp_shard``, the ``hsdp`` point
+    of ``solve --space torchtitan``): FSDP inside each shard group of 2 (mesh dim 1), and
+    each gradient shard all-reduced across the 2 replicas (mesh dim 0) after its
+    reduce-scatter (Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2.2, hybrid
+    sharding). Per parameter: one bf16 all-gather over the shard group before its forward
+    use and one before its backward use (not the embedding's), one fp32 reduce-scatter
+    over the shard group, one fp32 all-reduce of the half it leaves over the replicas. The
+    two mesh dims' links are alike here, so each byte count is checked alone."""
+    mesh = MeshSpec.from_options(
+        "2x2",
+        None,
+        intra_node_bw=BW,
+        inter_node_bw=BW,
+        intra_node_latency=0.0,
+        inter_node_latency=0.0,
+    )
+    config = SolveConfig(
+        model_path,
+        mesh,
+        precision="bf16-mixed",
+        mode="train",
+        activation_checkpointing="none",
+        device=get_device("h100"),
+    )
+    _, points = search_space(config, strategies(config, trace(config)))
+    plan = next(p.plan for p in points if p.name == "hsdp")
+    assert plan.collective_steps == {
+        ("forward", "all_gather", 1): 21,
+        ("backward", "all_gather", 1): 20,
+        ("backward", "reduce_scatter", 1): 21,
+        ("backward", "all_reduce", 0): 21,
+        ("forward", "all_reduce", (0, 1)): 1,  # the loss, over all 4 devices
+    }
+    psi, embedding, s, r = sum(sizes.values()), sizes["model.embed_tokens.weight"], 2, 2
+    gather = (s - 1) / s * (2 * psi - embedding) * 2 / BW
+    assert plan.comm_s["all_gather"] == pytest.approx(gather, rel=1e-9)
+    assert plan.comm_s["reduce_scatter"] == pytest.approx((s - 1) / s * psi * 4 / BW, rel=1e-9)
+    replicas = 2 * (r - 1) / r * psi / s * 4 / BW
+    assert plan.comm_s["all_reduce"] == pytest.approx(replicas + LOSS_ALL_REDUCE, rel=1e-9)
 
 
 @pytest.mark.slow
