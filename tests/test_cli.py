@@ -614,6 +614,14 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
             "cannot write to --json {tmp}/afile",
         ),
         (
+            ["solve", "examples/mlp.py", "--mesh", "2", "--out", "{tmp}/plan.pkl"],
+            "--out {tmp}/plan.pkl looks like a file name, but --out is the folder that gets",
+        ),
+        (
+            ["stages", "examples/gpt2.py", "--mesh", "2x2", "--pp", "2", "--out", "{tmp}/s.json"],
+            "--out {tmp}/s.json looks like a file name",
+        ),
+        (
             ["solve", "examples/mlp.py", "--gpus", "4", "--microbatches", "4"],
             "--microbatches applies with --gpus N --pp DEPTHS only",
         ),
@@ -629,6 +637,8 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
         "html-folder",
         "html-under-a-file",
         "launch-json",
+        "out-named-like-a-file",
+        "stages-out-named-like-a-file",
         "microbatches-alone",
         "checkpointing-in-inference",
     ],

@@ -609,6 +609,23 @@ def check_writable(out_dir: Path, option: str = "--out") -> None:
         ) from exc
 
 
+def check_out_folder(out_dir: Path, files: str) -> None:
+    """:func:`check_writable` for an ``--out`` that names the folder of the files written
+    (``files``: what it gets, for the message), refusing a path that does not exist and
+    is named like one of those files (``--out plan.pkl``), which would be made a folder.
+
+    Raises:
+        AutoshardError: as :func:`check_writable`, or a new ``--out`` named ``*.pkl`` or
+            ``*.json``.
+    """
+    if out_dir.suffix.lower() in (".pkl", ".json") and not out_dir.is_dir():
+        raise AutoshardError(
+            f"--out {out_dir} looks like a file name, but --out is the folder that gets "
+            f"{files}: give a folder (e.g. --out {out_dir.parent})"
+        )
+    check_writable(out_dir)
+
+
 def check_writable_file(path: Path, option: str) -> None:
     """:func:`check_writable` for a file an option names (``--html``, ``--json``): its
     folder must be writable and the path no folder, checked before any work.

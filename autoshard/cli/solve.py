@@ -16,7 +16,7 @@ from autoshard.cli.options import (
     MESH_LINK_KEYS,
     NonEmptyPath,
     Progress,
-    check_writable,
+    check_out_folder,
     check_writable_file,
     config_from_options,
     mesh_options,
@@ -184,7 +184,8 @@ def solve_command(
     from autoshard.solver.meshes import plan_mesh
 
     console = report_console(stderr=as_json, quiet=quiet)
-    check_writable(out_dir)  # before any work: a solve's result is never lost to --out
+    # before any work: a solve's result is never lost to --out
+    check_out_folder(out_dir, "<model>_<mesh>.pkl and .json")
     if html_path is not None:
         check_writable_file(html_path, "--html")
     if space != "free" and (algo != "ilp" or preload is not None):

@@ -12,6 +12,7 @@ from rich.console import Console
 from autoshard.cli.options import (
     NonEmptyPath,
     Progress,
+    check_out_folder,
     mesh_and_device,
     mesh_options,
     report_console,
@@ -140,6 +141,8 @@ def stages_command(
     from autoshard.solver.solve import SolveConfig
 
     try:
+        # before any work: the stage plan is never lost to --out
+        check_out_folder(out_dir, "<model>_<mesh>_pp<k>.stages.json")
         mesh, device = mesh_and_device(
             {
                 "mesh_shape": mesh_shape,
