@@ -222,10 +222,10 @@ def search_space(
     done, total)``, called with ``"space"`` once per layout.
 
     A data-parallel group over several mesh dims (FSDP over all of a 2x4 mesh) runs as one
-    FSDP2 process group; it is priced as DTensor moves it, one collective per mesh dim in
-    turn (:mod:`autoshard.cost.collectives`), which is what NCCL's rail-parallel rings and
-    trees achieve across nodes with one NIC per GPU, not a single ring bound by one
-    inter-node link.
+    FSDP2 process group; each of its collectives is priced as one ring over the flattened
+    group or one collective per mesh dim in turn, whichever is cheaper for the tensor
+    (:mod:`autoshard.cost.collectives`, ``CommModel._merged``), the choice the launcher
+    walks too.
 
     Raises:
         MemoryBudgetError: no point fits (the message names the one needing least memory).
