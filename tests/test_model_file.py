@@ -494,3 +494,60 @@ def test_a_tracing_error_says_whether_the_model_itself_fails(tmp_path: Path, mod
         "example_inputs() against build_model())"
     )
     assert "make the model traceable: no data-dependent Python control flow" in said["branch"]
+
+
+def test_a_new_user_s_model_file_mistakes_each_say_what_to_do(tmp_path: Path) -> None:
+    """Found by trying model files as a new user writes them: a model made at import time
+    (on cpu) failed in the trace with torch's "found at least two devices, meta and cpu"
+    and advice against data-dependent control flow; ``.cuda()`` said only "Torch not
+    compiled with CUDA enabled"; a loss_fn returning a non-scalar had that advice added
+    to autoshard's own message; an integer output was called "FakeTensor"; an exception
+    in ``forward()`` named no file or line."""
+    from autoshard.cost.mesh import MeshSpec
+    from autoshard.solver.solve import SolveConfig, trace
+
+    linear = "import torch\nexample_inputs = lambda: (torch.randn(8, 4),)\n"
+    cases = {
+        "import_time": linear + "m = torch.nn.Linear(4, 4)\nbuild_model = lambda: m\n",
+        "cuda": linear + "build_model = lambda: torch.nn.Linear(4, 4).cuda()\n",
+        "loss": linear + "build_model = lambda: torch.nn.Linear(4, 4)\n"
+        "def loss_fn(out, x):\n    return out\n",
+        "integer": "import torch\nexample_inputs = lambda: (torch.randint(0, 9, (8, 3)),)\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.e = torch.nn.Embedding(9, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.e(x).argmax(-1)\n"
+        "build_model = M\n",
+        "raises": linear + "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        raise ValueError('oops')\n"
+        "build_model = M\n",
+    }
+    said = {}
+    for name, body in cases.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(body)
+        with pytest.raises(AutoshardError) as err:
+            trace(SolveConfig(model_path=path, mesh=MeshSpec.from_options("2"), mode="train"))
+        said[name] = str(err.value)
+        assert "\n" not in said[name] and "FakeTensor" not in said[name], said[name]
+    assert (
+        "build_model() returned a model whose parameter weight is on cpu, not the meta device"
+        in said["import_time"]
+    )
+    assert "create the model inside build_model()" in said["import_time"]
+    assert "drop .cuda(), .to(device) and device= from build_model()" in said["cuda"]
+    assert said["loss"] == "loss_fn(output, *inputs) returned shape (8, 4); return a scalar tensor"
+    assert (
+        "returned an int64 tensor of shape (8, 3): there is nothing to train on"
+        in (said["integer"])
+    )
+    assert (
+        f"could not trace raises at {tmp_path / 'raises.py'}:8: ValueError: oops"
+        in (said["raises"])
+    )

@@ -32,9 +32,14 @@ def first_float_output(out: object) -> torch.Tensor:
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x
+    if isinstance(out, torch.Tensor):
+        dtype = str(out.dtype).removeprefix("torch.")
+        what = f"{'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor of shape {tuple(out.shape)}"
+    else:
+        what = f"{type(out).__name__} with no floating-point tensor"
     raise AutoshardError(
-        f"the model's forward() returned {type(out).__name__} with no floating-point tensor "
-        "to train on; return a tensor, or define loss_fn(output, *inputs) in the model file"
+        f"the model's forward() returned {what}: there is nothing to train on; return "
+        "floating-point outputs, or define loss_fn(output, *inputs) in the model file"
     )
 
 

@@ -227,9 +227,13 @@ def _call(mf: ModelFile, fn: str, device: torch.device) -> Any:
     except (Exception, SystemExit) as exc:
         line = _user_line(exc, mf.path)
         at = f":{line}" if line is not None else ""
-        raise AutoshardError(
-            f"{show}{at}: {fn}() raised {_one_line(exc)} (on device {device}; fix {fn})"
-        ) from exc
+        hint = f"on device {device}; fix {fn}"
+        if "CUDA" in str(exc):
+            hint = (
+                f"on device {device}: drop .cuda(), .to(device) and device= from {fn}(); "
+                "autoshard makes every tensor on the device it plans or runs on"
+            )
+        raise AutoshardError(f"{show}{at}: {fn}() raised {_one_line(exc)} ({hint})") from exc
 
 
 def _describe(value: object) -> str:
@@ -286,6 +290,15 @@ def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedMod
             f"return the model, e.g. `{_BUILD_MODEL_EXAMPLE}`"
         )
     module.eval()
+    if dev.type == "meta":
+        made = next(((n, p.device) for n, p in module.named_parameters() if not p.is_meta), None)
+        if made is not None:
+            raise AutoshardError(
+                f"{show}: build_model() returned a model whose parameter {made[0]} is on "
+                f"{made[1]}, not the meta device autoshard plans on: create the model inside "
+                "build_model() (a module made at import time, or moved there, stays where it "
+                "was made)"
+            )
 
     raw = _call(mf, "example_inputs", dev)
     keywords = None

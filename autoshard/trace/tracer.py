@@ -24,6 +24,7 @@ import os
 import re
 import sysconfig
 import time
+import traceback
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -495,6 +496,8 @@ def _library_file(path: str) -> bool:
 def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardError:
     """One line: what failed, torch's first line, and the user's own line when torch's
     message names it (the innermost frame outside site-packages and autoshard)."""
+    if isinstance(exc, AutoshardError):  # autoshard's own message says what to do
+        return exc
     text = str(exc).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     first = next((line for line in lines if not line.startswith("def ")), type(exc).__name__)
@@ -508,7 +511,9 @@ def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardEr
         "make the model traceable: no data-dependent Python control flow; see "
         "docs/model-file.md, 'Tracing'"
     )
-    if _raises_eagerly(loaded, type(exc), first):
+    eager = _raises_eagerly(loaded, type(exc), first)
+    if eager is not None:
+        where = where or eager
         hint = (
             "the model raises the same on its example inputs without tracing: check "
             "example_inputs() against build_model()"
@@ -523,22 +528,28 @@ def _export_error(loaded: LoadedModel, exc: Exception, what: str) -> AutoshardEr
 _MODEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AssertionError)
 
 
-def _raises_eagerly(loaded: LoadedModel, kind: type, first: str) -> bool:
+def _raises_eagerly(loaded: LoadedModel, kind: type, first: str) -> str | None:
     """Whether the model, run as it is on its example inputs (no tracing, no gradients),
     raises ``kind`` with the first line ``first``: the export failed on the model's own
-    error, not on something tracing refuses. Only an export error of
-    :data:`_MODEL_ERRORS` is tried (torch's own tracing errors, such as a guard on
-    data-dependent values, are not the model's); the eager run's errors of those kinds
-    are compared with it, any other propagates."""
+    error, not on something tracing refuses. Returns None when it does not, else where
+    it raised (``" at FILE:LINE"``, the innermost frame of the user's code, or ``""``).
+    Only an export error of :data:`_MODEL_ERRORS` is tried (torch's own tracing errors,
+    such as a guard on data-dependent values, are not the model's); the eager run's
+    errors of those kinds are compared with it, any other propagates."""
     if not issubclass(kind, _MODEL_ERRORS):
-        return False
+        return None
     try:
         with torch.no_grad(), _quiet_torch():
             loaded.module(*loaded.inputs)
     except _MODEL_ERRORS as exc:  # compared with the export's error: a diagnosis
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return isinstance(exc, kind) and bool(lines) and lines[0] == first
-    return False
+        if not (isinstance(exc, kind) and lines and lines[0] == first):
+            return None
+        frames = [
+            f for f in traceback.extract_tb(exc.__traceback__) if not _library_file(f.filename)
+        ]
+        return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return None
 
 
 @contextlib.contextmanager
