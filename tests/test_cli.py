@@ -614,6 +614,10 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
             "cannot write to --json {tmp}/afile",
         ),
         (
+            ["export", "examples/mlp.py", "{tmp}/mlp_2.json"],
+            "the plan comes first: autoshard export {tmp}/mlp_2.json examples/mlp.py",
+        ),
+        (
             ["solve", "examples/mlp.py", "--mesh", "2", "--out", "{tmp}/plan.pkl"],
             "--out {tmp}/plan.pkl looks like a file name, but --out is the folder that gets",
         ),
@@ -637,6 +641,7 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
         "html-folder",
         "html-under-a-file",
         "launch-json",
+        "export-arguments-swapped",
         "out-named-like-a-file",
         "stages-out-named-like-a-file",
         "microbatches-alone",

@@ -191,6 +191,19 @@ def test_show_sharding_map(tmp_path: Path) -> None:
     assert "all-reduce x2" in out
 
 
+def test_show_names_a_map_s_solution_in_words_not_a_python_dict(tmp_path: Path) -> None:
+    """A new user's ``show x.json`` printed ``solution {'file': ..., 'plan_sha256': ...}``."""
+    path = tmp_path / "gpt2_2x4.json"
+    digest = "1f73eaf4291ce1e4e48b40ae9cc9ef8b1b73e8b72a9f0dc66990db5d65fcfb50"
+    save_sharding_map(
+        path, {**sharding_map(), "solution": {"file": "gpt2_2x4.pkl", "plan_sha256": digest}}
+    )
+    out = show(str(path))
+    said = [line.split() for line in out.splitlines() if line.split()[:1] == ["solution"]]
+    assert said == [["solution", "gpt2_2x4.pkl,", "plan", "sha256", "1f73eaf4291c..."]], out
+    assert "{" not in out
+
+
 def test_show_detects_kind_by_content_not_extension(tmp_path: Path) -> None:
     pickle_named_json = tmp_path / "plan.json"
     save_solution(pickle_named_json, solution())

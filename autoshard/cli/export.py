@@ -58,6 +58,11 @@ def export_command(plan: Path, model_file: Path, fmt: str, out: Path | None, no_
     from autoshard.units import format_seconds
 
     del fmt  # one format so far
+    if plan.suffix == ".py" and model_file.suffix in (".json", ".pkl"):
+        raise AutoshardError(
+            f"the plan comes first: autoshard export {model_file} {plan} (PLAN is the "
+            "sharding map .json, MODEL_FILE the .py)"
+        )
     smap = load_sharding_map(plan)
     mf = load_model_file(model_file)
     sp = style_plan(instantiate(mf, device="meta").module, smap)

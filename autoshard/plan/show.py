@@ -274,7 +274,7 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
     summary.add_row("parameters", _text(str(len(smap.parameters))))
     summary.add_row("inputs", _text(str(len(smap.inputs))))
     for key, value in smap.extra.items():
-        summary.add_row(str(key), _text(str(value)))
+        summary.add_row(str(key), _text(_extra_text(value)))
     console.print(summary)
     console.print(
         _placement_table("Parameters", "parameter", smap.parameters, smap.mesh_shape, names)
@@ -283,6 +283,20 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
         console.print(_placement_table("Inputs", "input", smap.inputs, smap.mesh_shape, names))
     if smap.predicted:
         console.print(_predicted_table(smap.predicted, names))
+
+
+def _extra_text(value: Any) -> str:
+    """A sharding map's other key, readably: a mapping as ``key value`` pairs (the
+    ``solution``: its file and the first 12 hex digits of the plan's SHA-256), any other
+    value as it prints."""
+    if not isinstance(value, Mapping):
+        return str(value)
+    parts = []
+    for k, v in value.items():
+        if k == "plan_sha256" and isinstance(v, str):
+            k, v = "plan sha256", v[:12] + "..."
+        parts.append(str(v) if k == "file" else f"{k} {v}")
+    return ", ".join(parts)
 
 
 def render_stage_plan(

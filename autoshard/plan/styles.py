@@ -192,6 +192,12 @@ class BlockLayout:
     root_shard_dims: dict[str, int]
 
 
+_ELSEWHERE = (
+    "run this plan with `autoshard launch`, or solve with `--space torchtitan` for one that "
+    "export writes"
+)
+
+
 def _roles(smap: ShardingMap) -> tuple[int | None, list[int]]:
     """(tp_dim, data-parallel dims): a mesh dim the inputs are batch-sharded on is data
     parallel; at most one other dim of 2+ devices, the tensor-parallel one."""
@@ -205,9 +211,10 @@ def _roles(smap: ShardingMap) -> tuple[int | None, list[int]]:
     others = [d for d in sized if d not in batch]
     if len(others) > 1:
         raise AutoshardError(
-            f"{smap.source}: torchtitan styles take one tensor-parallel mesh dim; this plan's "
-            f"mesh {'x'.join(map(str, smap.mesh_shape))} has {len(others)} dims of 2+ devices "
-            "the inputs are not batch-sharded on; run it with `autoshard launch`"
+            f"{smap.source}: torchtitan styles shard the batch on the data-parallel mesh "
+            f"dims and take at most one other (tensor-parallel) dim; this plan's mesh "
+            f"{'x'.join(map(str, smap.mesh_shape))} has {len(others)} dims of 2+ devices "
+            f"that do not shard the inputs' batch; {_ELSEWHERE}"
         )
     return (others[0] if others else None), batch
 
@@ -291,14 +298,13 @@ def _check_groups(smap: ShardingMap, sp: StylePlan) -> None:
         if dims and sized.index(dims[-1]) - sized.index(dims[0]) != len(dims) - 1:
             raise AutoshardError(
                 f"{smap.source}: the data-parallel dims {kind} parameters ({list(dims)}) are "
-                "not adjacent mesh dims, which FSDP2 cannot group; run it with `autoshard "
-                "launch`"
+                f"not adjacent mesh dims, which FSDP2 cannot group; {_ELSEWHERE}"
             )
     if sp.dp_replicate and sp.dp_shard and sp.dp_shard[0] < sp.dp_replicate[-1]:
         raise AutoshardError(
             f"{smap.source}: parameters are sharded on mesh dim {sp.dp_shard[0]} and "
             f"replicated on the inner dim {sp.dp_replicate[-1]}; FSDP2's HSDP replicates on "
-            "the outer dims; run it with `autoshard launch`"
+            f"the outer dims; {_ELSEWHERE}"
         )
 
 
