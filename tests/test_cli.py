@@ -614,6 +614,11 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
             "cannot write to --json {tmp}/afile",
         ),
         (
+            ["solve", "examples/mlp.py", "--mesh", "2x2", "--mesh-dim-names", "a"],
+            "--mesh-dim-names a gives 1 name(s) but --mesh 2x2 has 2 dims: give one name per "
+            "dim, e.g. --mesh-dim-names dp,tp",
+        ),
+        (
             ["export", "examples/mlp.py", "{tmp}/mlp_2.json"],
             "the plan comes first: autoshard export {tmp}/mlp_2.json examples/mlp.py",
         ),
@@ -641,6 +646,7 @@ def test_cli_py_without_the_dependencies_says_which_interpreter_to_use():
         "html-folder",
         "html-under-a-file",
         "launch-json",
+        "dim-names-one-short",
         "export-arguments-swapped",
         "out-named-like-a-file",
         "stages-out-named-like-a-file",

@@ -317,6 +317,12 @@ class MeshSpec:
             names = tuple(n.strip() for n in dim_names.split(","))
         else:
             names = tuple(dim_names)
+        if len(names) != len(dims):
+            raise AutoshardError(
+                f"--mesh-dim-names {','.join(map(str, names))} gives {len(names)} name(s) but "
+                f"--mesh {'x'.join(map(str, dims))} has {len(dims)} dims: give one name per dim, "
+                f"e.g. --mesh-dim-names {','.join(default_dim_names(len(dims)))}"
+            )
         if len(dims) == 1:
             bandwidth, latency = (intra_node_bw,), (intra_node_latency,)
         else:
