@@ -78,9 +78,9 @@ def sizes(model_path) -> dict[str, int]:
     return {name: p.numel() for name, p in loaded.module.named_parameters()}
 
 
-def _plan(model_path: Path, algo: str, share_reshardings: bool = False):
-    mesh = MeshSpec.from_options(str(N), None, intra_node_bw=BW, intra_node_latency=0.0)
-    config = SolveConfig(
+def _config(model_path: Path, mesh: MeshSpec, share_reshardings: bool = False) -> SolveConfig:
+    """A bf16-mixed training step of ``model_path`` on ``mesh``, nothing recomputed."""
+    return SolveConfig(
         model_path,
         mesh,
         precision="bf16-mixed",
@@ -89,7 +89,11 @@ def _plan(model_path: Path, algo: str, share_reshardings: bool = False):
         share_reshardings=share_reshardings,
         device=get_device("h100"),  # the datasheet's roofline: no measured curve's quirks
     )
-    return plan_baseline(config, algo).plan
+
+
+def _plan(model_path: Path, algo: str, share_reshardings: bool = False):
+    mesh = MeshSpec.from_options(str(N), None, intra_node_bw=BW, intra_node_latency=0.0)
+    return plan_baseline(_config(model_path, mesh, share_reshardings), algo).plan
 
 
 def _counts(plan) -> dict[tuple[str, str], int]:
@@ -145,14 +149,7 @@ def test_hsdp_shards_in_its_group_and_all_reduces_the_shards_across_replicas(mod
         intra_node_latency=0.0,
         inter_node_latency=0.0,
     )
-    config = SolveConfig(
-        model_path,
-        mesh,
-        precision="bf16-mixed",
-        mode="train",
-        activation_checkpointing="none",
-        device=get_device("h100"),
-    )
+    config = _config(model_path, mesh)
     _, points = search_space(config, strategies(config, trace(config)))
     plan = next(p.plan for p in points if p.name == "hsdp")
     assert plan.collective_steps == {
@@ -256,16 +253,7 @@ def _plan_4x4(tmp_path, source: str, algo: str):
     per tensor and placement, link latency zero)."""
     path = write_model(tmp_path, source, "model_4x4")
     mesh = MeshSpec.from_options("4x4", None, intra_node_bw=BW, intra_node_latency=0.0)
-    config = SolveConfig(
-        path,
-        mesh,
-        precision="bf16-mixed",
-        mode="train",
-        activation_checkpointing="none",
-        share_reshardings=True,
-        device=get_device("h100"),
-    )
-    return plan_baseline(config, algo).plan
+    return plan_baseline(_config(path, mesh, share_reshardings=True), algo).plan
 
 
 def _small_llama_fsdp_tp(tmp_path):

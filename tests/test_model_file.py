@@ -460,6 +460,20 @@ def test_a_mask_bound_to_gpt2_s_cache_parameter_is_one_line(tmp_path: Path) -> N
     assert instantiate(load_model_file(llama)).input_names == ("input_ids", "attention_mask")
 
 
+def _one_layer_model(layer: str, forward: str) -> str:
+    """A model file's ``class M``: ``self.fc = layer``, a one-line ``forward(x)`` of
+    ``forward``, and ``build_model = M``."""
+    return (
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        f"        self.fc = {layer}\n"
+        "    def forward(self, x):\n"
+        f"        {forward}\n"
+        "build_model = M\n"
+    )
+
+
 @pytest.mark.parametrize("mode", ["train", "infer"])
 def test_a_tracing_error_says_whether_the_model_itself_fails(tmp_path: Path, mode: str) -> None:
     """Inputs that do not fit the model (a new user's (8, 5) into ``Linear(4, 4)``) fail
@@ -472,14 +486,10 @@ def test_a_tracing_error_says_whether_the_model_itself_fails(tmp_path: Path, mod
     cases = {
         "misfit": "build_model = lambda: torch.nn.Linear(4, 4)\n"
         "example_inputs = lambda: (torch.randn(8, 5),)\n",
-        "branch": "class M(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.fc = torch.nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n"
-        "        return self.fc(x) if x.sum() > 0 else -self.fc(x)\n"
-        "build_model = M\n"
-        "example_inputs = lambda: (torch.randn(8, 4),)\n",
+        "branch": _one_layer_model(
+            "torch.nn.Linear(4, 4)", "return self.fc(x) if x.sum() > 0 else -self.fc(x)"
+        )
+        + "example_inputs = lambda: (torch.randn(8, 4),)\n",
     }
     said = {}
     for name, body in cases.items():
@@ -513,20 +523,8 @@ def test_a_new_user_s_model_file_mistakes_each_say_what_to_do(tmp_path: Path) ->
         "loss": linear + "build_model = lambda: torch.nn.Linear(4, 4)\n"
         "def loss_fn(out, x):\n    return out\n",
         "integer": "import torch\nexample_inputs = lambda: (torch.randint(0, 9, (8, 3)),)\n"
-        "class M(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.e = torch.nn.Embedding(9, 4)\n"
-        "    def forward(self, x):\n"
-        "        return self.e(x).argmax(-1)\n"
-        "build_model = M\n",
-        "raises": linear + "class M(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.fc = torch.nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n"
-        "        raise ValueError('oops')\n"
-        "build_model = M\n",
+        + _one_layer_model("torch.nn.Embedding(9, 4)", "return self.fc(x).argmax(-1)"),
+        "raises": linear + _one_layer_model("torch.nn.Linear(4, 4)", "raise ValueError('oops')"),
     }
     said = {}
     for name, body in cases.items():
