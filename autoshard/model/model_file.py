@@ -277,8 +277,9 @@ def instantiate(mf: ModelFile, device: str | torch.device = "meta") -> LoadedMod
 
     Raises:
         AutoshardError: ``build_model()`` or ``example_inputs()`` raises or returns the
-            wrong type (an ``nn.Module``; a non-empty tuple or list of tensors), or
-            ``forward()`` cannot take the inputs (too many, or a required one missing).
+            wrong type (an ``nn.Module``; a non-empty tuple or list of tensors), on
+            ``"meta"`` a model with a parameter on another device (made at import time),
+            or ``forward()`` cannot take the inputs (too many, or a required one missing).
     """
     dev = torch.device(device)
     show = _show(mf.path)
