@@ -277,6 +277,35 @@ def test_a_search_that_finds_nothing_in_time_keeps_the_start(monkeypatch):
     assert result.status == "stopped"  # not proven; no limit of its own stopped it
 
 
+def test_a_spent_time_limit_keeps_the_best_start_and_searches_no_more(monkeypatch):
+    """``--time-limit`` is one budget for the whole solve: once spent (``after``), a solve
+    with a start that fits makes no search and keeps the cheapest start. Each search used
+    to get at least 1 s again, so the memory rounds of a binding budget ran on: GPT-2 at
+    2x4 under 1 GiB with ``--time-limit 20`` searched for 40 s (issue 28's closing note)."""
+    import autoshard.solver.ilp as ilp
+
+    sg = _random_graph(4)
+    finite = sorted(
+        (c for c in _all_choices(sg) if math.isfinite(evaluate(sg, c))),
+        key=lambda c: evaluate(sg, c),
+    )
+    cheap, dear = finite[1], finite[-1]  # the cheaper start is not the optimum
+
+    def no_search(*a, **k):
+        raise AssertionError("searched with the time limit spent")
+
+    monkeypatch.setattr(ilp, "_search", no_search)
+    spent = SolverOptions(time_limit_s=3).after(4.0)
+    assert spent.spent and not SolverOptions(time_limit_s=3).after(2.0).spent
+    assert not SolverOptions().after(100.0).spent  # no wall-clock limit: never spent
+    result = solve(sg, spent, starts={"dear": dear, "cheap": cheap})
+    assert result.choice == cheap and result.start == "cheap"
+    assert result.objective_s == pytest.approx(evaluate(sg, cheap))
+    assert result.status == "time_limit"
+    with pytest.raises(AssertionError, match="searched"):  # no start: it must search
+        solve(sg, spent, starts={})
+
+
 def test_a_start_over_the_memory_budget_is_not_used():
     sg = _random_graph(2)
     _, best = brute_force(sg)

@@ -812,7 +812,7 @@ def solve(
     starts = dict(starts or {})
     start_counts: dict[str, dict[int, int]] = {}  # a start's own recomputed blocks
     plain: ILPResult | None = None
-    if overlappable(sg):
+    if overlappable(sg) and not options.spent:
         # The savings variables make the LP relaxation fractional and slow on large meshes
         # (the Llama-7B shape on 8x8: no plan within 120 s, against 14 s without them).
         # Solve without them first; that plan, priced with overlap, is one more start.
@@ -830,16 +830,19 @@ def solve(
         options = options.after(time.perf_counter() - t0)
     start = _best_start(sg, starts, memory, start_counts)
     try:
+        if options.spent and start is not None:  # --time-limit used up: no search
+            raise _TimeSpent
         result = _search(sg, options, memory, start)
     except MemoryBudgetError:
         raise  # no start fits either: _best_start checked the same budget
     except AutoshardError:
         if start is None:
             raise
-        result = start  # the search found no plan in time: keep the start
+        # the search found no plan in time, or had none left: keep the start
+        result = replace(start, status="time_limit") if options.spent else start
         if plain is not None:  # the problem's size and build time, from the first search
             result = replace(
-                start,
+                result,
                 num_variables=plain.num_variables,
                 num_constraints=plain.num_constraints,
                 build_seconds=plain.build_seconds,
@@ -863,6 +866,10 @@ def solve(
         result = replace(result, start=start.start, start_objective_s=start.objective_s)
     # every phase's seconds (the search without overlap included) but the last build
     return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
+
+
+class _TimeSpent(AutoshardError):
+    """No search: the wall-clock limit is spent and a start fits (:func:`solve`)."""
 
 
 def lp_bound(

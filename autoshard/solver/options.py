@@ -78,6 +78,9 @@ class SolverOptions:
     work_limit: int = WORK_LIMIT
     lp_iteration_limit: int = LP_ITERATION_LIMIT
     max_columns: int | None = None
+    spent: bool = False
+    """Set by :meth:`after` when ``time_limit_s`` is used up: a search then starts only
+    where no start plan fits (:func:`autoshard.solver.ilp.solve`)."""
 
     def __post_init__(self) -> None:
         if self.time_limit_s is not None and not self.time_limit_s > 0:
@@ -116,7 +119,9 @@ class SolverOptions:
 
     def after(self, seconds: float) -> SolverOptions:
         """These options for what is left once ``seconds`` of the wall-clock limit are
-        spent (at least 1 s); unchanged without one."""
+        spent (at least 1 s, for a search that has no plan yet; :attr:`spent` when none
+        is left); unchanged without one."""
         if self.time_limit_s is None:
             return self
-        return replace(self, time_limit_s=max(1.0, self.time_limit_s - seconds))
+        left = self.time_limit_s - seconds
+        return replace(self, time_limit_s=max(1.0, left), spent=self.spent or left <= 0)

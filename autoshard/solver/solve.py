@@ -660,8 +660,21 @@ def _full_then_selective(
     t0 = time.perf_counter()
     first = _solve_rows(replace(sg, checkpointing=full), config, starts)
     config = replace(config, solver=config.solver.after(time.perf_counter() - t0))
-    both = _solve_rows(sg, config, {**starts, FULL_RECOMPUTE_START: first.choice})
+    both = _sized(_solve_rows(sg, config, {**starts, FULL_RECOMPUTE_START: first.choice}), first)
     return both if both.objective_s <= first.objective_s else first
+
+
+def _sized(result: ILPResult, before: ILPResult | None) -> ILPResult:
+    """``result``, with the program's size and build time of the search ``before`` it
+    when it made no search of its own (``--time-limit`` spent: a start kept)."""
+    if result.num_variables or before is None:
+        return result
+    return replace(
+        result,
+        num_variables=before.num_variables,
+        num_constraints=before.num_constraints,
+        build_seconds=before.build_seconds,
+    )
 
 
 def _solve_rows(
@@ -675,9 +688,10 @@ def _solve_rows(
     rows = live.rows(points) if points else live.params[None, :]
     t0 = time.perf_counter()
     options = config.solver
+    sized: ILPResult | None = None  # the last round that built the program
     for rounds in range(1, MEMORY_ROUNDS + 1):
         interrupt.check()  # Ctrl-C, or the mesh search's thread failed
-        result = solve(sg, options, memory=(rows, budget), starts=starts)
+        result = sized = _sized(solve(sg, options, memory=(rows, budget), starts=starts), sized)
         used = live.per_point(result.choice, result.recompute)
         over = [int(k) for k in np.argsort(-used, kind="stable") if used[k] > budget * (1 + 1e-9)]
         if any(k in points for k in over):  # a row it was given: never a plan that overflows
