@@ -829,24 +829,19 @@ def solve(
         # 2x4 plan: 257 ms kept instead of 193 ms found at 50 s)
         options = options.after(time.perf_counter() - t0)
     start = _best_start(sg, starts, memory, start_counts)
-    try:
-        if options.spent and start is not None:  # --time-limit used up: no search
-            raise _TimeSpent
-        result = _search(sg, options, memory, start)
-    except MemoryBudgetError:
-        raise  # no start fits either: _best_start checked the same budget
-    except AutoshardError:
-        if start is None:
-            raise
-        # the search found no plan in time, or had none left: keep the start
-        result = replace(start, status="time_limit") if options.spent else start
-        if plain is not None:  # the problem's size and build time, from the first search
-            result = replace(
-                result,
-                num_variables=plain.num_variables,
-                num_constraints=plain.num_constraints,
-                build_seconds=plain.build_seconds,
-            )
+    if options.spent and start is not None:  # --time-limit used up: keep the start, no search
+        result = sized_as(replace(start, status="time_limit"), plain)
+    else:
+        try:
+            result = _search(sg, options, memory, start)
+        except MemoryBudgetError:
+            raise  # no start fits either: _best_start checked the same budget
+        except AutoshardError:
+            if start is None:
+                raise
+            # the search found no plan in time: keep the start, with the size of the
+            # program the first search built
+            result = sized_as(start, plain)
     if start is not None and result is not start and start.objective_s < result.objective_s:
         # the search stopped above the start (a gap or a limit): keep the start, with
         # its gap to the search's bound
@@ -868,8 +863,17 @@ def solve(
     return replace(result, solve_seconds=time.perf_counter() - t0 - result.build_seconds)
 
 
-class _TimeSpent(AutoshardError):
-    """No search: the wall-clock limit is spent and a start fits (:func:`solve`)."""
+def sized_as(result: ILPResult, before: ILPResult | None) -> ILPResult:
+    """``result`` with the program size and build time of the search ``before`` when it
+    has none of its own (a start kept without a search); else ``result`` itself."""
+    if result.num_variables or before is None:
+        return result
+    return replace(
+        result,
+        num_variables=before.num_variables,
+        num_constraints=before.num_constraints,
+        build_seconds=before.build_seconds,
+    )
 
 
 def lp_bound(

@@ -55,7 +55,7 @@ from autoshard.solver.baselines import (
     run_baseline,
 )
 from autoshard.solver.highs import RSS_UNIT, HighsWork, processes_peak_bytes, tallying
-from autoshard.solver.ilp import ILPResult, check_size, solve
+from autoshard.solver.ilp import ILPResult, check_size, sized_as, solve
 from autoshard.solver.options import FSDP_VERSIONS, SolverOptions
 from autoshard.strategies.graph import (
     OPTIMIZERS,
@@ -660,21 +660,8 @@ def _full_then_selective(
     t0 = time.perf_counter()
     first = _solve_rows(replace(sg, checkpointing=full), config, starts)
     config = replace(config, solver=config.solver.after(time.perf_counter() - t0))
-    both = _sized(_solve_rows(sg, config, {**starts, FULL_RECOMPUTE_START: first.choice}), first)
+    both = sized_as(_solve_rows(sg, config, {**starts, FULL_RECOMPUTE_START: first.choice}), first)
     return both if both.objective_s <= first.objective_s else first
-
-
-def _sized(result: ILPResult, before: ILPResult | None) -> ILPResult:
-    """``result``, with the program's size and build time of the search ``before`` it
-    when it made no search of its own (``--time-limit`` spent: a start kept)."""
-    if result.num_variables or before is None:
-        return result
-    return replace(
-        result,
-        num_variables=before.num_variables,
-        num_constraints=before.num_constraints,
-        build_seconds=before.build_seconds,
-    )
 
 
 def _solve_rows(
@@ -691,7 +678,7 @@ def _solve_rows(
     sized: ILPResult | None = None  # the last round that built the program
     for rounds in range(1, MEMORY_ROUNDS + 1):
         interrupt.check()  # Ctrl-C, or the mesh search's thread failed
-        result = sized = _sized(solve(sg, options, memory=(rows, budget), starts=starts), sized)
+        result = sized = sized_as(solve(sg, options, memory=(rows, budget), starts=starts), sized)
         used = live.per_point(result.choice, result.recompute)
         over = [int(k) for k in np.argsort(-used, kind="stable") if used[k] > budget * (1 + 1e-9)]
         if any(k in points for k in over):  # a row it was given: never a plan that overflows
