@@ -274,7 +274,7 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
     summary.add_row("parameters", _text(str(len(smap.parameters))))
     summary.add_row("inputs", _text(str(len(smap.inputs))))
     for key, value in smap.extra.items():
-        summary.add_row(str(key), _text(_extra_text(value)))
+        summary.add_row(str(key), _text(_extra_text(str(key), value)))
     console.print(summary)
     console.print(
         _placement_table("Parameters", "parameter", smap.parameters, smap.mesh_shape, names)
@@ -285,18 +285,12 @@ def _render_map(path: Path, smap: ShardingMap, console: Console) -> None:
         console.print(_predicted_table(smap.predicted, names))
 
 
-def _extra_text(value: Any) -> str:
-    """A sharding map's other key, readably: a mapping as ``key value`` pairs (the
-    ``solution``: its file and the first 12 hex digits of the plan's SHA-256), any other
-    value as it prints."""
-    if not isinstance(value, Mapping):
-        return str(value)
-    parts = []
-    for k, v in value.items():
-        if k == "plan_sha256" and isinstance(v, str):
-            k, v = "plan sha256", v[:12] + "..."
-        parts.append(str(v) if k == "file" else f"{k} {v}")
-    return ", ".join(parts)
+def _extra_text(key: str, value: Any) -> str:
+    """A sharding map's other key, readably: the ``solution`` it names as its file and the
+    first 12 hex digits of the plan's SHA-256, any other as :func:`_quantity` shows it."""
+    if key == "solution" and isinstance(value, Mapping) and "file" in value:
+        return f"{value['file']}, plan sha256 {str(value.get('plan_sha256', ''))[:12]}..."
+    return _quantity(key, value)
 
 
 def render_stage_plan(
