@@ -70,7 +70,7 @@ class TensorParallel:
     region: dict[tuple[tuple[str, ...], str | None], set[str]] = field(default_factory=dict)
 
 
-def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
+def find_tensor_parallel(sg: StrategyGraph, loss_parallel: bool = False) -> TensorParallel:
     """Megatron's column/row pairs, from the graph's structure only.
 
     A *parameter matmul* is an ``mm``/``addmm`` one of whose operands is a parameter
@@ -89,7 +89,7 @@ def find_tensor_parallel(sg: StrategyGraph) -> TensorParallel:
     fx_nodes = {n.name: n for n in sg.graph.graph_module.graph.nodes}
     tp = TensorParallel(weight=_param_matmuls(sg, fx_nodes))
     _pair_rows(sg, fx_nodes, tp, _leaf_test(sg))
-    _standalone_columns(sg, fx_nodes, tp, _fx_users(sg.graph))
+    _standalone_columns(sg, fx_nodes, tp, _fx_users(sg.graph), loss_parallel)
     return tp
 
 
@@ -186,6 +186,12 @@ def _walk_back(
     return (columns, region) if columns else None
 
 
+LOSS_OPS = frozenset({aten.mean.default, aten.sum.default})
+"""The ops a training loss ends with that a vocabulary-sharded head's output may reach
+the loss through (loss parallelism): a whole-tensor mean or sum, whose value is the sum
+of each rank's partial one."""
+
+
 def _fx_users(graph: TracedGraph) -> dict[str, list[torch.fx.Node]]:
     """Node name -> the nodes that read it, in graph order."""
     users: dict[str, list[torch.fx.Node]] = {}
@@ -196,10 +202,14 @@ def _fx_users(graph: TracedGraph) -> dict[str, list[torch.fx.Node]]:
 
 
 def _walk_forward(
-    start: torch.fx.Node, tp: TensorParallel, users: dict[str, list[torch.fx.Node]]
+    start: torch.fx.Node,
+    tp: TensorParallel,
+    users: dict[str, list[torch.fx.Node]],
+    loss_parallel: bool = False,
 ) -> set[str] | None:
     """The region after ``start`` if its output reaches the graph's output through
-    transparent ops only, else None."""
+    transparent ops only (with ``loss_parallel``, and the loss's ops: :data:`LOSS_OPS`),
+    else None."""
     region: set[str] = set()
     stack, seen = list(users.get(start.name, [])), set()
     reached_output = False
@@ -211,7 +221,10 @@ def _walk_forward(
         if n.op == "output":
             reached_output = True
             continue
-        if n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp):
+        loss = loss_parallel and n.op == "call_function" and n.target in LOSS_OPS
+        if not loss and (
+            n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp)
+        ):
             if packet(n.target) is aten._assert_tensor_metadata:
                 continue
             return None
@@ -251,13 +264,15 @@ def _standalone_columns(
     fx_nodes: dict[str, torch.fx.Node],
     tp: TensorParallel,
     users: dict[str, list[torch.fx.Node]],
+    loss_parallel: bool = False,
 ) -> None:
     """Make each parameter matmul left without a role whose output reaches the graph's output
-    a standalone column; returns None (fills ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
+    a standalone column (with ``loss_parallel``, also through the training loss: an LM
+    head); returns None (fills ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
     for name in tp.weight:
         if name in tp.roles:
             continue
-        region = _walk_forward(fx_nodes[name], tp, users)
+        region = _walk_forward(fx_nodes[name], tp, users, loss_parallel)
         if region is not None:
             tp.roles[name] = "column"
             key = ((name,), None)
@@ -295,7 +310,7 @@ def megatron_restriction(
     # the data-parallel dims: every dim but the last, of more than one device (a dim of one
     # holds every tensor whole: whole_strategy)
     dp = [d for d in range(ndim - 1) if mesh.shape[d] > 1]
-    tp = find_tensor_parallel(sg)
+    tp = find_tensor_parallel(sg, loss_parallel=fsdp)
     # training graphs: the backward's matmuls get no role (they follow the weights'
     # placements); the backward outside the regions is pinned as the forward
     # (_pin_outside_backward) and, with sequence parallelism, the weight gradients too
@@ -322,6 +337,8 @@ def megatron_restriction(
     # DTensor's autograd keeps that copy for the backward; Megatron-SP gathers it again
     fx = _Fx(sg.graph) if sequence_parallel else None
     linear_ends = _linear_layouts(sg, tp, roles, backward, fx) if fx and fsdp else {}
+    if fx and fsdp:
+        _pin_embedding_backward(r, sg, backward, t)
     _pin_outside_ops(
         r, sg, region_reps, head_reps, backward, t, sequence_parallel, pin_outside, linear_ends
     )
@@ -672,6 +689,22 @@ def _linear_layouts(
                 pin(after[0].name, is_p)
                 after = readers(after[0])
     return {rep: test for rep, test in pins.items() if rep not in backward and rep not in clash}
+
+
+def _pin_embedding_backward(r: Restriction, sg: StrategyGraph, backward: set[str], t: int) -> None:
+    """The embedding's backward on the sequence shards: each rank scatters the gradient of
+    the tokens it holds into the table's gradient, a partial sum on mesh dim ``t`` reduced
+    with the gradient's others (the table is whole on ``t``, as a norm's weight, whose
+    gradient sums over the tokens alike). Left to propagation, the gradient was moved to
+    the hidden dim by an all-to-all to make a column shard of the table's gradient, a
+    collective torchtitan's FSDP + TP does not run. (torchtitan shards the table by
+    vocabulary rows on TP, ``RowwiseParallel``, and reduce-scatters the lookup's masked
+    partial sums; autoshard's strategies have no vocabulary-sharded lookup, and a lookup
+    of the sequence shard's own tokens moves nothing in the forward.) Returns None."""
+    for rep in sorted(backward):
+        if sg.graph.nodes[rep].target is aten.embedding_dense_backward.default:
+            if not r.allow(sg, rep, all_on(sg, rep, t, is_p), "embedding_backward"):
+                r.notes.append(f"{rep}: no strategy sums the embedding's gradient over TP")
 
 
 def _row_gradient_reads(
