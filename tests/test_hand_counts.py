@@ -309,11 +309,11 @@ def test_fsdp_tp_on_a_2d_mesh_gathers_a_row_s_output_gradient_without_an_all_to_
     weight gradient (``RowwiseParallel``'s ``Shard(1)`` output: its backward redistributes
     to ``Replicate``), so no op of a block's modules (its linears, attention, MLP and
     norms) reads or makes a tensor moved by an all-to-all (the 10 over TP outside the
-    blocks went with the LM head's loss parallelism: none is left). Before the row's gradient flatten read the
-    gradient gathered (``solver/tensor_parallel.py``, ``_row_gradient_reads``), it
-    resharded a ``[2, S/4, H]`` shard to the hidden dim for layer 0's ``o_proj`` and
-    ``down_proj`` and layer 1's ``o_proj``: 3 of the 13 all-to-alls over TP in this
-    backward (252 of 258 on the 405B published row)."""
+    blocks went with the LM head's loss parallelism: none is left). Before the row's
+    gradient flatten read the gradient gathered (``solver/tensor_parallel.py``,
+    ``_row_gradient_reads``), it resharded a ``[2, S/4, H]`` shard to the hidden dim for
+    layer 0's ``o_proj`` and ``down_proj`` and layer 1's ``o_proj``: 3 of the 13
+    all-to-alls over TP in this backward (252 of 258 on the 405B published row)."""
     plan = _small_llama_fsdp_tp(tmp_path)
     uses = _all_to_all_uses(plan, "backward")
     assert not {m for use in uses for m in use if m and m.startswith("model.layers.")}, uses

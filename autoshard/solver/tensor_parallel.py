@@ -222,9 +222,7 @@ def _walk_forward(
             reached_output = True
             continue
         loss = loss_parallel and n.op == "call_function" and n.target in LOSS_OPS
-        if not loss and (
-            n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp)
-        ):
+        if not loss and (n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp)):
             if packet(n.target) is aten._assert_tensor_metadata:
                 continue
             return None
