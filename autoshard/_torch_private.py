@@ -594,6 +594,13 @@ def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group))
 
 
+def all_reduce_max(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over ``group``'s ranks, as :func:`all_reduce_sum`."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_reduce(x.contiguous(), "max", group))
+
+
 def all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """``x`` from every rank of ``group``, concatenated along tensor dim ``dim`` in rank
     order, through torch's functional collectives (as :func:`all_reduce_sum`)."""

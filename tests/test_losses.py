@@ -382,7 +382,9 @@ def test_the_cross_entropy_backward_rule_places_each_input_as_dtensor_does(reduc
     concrete case: input, target and the gradient sharded alike; the gradient of the loss
     sharded with them without reduction, else the replicated seed; the weight replicated;
     ``total_weight`` replicated for the mean, as the forward left it (a sum over the
-    shards) otherwise. A 1-D input (one sample) is only replicated."""
+    shards) otherwise. Without class weights, loss parallelism's ``V`` on one mesh dim
+    too: there the input and the gradient sharded on the classes, everything else
+    replicated. A 1-D input (one sample) is only replicated."""
     from types import SimpleNamespace
 
     from torch.distributed.tensor import Partial, Replicate, Shard
@@ -395,10 +397,15 @@ def test_the_cross_entropy_backward_rule_places_each_input_as_dtensor_does(reduc
     args += [t(shape=(5,))] * weighted + [t(shape=())]
     node = SimpleNamespace(args=(None, None, None, None, reduction, -100, None))
     strategies = rule(node, args, [t(shape=(8, 5))], (2, 2))
-    R, S, P = Replicate(), Shard(0), Partial()
+    R, S, P, C = Replicate(), Shard(0), Partial(), Shard(1)
     rep = (R, R)
     assert strategies[0].outputs == (rep,) and strategies[0].inputs == (rep,) * len(args)
-    got = {s.outputs[0]: s.inputs for s in strategies[1:]}
+    vocab = {s.outputs[0]: s.inputs for s in strategies if Shard(1) in s.outputs[0]}
+    assert set(vocab) == (set() if weighted else {(C, R), (R, C), (S, C), (C, S)})
+    for combo, inputs in vocab.items():  # V: the classes sharded, the rest as on its side
+        v = combo.index(C)
+        assert [p[v] for p in inputs] == [R, C, R, R], (combo, inputs)
+    got = {s.outputs[0]: s.inputs for s in strategies[1:] if Shard(1) not in s.outputs[0]}
     assert set(got) == {(S, R), (R, S), (S, S)}
     for combo, inputs in got.items():
         summed = tuple(P if p == S else R for p in combo)

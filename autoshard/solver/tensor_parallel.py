@@ -186,10 +186,13 @@ def _walk_back(
     return (columns, region) if columns else None
 
 
-LOSS_OPS = frozenset({aten.mean.default, aten.sum.default})
+LOSS_OPS = frozenset(
+    {aten.mean.default, aten.sum.default, aten._log_softmax.default, aten.nll_loss_forward.default}
+)
 """The ops a training loss ends with that a vocabulary-sharded head's output may reach
 the loss through (loss parallelism): a whole-tensor mean or sum, whose value is the sum
-of each rank's partial one."""
+of each rank's partial one, and cross-entropy's ops, whose rules take the logits sharded
+by class (:mod:`autoshard.strategies.loss_parallel`)."""
 
 
 def _fx_users(graph: TracedGraph) -> dict[str, list[torch.fx.Node]]:
@@ -206,10 +209,11 @@ def _walk_forward(
     tp: TensorParallel,
     users: dict[str, list[torch.fx.Node]],
     loss_parallel: bool = False,
+    backward: Callable[[torch.fx.Node], bool] | None = None,
 ) -> set[str] | None:
     """The region after ``start`` if its output reaches the graph's output through
-    transparent ops only (with ``loss_parallel``, and the loss's ops: :data:`LOSS_OPS`),
-    else None."""
+    transparent ops only (with ``loss_parallel``, and the loss's ops: :data:`LOSS_OPS`,
+    whose readers in the ``backward`` pass are not the region's), else None."""
     region: set[str] = set()
     stack, seen = list(users.get(start.name, [])), set()
     reached_output = False
@@ -220,6 +224,8 @@ def _walk_forward(
         seen.add(n.name)
         if n.op == "output":
             reached_output = True
+            continue
+        if loss_parallel and backward is not None and backward(n):
             continue
         loss = loss_parallel and n.op == "call_function" and n.target in LOSS_OPS
         if not loss and (n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp)):
@@ -267,10 +273,14 @@ def _standalone_columns(
     """Make each parameter matmul left without a role whose output reaches the graph's output
     a standalone column (with ``loss_parallel``, also through the training loss: an LM
     head); returns None (fills ``tp.roles``, ``tp.pairs`` and ``tp.region``)."""
+
+    def in_backward(n: torch.fx.Node) -> bool:
+        return getattr(sg.graph.nodes.get(n.name), "backward", False)
+
     for name in tp.weight:
         if name in tp.roles:
             continue
-        region = _walk_forward(fx_nodes[name], tp, users, loss_parallel)
+        region = _walk_forward(fx_nodes[name], tp, users, loss_parallel, in_backward)
         if region is not None:
             tp.roles[name] = "column"
             key = ((name,), None)

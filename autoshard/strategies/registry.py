@@ -77,10 +77,10 @@ class DimChoice:
 class KernelContext:
     """What a launch kernel knows of where it runs: the mode (:attr:`DimChoice.name`) the
     plan chose on each mesh dim, and the mesh (a ``DeviceMesh``) whose dims' process groups
-    its collectives use. Collectives go through :meth:`all_reduce`, :meth:`all_gather`,
-    :meth:`reduce_scatter`, :meth:`all_to_all`, :meth:`shift` and :meth:`exchange`,
-    torch's functional collectives, which the launcher's collective log counts per mesh dim
-    and a lowered step records."""
+    its collectives use. Collectives go through :meth:`all_reduce`, :meth:`all_reduce_max`,
+    :meth:`all_gather`, :meth:`reduce_scatter`, :meth:`all_to_all`, :meth:`shift` and
+    :meth:`exchange`, torch's functional collectives, which the launcher's collective log
+    counts per mesh dim and a lowered step records."""
 
     modes: tuple[str, ...]
     mesh: Any
@@ -113,6 +113,10 @@ class KernelContext:
     def all_reduce(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum of ``x`` over mesh dim ``dim`` (a new tensor; waited on)."""
         return tp.all_reduce_sum(x, self.group(dim))
+
+    def all_reduce_max(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Elementwise maximum of ``x`` over mesh dim ``dim`` (a new tensor; waited on)."""
+        return tp.all_reduce_max(x, self.group(dim))
 
     def all_gather(self, x: torch.Tensor, dim: int, tensor_dim: int) -> torch.Tensor:
         """Every rank's ``x`` on mesh dim ``dim``, concatenated along ``tensor_dim`` in the

@@ -8,10 +8,10 @@ model's own op rules are in the table once its model file has been imported.
 
 from __future__ import annotations
 
-from autoshard.strategies import aten_rules, attention, experts
+from autoshard.strategies import aten_rules, attention, experts, loss_parallel
 from autoshard.strategies.registry import OpRule, op_rule, op_rules
 
-BUILTIN = (aten_rules, attention, experts)
+BUILTIN = (aten_rules, attention, experts, loss_parallel)
 """The modules of autoshard's own rules (each registers its rules when imported)."""
 
 __all__ = ["BUILTIN", "OpRule", "op_rule", "op_rules"]
