@@ -228,7 +228,14 @@ def _walk_forward(
         if loss_parallel and backward is not None and backward(n):
             continue
         loss = loss_parallel and n.op == "call_function" and n.target in LOSS_OPS
-        if not loss and (n.op != "call_function" or n.name in tp.weight or not _transparent(n, tp)):
+        # past a head, a softmax (an attention region's op) reads the vocabulary whole
+        head_softmax = loss_parallel and packet(n.target) in ATTENTION_REGION_OPS
+        if not loss and (
+            n.op != "call_function"
+            or n.name in tp.weight
+            or head_softmax
+            or not _transparent(n, tp)
+        ):
             if packet(n.target) is aten._assert_tensor_metadata:
                 continue
             return None

@@ -18,9 +18,10 @@ a contiguous block of the vocabulary, as a column-parallel LM head leaves its lo
   all-reduce of one float per row.
 
 The launch runs each rank's part in :func:`_log_softmax_kernel` and its siblings, whose
-collectives the launcher's log counts; with no ``V`` on any mesh dim each op runs as it
-is on the local shards (the ``R`` and ``S0`` choices need no communication). At most one
-mesh dim shards the class dim.
+collectives the launcher's log counts; they reduce bfloat16 and float16 in float32, as
+ATen's kernels do (so the all-reduces carry float32). With no ``V`` on any mesh dim each
+op runs as it is on the local shards (the ``R`` and ``S0`` choices need no
+communication). At most one mesh dim shards the class dim.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _one_vocab_dim(node: Any, args: list, modes: tuple[str, ...], mesh_shape: An
 
 
 def _softmax_dim(node: Any, ndim: int) -> int:
-    """``_log_softmax``'s and its backward's ``dim`` argument (the third tensor-free one),
-    made non-negative."""
+    """The ``dim`` argument (``_log_softmax``'s second, its backward's third), made
+    non-negative for a tensor of ``ndim`` dims (at least 1)."""
     dim = node.args[2] if node.target is aten._log_softmax_backward_data.default else node.args[1]
     return dim % ndim
 
@@ -84,8 +85,7 @@ def _log_softmax_collectives(
     if VOCAB not in modes:
         return ()
     shape, dim = tuple(args[0].shape), _softmax_dim(node, len(args[0].shape))
-    itemsize = torch.float32.itemsize if node.args[2] else args[0].itemsize
-    nbytes = _row_bytes(shape, dim, modes, mesh_shape, itemsize)
+    nbytes = _row_bytes(shape, dim, modes, mesh_shape, _accumulated(args[0].dtype).itemsize)
     return (("all_reduce", modes.index(VOCAB), nbytes),) * 2
 
 
@@ -95,19 +95,20 @@ def _log_softmax_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContex
     if VOCAB not in ctx.modes:
         return target(*args, **kwargs)
     x, dim, half_to_float = args
-    at = ctx.modes.index(VOCAB)
-    x = x.float() if half_to_float else x
+    at, dtype = ctx.modes.index(VOCAB), torch.float32 if half_to_float else x.dtype
+    x = x.to(_accumulated(x.dtype))
     peak = ctx.all_reduce_max(x.amax(dim, keepdim=True), at)
     shifted = x - peak
     total = ctx.all_reduce(shifted.exp().sum(dim, keepdim=True), at)
-    return shifted - total.log()
+    return (shifted - total.log()).to(dtype)
 
 
 def log_softmax_choices(node: Any, args: list, results: list) -> list[DimChoice]:
     """``_log_softmax(x, dim, half_to_float)``: ``R``, a shard of any other dim, or ``V``
-    (``dim`` sharded: two all-reduces of one float per row, :func:`_log_softmax_kernel`)."""
+    (``dim`` sharded: two all-reduces of one float per row, :func:`_log_softmax_kernel`).
+    A 0-d ``x`` is only replicated."""
     ndim = len(args[0].shape)
-    return _softmax_choices(ndim, _softmax_dim(node, ndim), 1)
+    return _softmax_choices(ndim, _softmax_dim(node, ndim) if ndim else -1, 1)
 
 
 register_op_rule(
@@ -125,7 +126,7 @@ def _log_softmax_backward_collectives(
     if VOCAB not in modes:
         return ()
     shape, dim = tuple(args[0].shape), _softmax_dim(node, len(args[0].shape))
-    nbytes = _row_bytes(shape, dim, modes, mesh_shape, args[0].itemsize)
+    nbytes = _row_bytes(shape, dim, modes, mesh_shape, _accumulated(args[0].dtype).itemsize)
     return (("all_reduce", modes.index(VOCAB), nbytes),)
 
 
@@ -135,6 +136,8 @@ def _log_softmax_backward_kernel(target: Any, args: list, kwargs: dict, ctx: Ker
     if VOCAB not in ctx.modes:
         return target(*args, **kwargs)
     grad, output, dim, input_dtype = args
+    acc = _accumulated(grad.dtype)
+    grad, output = grad.to(acc), output.to(acc)
     total = ctx.all_reduce(grad.sum(dim, keepdim=True), ctx.modes.index(VOCAB))
     return (grad - output.exp() * total).to(input_dtype)
 
@@ -150,7 +153,23 @@ def log_softmax_backward_choices(node: Any, args: list, results: list) -> list[D
     tensors and the gradient placed alike, ``R``, a shard of any other dim, or ``V`` (one
     all-reduce of one float per row)."""
     ndim = len(args[0].shape)
-    return _softmax_choices(ndim, _softmax_dim(node, ndim), 2)
+    return _softmax_choices(ndim, _softmax_dim(node, ndim) if ndim else -1, 2)
+
+
+def _accumulated(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ATen's CPU and CUDA kernels reduce ``dtype`` in: float32 for bfloat16 and
+    float16, the dtype itself for float32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_targets(labels: torch.Tensor, counted: torch.Tensor, classes: int) -> None:
+    """Fail, as ATen's kernel does, on a target outside ``[0, classes)`` that is not
+    ``ignore_index`` (``counted`` false): under ``V`` no rank would pick it, and its loss
+    would be 0 unseen. An asynchronous assert (``RuntimeError`` where the device reports
+    it), which a lowered step records as an op, where a Python test of the values could
+    not be traced."""
+    outside = counted & ((labels < 0) | (labels >= classes))
+    torch._assert_async(~outside.any(), f"a target is out of bounds (classes: {classes})")
 
 
 def _nll_forward_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
@@ -162,16 +181,17 @@ def _nll_forward_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContex
         return target(*args, **kwargs)
     x, labels, _weight, reduction, ignore_index = args
     at, width = ctx.modes.index(VOCAB), x.shape[1]
-    local = labels - ctx.rank(at) * width
     counted = labels != ignore_index
+    _check_targets(labels, counted, width * ctx.size(at))
+    local = labels - ctx.rank(at) * width
     mine = counted & (local >= 0) & (local < width)
     picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
     losses = -torch.where(mine, picked, torch.zeros_like(picked))
     if reduction == 0:
         return losses, x.new_zeros(())
-    count = counted.sum().to(x.dtype)
-    total = losses.sum()
-    return (total / count if reduction == 1 else total), count
+    acc = _accumulated(x.dtype)
+    count, total = counted.sum().to(acc), losses.to(acc).sum()
+    return (total / count if reduction == 1 else total).to(x.dtype), count.to(x.dtype)
 
 
 def _nll_backward_kernel(target: Any, args: list, kwargs: dict, ctx: KernelContext) -> Any:
@@ -182,8 +202,10 @@ def _nll_backward_kernel(target: Any, args: list, kwargs: dict, ctx: KernelConte
         return target(*args, **kwargs)
     grad_output, x, labels, _weight, reduction, ignore_index, total_weight = args
     at, width = ctx.modes.index(VOCAB), x.shape[1]
+    counted = labels != ignore_index
+    _check_targets(labels, counted, width * ctx.size(at))
     local = labels - ctx.rank(at) * width
-    mine = (labels != ignore_index) & (local >= 0) & (local < width)
+    mine = counted & (local >= 0) & (local < width)
     scale = -grad_output / total_weight if reduction == 1 else -grad_output
     values = torch.where(mine, scale.expand(labels.shape), torch.zeros((), dtype=x.dtype))
     grad = torch.zeros_like(x)
